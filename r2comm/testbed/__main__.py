@@ -1,0 +1,142 @@
+"""Command line: ``python -m r2comm.testbed {up,down,status,degrade,nic-down,nic-up,flap,
+blackhole,unblackhole,exec}``.
+
+Each command is a short-lived process working on the fabric named by
+--tag/--fabric (default: $R2COMM_TESTBED_FABRIC, else the only fabric up),
+which is what lets one shell inject faults while a job runs in another.
+"""
+import argparse
+import json
+import sys
+
+from ._iproute import TestbedError
+from .fabric import DEFAULT_TAG, SIDES, Fabric, remove_all, remove_fabric, resolve_tag
+from .place import exec_in_fabric
+from .rates import format_rate
+
+
+def _add_tag(parser, default=None):
+    parser.add_argument("--tag", "--fabric", dest="tag", default=default,
+                        help="which fabric (default: $R2COMM_TESTBED_FABRIC, else the only one up)")
+
+
+def _add_nic(parser):
+    parser.add_argument("host", type=int, help="host index (0-based)")
+    parser.add_argument("nic", type=int, help="rail NIC index (0-based)")
+    _add_tag(parser)
+
+
+def _parser():
+    top = argparse.ArgumentParser(prog="python -m r2comm.testbed",
+                                  description="Emulated rail-optimised multi-NIC cluster "
+                                              "(network namespaces; needs root and iproute2).")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="build a fabric")
+    up.add_argument("--hosts", type=int, default=2)
+    up.add_argument("--nics", type=int, default=2, help="rail NICs per host")
+    up.add_argument("--rate", default="unlimited",
+                    help="per-NIC rate, e.g. 1gbit (default unlimited)")
+    _add_tag(up, default=DEFAULT_TAG)
+
+    down = sub.add_parser("down", help="remove a fabric (or all, also after a crash)")
+    _add_tag(down)
+    down.add_argument("--all", action="store_true", help="every r2tb-* namespace and state file")
+
+    status = sub.add_parser("status", help="hosts, NICs, link states, rates")
+    _add_tag(status)
+    status.add_argument("--json", action="store_true")
+
+    degrade = sub.add_parser("degrade", help="change a NIC's rate (both directions)")
+    _add_nic(degrade)
+    degrade.add_argument("rate", help="e.g. 200mbit, or unlimited")
+
+    nic_down = sub.add_parser("nic-down", help="take a rail link down")
+    _add_nic(nic_down)
+    nic_down.add_argument("--side", choices=SIDES, default="host",
+                          help="host: NIC set down; switch: port down (host sees no carrier)")
+
+    _add_nic(sub.add_parser("nic-up", help="bring a rail link back up"))
+
+    flap = sub.add_parser("flap", help="down/up a rail link COUNT times (blocks)")
+    _add_nic(flap)
+    flap.add_argument("--period", type=float, default=1.0, help="seconds per down+up cycle")
+    flap.add_argument("--count", type=int, default=3)
+    flap.add_argument("--side", choices=SIDES, default="host")
+
+    _add_nic(sub.add_parser("blackhole", help="drop all packets silently, link stays up"))
+    _add_nic(sub.add_parser("unblackhole", help="stop dropping"))
+
+    exe = sub.add_parser("exec", help="run a command (an MPI rank) inside its host",
+                         description="Under mpiexec, each rank joins host rank*H//size; "
+                                     "sets R2COMM_RAILS, R2COMM_CTRL_ADDR, R2COMM_TESTBED_HOST.")
+    _add_tag(exe)
+    exe.add_argument("--host", type=int, help="place on this host instead of by rank")
+    exe.add_argument("argv", nargs=argparse.REMAINDER, help="-- command ...")
+    return top
+
+
+def _print_status(fab, rows):
+    print(f"fabric {fab.tag}: {fab.hosts} hosts x {fab.nics} NICs, "
+          f"default rate {format_rate(fab.rate)}")
+    print(f"{'host':<5}{'netns':<24}{'nic':<6}{'address':<16}{'state':<18}{'rate':<11}"
+          f"{'host-side':<12}switch-side")
+    for row in rows:
+        ns = fab.host_ns(row["host"]) if row["nic"] == 0 else ""
+        print(f"{row['host']:<5}{ns:<24}{row['ifname']:<6}{row['addr']:<16}{row['state']:<18}"
+              f"{row['rate']:<11}{row['host_link']:<12}{row['switch_link']}")
+    for host in range(fab.hosts):
+        print(f"host {host} mgmt {fab.mgmt_addr(host)} (unshaped, never failed)")
+
+
+def _down(args):
+    if args.all:
+        removed = remove_all()
+    else:
+        removed = remove_fabric(resolve_tag(args.tag))
+    print(f"removed {len(removed)} namespaces" + (f": {' '.join(removed)}" if removed else ""))
+
+
+def _run(args):
+    if args.command == "up":
+        fab = Fabric(hosts=args.hosts, nics=args.nics, rate=args.rate, tag=args.tag).up()
+        _print_status(fab, fab.status())
+        return
+    if args.command == "down":
+        _down(args)
+        return
+    fab = Fabric.attach(args.tag)
+    if args.command == "status":
+        if args.json:
+            print(json.dumps(fab.status(), indent=1))
+        else:
+            _print_status(fab, fab.status())
+    elif args.command == "degrade":
+        fab.degrade(args.host, args.nic, args.rate)
+    elif args.command == "nic-down":
+        fab.nic_down(args.host, args.nic, side=args.side)
+    elif args.command == "nic-up":
+        fab.nic_up(args.host, args.nic)
+    elif args.command == "flap":
+        fab.flap(args.host, args.nic, period=args.period, count=args.count, side=args.side)
+    elif args.command == "blackhole":
+        fab.blackhole(args.host, args.nic)
+    elif args.command == "unblackhole":
+        fab.unblackhole(args.host, args.nic)
+    elif args.command == "exec":
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        exec_in_fabric(fab, argv, host=args.host)
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    try:
+        _run(args)
+    except TestbedError as exc:
+        print(f"r2comm.testbed: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
