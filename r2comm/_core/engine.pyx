@@ -1,0 +1,2158 @@
+# cython: language_level=3
+# distutils: language = c++
+"""r2comm's engine: runs one rank's part of a schedule over every rail to every peer.
+
+One progress thread (started from Python, it drops the GIL at once) drives an epoll loop over the
+rail and control connections. Messages are cut into chunks; each chunk is sent on whichever rail of
+the pair has room in its window (rails that drain faster take more), acknowledged by the receiver,
+and kept by the sender until acknowledged. When a rail fails (socket error, missing acks past the
+deadline, a malformed frame, or the peer's notice) its unacknowledged chunks go back to the front of
+the pair's queue and leave on the surviving rails; the receiver drops duplicates by chunk identity,
+so nothing is written or reduced twice. All engine state is guarded by one mutex; Python threads
+post operations and wait on a condition variable, both without the GIL.
+"""
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc, free, calloc
+from libc.string cimport memcpy, memset, memmove
+from libcpp.vector cimport vector
+from libcpp.deque cimport deque
+from libcpp.map cimport map as cmap
+from libcpp.string cimport string
+from libcpp.utility cimport pair
+from cython.operator cimport dereference as deref, preincrement as inc
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC, CLOCK_REALTIME
+
+from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_CTRL_PAYLOAD, FL_P2P,
+                                F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT)
+from r2comm._core.transport cimport iovec, Transport, T_EOF
+from r2comm._core.tcp cimport tcp_transport
+
+cdef extern from "r2_reduce.h" namespace "r2" nogil:
+    int reduce_into(void* d, const void* s, size_t nbytes, int dt, int op, int rev)
+    int itemsize(int dt)
+
+cdef extern from "<sys/epoll.h>" nogil:
+    ctypedef union epoll_data_t:
+        void* ptr
+        int fd
+        uint32_t u32
+        uint64_t u64
+    cdef struct epoll_event:
+        uint32_t events
+        epoll_data_t data
+    int epoll_create1(int flags)
+    int epoll_ctl(int epfd, int op, int fd, epoll_event* ev)
+    int epoll_wait(int epfd, epoll_event* evs, int maxevents, int timeout)
+    enum: EPOLLIN, EPOLLOUT, EPOLLERR, EPOLLHUP, EPOLL_CTL_ADD, EPOLL_CTL_MOD, EPOLL_CTL_DEL, EPOLL_CLOEXEC
+
+cdef extern from "<sys/eventfd.h>" nogil:
+    int eventfd(unsigned int initval, int flags)
+    enum: EFD_NONBLOCK, EFD_CLOEXEC
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t read(int fd, void* buf, size_t n)
+    ssize_t write(int fd, const void* buf, size_t n)
+    int close(int fd)
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef struct pthread_condattr_t:
+        pass
+    int pthread_mutex_init(pthread_mutex_t*, void*)
+    int pthread_mutex_lock(pthread_mutex_t*)
+    int pthread_mutex_unlock(pthread_mutex_t*)
+    int pthread_mutex_destroy(pthread_mutex_t*)
+    int pthread_condattr_init(pthread_condattr_t*)
+    int pthread_condattr_setclock(pthread_condattr_t*, int)
+    int pthread_cond_init(pthread_cond_t*, pthread_condattr_t*)
+    int pthread_cond_timedwait(pthread_cond_t*, pthread_mutex_t*, const timespec*)
+    int pthread_cond_broadcast(pthread_cond_t*)
+    int pthread_cond_destroy(pthread_cond_t*)
+
+
+cdef extern from *:
+    """
+    #include <map>
+    #include <deque>
+    #include <vector>
+    template <class It> static inline auto& r2_second(It it) { return it->second; }
+    template <class It> static inline auto r2_first(It it) { return it->first; }
+    template <class It> static inline void r2_inc(It& it) { ++it; }
+    template <class T> static inline T* r2_new() noexcept { return new T(); }
+    template <class C> static inline void r2_erase_at(C& c, size_t i) { c.erase(c.begin() + i); }
+    """
+    void erase_at "r2_erase_at"[C](C& c, size_t i) nogil
+    T* r2_new[T]() nogil
+
+# ---------------------------------------------------------------------------------------------
+# Constants shared with Python (mirrored in r2comm/_core/__init__.py docs and errors.py codes)
+cdef enum:
+    ST_ACTIVE = 0
+    ST_DONE = 1
+    ST_ERROR = 2
+
+cdef enum:
+    E_NONE = 0
+    E_TIMEOUT = 1
+    E_NETWORK = 2
+    E_MISMATCH = 3
+    E_TRUNCATE = 4
+    E_PROTOCOL = 5
+    E_CLOSED = 6
+
+cdef enum:
+    C_GATED = 0
+    C_QUEUED = 1
+    C_INFLIGHT = 2
+    C_ACKED = 3
+    C_RESENT = 0x80       # flag: this chunk was migrated off a failed rail
+
+cdef enum:
+    M_COPY = 0
+    M_REDUCE = 1
+    M_REDUCE_REV = 2
+
+cdef enum:
+    R_DOWN = 0
+    R_UP = 1
+
+cdef enum:
+    K_NONE = 0
+    K_DIRECT = 1     # payload read straight into the destination (copy mode, chunk not gated)
+    K_STAGE = 2      # into the rail's staging buffer, reduced on arrival
+    K_BUF = 3        # into a private buffer: gated, unexpected; delivered by key on arrival
+    K_TRASH = 4      # duplicate or stale: read and dropped (still acknowledged)
+    K_CTRL = 5       # control payload (abort text)
+
+cdef enum:
+    EV_RAIL_FAILED = 1
+    EV_NOTIFY_SENT = 2
+    EV_NOTIFY_ACKED = 3
+    EV_MIGRATED = 4
+    EV_REDELIVERED = 5
+    EV_RAIL_RESTORED = 6
+    EV_PEER_LOST = 7
+    EV_BAD_FRAME = 8
+    EV_NOTIFIED = 9
+    EV_ABORT = 10
+
+EVENT_NAMES = {EV_RAIL_FAILED: "rail_failed", EV_NOTIFY_SENT: "notify_sent",
+               EV_NOTIFY_ACKED: "notify_acked", EV_MIGRATED: "migrated",
+               EV_REDELIVERED: "redelivered", EV_RAIL_RESTORED: "rail_restored",
+               EV_PEER_LOST: "peer_lost", EV_BAD_FRAME: "bad_frame", EV_NOTIFIED: "peer_notified",
+               EV_ABORT: "abort"}
+ERR_TIMEOUT, ERR_NETWORK, ERR_MISMATCH, ERR_TRUNCATE, ERR_PROTOCOL, ERR_CLOSED = (
+    E_TIMEOUT, E_NETWORK, E_MISMATCH, E_TRUNCATE, E_PROTOCOL, E_CLOSED)
+MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV = M_COPY, M_REDUCE, M_REDUCE_REV
+
+cdef enum:
+    RBUF_SIZE = 262144
+    DIRECT_MIN = 16384
+    EVFD_TAG = 0xFFFFFFFFFFFFFFFF
+    INJ_NONE = 0
+    INJ_HARD = 1
+    INJ_SILENT = 2
+
+# ---------------------------------------------------------------------------------------------
+# Data structures
+
+cdef struct Dep:
+    void* m          # SendMsg* or RecvMsg*
+    int is_send
+
+cdef struct CRef:
+    void* m          # SendMsg*
+    uint32_t c
+
+cdef struct Event:
+    double t
+    int kind
+    int peer
+    int rail
+    int detector
+    uint64_t nbytes
+    double dt
+
+cdef struct Notice:
+    int peer
+    int rail
+    uint32_t conn_id
+    double next_send
+    int tries
+
+cdef cppclass Op:
+    uint64_t id
+    int state
+    int err
+    string msg
+    int pending
+    double deadline
+    uint32_t comm
+    uint32_t seq
+    int p2p
+    vector[void*] sends
+    vector[void*] recvs
+    vector[int] members
+    uint64_t nbytes_recv
+    __init__():
+        this.state = ST_ACTIVE
+        this.err = E_NONE
+        this.pending = 0
+        this.p2p = 0
+        this.nbytes_recv = 0
+
+cdef cppclass SendMsg:
+    Op* op
+    int peer
+    int owned
+    int done
+    uint32_t comm, seq, step, sig, aux, cs, nchunks, nacked
+    uint8_t flags, dtype, redop
+    char* base           # bytes on the wire: the user's buffer, or the engine's copy if owned
+    char* src            # the user's buffer (owned sends copy a chunk from here once it is ready)
+    uint64_t total
+    uint8_t* cstate
+    int8_t* crail
+    int32_t* gate
+    vector[Dep] succ
+    __init__():
+        this.op = NULL
+        this.owned = 0
+        this.done = 0
+        this.nacked = 0
+        this.base = NULL
+        this.cstate = NULL
+        this.crail = NULL
+        this.gate = NULL
+
+cdef cppclass RecvMsg:
+    Op* op
+    int peer
+    int mode
+    int done
+    int bound
+    uint32_t comm, seq, step, sig, aux, cs, nchunks, napplied
+    uint8_t flags, dtype, redop
+    char* base
+    uint64_t total
+    uint64_t cap
+    uint8_t* cdone
+    int32_t* gate
+    char** held
+    vector[Dep] succ
+    __init__():
+        this.op = NULL
+        this.done = 0
+        this.bound = 0
+        this.napplied = 0
+        this.nchunks = 0
+        this.cdone = NULL
+        this.gate = NULL
+        this.held = NULL
+
+cdef cppclass Unexp:
+    uint32_t sig, aux, cs, nchunks, nrecv
+    uint8_t flags, dtype, redop
+    uint64_t total
+    char** chunks
+    __init__():
+        this.chunks = NULL
+        this.nrecv = 0
+
+cdef cppclass P2PState:
+    uint32_t seen_upto
+    cmap[uint32_t, int] seen_ahead
+    cmap[uint32_t, Unexp*] unexp
+    deque[void*] posted
+    cmap[uint32_t, void*] bound
+    __init__():
+        this.seen_upto = 0
+
+cdef cppclass Rail:
+    int peer
+    int index
+    int fd
+    int state
+    uint32_t conn_id
+    uint32_t gen
+    double weight
+    uint64_t window
+    deque[CRef] inflight
+    uint64_t inflight_bytes
+    double last_progress
+    string txq
+    size_t txq_pos
+    int tx_busy
+    r2_hdr tx_hdr
+    char* tx_payload
+    uint32_t tx_plen
+    uint32_t tx_done
+    char* tx_orphan
+    int want_out
+    char* rbuf
+    uint32_t rpos, rlen
+    r2_hdr rh
+    int rstate
+    int rkind
+    void* rmsg
+    char* rtarget
+    uint32_t rgot
+    char* stage
+    uint64_t bytes_sent, bytes_recv, bytes_resent
+    int blackhole
+    int64_t fault_at
+    int fault_mode
+    int fail_count
+    double fail_time, restore_time, next_probe, backoff
+    __init__():
+        this.fd = -1
+        this.state = R_DOWN
+        this.conn_id = 0
+        this.gen = 0
+        this.weight = 1.0
+        this.inflight_bytes = 0
+        this.txq_pos = 0
+        this.tx_busy = 0
+        this.tx_orphan = NULL
+        this.want_out = 0
+        this.rbuf = NULL
+        this.rpos = 0
+        this.rlen = 0
+        this.rstate = 0
+        this.rkind = K_NONE
+        this.rmsg = NULL
+        this.rtarget = NULL
+        this.stage = NULL
+        this.bytes_sent = 0
+        this.bytes_recv = 0
+        this.bytes_resent = 0
+        this.blackhole = 0
+        this.fault_at = -1
+        this.fault_mode = INJ_NONE
+        this.fail_count = 0
+        this.fail_time = 0
+        this.restore_time = 0
+        this.next_probe = 0
+        this.backoff = 0
+
+cdef cppclass Peer:
+    int rank
+    int nrails
+    vector[Rail*] rails          # nrails data rails, then the control connection
+    deque[CRef] ready
+    double all_down_since
+    int lost
+    cmap[uint32_t, uint32_t] p2p_send_seq
+    cmap[uint32_t, P2PState*] p2p
+    __init__():
+        this.all_down_since = 0
+        this.lost = 0
+
+ctypedef pair[uint64_t, uint64_t] Key
+ctypedef pair[uint32_t, uint32_t] CS
+
+cdef cppclass State:
+    int me
+    int nranks
+    uint32_t cs
+    vector[Peer*] peers
+    int epfd
+    int evfd
+    pthread_mutex_t mu
+    pthread_cond_t cv
+    cmap[Key, void*] smap
+    cmap[Key, void*] rmap
+    cmap[Key, Unexp*] cunexp
+    cmap[uint32_t, uint32_t] next_seq
+    cmap[CS, Op*] active
+    cmap[CS, pair[int, string]] aborted
+    cmap[uint64_t, Op*] ops
+    uint64_t next_op
+    vector[Event] events
+    vector[string] event_info
+    vector[Notice] notices
+    double rail_timeout, peer_timeout, probe_base, probe_max
+    uint64_t window
+    Transport tp
+    int stop
+    int signal
+    char* trash
+    vector[int] inj_mode
+    vector[int] inj_peer
+    double fault_time
+    int awaiting_redelivery
+    __init__():
+        this.next_op = 1
+        this.stop = 0
+        this.signal = 0
+        this.trash = NULL
+        this.fault_time = 0
+        this.awaiting_redelivery = 0
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+cdef inline double mono() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+cdef inline double wall() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+cdef inline Key mkey(int peer, uint32_t comm, uint8_t flags, uint32_t step, uint32_t seq) noexcept nogil:
+    cdef Key k
+    k.first = (<uint64_t>peer << 32) | comm
+    k.second = (<uint64_t>flags << 56) | (<uint64_t>(step & 0xFFFFFF) << 32) | seq
+    return k
+
+cdef inline uint32_t chunk_len(uint64_t total, uint32_t cs, uint32_t c) noexcept nogil:
+    cdef uint64_t off = <uint64_t>c * cs
+    if off >= total:
+        return 0
+    return <uint32_t>(total - off if total - off < cs else cs)
+
+cdef inline uint32_t nchunks_of(uint64_t total, uint32_t cs) noexcept nogil:
+    if total == 0:
+        return 1
+    return <uint32_t>((total + cs - 1) // cs)
+
+cdef void add_event(State* e, int kind, int peer, int rail, int detector, uint64_t nbytes,
+                    double dt, const char* info) noexcept nogil:
+    cdef Event ev
+    ev.t = wall()
+    ev.kind = kind
+    ev.peer = peer
+    ev.rail = rail
+    ev.detector = detector
+    ev.nbytes = nbytes
+    ev.dt = dt
+    e.events.push_back(ev)
+    e.event_info.push_back(string(info))
+
+cdef void set_out(State* e, Rail* r, int want) noexcept nogil:
+    cdef epoll_event ev
+    if r.fd < 0 or r.want_out == want:
+        return
+    r.want_out = want
+    ev.events = EPOLLIN | (EPOLLOUT if want else 0)
+    ev.data.u64 = (<uint64_t>r.gen << 32) | (<uint64_t>r.peer << 8) | <uint64_t>r.index
+    epoll_ctl(e.epfd, EPOLL_CTL_MOD, r.fd, &ev)
+
+cdef void queue_ctrl(State* e, Rail* r, uint8_t type, uint8_t flags, uint32_t comm, uint32_t seq,
+                     uint32_t step, uint32_t chunk, uint32_t aux, const char* payload,
+                     uint32_t plen) noexcept nogil:
+    """Append a small frame (ack or control) to the rail's small-frame queue."""
+    cdef r2_hdr h
+    if r.state != R_UP:
+        return
+    hdr_encode(&h, type, flags, 0, 0, comm, seq, step, 0, chunk, plen, 0, aux)
+    r.txq.append(<const char*>&h, HDR_SIZE)
+    if plen:
+        r.txq.append(payload, plen)
+
+# ---------------------------------------------------------------------------------------------
+# Sending
+
+cdef int64_t rail_send(State* e, Rail* r, iovec* iov, int niov) noexcept nogil:
+    """The emulated NIC in front of the transport: applies injected faults, then sends."""
+    cdef int64_t total = 0, allowed, n
+    cdef int i
+    for i in range(niov):
+        total += iov[i].iov_len
+    if r.blackhole:
+        return total          # silently dropped: nothing reaches the peer
+    if r.fault_at >= 0:
+        allowed = r.fault_at - <int64_t>r.bytes_sent
+        if allowed <= 0:
+            inject_now(e, r, r.fault_mode)
+            return total if r.blackhole else -32
+        if allowed < total:
+            for i in range(niov):
+                if <int64_t>iov[i].iov_len > allowed:
+                    iov[i].iov_len = allowed
+                allowed -= iov[i].iov_len
+    n = e.tp.post_send(r.fd, iov, niov)
+    if n > 0:
+        r.bytes_sent += n
+    return n
+
+cdef void inject_now(State* e, Rail* r, int mode) noexcept nogil:
+    r.fault_at = -1
+    if mode == INJ_SILENT:
+        r.blackhole = 1
+    else:
+        e.tp.shutdown(r.fd)   # a real hard failure: both ends see the connection die
+    if e.fault_time == 0:
+        e.fault_time = wall()
+
+cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
+    """Take the next queued chunk of this pair for rail r, if its window has room."""
+    cdef CRef ref
+    cdef SendMsg* m
+    cdef uint32_t ln
+    while not p.ready.empty():
+        ref = p.ready.front()
+        m = <SendMsg*>ref.m
+        if (m.cstate[ref.c] & 0x7F) != C_QUEUED:
+            p.ready.pop_front()
+            continue
+        ln = chunk_len(m.total, m.cs, ref.c)
+        if r.inflight_bytes > 0 and r.inflight_bytes + ln > r.window:
+            return 0
+        p.ready.pop_front()
+        m.cstate[ref.c] = C_INFLIGHT | (m.cstate[ref.c] & C_RESENT)
+        m.crail[ref.c] = <int8_t>r.index
+        if r.inflight.empty():
+            r.last_progress = mono()
+        r.inflight.push_back(ref)
+        r.inflight_bytes += ln
+        hdr_encode(&r.tx_hdr, F_DATA, m.flags, m.dtype, m.redop, m.comm, m.seq, m.step, m.sig,
+                   ref.c, ln, m.total, m.aux)
+        r.tx_payload = m.base + <uint64_t>ref.c * m.cs
+        r.tx_plen = ln
+        r.tx_done = 0
+        r.tx_busy = 1
+        return 1
+    return 0
+
+cdef void rail_write(State* e, Rail* r) noexcept nogil:
+    cdef iovec iov[3]
+    cdef int niov, use_q, k
+    cdef int64_t n, left
+    cdef Peer* p = e.peers[r.peer]
+    cdef size_t qrem
+    while r.state == R_UP:
+        niov = 0
+        use_q = 0
+        qrem = r.txq.size() - r.txq_pos
+        if qrem > 0 and not (r.tx_busy and r.tx_done > 0):
+            iov[0].iov_base = <void*><char*>(r.txq.data() + r.txq_pos)
+            iov[0].iov_len = qrem
+            niov = 1
+            use_q = 1
+        if not r.tx_busy and r.index < p.nrails:
+            start_chunk(e, p, r)
+        if r.tx_busy:
+            if r.tx_done < HDR_SIZE:
+                iov[niov].iov_base = (<char*>&r.tx_hdr) + r.tx_done
+                iov[niov].iov_len = HDR_SIZE - r.tx_done
+                niov += 1
+                iov[niov].iov_base = r.tx_payload
+                iov[niov].iov_len = r.tx_plen
+                niov += 1
+            else:
+                iov[niov].iov_base = r.tx_payload + (r.tx_done - HDR_SIZE)
+                iov[niov].iov_len = r.tx_plen - (r.tx_done - HDR_SIZE)
+                niov += 1
+        if niov == 0:
+            set_out(e, r, 0)
+            return
+        n = rail_send(e, r, iov, niov)
+        if n < 0:
+            fail_rail(e, r, "send error", e.me, 1)
+            return
+        if n == 0:
+            set_out(e, r, 1)
+            return
+        left = n
+        if use_q:
+            if <size_t>left >= qrem:
+                left -= qrem
+                r.txq.clear()
+                r.txq_pos = 0
+            else:
+                r.txq_pos += left
+                left = 0
+        if r.tx_busy and left > 0:
+            r.tx_done += <uint32_t>left
+            if r.tx_done >= HDR_SIZE + r.tx_plen:
+                r.tx_busy = 0
+                if r.tx_orphan != NULL:
+                    free(r.tx_orphan)
+                    r.tx_orphan = NULL
+        # loop: more queued frames or chunks may fit
+
+cdef void pump_peer(State* e, Peer* p) noexcept nogil:
+    cdef int k
+    for k in range(p.nrails + 1):
+        if p.rails[k].state == R_UP:
+            rail_write(e, p.rails[k])
+
+# ---------------------------------------------------------------------------------------------
+# Completion, gating and delivery
+
+cdef void op_msg_done(State* e, Op* op) noexcept nogil:
+    if op == NULL:
+        return
+    op.pending -= 1
+    if op.pending <= 0 and op.state == ST_ACTIVE:
+        op.state = ST_DONE
+        e.signal = 1
+
+cdef void apply_chunk(State* e, RecvMsg* rm, uint32_t c, const char* data) noexcept nogil:
+    cdef uint32_t ln = chunk_len(rm.total, rm.cs, c)
+    cdef char* dst = rm.base + <uint64_t>c * rm.cs
+    cdef size_t i
+    if data != NULL and ln:
+        if rm.mode == M_COPY:
+            memcpy(dst, data, ln)
+        else:
+            reduce_into(dst, data, ln, rm.dtype, rm.redop, rm.mode == M_REDUCE_REV)
+    rm.cdone[c] = 2
+    rm.napplied += 1
+    if rm.op != NULL:
+        rm.op.nbytes_recv += ln
+    for i in range(rm.succ.size()):
+        gate_release(e, rm.succ[i], c)
+    if rm.napplied == rm.nchunks and not rm.done:
+        rm.done = 1
+        op_msg_done(e, rm.op)
+
+cdef void send_chunk_ready(State* e, SendMsg* sm, uint32_t c) noexcept nogil:
+    """Chunk c of sm has nothing left to wait for: queue it. An owned send copies the chunk now,
+    and from then on its source region is free, so what waited on it may go ahead."""
+    cdef CRef ref
+    cdef size_t i
+    cdef uint64_t off = <uint64_t>c * sm.cs
+    sm.cstate[c] = C_QUEUED
+    ref.m = <void*>sm
+    ref.c = c
+    e.peers[sm.peer].ready.push_back(ref)
+    if sm.owned:
+        memcpy(sm.base + off, sm.src + off, chunk_len(sm.total, sm.cs, c))
+        for i in range(sm.succ.size()):
+            gate_release(e, sm.succ[i], c)
+
+cdef void gate_release(State* e, Dep d, uint32_t c) noexcept nogil:
+    cdef SendMsg* sm
+    cdef RecvMsg* rm
+    cdef char* data
+    cdef CRef ref
+    if d.is_send:
+        sm = <SendMsg*>d.m
+        sm.gate[c] -= 1
+        if sm.gate[c] == 0 and sm.cstate[c] == C_GATED:
+            send_chunk_ready(e, sm, c)
+    else:
+        rm = <RecvMsg*>d.m
+        rm.gate[c] -= 1
+        if rm.gate[c] == 0 and rm.cdone[c] == 1:
+            data = rm.held[c]
+            rm.held[c] = NULL
+            apply_chunk(e, rm, c, data)
+            free(data)
+
+cdef void deliver_chunk(State* e, RecvMsg* rm, uint32_t c, char* data) noexcept nogil:
+    """A whole chunk arrived in a private malloc'd buffer (ownership passes here)."""
+    if c >= rm.nchunks or rm.cdone[c] != 0:
+        free(data)
+        return
+    if rm.gate != NULL and rm.gate[c] > 0:
+        rm.held[c] = data
+        rm.cdone[c] = 1
+        return
+    apply_chunk(e, rm, c, data)
+    free(data)
+
+cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_t dtype,
+                     int peer) noexcept nogil:
+    """Compare an arriving message with what this rank posted; fail the op on a mismatch."""
+    cdef char buf[400]
+    if rm.op == NULL or rm.op.state != ST_ACTIVE:
+        return 0
+    if rm.flags & FL_P2P:
+        if total > rm.cap:
+            snprintf(buf, 400, "message truncated: rank %d sent %llu bytes, rank %d posted a receive "
+                     "buffer of %llu bytes", peer, <unsigned long long>total, e.me,
+                     <unsigned long long>rm.cap)
+            fail_op(e, rm.op, E_TRUNCATE, buf, 1)
+            return -1
+        if dtype != rm.dtype:
+            snprintf(buf, 400, "datatype mismatch: rank %d sent dtype code %d, rank %d receives "
+                     "dtype code %d", peer, dtype, e.me, rm.dtype)
+            fail_op(e, rm.op, E_MISMATCH, buf, 1)
+            return -1
+        return 0
+    if sig != rm.sig or total != rm.total:
+        snprintf(buf, 400, "collective arguments differ between ranks: rank %d sent a %llu-byte "
+                 "message (signature %08x, dtype code %d) where rank %d expected %llu bytes "
+                 "(signature %08x, dtype code %d): sizes, dtypes, ops or roots do not match",
+                 peer, <unsigned long long>total, sig, dtype, e.me,
+                 <unsigned long long>rm.total, rm.sig, rm.dtype)
+        fail_op(e, rm.op, E_MISMATCH, buf, 1)
+        return -1
+    return 0
+
+cdef extern from "<stdio.h>" nogil:
+    int snprintf(char* s, size_t n, const char* fmt, ...)
+
+# ---------------------------------------------------------------------------------------------
+# Point-to-point matching: messages of a pair are matched in sequence order (MPI's non-overtaking
+# rule); a message whose tag no posted receive wants waits as unexpected.
+
+cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil:
+    cdef P2PState* st
+    it = p.p2p.find(comm)
+    if it != p.p2p.end():
+        return deref(it).second
+    st = r2_new[P2PState]()
+    p.p2p[comm] = st
+    return st
+
+
+cdef void alloc_recv_arrays(RecvMsg* rm) noexcept nogil:
+    rm.nchunks = nchunks_of(rm.total, rm.cs)
+    rm.cdone = <uint8_t*>calloc(rm.nchunks, 1)
+    rm.held = <char**>calloc(rm.nchunks, sizeof(char*))
+    if rm.gate == NULL:
+        rm.gate = <int32_t*>calloc(rm.nchunks, sizeof(int32_t))
+
+cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
+    """Hand the chunks that arrived before the receive was posted to the receive."""
+    cdef uint32_t c
+    if rm.nchunks == 0:
+        alloc_recv_arrays(rm)
+    if check_match(e, rm, u.sig, u.total, u.dtype, peer) == 0:
+        for c in range(u.nchunks):
+            if u.chunks[c] != NULL:
+                deliver_chunk(e, rm, c, u.chunks[c])
+                u.chunks[c] = NULL
+    free_unexp(u)
+
+cdef void free_unexp(Unexp* u) noexcept nogil:
+    cdef uint32_t c
+    if u.chunks != NULL:
+        for c in range(u.nchunks):
+            if u.chunks[c] != NULL:
+                free(u.chunks[c])
+        free(u.chunks)
+    del u
+
+cdef Unexp* new_unexp(r2_hdr* h, uint32_t cs) noexcept nogil:
+    cdef Unexp* u = r2_new[Unexp]()
+    u.sig = h.sig
+    u.aux = h.aux
+    u.flags = h.flags
+    u.dtype = h.dtype
+    u.redop = h.redop
+    u.total = h.total
+    u.cs = cs
+    u.nchunks = nchunks_of(h.total, cs)
+    u.chunks = <char**>calloc(u.nchunks, sizeof(char*))
+    return u
+
+cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept nogil:
+    cdef vector[uint32_t] done
+    cdef Unexp* u
+    cdef RecvMsg* rm
+    cdef size_t i
+    cdef int found
+    it = st.unexp.begin()
+    while it != st.unexp.end():
+        if deref(it).first >= st.seen_upto:
+            break
+        u = deref(it).second
+        found = -1
+        for i in range(st.posted.size()):
+            rm = <RecvMsg*>st.posted[i]
+            if <int32_t>rm.aux == -1 or rm.aux == u.aux:
+                found = <int>i
+                break
+        if found >= 0:
+            rm = <RecvMsg*>st.posted[found]
+            erase_at(st.posted, found)
+            p2p_bind(e, p, st, rm, deref(it).first, u)
+            it = st.unexp.erase(it)
+        else:
+            inc(it)
+
+
+cdef void p2p_bind(State* e, Peer* p, P2PState* st, RecvMsg* rm, uint32_t seq, Unexp* u) noexcept nogil:
+    rm.seq = seq
+    rm.bound = 1
+    rm.total = u.total
+    rm.sig = u.sig
+    rm.aux = u.aux
+    st.bound[seq] = <void*>rm
+    bind_unexp(e, rm, u, p.rank)
+
+cdef void p2p_mark_seen(P2PState* st, uint32_t seq) noexcept nogil:
+    if seq == st.seen_upto:
+        st.seen_upto += 1
+        while st.seen_ahead.count(st.seen_upto):
+            st.seen_ahead.erase(st.seen_upto)
+            st.seen_upto += 1
+    elif seq > st.seen_upto:
+        st.seen_ahead[seq] = 1
+
+cdef inline int p2p_seen(P2PState* st, uint32_t seq) noexcept nogil:
+    return seq < st.seen_upto or st.seen_ahead.count(seq) > 0
+
+# ---------------------------------------------------------------------------------------------
+# Receiving
+
+cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
+    """Decide where the payload of a DATA frame goes before reading it."""
+    cdef r2_hdr* h = &r.rh
+    cdef Peer* p = e.peers[r.peer]
+    cdef RecvMsg* rm = NULL
+    cdef Unexp* u
+    cdef P2PState* st
+    cdef Key k
+    cdef uint32_t c = h.chunk
+    r.rmsg = NULL
+    r.rkind = K_TRASH
+    r.rtarget = NULL
+    if h.flags & FL_P2P:
+        st = p2p_state(p, h.comm)
+        itb = st.bound.find(h.seq)
+        if itb != st.bound.end():
+            rm = <RecvMsg*>deref(itb).second
+        elif st.unexp.count(h.seq):
+            pass
+        elif p2p_seen(st, h.seq):
+            return                      # stale: that message completed already
+        else:
+            st.unexp[h.seq] = new_unexp(h, e.cs)
+            p2p_mark_seen(st, h.seq)
+            p2p_try_match(e, p, st, h.comm)
+            itb = st.bound.find(h.seq)
+            if itb != st.bound.end():
+                rm = <RecvMsg*>deref(itb).second
+    else:
+        k = mkey(r.peer, h.comm, 0, h.step, h.seq)
+        itr = e.rmap.find(k)
+        if itr != e.rmap.end():
+            rm = <RecvMsg*>deref(itr).second
+            if check_match(e, rm, h.sig, h.total, h.dtype, r.peer) != 0:
+                return
+        else:
+            if h.seq < e.next_seq[h.comm]:
+                ita = e.active.find(CS(h.comm, h.seq))
+                if ita != e.active.end() and deref(ita).second.state == ST_ACTIVE:
+                    fail_op(e, deref(ita).second, E_MISMATCH,
+                            "collective arguments differ between ranks: a peer sent a message this "
+                            "rank's schedule does not contain (different sizes, roots or algorithms)", 1)
+                return                  # stale (completed or failed operation)
+            itu = e.cunexp.find(k)
+            if itu == e.cunexp.end():
+                e.cunexp[k] = new_unexp(h, e.cs)
+                itu = e.cunexp.find(k)
+            u = deref(itu).second
+            if c < u.nchunks and u.chunks[c] == NULL and h.total == u.total:
+                r.rkind = K_BUF
+                r.rtarget = <char*>malloc(h.len if h.len else 1)
+            return
+    if rm == NULL:
+        # p2p message that nobody has asked for yet
+        u = deref(st.unexp.find(h.seq)).second
+        if c < u.nchunks and u.chunks[c] == NULL and h.total == u.total:
+            r.rkind = K_BUF
+            r.rtarget = <char*>malloc(h.len if h.len else 1)
+        return
+    if rm.op == NULL or rm.op.state != ST_ACTIVE:
+        return
+    if c >= rm.nchunks or h.len != chunk_len(rm.total, rm.cs, c):
+        fail_op(e, rm.op, E_PROTOCOL, "chunk boundaries differ between ranks (R2COMM_CHUNK_SIZE "
+                "must be the same on every rank)", 1)
+        return
+    if rm.cdone[c] != 0:
+        return                          # duplicate: already delivered
+    r.rmsg = <void*>rm
+    if rm.gate[c] > 0:
+        r.rkind = K_BUF
+        r.rtarget = <char*>malloc(h.len if h.len else 1)
+    elif rm.mode == M_COPY:
+        r.rkind = K_DIRECT
+        r.rtarget = rm.base + <uint64_t>c * rm.cs
+    else:
+        r.rkind = K_STAGE
+        r.rtarget = r.stage
+
+cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
+    """A DATA payload is complete: acknowledge it and deliver it."""
+    cdef r2_hdr* h = &r.rh
+    cdef RecvMsg* rm
+    cdef Unexp* u
+    cdef P2PState* st
+    cdef Key k
+    cdef uint32_t c = h.chunk
+    queue_ctrl(e, r, F_ACK, h.flags, h.comm, h.seq, h.step, c, 0, NULL, 0)
+    if r.rkind == K_DIRECT or r.rkind == K_STAGE:
+        rm = <RecvMsg*>r.rmsg
+        if rm != NULL and rm.cdone[c] == 0:
+            apply_chunk(e, rm, c, r.rtarget if r.rkind == K_STAGE else NULL)
+    elif r.rkind == K_BUF:
+        rm = NULL
+        u = NULL
+        if h.flags & FL_P2P:
+            st = p2p_state(e.peers[r.peer], h.comm)
+            itb = st.bound.find(h.seq)
+            if itb != st.bound.end():
+                rm = <RecvMsg*>deref(itb).second
+            else:
+                itu2 = st.unexp.find(h.seq)
+                if itu2 != st.unexp.end():
+                    u = deref(itu2).second
+        else:
+            k = mkey(r.peer, h.comm, 0, h.step, h.seq)
+            itr = e.rmap.find(k)
+            if itr != e.rmap.end():
+                rm = <RecvMsg*>deref(itr).second
+            else:
+                itu = e.cunexp.find(k)
+                if itu != e.cunexp.end():
+                    u = deref(itu).second
+        if rm != NULL and rm.op != NULL and rm.op.state == ST_ACTIVE and rm.cdone != NULL:
+            deliver_chunk(e, rm, c, r.rtarget)
+        elif u != NULL and c < u.nchunks and u.chunks[c] == NULL:
+            u.chunks[c] = r.rtarget
+            u.nrecv += 1
+        else:
+            free(r.rtarget)
+    r.rtarget = NULL
+    r.rmsg = NULL
+    r.rkind = K_NONE
+
+cdef void on_ack(State* e, Rail* r) noexcept nogil:
+    cdef r2_hdr* h = &r.rh
+    cdef Key k = mkey(r.peer, h.comm, h.flags, h.step, h.seq)
+    cdef SendMsg* m
+    cdef Rail* pr
+    cdef uint32_t c = h.chunk
+    cdef size_t i
+    cdef CRef ref
+    cdef uint8_t st
+    r.last_progress = mono()
+    it = e.smap.find(k)
+    if it == e.smap.end():
+        return
+    m = <SendMsg*>deref(it).second
+    if c >= m.nchunks:
+        return
+    st = m.cstate[c]
+    if (st & 0x7F) == C_ACKED:
+        return
+    if (st & 0x7F) == C_INFLIGHT and m.crail[c] >= 0:
+        pr = e.peers[m.peer].rails[m.crail[c]]
+        pr.inflight_bytes -= chunk_len(m.total, m.cs, c)
+        for i in range(pr.inflight.size()):
+            ref = pr.inflight[i]
+            if ref.m == <void*>m and ref.c == c:
+                erase_at(pr.inflight, i)
+                break
+    if (st & C_RESENT) and e.awaiting_redelivery:
+        e.awaiting_redelivery = 0
+        add_event(e, EV_REDELIVERED, m.peer, r.index, e.me, chunk_len(m.total, m.cs, c),
+                  wall() - e.fault_time if e.fault_time else 0, "first migrated chunk acknowledged")
+    m.cstate[c] = C_ACKED
+    m.nacked += 1
+    if not m.owned:
+        for i in range(m.succ.size()):
+            gate_release(e, m.succ[i], c)
+    if m.nacked == m.nchunks and not m.done:
+        m.done = 1
+        e.smap.erase(k)
+        if m.owned and (m.op == NULL or m.op.state != ST_ACTIVE):
+            if m.op == NULL:
+                free_send(m)
+        elif not m.owned:
+            op_msg_done(e, m.op)
+
+cdef void on_abort(State* e, Rail* r, const char* text, uint32_t n) noexcept nogil:
+    cdef r2_hdr* h = &r.rh
+    cdef string msg = string(text, n)
+    cdef Op* op = NULL
+    cdef SendMsg* sm
+    if h.flags & FL_P2P:
+        it = e.smap.find(mkey(r.peer, h.comm, FL_P2P, 0, h.seq))
+        if it != e.smap.end():
+            sm = <SendMsg*>deref(it).second
+            op = sm.op
+    else:
+        ita = e.active.find(CS(h.comm, h.seq))
+        if ita != e.active.end():
+            op = deref(ita).second
+        elif h.seq >= e.next_seq[h.comm]:
+            e.aborted[CS(h.comm, h.seq)] = pair[int, string](<int>h.aux, msg)
+    add_event(e, EV_ABORT, r.peer, r.index, r.peer, 0, 0, msg.c_str())
+    if op != NULL and op.state == ST_ACTIVE:
+        fail_op(e, op, <int>h.aux, msg.c_str(), 0)
+
+cdef void on_rail_down(State* e, Rail* r) noexcept nogil:
+    cdef r2_hdr* h = &r.rh
+    cdef Peer* p = e.peers[r.peer]
+    cdef Rail* t
+    queue_ctrl(e, r, F_RAIL_DOWN_ACK, 0, 0, h.seq, 0, 0, h.aux, NULL, 0)
+    if h.aux < <uint32_t>p.nrails:
+        t = p.rails[h.aux]
+        if t.state == R_UP and t.conn_id == h.seq:
+            add_event(e, EV_NOTIFIED, r.peer, h.aux, r.peer, 0, 0, "peer reported the rail dead")
+            fail_rail(e, t, "reported by peer", r.peer, 0)
+
+cdef void on_rail_down_ack(State* e, Rail* r) noexcept nogil:
+    cdef r2_hdr* h = &r.rh
+    cdef size_t i
+    for i in range(e.notices.size()):
+        if e.notices[i].peer == r.peer and e.notices[i].rail == <int>h.aux and \
+                e.notices[i].conn_id == h.seq:
+            add_event(e, EV_NOTIFY_ACKED, r.peer, <int>h.aux, e.me, 0, 0, "peer acknowledged")
+            erase_at(e.notices, i)
+            return
+
+cdef int rx_header(State* e, Rail* r) noexcept nogil:
+    """Validate and dispatch a header. Returns -1 if the connection was closed."""
+    cdef int bad = hdr_validate(&r.rh, e.cs)
+    if bad != 0:
+        add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, 0, 0,
+                  "malformed frame (bad magic, checksum, type or length): connection closed")
+        fail_rail(e, r, "malformed frame", e.me, 1)
+        return -1
+    r.rgot = 0
+    if r.rh.type == F_DATA:
+        if r.index >= e.peers[r.peer].nrails:
+            fail_rail(e, r, "data frame on control connection", e.me, 1)
+            return -1
+        rx_data_header(e, r)
+        r.rstate = 1
+        if r.rh.len == 0:
+            rx_data_done(e, r)
+            r.rstate = 0
+    elif r.rh.type == F_ACK:
+        on_ack(e, r)
+    elif r.rh.type == F_RAIL_DOWN:
+        on_rail_down(e, r)
+    elif r.rh.type == F_RAIL_DOWN_ACK:
+        on_rail_down_ack(e, r)
+    elif r.rh.type == F_ABORT:
+        r.rkind = K_CTRL
+        r.rtarget = <char*>malloc(r.rh.len + 1)
+        r.rstate = 1
+        if r.rh.len == 0:
+            on_abort(e, r, r.rtarget, 0)
+            free(r.rtarget)
+            r.rtarget = NULL
+            r.rstate = 0
+    return 0 if r.state == R_UP else -1
+
+cdef void rx_payload_done(State* e, Rail* r) noexcept nogil:
+    if r.rkind == K_CTRL:
+        on_abort(e, r, r.rtarget, r.rh.len)
+        free(r.rtarget)
+        r.rtarget = NULL
+        r.rkind = K_NONE
+    else:
+        rx_data_done(e, r)
+    r.rstate = 0
+
+cdef void rail_read(State* e, Rail* r) noexcept nogil:
+    cdef int64_t n
+    cdef uint32_t avail, take, need
+    cdef int rounds = 0
+    while r.state == R_UP and rounds < 64:
+        rounds += 1
+        need = r.rh.len - r.rgot
+        if r.blackhole:
+            n = e.tp.post_recv(r.fd, e.trash, e.cs)
+            if n == 0:
+                return
+            if n < 0:
+                fail_rail(e, r, "connection closed" if n == T_EOF else "receive error", e.me, 1)
+                return
+            continue
+        if r.rstate == 1 and r.rpos == r.rlen and need >= DIRECT_MIN and r.rtarget != NULL:
+            n = e.tp.post_recv(r.fd, r.rtarget + r.rgot, need)
+            if n == 0:
+                return
+            if n < 0:
+                fail_rail(e, r, "connection closed" if n == T_EOF else "receive error", e.me, 1)
+                return
+            r.bytes_recv += n
+            r.rgot += <uint32_t>n
+            if r.rgot == r.rh.len:
+                rx_payload_done(e, r)
+            continue
+        if r.rpos == r.rlen:
+            r.rpos = 0
+            r.rlen = 0
+        elif r.rpos > 0 and r.rlen > RBUF_SIZE // 2:
+            memmove(r.rbuf, r.rbuf + r.rpos, r.rlen - r.rpos)
+            r.rlen -= r.rpos
+            r.rpos = 0
+        n = e.tp.post_recv(r.fd, r.rbuf + r.rlen, RBUF_SIZE - r.rlen)
+        if n == 0:
+            return
+        if n < 0:
+            fail_rail(e, r, "connection closed" if n == T_EOF else "receive error", e.me, 1)
+            return
+        r.bytes_recv += n
+        r.rlen += <uint32_t>n
+        while r.state == R_UP:
+            avail = r.rlen - r.rpos
+            if r.rstate == 0:
+                if avail < HDR_SIZE:
+                    break
+                memcpy(&r.rh, r.rbuf + r.rpos, HDR_SIZE)
+                r.rpos += HDR_SIZE
+                if rx_header(e, r) < 0:
+                    return
+            else:
+                need = r.rh.len - r.rgot
+                take = avail if avail < need else need
+                if take == 0:
+                    break
+                if r.rtarget != NULL:
+                    memcpy(r.rtarget + r.rgot, r.rbuf + r.rpos, take)
+                r.rpos += take
+                r.rgot += take
+                if r.rgot == r.rh.len:
+                    rx_payload_done(e, r)
+                else:
+                    break
+
+# ---------------------------------------------------------------------------------------------
+# Failures
+
+cdef void notify_peer(State* e, Peer* p, int rail, uint32_t conn_id) noexcept nogil:
+    """Tell the peer over the control connection and a surviving rail; repeated until acked."""
+    cdef int k
+    cdef int sent = 0
+    cdef Rail* t
+    for k in range(p.nrails, -1, -1):
+        t = p.rails[k]
+        if k != rail and t.state == R_UP:
+            queue_ctrl(e, t, F_RAIL_DOWN, 0, 0, conn_id, 0, 0, <uint32_t>rail, NULL, 0)
+            rail_write(e, t)
+            sent += 1
+            if sent == 2:
+                break
+    return
+
+cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int notify) noexcept nogil:
+    cdef Peer* p = e.peers[r.peer]
+    cdef vector[CRef] back
+    cdef CRef ref
+    cdef SendMsg* m
+    cdef uint64_t nbytes = 0
+    cdef size_t i
+    cdef Notice nt
+    cdef double now = mono()
+    cdef int k, up = 0
+    cdef uint32_t old_conn = r.conn_id
+    if r.state != R_UP:
+        return
+    r.state = R_DOWN
+    if r.fd >= 0:
+        epoll_ctl(e.epfd, EPOLL_CTL_DEL, r.fd, NULL)
+        e.tp.shutdown(r.fd)
+        e.tp.close(r.fd)
+        r.fd = -1
+    r.want_out = 0
+    r.blackhole = 0
+    r.fault_at = -1
+    for i in range(r.inflight.size()):
+        ref = r.inflight[i]
+        m = <SendMsg*>ref.m
+        if (m.cstate[ref.c] & 0x7F) == C_INFLIGHT and m.crail[ref.c] == r.index:
+            m.cstate[ref.c] = C_QUEUED | C_RESENT
+            m.crail[ref.c] = -1
+            nbytes += chunk_len(m.total, m.cs, ref.c)
+            back.push_back(ref)
+    for i in range(back.size()):
+        p.ready.push_front(back[back.size() - 1 - i])
+    r.inflight.clear()
+    r.inflight_bytes = 0
+    r.tx_busy = 0
+    if r.tx_orphan != NULL:
+        free(r.tx_orphan)
+        r.tx_orphan = NULL
+    r.txq.clear()
+    r.txq_pos = 0
+    if r.rtarget != NULL and (r.rkind == K_BUF or r.rkind == K_CTRL):
+        free(r.rtarget)
+    r.rtarget = NULL
+    r.rkind = K_NONE
+    r.rmsg = NULL
+    r.rstate = 0
+    r.rpos = 0
+    r.rlen = 0
+    r.rgot = 0
+    r.bytes_resent += nbytes
+    # flapping: a rail that fails soon after coming back waits longer before the next probe
+    if r.restore_time > 0 and now - r.restore_time < 2.0:
+        r.backoff = r.backoff * 2 if r.backoff > 0 else e.probe_base
+        if r.backoff > e.probe_max:
+            r.backoff = e.probe_max
+    else:
+        r.backoff = e.probe_base
+    r.fail_time = now
+    r.fail_count += 1
+    r.next_probe = now + r.backoff
+    if r.index < p.nrails:
+        if e.fault_time == 0:
+            e.fault_time = wall()
+        add_event(e, EV_RAIL_FAILED, r.peer, r.index, detector, nbytes, 0, reason)
+        if nbytes:
+            e.awaiting_redelivery = 1
+            add_event(e, EV_MIGRATED, r.peer, r.index, e.me, nbytes, 0,
+                      "unacknowledged chunks re-queued on surviving rails")
+        if notify:
+            nt.peer = r.peer
+            nt.rail = r.index
+            nt.conn_id = old_conn
+            nt.next_send = now + 0.05
+            nt.tries = 0
+            e.notices.push_back(nt)
+            notify_peer(e, p, r.index, old_conn)
+            add_event(e, EV_NOTIFY_SENT, r.peer, r.index, e.me, 0, 0, "rail failure sent to peer")
+        for k in range(p.nrails):
+            if p.rails[k].state == R_UP:
+                up += 1
+        if up == 0 and p.all_down_since == 0:
+            p.all_down_since = now
+        pump_peer(e, p)
+    e.signal = 1
+
+cdef void free_send(SendMsg* m) noexcept nogil:
+    if m.owned and m.base != NULL:
+        free(m.base)
+    free(m.cstate)
+    free(m.crail)
+    free(m.gate)
+    del m
+
+cdef void free_recv(RecvMsg* rm) noexcept nogil:
+    cdef uint32_t c
+    if rm.held != NULL:
+        for c in range(rm.nchunks):
+            if rm.held[c] != NULL:
+                free(rm.held[c])
+        free(rm.held)
+    free(rm.cdone)
+    free(rm.gate)
+    del rm
+
+cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
+    """Remove every reference the rails and queues hold to m's chunks."""
+    cdef Peer* p = e.peers[m.peer]
+    cdef Rail* r
+    cdef size_t i
+    cdef int k
+    cdef deque[CRef] keep
+    cdef CRef ref
+    if not m.done:
+        e.smap.erase(mkey(m.peer, m.comm, m.flags, m.step, m.seq))
+        m.done = 1
+    for i in range(p.ready.size()):
+        ref = p.ready[i]
+        if ref.m != <void*>m:
+            keep.push_back(ref)
+    p.ready.swap(keep)
+    for k in range(p.nrails):
+        r = p.rails[k]
+        keep.clear()
+        for i in range(r.inflight.size()):
+            ref = r.inflight[i]
+            if ref.m != <void*>m:
+                keep.push_back(ref)
+            else:
+                r.inflight_bytes -= chunk_len(m.total, m.cs, ref.c)
+        r.inflight.swap(keep)
+        if r.tx_busy and r.tx_payload >= m.base and r.tx_payload < m.base + m.total + 1 \
+                and r.tx_orphan == NULL:
+            # the frame on the wire must complete: keep its bytes in a private copy
+            r.tx_orphan = <char*>malloc(r.tx_plen if r.tx_plen else 1)
+            memcpy(r.tx_orphan, r.tx_payload, r.tx_plen)
+            r.tx_payload = r.tx_orphan
+    for i in range(m.nchunks):
+        if (m.cstate[i] & 0x7F) != C_ACKED:
+            m.cstate[i] = C_ACKED
+
+cdef void unlink_recv(State* e, RecvMsg* rm) noexcept nogil:
+    """Forget a receive: later frames for it are stale; rails reading into it drop the bytes."""
+    cdef Peer* p = e.peers[rm.peer]
+    cdef Rail* r
+    cdef int k
+    cdef P2PState* st
+    cdef size_t i
+    if rm.flags & FL_P2P:
+        st = p2p_state(p, rm.comm)
+        if rm.bound:
+            itb = st.bound.find(rm.seq)
+            if itb != st.bound.end() and deref(itb).second == <void*>rm:
+                st.bound.erase(itb)
+        else:
+            for i in range(st.posted.size()):
+                if st.posted[i] == <void*>rm:
+                    erase_at(st.posted, i)
+                    break
+    else:
+        it = e.rmap.find(mkey(rm.peer, rm.comm, 0, rm.step, rm.seq))
+        if it != e.rmap.end() and deref(it).second == <void*>rm:
+            e.rmap.erase(it)
+    for k in range(p.nrails):
+        r = p.rails[k]
+        if r.rmsg == <void*>rm and (r.rkind == K_DIRECT or r.rkind == K_STAGE):
+            r.rkind = K_TRASH
+            r.rtarget = NULL
+            r.rmsg = NULL
+
+cdef void send_abort(State* e, int peer, uint8_t flags, uint32_t comm, uint32_t seq, int code,
+                     const char* msg) noexcept nogil:
+    cdef Peer* p = e.peers[peer]
+    cdef int k
+    cdef uint32_t n = <uint32_t>len_c(msg)
+    if p == NULL:
+        return
+    if n > MAX_CTRL_PAYLOAD:
+        n = MAX_CTRL_PAYLOAD
+    for k in range(p.nrails, -1, -1):
+        if p.rails[k].state == R_UP:
+            queue_ctrl(e, p.rails[k], F_ABORT, flags, comm, seq, 0, 0, <uint32_t>code, msg, n)
+            rail_write(e, p.rails[k])
+            return
+
+cdef extern from "<string.h>" nogil:
+    size_t len_c "strlen"(const char*)
+
+cdef void fail_op(State* e, Op* op, int code, const char* msg, int propagate) noexcept nogil:
+    cdef size_t i
+    cdef SendMsg* sm
+    cdef RecvMsg* rm
+    cdef char buf[4200]
+    if op.state != ST_ACTIVE:
+        return
+    op.state = ST_ERROR
+    op.err = code
+    op.msg = string(msg)
+    for i in range(op.sends.size()):
+        purge_send(e, <SendMsg*>op.sends[i])
+    for i in range(op.recvs.size()):
+        unlink_recv(e, <RecvMsg*>op.recvs[i])
+    if propagate:
+        snprintf(buf, sizeof(buf), "%s (detected by rank %d)", msg, e.me)
+        op.msg = string(<const char*>buf)
+        if op.p2p:
+            for i in range(op.recvs.size()):
+                rm = <RecvMsg*>op.recvs[i]
+                if rm.bound:
+                    send_abort(e, rm.peer, FL_P2P, rm.comm, rm.seq, code, buf)
+        else:
+            for i in range(op.members.size()):
+                if op.members[i] != e.me:
+                    send_abort(e, op.members[i], 0, op.comm, op.seq, code, buf)
+    e.signal = 1
+
+cdef void peer_lost(State* e, Peer* p) noexcept nogil:
+    cdef char buf[300]
+    cdef vector[Op*] victims
+    cdef Op* op
+    cdef size_t i
+    cdef int involved
+    p.lost = 1
+    snprintf(buf, 300, "lost every rail to rank %d (no working NIC path between ranks %d and %d)",
+             p.rank, e.me, p.rank)
+    add_event(e, EV_PEER_LOST, p.rank, -1, e.me, 0, 0, buf)
+    it = e.ops.begin()
+    while it != e.ops.end():
+        op = deref(it).second
+        if op.state == ST_ACTIVE:
+            involved = 0
+            for i in range(op.sends.size()):
+                if (<SendMsg*>op.sends[i]).peer == p.rank and not (<SendMsg*>op.sends[i]).done:
+                    involved = 1
+            for i in range(op.recvs.size()):
+                if (<RecvMsg*>op.recvs[i]).peer == p.rank and not (<RecvMsg*>op.recvs[i]).done:
+                    involved = 1
+            if not op.p2p:
+                for i in range(op.members.size()):
+                    if op.members[i] == p.rank:
+                        involved = 1
+            if involved:
+                victims.push_back(op)
+        inc(it)
+    for i in range(victims.size()):
+        fail_op(e, victims[i], E_NETWORK, buf, 1)
+
+
+cdef void check_timers(State* e) noexcept nogil:
+    cdef double now = mono()
+    cdef Peer* p
+    cdef Rail* r
+    cdef int i, k, up
+    cdef size_t j
+    cdef vector[Op*] late
+    cdef Op* op
+    cdef char buf[200]
+    for i in range(e.nranks):
+        p = e.peers[i]
+        if p == NULL:
+            continue
+        up = 0
+        for k in range(p.nrails):
+            r = p.rails[k]
+            if r.state != R_UP:
+                continue
+            up += 1
+            if not r.inflight.empty() and now - r.last_progress > e.rail_timeout:
+                fail_rail(e, r, "no progress within the rail deadline (silent failure)", e.me, 1)
+                up -= 1
+        if up == 0 and p.nrails > 0:
+            if p.all_down_since == 0:
+                p.all_down_since = now
+            elif not p.lost and now - p.all_down_since > e.peer_timeout:
+                peer_lost(e, p)
+        else:
+            p.all_down_since = 0
+    j = 0
+    while j < e.notices.size():
+        if now >= e.notices[j].next_send:
+            e.notices[j].tries += 1
+            if e.notices[j].tries > 20:
+                erase_at(e.notices, j)
+                continue
+            e.notices[j].next_send = now + 0.1
+            notify_peer(e, e.peers[e.notices[j].peer], e.notices[j].rail, e.notices[j].conn_id)
+        j += 1
+    it = e.ops.begin()
+    while it != e.ops.end():
+        op = deref(it).second
+        if op.state == ST_ACTIVE and now > op.deadline:
+            late.push_back(op)
+        inc(it)
+    for j in range(late.size()):
+        snprintf(buf, 200, "operation timed out (comm %u, sequence %u): a peer did not take part "
+                 "in time", late[j].comm, late[j].seq)
+        fail_op(e, late[j], E_TIMEOUT, buf, 1)
+
+cdef void progress_loop(State* e) noexcept nogil:
+    cdef epoll_event evs[64]
+    cdef int n, i, tmo, pi, ri
+    cdef uint64_t tag, drain
+    cdef Rail* r
+    cdef Peer* p
+    cdef double last_timer = 0, now
+    while True:
+        pthread_mutex_lock(&e.mu)
+        if e.stop:
+            pthread_mutex_unlock(&e.mu)
+            break
+        tmo = 2 if (not e.ops.empty() or not e.notices.empty() or not e.smap.empty()) else 20
+        pthread_mutex_unlock(&e.mu)
+        n = epoll_wait(e.epfd, evs, 64, tmo)
+        pthread_mutex_lock(&e.mu)
+        for i in range(n):
+            tag = evs[i].data.u64
+            if tag == EVFD_TAG:
+                read(e.evfd, &drain, 8)
+                continue
+            pi = <int>((tag >> 8) & 0xFFFFFF)
+            ri = <int>(tag & 0xFF)
+            if pi >= e.nranks or e.peers[pi] == NULL or ri > e.peers[pi].nrails:
+                continue
+            r = e.peers[pi].rails[ri]
+            if r.state != R_UP or r.gen != <uint32_t>(tag >> 32):
+                continue
+            if evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP):
+                rail_read(e, r)
+            if r.state == R_UP and (evs[i].events & EPOLLOUT or r.txq.size() > r.txq_pos):
+                rail_write(e, r)
+        for pi in range(e.nranks):
+            p = e.peers[pi]
+            if p != NULL:
+                pump_peer(e, p)
+        now = mono()
+        if now - last_timer > 0.001:
+            last_timer = now
+            check_timers(e)
+        if e.signal:
+            e.signal = 0
+            pthread_cond_broadcast(&e.cv)
+        pthread_mutex_unlock(&e.mu)
+
+# ---------------------------------------------------------------------------------------------
+# Python-facing objects
+
+cdef cppclass PlanC:
+    vector[int] kind, peer, step, buf, mode, owned
+    vector[uint64_t] off, nbytes
+    vector[pair[int, int]] deps
+
+
+cdef class Plan:
+    """One rank's compiled schedule for one (operation, size, dtype, epoch): messages and the
+    chunk-level dependencies between them. Buffers are referred to by index (0 work, 1 send,
+    2 scratch) and bound at post time, so a Plan is cached and reused."""
+    cdef PlanC* c
+    cdef public str algo
+    cdef public object info
+
+    def __cinit__(self, *args, **kwargs):
+        self.c = r2_new[PlanC]()
+
+    def __dealloc__(self):
+        del self.c
+
+    def __init__(self, msgs, deps, algo="", info=None):
+        for m in msgs:
+            self.c.kind.push_back(1 if m[0] == "send" else 0)
+            self.c.peer.push_back(m[1])
+            self.c.step.push_back(m[2])
+            self.c.buf.push_back(m[3])
+            self.c.off.push_back(m[4])
+            self.c.nbytes.push_back(m[5])
+            self.c.mode.push_back(m[6])
+            self.c.owned.push_back(1 if m[7] else 0)
+        for a, b in deps:
+            self.c.deps.push_back(pair[int, int](a, b))
+        self.algo = algo
+        self.info = info
+
+    @property
+    def nmsgs(self):
+        return self.c.kind.size()
+
+
+cdef class Buffer:
+    """Holds a buffer export for as long as the engine may touch the memory."""
+    cdef Py_buffer view
+    cdef int held
+    cdef readonly uint64_t ptr
+    cdef readonly Py_ssize_t nbytes
+
+    def __cinit__(self, obj, bint writable):
+        PyObject_GetBuffer(obj, &self.view, PyBUF_WRITABLE if writable else PyBUF_SIMPLE)
+        self.held = 1
+        self.ptr = <uint64_t>self.view.buf
+        self.nbytes = self.view.len
+
+    def release(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+            self.held = 0
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+
+def memcopy(uint64_t dst, uint64_t src, uint64_t n):
+    """memcpy between two buffer addresses without the GIL (local copies of a schedule)."""
+    with nogil:
+        memcpy(<void*>dst, <const void*>src, n)
+
+
+def reduce_local(uint64_t dst, uint64_t src, uint64_t nbytes, int dtype, int redop, int rev=0):
+    """dst op= src with the engine's kernels (used for local steps and by the tests)."""
+    cdef int rc
+    with nogil:
+        rc = reduce_into(<void*>dst, <const void*>src, nbytes, dtype, redop, rev)
+    if rc != 0:
+        raise ValueError("unknown dtype or op code")
+
+
+cdef class Engine:
+    """The engine of one rank: peers, rails, the progress thread's state."""
+    cdef State* e
+    cdef int started
+    cdef object thread
+
+    def __cinit__(self, int me, int nranks, list nrails_per_peer, uint32_t chunk_size,
+                  double rail_timeout, double peer_timeout, uint64_t window,
+                  double probe_base=0.1, double probe_max=5.0):
+        cdef pthread_condattr_t ca
+        cdef Peer* p
+        cdef Rail* r
+        cdef int i, k
+        cdef epoll_event ev
+        self.e = r2_new[State]()
+        e = self.e
+        e.me = me
+        e.nranks = nranks
+        e.cs = chunk_size
+        e.rail_timeout = rail_timeout
+        e.peer_timeout = peer_timeout
+        e.window = window
+        e.probe_base = probe_base
+        e.probe_max = probe_max
+        tcp_transport(&e.tp)
+        pthread_mutex_init(&e.mu, NULL)
+        pthread_condattr_init(&ca)
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC)
+        pthread_cond_init(&e.cv, &ca)
+        e.epfd = epoll_create1(EPOLL_CLOEXEC)
+        e.evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
+        ev.events = EPOLLIN
+        ev.data.u64 = EVFD_TAG
+        epoll_ctl(e.epfd, EPOLL_CTL_ADD, e.evfd, &ev)
+        e.trash = <char*>malloc(chunk_size)
+        for i in range(nranks):
+            if i == me:
+                e.peers.push_back(NULL)
+                continue
+            p = r2_new[Peer]()
+            p.rank = i
+            p.nrails = nrails_per_peer[i]
+            for k in range(p.nrails + 1):
+                r = r2_new[Rail]()
+                r.peer = i
+                r.index = k
+                r.window = window
+                r.rbuf = <char*>malloc(RBUF_SIZE)
+                r.stage = <char*>malloc(chunk_size) if k < p.nrails else NULL
+                p.rails.push_back(r)
+            e.peers.push_back(p)
+        nmax = max(nrails_per_peer) if nrails_per_peer else 0
+        for k in range(nmax):
+            e.inj_mode.push_back(INJ_NONE)
+            e.inj_peer.push_back(-1)
+        self.started = 0
+
+    def start(self):
+        import threading
+        self.thread = threading.Thread(target=self._run, name="r2comm-progress", daemon=True)
+        self.thread.start()
+        self.started = 1
+
+    def _run(self):
+        with nogil:
+            progress_loop(self.e)
+
+    def close(self):
+        """Stop the progress thread, close every connection, free everything."""
+        cdef uint64_t one = 1
+        cdef State* e = self.e
+        cdef Peer* p
+        cdef int i, k
+        if e == NULL:
+            return
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            e.stop = 1
+            pthread_mutex_unlock(&e.mu)
+            write(e.evfd, &one, 8)
+        if self.started:
+            self.thread.join(5.0)
+        with nogil:
+            it = e.ops.begin()
+            while it != e.ops.end():
+                free_op(e, deref(it).second, 0)
+                inc(it)
+            e.ops.clear()
+            it2 = e.smap.begin()
+            while it2 != e.smap.end():
+                free_send(<SendMsg*>deref(it2).second)
+                inc(it2)
+            e.smap.clear()
+            for i in range(e.nranks):
+                p = e.peers[i]
+                if p == NULL:
+                    continue
+                for k in range(p.nrails + 1):
+                    if p.rails[k].fd >= 0:
+                        e.tp.close(p.rails[k].fd)
+                    free(p.rails[k].rbuf)
+                    free(p.rails[k].stage)
+                    if p.rails[k].rtarget != NULL and (p.rails[k].rkind == K_BUF or p.rails[k].rkind == K_CTRL):
+                        free(p.rails[k].rtarget)
+                    del p.rails[k]
+                itp = p.p2p.begin()
+                while itp != p.p2p.end():
+                    free_p2p(deref(itp).second)
+                    inc(itp)
+                del p
+            itu = e.cunexp.begin()
+            while itu != e.cunexp.end():
+                free_unexp(deref(itu).second)
+                inc(itu)
+            close(e.epfd)
+            close(e.evfd)
+            free(e.trash)
+            pthread_cond_destroy(&e.cv)
+            pthread_mutex_destroy(&e.mu)
+        del self.e
+        self.e = NULL
+
+    def __dealloc__(self):
+        if self.e != NULL and not self.started:
+            self.close()
+
+    # -- connections ---------------------------------------------------------------------------
+    def attach(self, int peer, int rail, int fd, uint32_t conn_id):
+        """Hand an authenticated, non-blocking connection to the engine as (peer, rail)."""
+        cdef State* e = self._live()
+        cdef Rail* r
+        cdef epoll_event ev
+        cdef int restored
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
+            raise ValueError(f"no such peer/rail {peer}/{rail}")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            r = e.peers[peer].rails[rail]
+            if r.state == R_UP:
+                fail_rail(e, r, "replaced by a new connection", e.me, 0)
+            restored = r.fail_count > 0
+            r.fd = fd
+            r.conn_id = conn_id
+            r.gen += 1
+            r.state = R_UP
+            r.want_out = 0
+            r.rstate = 0
+            r.rpos = 0
+            r.rlen = 0
+            r.restore_time = mono()
+            r.last_progress = r.restore_time
+            ev.events = EPOLLIN
+            ev.data.u64 = (<uint64_t>r.gen << 32) | (<uint64_t>peer << 8) | <uint64_t>rail
+            epoll_ctl(e.epfd, EPOLL_CTL_ADD, fd, &ev)
+            e.peers[peer].all_down_since = 0
+            e.peers[peer].lost = 0
+            if restored and rail < e.peers[peer].nrails:
+                add_event(e, EV_RAIL_RESTORED, peer, rail, e.me, 0, 0, "rail re-admitted")
+            pump_peer(e, e.peers[peer])
+            pthread_mutex_unlock(&e.mu)
+
+    def reconnect_due(self):
+        """(peer, rail) pairs that are down and due for a probe, with no injected fault on them."""
+        cdef State* e = self._live()
+        cdef list out = []
+        cdef double now = mono()
+        cdef int i, k
+        cdef Peer* p
+        cdef Rail* r
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            for i in range(e.nranks):
+                p = e.peers[i]
+                if p == NULL:
+                    continue
+                for k in range(p.nrails):
+                    r = p.rails[k]
+                    if r.state == R_DOWN and r.fail_count > 0 and now >= r.next_probe and \
+                            not self._injected(k, i):
+                        out.append((i, k))
+        finally:
+            pthread_mutex_unlock(&e.mu)
+        return out
+
+    def probe_failed(self, int peer, int rail):
+        cdef State* e = self._live()
+        cdef Rail* r
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            r = e.peers[peer].rails[rail]
+            r.backoff = r.backoff * 2 if r.backoff > 0 else e.probe_base
+            if r.backoff > e.probe_max:
+                r.backoff = e.probe_max
+            r.next_probe = mono() + r.backoff
+            pthread_mutex_unlock(&e.mu)
+
+    cdef int _injected(self, int rail, int peer):
+        cdef State* e = self.e
+        if rail >= <int>e.inj_mode.size():
+            return 0
+        return e.inj_mode[rail] != INJ_NONE and (e.inj_peer[rail] < 0 or e.inj_peer[rail] == peer)
+
+    def injected(self, int rail, int peer):
+        return bool(self._injected(rail, peer))
+
+    # -- fault injection -----------------------------------------------------------------------
+    def inject(self, int rail, int mode, int peer=-1, int64_t after_bytes=-1):
+        """Fail rail `rail` (to `peer`, or to all peers): mode 1 hard (the connection is shut
+        down for real), 2 silent (the emulated NIC drops everything in both directions). With
+        after_bytes >= 0 the fault strikes once that many more bytes have left on the rail."""
+        cdef State* e = self._live()
+        cdef int i
+        cdef Rail* r
+        if rail < 0 or rail >= <int>e.inj_mode.size():
+            raise ValueError(f"rail index {rail} out of range (0..{e.inj_mode.size() - 1})")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            e.inj_mode[rail] = mode
+            e.inj_peer[rail] = peer
+            for i in range(e.nranks):
+                if e.peers[i] == NULL or (peer >= 0 and i != peer) or rail >= e.peers[i].nrails:
+                    continue
+                r = e.peers[i].rails[rail]
+                if r.state != R_UP:
+                    continue
+                if after_bytes >= 0:
+                    r.fault_at = <int64_t>r.bytes_sent + after_bytes
+                    r.fault_mode = mode
+                else:
+                    inject_now(e, r, mode)
+            pthread_mutex_unlock(&e.mu)
+        self._wake()
+
+    def clear_injection(self, int rail):
+        cdef State* e = self._live()
+        cdef int i
+        if rail < 0 or rail >= <int>e.inj_mode.size():
+            raise ValueError(f"rail index {rail} out of range")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            e.inj_mode[rail] = INJ_NONE
+            e.inj_peer[rail] = -1
+            for i in range(e.nranks):
+                if e.peers[i] != NULL and rail < e.peers[i].nrails:
+                    e.peers[i].rails[rail].fault_at = -1
+                    e.peers[i].rails[rail].next_probe = 0
+            pthread_mutex_unlock(&e.mu)
+
+    def set_weights(self, list weights):
+        """Rail weights (relative bandwidth): each rail's window is scaled by its weight."""
+        cdef State* e = self._live()
+        cdef double wmax = max(weights) if weights else 1.0
+        cdef int i, k
+        cdef Peer* p
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            for i in range(e.nranks):
+                p = e.peers[i]
+                if p == NULL:
+                    continue
+                for k in range(min(p.nrails, len(weights))):
+                    p.rails[k].weight = weights[k]
+                    p.rails[k].window = max(<uint64_t>(e.window * weights[k] / wmax), <uint64_t>e.cs)
+        finally:
+            pthread_mutex_unlock(&e.mu)
+
+    # -- operations ----------------------------------------------------------------------------
+    def post(self, Plan plan, uint64_t b0, uint64_t b1, uint64_t b2, int dtype, int redop,
+             uint32_t comm, uint32_t seq, uint32_t sig, double timeout, members,
+             int p2p=0, int tag=0, uint64_t cap=0):
+        """Start one operation; returns its id. For p2p (a single send or receive), seq is
+        assigned here and tag/cap describe the message."""
+        cdef State* e = self._live()
+        cdef uint64_t bufs[3]
+        cdef Op* op
+        cdef vector[int] mem
+        cdef uint64_t oid
+        cdef int isz = itemsize(dtype)
+        if isz == 0:
+            raise ValueError("unknown dtype code")
+        for x in members:
+            mem.push_back(x)
+        bufs[0] = b0
+        bufs[1] = b1
+        bufs[2] = b2
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, p2p, tag, cap, isz)
+            pthread_mutex_unlock(&e.mu)
+        return oid
+
+    def wait(self, uint64_t oid, double timeout):
+        """Block (without the GIL) until the operation ends or `timeout` seconds pass.
+        Returns (state, error code, message, bytes received)."""
+        cdef State* e = self._live()
+        cdef Op* op
+        cdef timespec ts
+        cdef double until = mono() + timeout, t
+        cdef int state = -1, err = 0
+        cdef string msg
+        cdef uint64_t nrecv = 0
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            while True:
+                it = e.ops.find(oid)
+                if it == e.ops.end():
+                    state = -1
+                    break
+                op = deref(it).second
+                if op.state != ST_ACTIVE:
+                    state = op.state
+                    err = op.err
+                    msg = op.msg
+                    nrecv = op.nbytes_recv
+                    break
+                t = mono()
+                if t >= until:
+                    state = ST_ACTIVE
+                    break
+                t = until if until - t < 0.05 else t + 0.05
+                ts.tv_sec = <long>t
+                ts.tv_nsec = <long>((t - ts.tv_sec) * 1e9)
+                pthread_cond_timedwait(&e.cv, &e.mu, &ts)
+            pthread_mutex_unlock(&e.mu)
+        cdef bytes bmsg = msg
+        return state, err, bmsg.decode("utf-8", "replace"), nrecv
+
+    def test(self, uint64_t oid):
+        return self.wait(oid, 0.0)
+
+    def cancel(self, uint64_t oid, int code, str message):
+        """Fail a still-running operation (used when a wait gives up)."""
+        cdef State* e = self._live()
+        cdef bytes b = message.encode()
+        cdef const char* m = b
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            it = e.ops.find(oid)
+            if it != e.ops.end():
+                fail_op(e, deref(it).second, code, m, 1)
+            pthread_mutex_unlock(&e.mu)
+
+    def release(self, uint64_t oid):
+        """Forget a finished operation (its buffers are the user's again)."""
+        cdef State* e = self._live()
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            it = e.ops.find(oid)
+            if it != e.ops.end():
+                free_op(e, deref(it).second, 1)
+                e.ops.erase(it)
+            pthread_mutex_unlock(&e.mu)
+
+    # -- observation ---------------------------------------------------------------------------
+    def events_since(self, Py_ssize_t start):
+        cdef State* e = self._live()
+        cdef list out = []
+        cdef size_t i
+        cdef bytes info
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            for i in range(start, e.events.size()):
+                ev = e.events[i]
+                info = e.event_info[i]
+                out.append({"t": ev.t, "kind": EVENT_NAMES.get(ev.kind, str(ev.kind)),
+                            "rank": e.me, "peer": ev.peer, "rail": ev.rail,
+                            "detector": ev.detector, "nbytes": ev.nbytes, "dt": ev.dt,
+                            "info": info.decode("utf-8", "replace")})
+        finally:
+            pthread_mutex_unlock(&e.mu)
+        return out
+
+    def rail_stats(self):
+        """Per peer, per rail: (state, bytes_sent, bytes_recv, bytes_resent, inflight, weight, failures)."""
+        cdef State* e = self._live()
+        cdef dict out = {}
+        cdef int i, k
+        cdef Rail* r
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            for i in range(e.nranks):
+                if e.peers[i] == NULL:
+                    continue
+                rows = []
+                for k in range(e.peers[i].nrails):
+                    r = e.peers[i].rails[k]
+                    rows.append(("up" if r.state == R_UP else "down", r.bytes_sent, r.bytes_recv,
+                                 r.bytes_resent, r.inflight_bytes, r.weight, r.fail_count))
+                out[i] = rows
+        finally:
+            pthread_mutex_unlock(&e.mu)
+        return out
+
+    def peer_ok(self, int peer):
+        cdef State* e = self._live()
+        return e.peers[peer] != NULL and not e.peers[peer].lost
+
+    cdef State* _live(self) except NULL:
+        if self.e == NULL:
+            raise RuntimeError("engine is closed")
+        return self.e
+
+    cdef void _wake(self):
+        cdef uint64_t one = 1
+        write(self.e.evfd, &one, 8)
+
+
+
+cdef void free_p2p(P2PState* st) noexcept nogil:
+    it = st.unexp.begin()
+    while it != st.unexp.end():
+        free_unexp(deref(it).second)
+        inc(it)
+    del st
+
+cdef void free_op(State* e, Op* op, int unlink) noexcept nogil:
+    cdef size_t i
+    cdef SendMsg* sm
+    cdef RecvMsg* rm
+    for i in range(op.sends.size()):
+        sm = <SendMsg*>op.sends[i]
+        if sm.owned and not sm.done and unlink:
+            sm.op = NULL          # the engine keeps re-sending its own copy until acknowledged
+            continue
+        if unlink and not sm.done:
+            purge_send(e, sm)
+        free_send(sm)
+    for i in range(op.recvs.size()):
+        rm = <RecvMsg*>op.recvs[i]
+        if unlink:
+            unlink_recv(e, rm)
+        free_recv(rm)
+    if unlink and not op.p2p:
+        ita = e.active.find(CS(op.comm, op.seq))
+        if ita != e.active.end() and deref(ita).second == op:
+            e.active.erase(ita)
+    del op
+
+cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
+                      uint32_t seq, uint32_t sig, double timeout, vector[int]& members, int p2p,
+                      int tag, uint64_t cap, int isz) noexcept nogil:
+    cdef Op* op = r2_new[Op]()
+    cdef size_t i, n = plan.kind.size()
+    cdef vector[void*] msgs
+    cdef vector[int] is_send
+    cdef SendMsg* sm
+    cdef RecvMsg* rm
+    cdef Peer* p
+    cdef P2PState* st
+    cdef uint32_t cs = e.cs - (e.cs % <uint32_t>isz)
+    cdef uint32_t c, na, nb
+    cdef void* a
+    cdef void* b
+    cdef Dep d
+    cdef CRef ref
+    cdef char buf[200]
+    cdef int bad = 0
+    op.id = e.next_op
+    e.next_op += 1
+    op.deadline = mono() + timeout
+    op.comm = comm
+    op.seq = seq
+    op.p2p = p2p
+    op.members = members
+    e.ops[op.id] = op
+    for i in range(n):
+        p = e.peers[plan.peer[i]] if plan.peer[i] != e.me else NULL
+        if p == NULL:
+            bad = 1
+            break
+        if plan.kind[i] == 1:
+            sm = r2_new[SendMsg]()
+            sm.op = op
+            sm.peer = plan.peer[i]
+            sm.comm = comm
+            sm.step = plan.step[i]
+            sm.sig = sig
+            sm.dtype = dtype
+            sm.redop = redop
+            sm.total = plan.nbytes[i]
+            sm.cs = cs
+            sm.nchunks = nchunks_of(sm.total, cs)
+            sm.owned = plan.owned[i]
+            if p2p:
+                sm.flags = FL_P2P
+                sm.aux = <uint32_t>tag
+                sm.seq = p.p2p_send_seq[comm]
+                p.p2p_send_seq[comm] = sm.seq + 1
+                op.seq = sm.seq
+            else:
+                sm.flags = 0
+                sm.aux = 0
+                sm.seq = seq
+            sm.src = <char*>bufs[plan.buf[i]] + plan.off[i]
+            sm.base = <char*>malloc(sm.total if sm.total else 1) if sm.owned else sm.src
+            sm.cstate = <uint8_t*>calloc(sm.nchunks, 1)
+            sm.crail = <int8_t*>malloc(sm.nchunks)
+            memset(sm.crail, 0xFF, sm.nchunks)
+            sm.gate = <int32_t*>calloc(sm.nchunks, sizeof(int32_t))
+            e.smap[mkey(sm.peer, comm, sm.flags, sm.step, sm.seq)] = <void*>sm
+            op.sends.push_back(<void*>sm)
+            if not sm.owned:
+                op.pending += 1
+            msgs.push_back(<void*>sm)
+            is_send.push_back(1)
+        else:
+            rm = r2_new[RecvMsg]()
+            rm.op = op
+            rm.peer = plan.peer[i]
+            rm.comm = comm
+            rm.step = plan.step[i]
+            rm.sig = sig
+            rm.dtype = dtype
+            rm.redop = redop
+            rm.mode = plan.mode[i]
+            rm.cs = cs
+            rm.base = <char*>bufs[plan.buf[i]] + plan.off[i]
+            rm.total = plan.nbytes[i]
+            rm.cap = cap if p2p else rm.total
+            if p2p:
+                rm.flags = FL_P2P
+                rm.aux = <uint32_t>tag
+            else:
+                rm.flags = 0
+                rm.seq = seq
+                alloc_recv_arrays(rm)
+                e.rmap[mkey(rm.peer, comm, 0, rm.step, seq)] = <void*>rm
+            op.recvs.push_back(<void*>rm)
+            op.pending += 1
+            msgs.push_back(<void*>rm)
+            is_send.push_back(0)
+    if bad:
+        fail_op(e, op, E_PROTOCOL, "schedule names this rank or an unknown rank as a peer", 0)
+        return op.id
+    for i in range(plan.deps.size()):
+        a = msgs[plan.deps[i].first]
+        b = msgs[plan.deps[i].second]
+        na = (<SendMsg*>a).nchunks if is_send[plan.deps[i].first] else (<RecvMsg*>a).nchunks
+        nb = (<SendMsg*>b).nchunks if is_send[plan.deps[i].second] else (<RecvMsg*>b).nchunks
+        if na != nb:
+            fail_op(e, op, E_PROTOCOL, "schedule dependency between messages of different sizes", 0)
+            return op.id
+        d.m = b
+        d.is_send = is_send[plan.deps[i].second]
+        if is_send[plan.deps[i].first]:
+            (<SendMsg*>a).succ.push_back(d)
+        else:
+            (<RecvMsg*>a).succ.push_back(d)
+        for c in range(nb):
+            if d.is_send:
+                (<SendMsg*>b).gate[c] += 1
+            else:
+                (<RecvMsg*>b).gate[c] += 1
+    if not p2p:
+        if seq + 1 > e.next_seq[comm]:
+            e.next_seq[comm] = seq + 1
+        e.active[CS(comm, seq)] = op
+        ita = e.aborted.find(CS(comm, seq))
+        if ita != e.aborted.end():
+            fail_op(e, op, deref(ita).second.first, deref(ita).second.second.c_str(), 0)
+            e.aborted.erase(ita)
+            return op.id
+    for i in range(members.size()):
+        if members[i] != e.me and e.peers[members[i]] != NULL and e.peers[members[i]].lost:
+            snprintf(buf, 200, "rank %d is unreachable (every rail to it failed earlier)", members[i])
+            fail_op(e, op, E_NETWORK, buf, 1)
+            return op.id
+    # receives: bind what arrived early
+    for i in range(op.recvs.size()):
+        rm = <RecvMsg*>op.recvs[i]
+        if p2p:
+            st = p2p_state(e.peers[rm.peer], comm)
+            st.posted.push_back(<void*>rm)
+            p2p_try_match(e, e.peers[rm.peer], st, comm)
+        else:
+            itu = e.cunexp.find(mkey(rm.peer, comm, 0, rm.step, seq))
+            if itu != e.cunexp.end():
+                u = deref(itu).second
+                e.cunexp.erase(itu)
+                bind_unexp(e, rm, u, rm.peer)
+        if op.state != ST_ACTIVE:
+            return op.id
+    # sends: queue every chunk that waits on nothing
+    for i in range(op.sends.size()):
+        sm = <SendMsg*>op.sends[i]
+        for c in range(sm.nchunks):
+            if sm.gate[c] == 0 and sm.cstate[c] == C_GATED:
+                send_chunk_ready(e, sm, c)
+    if op.pending <= 0 and op.state == ST_ACTIVE:
+        op.state = ST_DONE
+    for i in range(op.sends.size()):
+        pump_peer(e, e.peers[(<SendMsg*>op.sends[i]).peer])
+    return op.id
+
