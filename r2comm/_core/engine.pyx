@@ -198,7 +198,7 @@ cdef cppclass Op:
     vector[void*] recvs
     vector[int] members
     uint64_t nbytes_recv
-    __init__():
+    __init__() noexcept nogil:
         this.state = ST_ACTIVE
         this.err = E_NONE
         this.pending = 0
@@ -219,7 +219,7 @@ cdef cppclass SendMsg:
     int8_t* crail
     int32_t* gate
     vector[Dep] succ
-    __init__():
+    __init__() noexcept nogil:
         this.op = NULL
         this.owned = 0
         this.done = 0
@@ -244,7 +244,7 @@ cdef cppclass RecvMsg:
     int32_t* gate
     char** held
     vector[Dep] succ
-    __init__():
+    __init__() noexcept nogil:
         this.op = NULL
         this.done = 0
         this.bound = 0
@@ -259,7 +259,7 @@ cdef cppclass Unexp:
     uint8_t flags, dtype, redop
     uint64_t total
     char** chunks
-    __init__():
+    __init__() noexcept nogil:
         this.chunks = NULL
         this.nrecv = 0
 
@@ -269,7 +269,7 @@ cdef cppclass P2PState:
     cmap[uint32_t, Unexp*] unexp
     deque[void*] posted
     cmap[uint32_t, void*] bound
-    __init__():
+    __init__() noexcept nogil:
         this.seen_upto = 0
 
 cdef cppclass Rail:
@@ -308,7 +308,7 @@ cdef cppclass Rail:
     int fault_mode
     int fail_count
     double fail_time, restore_time, next_probe, backoff
-    __init__():
+    __init__() noexcept nogil:
         this.fd = -1
         this.state = R_DOWN
         this.conn_id = 0
@@ -348,7 +348,7 @@ cdef cppclass Peer:
     int lost
     cmap[uint32_t, uint32_t] p2p_send_seq
     cmap[uint32_t, P2PState*] p2p
-    __init__():
+    __init__() noexcept nogil:
         this.all_down_since = 0
         this.lost = 0
 
@@ -385,7 +385,7 @@ cdef cppclass State:
     vector[int] inj_peer
     double fault_time
     int awaiting_redelivery
-    __init__():
+    __init__() noexcept nogil:
         this.next_op = 1
         this.stop = 0
         this.signal = 0
@@ -1501,19 +1501,31 @@ cdef class Plan:
         del self.c
 
     def __init__(self, msgs, deps, algo="", info=None):
+        cdef int kind, peer, step, buf, mode, owned, a, b
+        cdef uint64_t off, nbytes
         for m in msgs:
-            self.c.kind.push_back(1 if m[0] == "send" else 0)
-            self.c.peer.push_back(m[1])
-            self.c.step.push_back(m[2])
-            self.c.buf.push_back(m[3])
-            self.c.off.push_back(m[4])
-            self.c.nbytes.push_back(m[5])
-            self.c.mode.push_back(m[6])
-            self.c.owned.push_back(1 if m[7] else 0)
+            # typed locals: Cython mis-compiles a conditional expression passed to push_back
+            kind = 1 if m[0] == "send" else 0
+            peer, step, buf, off, nbytes, mode = m[1], m[2], m[3], m[4], m[5], m[6]
+            owned = 1 if m[7] else 0
+            self.c.kind.push_back(kind)
+            self.c.peer.push_back(peer)
+            self.c.step.push_back(step)
+            self.c.buf.push_back(buf)
+            self.c.off.push_back(off)
+            self.c.nbytes.push_back(nbytes)
+            self.c.mode.push_back(mode)
+            self.c.owned.push_back(owned)
         for a, b in deps:
             self.c.deps.push_back(pair[int, int](a, b))
         self.algo = algo
         self.info = info
+
+    def messages(self):
+        """The compiled messages, as tuples (for tests)."""
+        return [("send" if self.c.kind[i] else "recv", self.c.peer[i], self.c.step[i],
+                 self.c.buf[i], self.c.off[i], self.c.nbytes[i], self.c.mode[i],
+                 bool(self.c.owned[i])) for i in range(self.c.kind.size())]
 
     @property
     def nmsgs(self):
@@ -1951,6 +1963,22 @@ cdef class Engine:
                     rows.append(("up" if r.state == R_UP else "down", r.bytes_sent, r.bytes_recv,
                                  r.bytes_resent, r.inflight_bytes, r.weight, r.fail_count))
                 out[i] = rows
+        finally:
+            pthread_mutex_unlock(&e.mu)
+        return out
+
+    def debug_state(self):
+        """Counts of the engine's tables (for tests and debugging)."""
+        cdef State* e = self._live()
+        cdef dict out
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            out = {"ops": e.ops.size(), "sends": e.smap.size(), "recvs": e.rmap.size(),
+                   "unexpected": e.cunexp.size(), "notices": e.notices.size(),
+                   "ready": {i: e.peers[i].ready.size() for i in range(e.nranks) if e.peers[i] != NULL},
+                   "inflight": {i: [e.peers[i].rails[k].inflight.size() for k in range(e.peers[i].nrails)]
+                                for i in range(e.nranks) if e.peers[i] != NULL}}
         finally:
             pthread_mutex_unlock(&e.mu)
         return out

@@ -1,0 +1,26 @@
+"""r2comm: fault-tolerant multi-rail collective communication for Python.
+
+Light on import: the engine and mpi4py load only when a Communicator is created, so
+`python -m r2comm.testbed exec` can place a process in its namespace before MPI starts."""
+from .errors import (R2commError, R2commArgumentError, R2commBufferError, R2commClosedError,
+                     R2commTimeout, R2commNetworkError, R2commMismatchError, R2commTruncateError,
+                     R2commProtocolError)
+from .ops import SUM, PROD, MIN, MAX, Op
+
+__version__ = "0.1.0"
+
+_LAZY = {"Communicator": "communicator", "IN_PLACE": "communicator", "ANY_TAG": "communicator",
+         "Request": "request", "Status": "request", "Rail": "rails"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'r2comm' has no attribute {name!r}")
+
+
+__all__ = ["Communicator", "Request", "Status", "Rail", "IN_PLACE", "ANY_TAG", "SUM", "PROD",
+           "MIN", "MAX", "Op", "R2commError", "R2commArgumentError", "R2commBufferError",
+           "R2commClosedError", "R2commTimeout", "R2commNetworkError", "R2commMismatchError",
+           "R2commTruncateError", "R2commProtocolError"]

@@ -1,0 +1,1 @@
+"""Compiled engine (engine.pyx) and the TCP transport's connection set-up (tcp.py)."""

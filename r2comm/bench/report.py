@@ -1,0 +1,151 @@
+"""OSU-format tables with nccl-tests bandwidth columns, and the JSON record.
+
+The first columns are exactly OSU's for the first library (r2comm unless
+--no-r2comm), so existing OSU parsers read them; the nccl-tests algbw/busbw
+columns follow, then per peer its time (or bandwidth), busbw and the ratio.
+A ratio is always first-library speed / peer speed: > 1 means the first
+library is faster, for latency and bandwidth tests alike.
+"""
+import json
+import os
+import platform
+import sys
+import time
+from statistics import median
+
+TITLES = {
+    "allreduce": "# OSU MPI Allreduce Latency Test",
+    "allgather": "# OSU MPI Allgather Latency Test",
+    "reduce_scatter": "# OSU MPI Reduce_scatter Latency Test",
+    "bcast": "# OSU MPI Broadcast Latency Test",
+    "alltoall": "# OSU MPI All-to-All Personalized Exchange Latency Test",
+    "latency": "# OSU MPI Latency Test",
+    "bw": "# OSU MPI Bandwidth Test",
+}
+
+SIZE_W, NUM_W, ITER_W, PEER_W = 10, 18, 12, 16
+
+
+def metrics(bench, result):
+    """Per-(size, library) numbers for tables and JSON, from the medians over rounds."""
+    seconds = median(bench.time_of(r) for r in result.rounds)
+    algbw = result.size * bench.messages_per_iteration / seconds / 1e9 if seconds > 0 else 0.0
+    return {
+        "lib": result.lib, "size": result.size, "count": result.count,
+        "iters": result.iters, "warmup": result.warmup,
+        "avg_us": result.avg * 1e6, "min_us": result.min * 1e6, "max_us": result.max * 1e6,
+        "time_us": seconds * 1e6,
+        "algbw_GBps": algbw, "busbw_GBps": algbw * bench.factor, "MBps": algbw * 1e3,
+        "rounds_us": [[v * 1e6 for v in r] for r in result.rounds],
+    }
+
+
+class Table:
+    """Streams one OSU-style table: header once, then a row per size."""
+
+    def __init__(self, kind, labels, full, out=None):
+        self.kind, self.labels, self.full, self.out = kind, labels, full, out
+
+    def _print(self, line):
+        print(line, file=self.out or sys.stdout, flush=True)
+
+    def _columns(self):
+        first, peers = self.labels[0], self.labels[1:]
+        if self.kind == "bw":
+            cols = [("Bandwidth (MB/s)", NUM_W)]
+        else:
+            cols = [("Latency (us)" if self.kind == "latency" else "Avg Latency(us)", NUM_W)]
+            if self.full:
+                cols += [("Min Latency(us)", NUM_W), ("Max Latency(us)", NUM_W), ("Iterations", ITER_W)]
+        if self.kind not in ("latency", "bw"):
+            cols += [("algbw(GB/s)", NUM_W), ("busbw(GB/s)", NUM_W)]
+        for p in peers:
+            if self.kind == "bw":
+                cols.append((f"{p}(MB/s)", PEER_W))
+            else:
+                cols.append((f"{p}(us)", PEER_W))
+                if self.kind != "latency":
+                    cols.append((f"{p}:busbw", PEER_W))
+            cols.append((f"{first}/{p}", PEER_W))
+        return cols
+
+    def header(self, lines):
+        """Title, '# ' comment lines describing the run, then the column names."""
+        self._print(TITLES[self.kind])
+        for line in lines:
+            self._print(f"# {line}")
+        head = f"{'# Size':<{SIZE_W}}" + "".join(f"{name:>{w}}" for name, w in self._columns())
+        self._print(head)
+
+    def row(self, rows):
+        """`rows`: metrics() dicts for one size, in library order."""
+        first, peers = rows[0], rows[1:]
+        if self.kind == "bw":
+            cells = [f"{first['MBps']:>{NUM_W}.2f}"]
+        else:
+            cells = [f"{first['avg_us']:>{NUM_W}.2f}"]
+            if self.full:
+                cells += [f"{first['min_us']:>{NUM_W}.2f}", f"{first['max_us']:>{NUM_W}.2f}",
+                          f"{first['iters']:>{ITER_W}d}"]
+        if self.kind not in ("latency", "bw"):
+            cells += [f"{first['algbw_GBps']:>{NUM_W}.3f}", f"{first['busbw_GBps']:>{NUM_W}.3f}"]
+        for p in peers:
+            if self.kind == "bw":
+                cells.append(f"{p['MBps']:>{PEER_W}.2f}")
+            else:
+                cells.append(f"{p['avg_us']:>{PEER_W}.2f}")
+                if self.kind != "latency":
+                    cells.append(f"{p['busbw_GBps']:>{PEER_W}.3f}")
+            cells.append(f"{speed_ratio(first, p):>{PEER_W}.2f}")
+        self._print(f"{first['size']:<{SIZE_W}d}" + "".join(cells))
+
+
+def speed_ratio(a, b):
+    """How many times faster `a` is than `b` at the same size (busbw ratio for collectives)."""
+    return b["time_us"] / a["time_us"] if a["time_us"] > 0 else float("nan")
+
+
+def summary_lines(kind, nranks, labels, dtype, op, settings, factor):
+    """The '# ...' lines under the title: what was run and how numbers are defined."""
+    lines = [f"r2comm.bench {kind}: {nranks} ranks, dtype {dtype}"
+             + (f", op {op}" if kind in ("allreduce", "reduce_scatter") else "")
+             + f"; libraries: {', '.join(labels)}",
+             f"median of {settings.rounds} interleaved rounds; iterations <= {settings.iters}"
+             + (f", ~{settings.budget:g} s per measurement" if settings.budget > 0 else "")
+             + ("; every result checked against numpy" if settings.check else "")]
+    if kind not in ("latency", "bw"):
+        lines.append(f"bytes as in nccl-tests; algbw = bytes/t (t: slowest rank), "
+                     f"busbw = algbw*{factor:.3g}; ratio = speed of {labels[0]} / peer")
+    elif len(labels) > 1:
+        lines.append(f"ratio = speed of {labels[0]} / peer (>1: {labels[0]} faster)")
+    return lines
+
+
+def document(kind, argv, nranks, libraries, settings, rows_by_lib, extra=None):
+    """The JSON record of one run (written by rank 0)."""
+    doc = {
+        "schema": "r2comm.bench/1", "bench": kind, "argv": argv, "nranks": nranks,
+        "time": time.time(), "host": platform.node(), "python": platform.python_version(),
+        "settings": {"iters": settings.iters, "warmup": settings.warmup, "rounds": settings.rounds,
+                     "budget_s": settings.budget, "check": settings.check},
+        "libraries": libraries,
+        "results": rows_by_lib,
+    }
+    doc.update(extra or {})
+    return doc
+
+
+def write_json(path, doc):
+    """Write atomically so a killed run never leaves a truncated file behind."""
+    tmp = f"{path}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=_jsonable)
+    os.replace(tmp, path)
+
+
+def _jsonable(value):
+    """numpy scalars and other odd values in event dicts."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)

@@ -1,0 +1,44 @@
+"""Bootstrap through mpi4py: job secret, agreed engine parameters, endpoint exchange."""
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+
+from . import rails as _rails
+from ._core import tcp
+
+
+@dataclass
+class Bootstrap:
+    rank: int
+    size: int
+    secret: bytes
+    job: bytes
+    params: dict
+    rail_addrs: list
+    listeners: list          # one per rail, then the control listener
+    endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str}
+
+
+def run(mpi_comm, cfg, rails=None):
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    secret = mpi_comm.bcast(os.urandom(32) if rank == 0 else None, root=0)
+    job = hashlib.sha256(secret).digest()[:8]
+    # parameters every rank must share come from rank 0
+    params = mpi_comm.bcast(dict(chunk_size=cfg.chunk_size) if rank == 0 else None, root=0)
+    error = None
+    listeners = []
+    try:
+        addrs = _rails.resolve_all(rails if rails is not None else cfg.rails)
+        listeners = [tcp.listen(a) for a in addrs] + [tcp.listen(_rails.resolve(cfg.ctrl_addr))]
+    except (OSError, ValueError) as exc:
+        addrs, error = [], f"rank {rank}: {exc}"
+    errors = [e for e in mpi_comm.allgather(error) if e]
+    if errors:
+        for s in listeners:
+            s.close()
+        raise ValueError("r2comm bootstrap failed: " + "; ".join(errors))
+    mine = {"rails": [s.getsockname() for s in listeners[:-1]],
+            "ctrl": listeners[-1].getsockname(), "host": socket.gethostname()}
+    endpoints = mpi_comm.allgather(mine)
+    return Bootstrap(rank, size, secret, job, params, addrs, listeners, endpoints)

@@ -1,0 +1,581 @@
+"""Communicator: mpi4py's collective and point-to-point API over r2comm's multi-rail engine.
+
+Arguments are checked here with the GIL held; the transfer itself runs in the engine's progress
+thread, and the caller waits on it without the GIL."""
+import atexit
+import logging
+import threading
+import time
+import weakref
+import zlib
+
+import numpy as np
+
+from . import bootstrap, planner
+from . import faults as _faults
+from .config import Config
+from .errors import (R2commArgumentError, R2commBufferError, R2commClosedError,
+                     R2commNetworkError)
+from .links import Links
+from .ops import SUM, U8, as_op, dtype_code
+from .rails import Rail
+from .request import Request, Status
+from .planner.schedule import WORK, SEND, SCRATCH
+
+log = logging.getLogger("r2comm")
+
+
+class _InPlace:
+    def __repr__(self):
+        return "r2comm.IN_PLACE"
+
+
+IN_PLACE = _InPlace()
+ANY_TAG = -1
+_live_worlds = weakref.WeakSet()
+
+
+class _World:
+    """What all communicators derived from one bootstrap share: the engine, the links, ids."""
+
+    def __init__(self, engine, links, boot, cfg):
+        self.engine = engine
+        self.links = links
+        self.boot = boot
+        self.cfg = cfg
+        self.next_comm_id = 1
+        self.closed = False
+        self.event_cursor = 0
+        self.callbacks = []
+        self.timers = []
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        for t in self.timers:
+            t.cancel()
+        self.links.close()
+        self.engine.close()
+
+
+def _flush_events(world):
+    """Log new engine events (R2COMM_DEBUG=INFO) and hand them to callbacks."""
+    if world.closed:
+        return []
+    new = world.engine.events_since(world.event_cursor)
+    world.event_cursor += len(new)
+    for ev in new:
+        if world.cfg.debug in ("INFO", "DEBUG"):
+            log.warning("r2comm rank %d: %s peer=%s rail=%s detector=%s bytes=%s %s", ev["rank"],
+                        ev["kind"], ev["peer"], ev["rail"], ev["detector"], ev["nbytes"],
+                        ev["info"])
+        for cb in world.callbacks:
+            try:
+                cb(ev)
+            except Exception:                       # a callback must not kill the engine
+                log.exception("r2comm event callback failed")
+    return new
+
+
+def _as_array(obj, writable, what):
+    """A C-contiguous numpy view of a buffer (never a copy), or a clear error."""
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    else:
+        try:
+            arr = np.asarray(memoryview(obj))
+        except TypeError:
+            raise R2commBufferError(f"{what}: {type(obj).__name__} does not expose a buffer; pass "
+                                    "a numpy array (lowercase methods take Python objects)") from None
+    if not arr.flags.c_contiguous:
+        raise R2commBufferError(f"{what} is not contiguous (strides {arr.strides}); use "
+                                "np.ascontiguousarray")
+    if writable and not arr.flags.writeable:
+        raise R2commBufferError(f"{what} is read-only")
+    if arr.dtype.byteorder == ">":
+        raise R2commBufferError(f"{what} has non-native byte order")
+    return arr
+
+
+def _is_gpu(obj):
+    return hasattr(obj, "__cuda_array_interface__")
+
+
+class Communicator:
+    """A group of ranks that run collectives over every rail between each pair.
+
+    Communicator(mpi_comm=MPI.COMM_WORLD, *, rails=None, timeout=None, chunk_size=None, ...)
+    bootstraps through mpi4py: ranks, a job secret, one listening endpoint per rail, then one
+    authenticated TCP connection per rail (plus a control connection) to every peer."""
+
+    def __init__(self, mpi_comm=None, *, rails=None, timeout=None, chunk_size=None,
+                 rail_timeout_ms=None, peer_timeout_ms=None, ctrl_addr=None, on_event=None):
+        from mpi4py import MPI
+        from ._core.engine import Engine
+        cfg = Config.from_env()
+        for name, val in (("timeout", timeout), ("chunk_size", chunk_size),
+                          ("rail_timeout_ms", rail_timeout_ms), ("peer_timeout_ms", peer_timeout_ms),
+                          ("ctrl_addr", ctrl_addr)):
+            if val is not None:
+                setattr(cfg, name, val)
+        mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        boot = bootstrap.run(mpi_comm, cfg, rails)
+        cfg.chunk_size = boot.params["chunk_size"]
+        links = None
+        engine = Engine(boot.rank, boot.size,
+                        [0 if j == boot.rank else min(len(boot.rail_addrs), len(ep["rails"]))
+                         for j, ep in enumerate(boot.endpoints)],
+                        cfg.chunk_size, cfg.rail_timeout_ms / 1e3, cfg.peer_timeout_ms / 1e3,
+                        cfg.window, cfg.probe_ms / 1e3)
+        try:
+            engine.start()
+            links = Links(engine, boot, cfg)
+            err = None
+            try:
+                links.establish(cfg.timeout)
+            except R2commNetworkError as exc:
+                err = str(exc)
+            errs = [e for e in mpi_comm.allgather(err) if e]
+            if errs:
+                raise R2commNetworkError("; ".join(errs))
+            if cfg.rail_bw:
+                engine.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
+        except BaseException:
+            if links is not None:
+                links.close()
+            engine.close()
+            raise
+        world = _World(engine, links, boot, cfg)
+        links.on_tick = lambda: _flush_events(world)
+        if on_event is not None:
+            world.callbacks.append(on_event)
+        _live_worlds.add(world)
+        self._init(world, mpi_comm, list(range(boot.size)), 0, owner=True)
+        self._arm_faults(cfg.fault)
+        mpi_comm.Barrier()
+
+    def _init(self, world, mpi_comm, members, comm_id, owner):
+        self._world = world
+        self._engine = world.engine
+        self._cfg = world.cfg
+        self._mpi = mpi_comm
+        self._members = members               # global rank of each rank of this communicator
+        self._id = comm_id
+        self._owner = owner
+        self._seq = 0
+        self._plans = {}
+        self.rank = members.index(world.boot.rank)
+        self.size = len(members)
+
+    @classmethod
+    def _child(cls, world, mpi_comm, members, comm_id):
+        c = cls.__new__(cls)
+        c._init(world, mpi_comm, members, comm_id, owner=False)
+        return c
+
+    # -- mpi4py-style accessors ----------------------------------------------------------------
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    @property
+    def mpi_comm(self):
+        return self._mpi
+
+    def _check(self):
+        if self._engine is None or self._world.closed:
+            raise R2commClosedError("communicator has been freed")
+
+    # -- communicator management ---------------------------------------------------------------
+    def Dup(self):
+        self._check()
+        new_mpi = self._mpi.Dup()
+        cid = self._mpi.allreduce(self._world.next_comm_id, op=_mpi_max())
+        self._world.next_comm_id = cid + 1
+        return Communicator._child(self._world, new_mpi, list(self._members), cid)
+
+    def Split(self, color=0, key=0):
+        self._check()
+        from mpi4py import MPI
+        undefined = color is None or color == MPI.UNDEFINED or color < 0
+        colors = self._mpi.allgather(None if undefined else color)
+        base = self._mpi.allreduce(self._world.next_comm_id, op=_mpi_max())
+        distinct = sorted({c for c in colors if c is not None})
+        self._world.next_comm_id = base + len(distinct) + 1
+        new_mpi = self._mpi.Split(MPI.UNDEFINED if undefined else color, key)
+        if undefined:
+            return None
+        members = new_mpi.allgather(self._world.boot.rank)
+        return Communicator._child(self._world, new_mpi, members, base + distinct.index(color))
+
+    def Free(self):
+        if self._engine is None:
+            return
+        if self._owner:
+            self._world.close()
+        elif self._mpi is not None:
+            try:
+                self._mpi.Free()
+            except Exception:
+                pass
+        self._engine = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.Free()
+
+    # -- observation and faults ----------------------------------------------------------------
+    @property
+    def events(self):
+        """Every failover event this rank's engine recorded (dicts, oldest first)."""
+        self._check()
+        return self._engine.events_since(0)
+
+    def on_event(self, callback):
+        """Call `callback(event)` for each new event (from r2comm's link thread)."""
+        self._world.callbacks.append(callback)
+
+    @property
+    def rails(self):
+        """This rank's rails with live state, summed over the communicator's peers."""
+        self._check()
+        stats = self._engine.rail_stats()
+        peers = [g for g in self._members if g != self._world.boot.rank]
+        out = []
+        for k, addr in enumerate(self._world.boot.rail_addrs):
+            rows = [stats[p][k] for p in peers if k < len(stats[p])]
+            up = sum(1 for r in rows if r[0] == "up")
+            state = "up" if up == len(rows) else ("down" if up == 0 else "degraded")
+            out.append(Rail(k, addr, state, rows[0][5] if rows else 1.0,
+                            sum(r[1] for r in rows), sum(r[2] for r in rows),
+                            sum(r[3] for r in rows), sum(r[6] for r in rows), up, len(rows)))
+        return out
+
+    def fail_rail(self, index, mode="hard", peer=None, after_bytes=None):
+        """Fail this rank's rail `index` for real: "hard" shuts the connections down, "silent"
+        makes the NIC drop everything without an error. peer (a rank of this communicator)
+        limits it to one peer; after_bytes delays it until that many more bytes were sent."""
+        self._check()
+        if mode not in _faults.MODES:
+            raise R2commArgumentError(f"mode must be 'hard' or 'silent', got {mode!r}")
+        gpeer = -1 if peer is None else self._members[peer]
+        self._engine.inject(index, _faults.MODES[mode], gpeer,
+                            -1 if after_bytes is None else int(after_bytes))
+
+    def restore_rail(self, index):
+        """Lift an injected fault; the rail is probed and re-admitted automatically."""
+        self._check()
+        self._engine.clear_injection(index)
+
+    def _arm_faults(self, text):
+        if not text:
+            return
+        for spec in _faults.parse(text):
+            if spec.rank not in (-1, self.rank):
+                continue
+            mode, peer = spec.mode, None if spec.peer < 0 else spec.peer
+            after = None if spec.after_bytes < 0 else spec.after_bytes
+
+            def fire(spec=spec, mode=mode, peer=peer, after=after):
+                if not self._world.closed:
+                    self.fail_rail(spec.rail, mode, peer, after)
+                    if spec.restore_ms >= 0:
+                        t = threading.Timer(spec.restore_ms / 1e3, self._safe_restore, (spec.rail,))
+                        t.daemon = True
+                        self._world.timers.append(t)
+                        t.start()
+            t = threading.Timer(spec.after_ms / 1e3, fire)
+            t.daemon = True
+            self._world.timers.append(t)
+            t.start()
+
+    def _safe_restore(self, rail):
+        if not self._world.closed:
+            self.restore_rail(rail)
+
+    # -- planning ------------------------------------------------------------------------------
+    def _schedule(self, coll, nbytes, itemsize, root=0):
+        key = (coll, nbytes, itemsize, root)
+        hit = self._plans.get(key)
+        if hit is None:
+            from ._core.engine import Plan
+            sched = planner.build(coll, self.rank, self.size, nbytes, itemsize, root,
+                                  self._cfg.eager, self._cfg.algo if coll == "allreduce" else "")
+            sched.validate()
+            msgs = [(k, self._members[p], st, b, off, n, mode, own)
+                    for (k, p, st, b, off, n, mode, own) in sched.msgs]
+            hit = (Plan(msgs, sched.deps, sched.algo), sched)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = hit
+        return hit
+
+    def plan(self, op="allreduce", nbytes=0, itemsize=4, root=0):
+        """The schedule this rank would run for (op, nbytes): algorithm and message list."""
+        return self._schedule(op, nbytes, itemsize, root)[1]
+
+    def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
+               result=None, extra_pre=()):
+        """Build/fetch the schedule, do the local pre-copies, post it to the engine."""
+        self._check()
+        plan, sched = self._schedule(coll, nbytes, itemsize, root)
+        scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
+        keep = [work, send, scratch]
+        ptr = [0, 0, 0]
+        from ._core.engine import Buffer, memcopy
+        for i, (obj, writable) in enumerate(((work, True), (send, False), (scratch, True))):
+            if obj is not None:
+                keep[i] = Buffer(obj, writable)
+                ptr[i] = keep[i].ptr
+        for (db, do, sb, so, n) in list(extra_pre) + sched.pre:
+            if n:
+                memcopy(ptr[db] + do, ptr[sb] + so, n)
+        sig = zlib.crc32(f"{coll}|{nbytes}|{dtc}|{redop}|{root}|{sched.algo}|{self.size}".encode())
+        seq = self._seq
+        self._seq += 1
+        oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, sig,
+                                self._cfg.timeout, self._members)
+        posts = [(db, do, sb, so, n) for (db, do, sb, so, n) in sched.post if n]
+
+        def finish():
+            for (db, do, sb, so, n) in posts:
+                memcopy(ptr[db] + do, ptr[sb] + so, n)
+            if post is not None:
+                post()
+        return Request(self, oid, keep, finish if (posts or post) else None, result)
+
+    # -- collectives (buffer interface) ----------------------------------------------------------
+    def _pair(self, sendbuf, recvbuf, what):
+        """Validate (sendbuf, recvbuf); IN_PLACE means the receive buffer holds the input."""
+        r = _as_array(recvbuf, True, f"{what} recvbuf")
+        if sendbuf is IN_PLACE:
+            return r, r
+        s = _as_array(sendbuf, False, f"{what} sendbuf")
+        if s.dtype != r.dtype:
+            raise R2commArgumentError(f"{what}: sendbuf dtype {s.dtype} != recvbuf dtype {r.dtype}")
+        return s, r
+
+    def Iallreduce(self, sendbuf, recvbuf, op=SUM):
+        if _is_gpu(recvbuf):
+            return _gpu_staged(self.Iallreduce, sendbuf, recvbuf, op)
+        self._check()
+        op = as_op(op)
+        s, r = self._pair(sendbuf, recvbuf, "Allreduce")
+        if s.nbytes != r.nbytes:
+            raise R2commBufferError(f"Allreduce: sendbuf has {s.nbytes} bytes, recvbuf {r.nbytes}")
+        dtc = dtype_code(r.dtype)
+        pre = [] if s is r else [(WORK, 0, SEND, 0, r.nbytes)]
+        return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre)
+
+    def Allreduce(self, sendbuf, recvbuf, op=SUM):
+        self.Iallreduce(sendbuf, recvbuf, op).Wait()
+
+    def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0):
+        self._check()
+        op = as_op(op)
+        self._check_root(root)
+        if self.rank == root:
+            s, r = self._pair(sendbuf, recvbuf, "Reduce")
+            if s.nbytes != r.nbytes:
+                raise R2commBufferError(f"Reduce: sendbuf has {s.nbytes} bytes, recvbuf {r.nbytes}")
+            pre = [] if s is r else [(WORK, 0, SEND, 0, r.nbytes)]
+        else:
+            s = _as_array(sendbuf, False, "Reduce sendbuf")
+            r, pre = None, []
+        return self._start("reduce", s.nbytes, s.itemsize, dtype_code(s.dtype), op.code, r, s,
+                           root=root, extra_pre=pre)
+
+    def Reduce(self, sendbuf, recvbuf, op=SUM, root=0):
+        self.Ireduce(sendbuf, recvbuf, op, root).Wait()
+
+    def Ibcast(self, buf, root=0):
+        if _is_gpu(buf):
+            return _gpu_staged_bcast(self, buf, root)
+        self._check()
+        self._check_root(root)
+        b = _as_array(buf, self.rank != root, "Bcast buf")
+        return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root)
+
+    def Bcast(self, buf, root=0):
+        self.Ibcast(buf, root).Wait()
+
+    def Iallgather(self, sendbuf, recvbuf):
+        self._check()
+        r = _as_array(recvbuf, True, "Allgather recvbuf")
+        if r.nbytes % self.size:
+            raise R2commBufferError(f"Allgather: recvbuf of {r.nbytes} bytes is not {self.size} "
+                                    "equal blocks")
+        block = r.nbytes // self.size
+        if sendbuf is IN_PLACE:
+            pre = []
+        else:
+            s = _as_array(sendbuf, False, "Allgather sendbuf")
+            if s.dtype != r.dtype or s.nbytes != block:
+                raise R2commBufferError(f"Allgather: recvbuf must hold {self.size} x sendbuf "
+                                        f"({s.nbytes} bytes {s.dtype}), got {r.nbytes} bytes {r.dtype}")
+            pre = [(WORK, self.rank * block, SEND, 0, block)]
+        send = None if sendbuf is IN_PLACE else s
+        return self._start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
+                           extra_pre=pre)
+
+    def Allgather(self, sendbuf, recvbuf):
+        self.Iallgather(sendbuf, recvbuf).Wait()
+
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        self._check()
+        op = as_op(op)
+        s, r = self._pair(sendbuf, recvbuf, "Reduce_scatter_block")
+        if s.nbytes % self.size:
+            raise R2commBufferError(f"Reduce_scatter_block: sendbuf of {s.nbytes} bytes is not "
+                                    f"{self.size} equal blocks")
+        block = s.nbytes // self.size
+        if s is not r and r.nbytes < block:
+            raise R2commBufferError(f"Reduce_scatter_block: recvbuf holds {r.nbytes} bytes, "
+                                    f"needs {block}")
+        if block % s.itemsize:
+            raise R2commBufferError("Reduce_scatter_block: blocks must be whole elements")
+        return self._start("reduce_scatter_block", block, s.itemsize, dtype_code(s.dtype),
+                           op.code, r, s)
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        self.Ireduce_scatter_block(sendbuf, recvbuf, op).Wait()
+
+    def Ialltoall(self, sendbuf, recvbuf):
+        self._check()
+        if sendbuf is IN_PLACE:
+            raise R2commArgumentError("Alltoall: IN_PLACE is not supported")
+        s, r = self._pair(sendbuf, recvbuf, "Alltoall")
+        if s.nbytes != r.nbytes or s.nbytes % self.size:
+            raise R2commBufferError(f"Alltoall: sendbuf ({s.nbytes} bytes) and recvbuf "
+                                    f"({r.nbytes} bytes) must be equal and hold {self.size} blocks")
+        if np.shares_memory(s, r):
+            raise R2commBufferError("Alltoall: sendbuf and recvbuf overlap")
+        return self._start("alltoall", s.nbytes // self.size, s.itemsize, dtype_code(s.dtype), 0,
+                           r, s)
+
+    def Alltoall(self, sendbuf, recvbuf):
+        self.Ialltoall(sendbuf, recvbuf).Wait()
+
+    def Ibarrier(self):
+        self._check()
+        return self._start("barrier", 0, 1, U8, 0, None, None)
+
+    def Barrier(self):
+        self.Ibarrier().Wait()
+
+    # -- point to point ----------------------------------------------------------------------------
+    def _check_root(self, root):
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise R2commArgumentError(f"root {root!r} is not a rank of this communicator "
+                                      f"(size {self.size})")
+
+    def _p2p(self, kind, arr, peer, tag, status=None):
+        self._check()
+        self._check_root(peer)
+        if peer == self.rank:
+            raise R2commArgumentError("send/receive to self is not supported")
+        if not isinstance(tag, (int, np.integer)) or tag < -1 or tag >= 1 << 31:
+            raise R2commArgumentError(f"bad tag {tag!r}")
+        if kind == "send" and tag < 0:
+            raise R2commArgumentError("a send needs a tag >= 0")
+        from ._core.engine import Plan, Buffer
+        gpeer = self._members[peer]
+        nbytes = arr.nbytes
+        owned = kind == "send" and nbytes <= self._cfg.eager
+        plan = Plan([(kind, gpeer, 0, WORK, 0, nbytes, 0, owned)], [], "p2p")
+        b = Buffer(arr, kind == "recv")
+        oid = self._engine.post(plan, b.ptr, 0, 0, dtype_code(arr.dtype), 0, self._id, 0, 0,
+                                self._cfg.timeout, [gpeer], 1, int(tag), nbytes)
+        if status is not None:
+            status.source, status.tag = peer, tag
+        return Request(self, oid, [b], None, None, status)
+
+    def Isend(self, buf, dest, tag=0):
+        return self._p2p("send", _as_array(buf, False, "Send buf"), dest, tag)
+
+    def Send(self, buf, dest, tag=0):
+        self.Isend(buf, dest, tag).Wait()
+
+    def Irecv(self, buf, source, tag=ANY_TAG, status=None):
+        return self._p2p("recv", _as_array(buf, True, "Recv buf"), source, tag, status)
+
+    def Recv(self, buf, source, tag=ANY_TAG, status=None):
+        self.Irecv(buf, source, tag, status).Wait()
+
+    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=None, recvtag=ANY_TAG,
+                 status=None):
+        rr = self.Irecv(recvbuf, dest if source is None else source, recvtag, status)
+        sr = self.Isend(sendbuf, dest, sendtag)
+        Request.Waitall([sr, rr])
+
+    # -- lowercase (objects) ----------------------------------------------------------------------
+    def allreduce(self, x, op=SUM):
+        """numpy arrays go through the engine and come back as a new array; other Python
+        objects go through mpi4py (pickle), as in mpi4py."""
+        self._check()
+        if isinstance(x, np.ndarray):
+            src = np.ascontiguousarray(x)
+            out = np.empty_like(src)
+            self.Allreduce(src, out, op)
+            return out
+        return self._mpi.allreduce(x, op=as_op(op).mpi())
+
+    def bcast(self, obj, root=0):
+        self._check()
+        return self._mpi.bcast(obj, root=root)
+
+    def allgather(self, obj):
+        self._check()
+        return self._mpi.allgather(obj)
+
+    def barrier(self):
+        self.Barrier()
+
+    def __repr__(self):
+        return (f"<r2comm.Communicator rank {self.rank}/{self.size} id {self._id} "
+                f"rails {len(self._world.boot.rail_addrs)}>")
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def _gpu_staged(fn, sendbuf, recvbuf, op):
+    """cupy buffers: staged through host memory (no GPUDirect path yet)."""
+    import cupy
+    host_r = cupy.asnumpy(recvbuf)
+    host_s = IN_PLACE if sendbuf is IN_PLACE else cupy.asnumpy(sendbuf)
+    fn(host_s, host_r, op).Wait()
+    cupy.copyto(recvbuf, cupy.asarray(host_r))
+    return _Done()
+
+
+def _gpu_staged_bcast(comm, buf, root):
+    import cupy
+    host = cupy.asnumpy(buf)
+    comm.Ibcast(host, root).Wait()
+    cupy.copyto(buf, cupy.asarray(host))
+    return _Done()
+
+
+class _Done:
+    def Wait(self, timeout=None):
+        return None
+
+    def Test(self):
+        return True
+
+
+@atexit.register
+def _close_all():
+    for w in list(_live_worlds):
+        try:
+            w.close()
+        except Exception:
+            pass

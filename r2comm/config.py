@@ -1,0 +1,64 @@
+"""Every environment variable r2comm reads, in one place."""
+import os
+from dataclasses import dataclass, field
+
+
+def _int(name, default):
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else default
+
+
+def _float(name, default):
+    v = os.environ.get(name)
+    return float(v) if v not in (None, "") else default
+
+
+def _size(text):
+    text = text.strip().upper()
+    mult = 1
+    for suffix, m in (("KIB", 1 << 10), ("MIB", 1 << 20), ("GIB", 1 << 30),
+                      ("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if text.endswith(suffix):
+            text, mult = text[: -len(suffix)], m
+            break
+    return int(float(text) * mult)
+
+
+@dataclass
+class Config:
+    rails: list = field(default_factory=list)      # R2COMM_RAILS: addresses or interface names
+    ctrl_addr: str = "127.0.0.1"                   # R2COMM_CTRL_ADDR: control/management address
+    timeout: float = 60.0                          # R2COMM_TIMEOUT (s): every blocking wait
+    chunk_size: int = 256 << 10                    # R2COMM_CHUNK_SIZE (bytes, K/M suffixes)
+    rail_timeout_ms: float = 500.0                 # R2COMM_RAIL_TIMEOUT_MS: silent-stall deadline
+    peer_timeout_ms: float = 1500.0                # R2COMM_PEER_TIMEOUT_MS: all rails down -> error
+    window: int = 4 << 20                          # R2COMM_WINDOW: unacknowledged bytes per rail
+    eager: int = 64 << 10                          # R2COMM_EAGER: sends up to this size are copied
+    rail_bw: list = field(default_factory=list)    # R2COMM_RAIL_BW: relative bandwidth per rail
+    probe_ms: float = 100.0                        # R2COMM_PROBE_MS: first fail-back probe delay
+    fault: str = ""                                # R2COMM_FAULT: fault injection spec(s)
+    debug: str = ""                                # R2COMM_DEBUG: INFO logs failover events
+    algo: str = ""                                 # R2COMM_ALGO: force an algorithm
+
+    @classmethod
+    def from_env(cls):
+        c = cls()
+        rails = os.environ.get("R2COMM_RAILS", "")
+        c.rails = [r.strip() for r in rails.split(",") if r.strip()]
+        c.ctrl_addr = os.environ.get("R2COMM_CTRL_ADDR", c.ctrl_addr) or c.ctrl_addr
+        c.timeout = _float("R2COMM_TIMEOUT", c.timeout)
+        cs = os.environ.get("R2COMM_CHUNK_SIZE")
+        c.chunk_size = _size(cs) if cs else c.chunk_size
+        c.rail_timeout_ms = _float("R2COMM_RAIL_TIMEOUT_MS", c.rail_timeout_ms)
+        c.peer_timeout_ms = _float("R2COMM_PEER_TIMEOUT_MS", c.peer_timeout_ms)
+        w = os.environ.get("R2COMM_WINDOW")
+        c.window = _size(w) if w else c.window
+        eg = os.environ.get("R2COMM_EAGER")
+        c.eager = _size(eg) if eg else c.eager
+        bw = os.environ.get("R2COMM_RAIL_BW", "")
+        c.rail_bw = [float(x) for x in bw.split(",") if x.strip()]
+        c.probe_ms = _float("R2COMM_PROBE_MS", c.probe_ms)
+        c.fault = os.environ.get("R2COMM_FAULT", "")
+        c.debug = os.environ.get("R2COMM_DEBUG", "").upper()
+        c.algo = os.environ.get("R2COMM_ALGO", "")
+        return c

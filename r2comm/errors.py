@@ -1,0 +1,53 @@
+"""The r2comm exception hierarchy. Engine error codes map onto these classes, so every rank
+that takes part in a failed operation raises the same class with the same message."""
+
+
+class R2commError(Exception):
+    """Base class of every error r2comm raises."""
+
+
+class R2commArgumentError(R2commError, ValueError):
+    """A bad argument seen locally: unknown op, dtype/op mismatch, bad root or rank."""
+
+
+class R2commBufferError(R2commArgumentError):
+    """A buffer r2comm cannot use: non-contiguous, read-only, or too small."""
+
+
+class R2commClosedError(R2commError):
+    """The communicator was freed (or its engine closed)."""
+
+
+class R2commTimeout(R2commError, TimeoutError):
+    """A blocking wait ran past its timeout."""
+
+
+class R2commNetworkError(R2commError, ConnectionError):
+    """A peer became unreachable: every rail to it failed, or it died."""
+
+
+class R2commMismatchError(R2commError):
+    """Ranks called a collective with arguments that do not match (sizes, dtypes, ops, roots)."""
+
+
+class R2commTruncateError(R2commMismatchError):
+    """A point-to-point message was larger than the receive buffer."""
+
+
+class R2commProtocolError(R2commError):
+    """A peer broke the protocol (e.g. a different chunk size)."""
+
+
+# engine error codes (r2comm/_core/engine.pyx, E_*)
+CODE_CLASSES = {
+    1: R2commTimeout,
+    2: R2commNetworkError,
+    3: R2commMismatchError,
+    4: R2commTruncateError,
+    5: R2commProtocolError,
+    6: R2commClosedError,
+}
+
+
+def from_code(code, message):
+    return CODE_CLASSES.get(code, R2commError)(message)

@@ -1,0 +1,40 @@
+"""Fault injection specs: R2COMM_FAULT="rank=1,rail=0,after_ms=200,mode=silent" (';' separates
+several). Keys: rank, rail, mode (hard|silent), peer, after_ms, after_bytes, restore_ms."""
+from dataclasses import dataclass
+
+MODES = {"hard": 1, "silent": 2}
+
+
+@dataclass
+class FaultSpec:
+    rank: int
+    rail: int
+    mode: str = "hard"
+    peer: int = -1
+    after_ms: float = 0.0
+    after_bytes: int = -1
+    restore_ms: float = -1.0
+
+
+def parse(text):
+    specs = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kv = {}
+        for item in part.split(","):
+            if "=" not in item:
+                raise ValueError(f"R2COMM_FAULT: expected key=value, got {item!r}")
+            k, v = item.split("=", 1)
+            kv[k.strip()] = v.strip()
+        unknown = set(kv) - {"rank", "rail", "mode", "peer", "after_ms", "after_bytes", "restore_ms"}
+        if unknown or "rail" not in kv:
+            raise ValueError(f"R2COMM_FAULT: bad spec {part!r} (unknown keys {sorted(unknown)} "
+                             "or no rail=)")
+        spec = FaultSpec(rank=int(kv.get("rank", -1)), rail=int(kv["rail"]),
+                         mode=kv.get("mode", "hard"), peer=int(kv.get("peer", -1)),
+                         after_ms=float(kv.get("after_ms", 0)),
+                         after_bytes=int(kv.get("after_bytes", -1)),
+                         restore_ms=float(kv.get("restore_ms", -1)))
+        if spec.mode not in MODES:
+            raise ValueError(f"R2COMM_FAULT: mode must be hard or silent, got {spec.mode!r}")
+        specs.append(spec)
+    return specs

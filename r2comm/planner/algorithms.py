@@ -1,0 +1,157 @@
+"""Collective algorithms as schedule builders: (rank, size, sizes) -> Schedule.
+
+Reduction order is fixed by the schedule alone (never by arrival order), so results are
+bitwise identical on every rank and between a faulty and a fault-free run."""
+from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV
+
+
+def blocks(count, n, itemsize):
+    """Byte (offset, length) of n nearly equal blocks of `count` elements."""
+    out = []
+    for b in range(n):
+        lo, hi = b * count // n, (b + 1) * count // n
+        out.append((lo * itemsize, (hi - lo) * itemsize))
+    return out
+
+
+def allreduce_ring(rank, n, nbytes, itemsize, eager=0):
+    """Ring reduce-scatter then ring allgather, pipelined chunk by chunk (bandwidth optimal)."""
+    s = Schedule("ring")
+    if n == 1:
+        return s
+    blk = blocks(nbytes // itemsize, n, itemsize)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    own = nbytes // n <= eager
+    prev = None
+    for st in range(n - 1):                       # reduce-scatter
+        sb, rb = (rank - st) % n, (rank - st - 1) % n
+        si = s.send(right, st, WORK, blk[sb][0], blk[sb][1], owned=own)
+        s.dep(prev, si)
+        ri = s.recv(left, st, WORK, blk[rb][0], blk[rb][1], REDUCE)
+        if own:
+            s.dep(si, ri)  # never needed for correctness (different blocks); keeps copies ordered
+        prev = ri
+    for st in range(n - 1):                       # allgather
+        sb, rb = (rank + 1 - st) % n, (rank - st) % n
+        si = s.send(right, n - 1 + st, WORK, blk[sb][0], blk[sb][1], owned=own)
+        s.dep(prev, si)
+        prev = s.recv(left, n - 1 + st, WORK, blk[rb][0], blk[rb][1], COPY)
+    return s
+
+
+def allreduce_rd(rank, n, nbytes, itemsize=1):
+    """Recursive doubling on the largest power of two, extra ranks folded in first (latency
+    optimal). Each level combines as (lower rank's value) op (higher rank's value) on both
+    sides, so both hold the same bits."""
+    s = Schedule("recursive_doubling")
+    if n == 1:
+        return s
+    p2 = 1 << (n.bit_length() - 1)
+    rem = n - p2
+    if rank >= p2:                                 # extra: hand over, get the result back
+        si = s.send(rank - p2, 0, WORK, 0, nbytes, owned=True)
+        ri = s.recv(rank - p2, 1, WORK, 0, nbytes, COPY)
+        s.dep(si, ri)
+        return s
+    prev = None
+    if rank < rem:
+        prev = s.recv(rank + p2, 0, WORK, 0, nbytes, REDUCE)
+    level, dist = 0, 1
+    while dist < p2:
+        partner = rank ^ dist
+        si = s.send(partner, 1 + level, WORK, 0, nbytes, owned=True)
+        s.dep(prev, si)
+        ri = s.recv(partner, 1 + level, WORK, 0, nbytes, REDUCE if rank < partner else REDUCE_REV)
+        s.dep(si, ri)
+        prev = ri
+        level, dist = level + 1, dist * 2
+    if rank < rem:
+        si = s.send(rank + p2, 1, WORK, 0, nbytes, owned=True)
+        s.dep(prev, si)
+    return s
+
+
+def _tree(v, n):
+    """Binomial tree on relative ranks: (parent or None, children in ascending order)."""
+    parent = None if v == 0 else v - (1 << (v.bit_length() - 1))
+    kids, k = [], v.bit_length() if v else 0
+    while v + (1 << k) < n:
+        kids.append(v + (1 << k))
+        k += 1
+    return parent, kids
+
+
+def bcast_tree(rank, n, nbytes, root, eager=0):
+    """Binomial tree, each chunk forwarded as soon as it arrives."""
+    s = Schedule("binomial")
+    v = (rank - root) % n
+    parent, kids = _tree(v, n)
+    ri = None
+    if parent is not None:
+        ri = s.recv((parent + root) % n, 0, WORK, 0, nbytes, COPY)
+    for c in kids:
+        si = s.send((c + root) % n, 0, WORK, 0, nbytes, owned=nbytes <= eager)
+        s.dep(ri, si)
+    return s
+
+
+def reduce_tree(rank, n, nbytes, root, eager=0):
+    """Binomial tree reduce into WORK (root) or SCRATCH; children applied in a fixed order."""
+    v = (rank - root) % n
+    parent, kids = _tree(v, n)
+    s = Schedule("binomial")
+    buf = WORK if v == 0 else (SCRATCH if kids else SEND)
+    if buf == SCRATCH:
+        s.scratch = nbytes
+        s.pre.append((SCRATCH, 0, SEND, 0, nbytes))
+    prev = None
+    for c in kids:
+        ri = s.recv((c + root) % n, 0, buf, 0, nbytes, REDUCE)
+        s.dep(prev, ri)
+        prev = ri
+    if parent is not None:
+        si = s.send((parent + root) % n, 0, buf, 0, nbytes, owned=nbytes <= eager)
+        s.dep(prev, si)
+    return s
+
+
+def allgather_ring(rank, n, block, eager=0):
+    """recvbuf holds n blocks; this rank's block is already in place."""
+    s = Schedule("ring")
+    right, left = (rank + 1) % n, (rank - 1) % n
+    prev = None
+    for st in range(n - 1):
+        sb, rb = (rank - st) % n, (rank - st - 1) % n
+        si = s.send(right, st, WORK, sb * block, block, owned=block <= eager)
+        s.dep(prev, si)
+        prev = s.recv(left, st, WORK, rb * block, block, COPY)
+    return s
+
+
+def reduce_scatter_ring(rank, n, block, itemsize, eager=0):
+    """Ring reduce-scatter over a scratch copy of the input; rank r keeps block r."""
+    s = Schedule("ring")
+    s.scratch = n * block
+    s.pre.append((SCRATCH, 0, SEND, 0, n * block))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    prev = None
+    for st in range(n - 1):
+        sb, rb = (rank - st - 1) % n, (rank - st - 2) % n
+        si = s.send(right, st, SCRATCH, sb * block, block, owned=block <= eager)
+        s.dep(prev, si)
+        ri = s.recv(left, st, SCRATCH, rb * block, block, REDUCE)
+        prev = ri
+    s.post.append((WORK, 0, SCRATCH, rank * block, block))
+    return s
+
+
+def alltoall_direct(rank, n, block, eager=0):
+    s = Schedule("direct")
+    for k in range(1, n):
+        peer = (rank + k) % n
+        s.send(peer, 0, SEND, peer * block, block, owned=block <= eager)
+    for k in range(1, n):
+        peer = (rank - k) % n
+        s.recv(peer, 0, WORK, peer * block, block, COPY)
+    s.pre.append((WORK, rank * block, SEND, rank * block, block))
+    return s

@@ -1,0 +1,61 @@
+"""Schedules as data: what one rank sends and receives in one operation.
+
+A schedule is a list of messages plus chunk-level dependencies. The engine executes any
+schedule; tests check schedules without sockets; the simulator can price them.
+
+A message is (kind, peer, step, buf, offset, nbytes, mode, owned):
+  kind    "send" or "recv"; peer is a rank of the communicator
+  step    distinguishes the messages between one pair (per direction) in one operation
+  buf     WORK (the result buffer), SEND (the user's send buffer) or SCRATCH
+  mode    COPY, REDUCE (dst = dst op incoming) or REDUCE_REV (dst = incoming op dst), receives
+  owned   the engine copies the data (small messages: the op need not wait for acks)
+A dependency (a, b) means: chunk c of message b waits for chunk c of message a (a receive is
+done with a chunk once applied; a send once acknowledged, or once copied if owned). Both
+messages must have the same length.
+"""
+from dataclasses import dataclass, field
+
+WORK, SEND, SCRATCH = 0, 1, 2
+COPY, REDUCE, REDUCE_REV = 0, 1, 2
+
+
+@dataclass
+class Schedule:
+    algo: str
+    msgs: list = field(default_factory=list)
+    deps: list = field(default_factory=list)
+    scratch: int = 0              # bytes of scratch buffer the schedule needs
+    pre: list = field(default_factory=list)    # local copies before: (dst_buf, dst_off, src_buf, src_off, n)
+    post: list = field(default_factory=list)   # local copies after completion
+    cost: float = 0.0             # predicted seconds (planner's cost model)
+
+    def send(self, peer, step, buf, off, nbytes, owned=False):
+        self.msgs.append(("send", peer, step, buf, off, nbytes, COPY, owned))
+        return len(self.msgs) - 1
+
+    def recv(self, peer, step, buf, off, nbytes, mode=COPY):
+        self.msgs.append(("recv", peer, step, buf, off, nbytes, mode, False))
+        return len(self.msgs) - 1
+
+    def dep(self, a, b):
+        if a is not None and b is not None:
+            self.deps.append((a, b))
+
+    def bytes_sent(self):
+        return sum(m[5] for m in self.msgs if m[0] == "send")
+
+    def bytes_received(self):
+        return sum(m[5] for m in self.msgs if m[0] == "recv")
+
+    def validate(self):
+        """Structural checks (used by tests and on every new plan)."""
+        seen = set()
+        for m in self.msgs:
+            key = (m[0], m[1], m[2])
+            if key in seen:
+                raise ValueError(f"{self.algo}: two {m[0]}s to/from {m[1]} with step {m[2]}")
+            seen.add(key)
+        for a, b in self.deps:
+            if self.msgs[a][5] != self.msgs[b][5]:
+                raise ValueError(f"{self.algo}: dependency {a}->{b} between different sizes")
+        return self

@@ -1,0 +1,102 @@
+"""Request: a handle on an operation in flight (mpi4py's Request)."""
+import time
+
+from .errors import R2commTimeout, R2commClosedError, from_code
+
+_ACTIVE, _DONE, _ERROR = 0, 1, 2
+
+
+class Status:
+    """What a receive got (mpi4py's Status, the parts r2comm knows)."""
+    def __init__(self):
+        self.source = -1
+        self.tag = -1
+        self.count = 0          # bytes received
+
+    def Get_count(self, datatype=None):
+        return self.count
+
+    def Get_source(self):
+        return self.source
+
+    def Get_tag(self):
+        return self.tag
+
+
+class Request:
+    __slots__ = ("_comm", "_oid", "_keep", "_post", "_done", "_error", "_result", "_status",
+                 "_timeout", "_nrecv")
+
+    def __init__(self, comm, oid, keep, post=None, result=None, status=None):
+        self._comm = comm
+        self._oid = oid
+        self._keep = keep          # Buffer exports and scratch: alive until completion
+        self._post = post          # callable run once on success (local copies)
+        self._done = False
+        self._error = None
+        self._result = result
+        self._status = status
+        self._timeout = comm._cfg.timeout
+        self._nrecv = 0
+
+    def _finish(self, state, err, msg, nrecv):
+        engine = self._comm._engine
+        engine.release(self._oid)
+        for b in self._keep:
+            if hasattr(b, "release"):
+                b.release()
+        self._keep = ()
+        self._done = True
+        self._nrecv = nrecv
+        if state == _ERROR:
+            self._error = from_code(err, msg)
+        elif self._post is not None:
+            self._post()
+        if self._status is not None:
+            self._status.count = nrecv
+
+    def Test(self):
+        """True once the operation ended (raises its error, like Wait)."""
+        if not self._done:
+            state, err, msg, nrecv = self._comm._engine.test(self._oid)
+            if state in (_DONE, _ERROR):
+                self._finish(state, err, msg, nrecv)
+        if self._done and self._error is not None:
+            raise self._error
+        return self._done
+
+    def Wait(self, timeout=None):
+        """Block until the operation ends; raise R2commTimeout after `timeout` seconds."""
+        if not self._done:
+            if self._comm._engine is None:
+                raise R2commClosedError("communicator was freed while the operation ran")
+            limit = self._timeout if timeout is None else timeout
+            state, err, msg, nrecv = self._comm._engine.wait(self._oid, limit)
+            if state == _ACTIVE:
+                self._comm._engine.cancel(self._oid, 1, f"operation timed out after {limit:g} s")
+                state, err, msg, nrecv = self._comm._engine.wait(self._oid, 5.0)
+                if state == _ACTIVE:
+                    raise R2commTimeout(f"operation timed out after {limit:g} s")
+            self._finish(state, err, msg, nrecv)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    wait = Wait
+
+    @staticmethod
+    def Waitall(requests, timeout=None):
+        """Wait for every request; raise the first error after all have ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first = None
+        out = []
+        for r in requests:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                out.append(r.Wait(left))
+            except Exception as exc:        # keep waiting for the others
+                out.append(None)
+                first = first or exc
+        if first is not None:
+            raise first
+        return out
