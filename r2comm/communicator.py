@@ -55,6 +55,7 @@ class _World:
         self.closed = True
         for t in self.timers:
             t.cancel()
+        self.engine.drain(min(self.cfg.timeout, 10.0))
         self.links.close()
         self.engine.close()
 
@@ -165,6 +166,7 @@ class Communicator:
         self._owner = owner
         self._seq = 0
         self._plans = {}
+        self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
         self.rank = members.index(world.boot.rank)
         self.size = len(members)
 
@@ -339,7 +341,7 @@ class Communicator:
         seq = self._seq
         self._seq += 1
         oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, sig,
-                                self._cfg.timeout, self._members)
+                                self.timeout, self._members)
         posts = [(db, do, sb, so, n) for (db, do, sb, so, n) in sched.post if n]
 
         def finish():
@@ -490,7 +492,7 @@ class Communicator:
         plan = Plan([(kind, gpeer, 0, WORK, 0, nbytes, 0, owned)], [], "p2p")
         b = Buffer(arr, kind == "recv")
         oid = self._engine.post(plan, b.ptr, 0, 0, dtype_code(arr.dtype), 0, self._id, 0, 0,
-                                self._cfg.timeout, [gpeer], 1, int(tag), nbytes)
+                                self.timeout, [gpeer], 1, int(tag), nbytes)
         if status is not None:
             status.source, status.tag = peer, tag
         return Request(self, oid, [b], None, None, status)

@@ -49,6 +49,7 @@ class Config:
         c.timeout = _float("R2COMM_TIMEOUT", c.timeout)
         cs = os.environ.get("R2COMM_CHUNK_SIZE")
         c.chunk_size = _size(cs) if cs else c.chunk_size
+        c.chunk_size = max(4096, min(c.chunk_size, 64 << 20)) // 8 * 8   # whole elements of any dtype
         c.rail_timeout_ms = _float("R2COMM_RAIL_TIMEOUT_MS", c.rail_timeout_ms)
         c.peer_timeout_ms = _float("R2COMM_PEER_TIMEOUT_MS", c.peer_timeout_ms)
         w = os.environ.get("R2COMM_WINDOW")

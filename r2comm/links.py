@@ -5,7 +5,6 @@ rank also re-connects a failed rail once the engine says a probe is due, so a ra
 came back is re-admitted without user action. One thread accepts (and authenticates) incoming
 connections for the whole life of the engine."""
 import logging
-import os
 import select
 import threading
 import time
@@ -96,21 +95,22 @@ class Links:
                         return
 
     def _accept(self, lst, lindex):
+        ctrl_index = len(self.boot.listeners) - 1
+
+        def admit(peer, rail):
+            if not (0 <= peer < self.boot.size and peer != self.me):
+                return False
+            if rail == tcp.CTRL_RAIL:
+                return lindex == ctrl_index
+            # the listener must be that rail's, and an injected fault keeps the NIC dark
+            return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
         try:
             peer, rail, fd, conn_id = tcp.accept(lst, self.boot.secret, self.boot.job, self.me,
-                                                 1.0, self.cfg.rail_timeout_ms)
+                                                 1.0, self.cfg.rail_timeout_ms, admit)
         except (OSError, tcp.HandshakeError) as exc:
-            self.rejected.append((time.time(), str(exc)))
-            log.warning("r2comm rank %d: refused a connection: %s", self.me, exc)
-            return
-        ok = 0 <= peer < self.boot.size and peer != self.me and (
-            (rail == tcp.CTRL_RAIL and lindex == len(self.boot.listeners) - 1)
-            or (rail < self.nrails[peer] and lindex == rail))
-        if not ok or (rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer)):
-            # wrong listener for that rail, or the NIC is failed by injection: refuse
-            os.close(fd)
-            if not ok:
-                self.rejected.append((time.time(), f"rank {peer} rail {rail} on wrong listener"))
+            if "refused (rail failed" not in str(exc):
+                self.rejected.append((time.time(), str(exc)))
+                log.warning("r2comm rank %d: refused a connection: %s", self.me, exc)
             return
         self._attach(peer, rail, fd, conn_id)
 

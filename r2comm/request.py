@@ -36,22 +36,21 @@ class Request:
         self._error = None
         self._result = result
         self._status = status
-        self._timeout = comm._cfg.timeout
+        self._timeout = comm.timeout
         self._nrecv = 0
 
     def _finish(self, state, err, msg, nrecv):
-        engine = self._comm._engine
-        engine.release(self._oid)
-        for b in self._keep:
-            if hasattr(b, "release"):
-                b.release()
-        self._keep = ()
+        self._comm._engine.release(self._oid)
         self._done = True
         self._nrecv = nrecv
         if state == _ERROR:
             self._error = from_code(err, msg)
         elif self._post is not None:
-            self._post()
+            self._post()            # local copies, while the buffers are still held
+        for b in self._keep:
+            if hasattr(b, "release"):
+                b.release()
+        self._keep = ()
         if self._status is not None:
             self._status.count = nrecv
 

@@ -537,8 +537,6 @@ cdef void rail_write(State* e, Rail* r) noexcept nogil:
             iov[0].iov_len = qrem
             niov = 1
             use_q = 1
-        if not r.tx_busy and r.index < p.nrails:
-            start_chunk(e, p, r)
         if r.tx_busy:
             if r.tx_done < HDR_SIZE:
                 iov[niov].iov_base = (<char*>&r.tx_hdr) + r.tx_done
@@ -580,10 +578,33 @@ cdef void rail_write(State* e, Rail* r) noexcept nogil:
         # loop: more queued frames or chunks may fit
 
 cdef void pump_peer(State* e, Peer* p) noexcept nogil:
+    """Flush what each connection holds, then stripe queued chunks: each goes to the rail with
+    the fewest unacknowledged bytes per unit of weight that has window room and an idle
+    socket. A slow or stalled rail keeps its bytes unacknowledged and so gets fewer chunks."""
     cdef int k
+    cdef Rail* r
+    cdef Rail* best
+    cdef double score, best_score
     for k in range(p.nrails + 1):
-        if p.rails[k].state == R_UP:
-            rail_write(e, p.rails[k])
+        r = p.rails[k]
+        if r.state == R_UP and (r.tx_busy or r.txq.size() > r.txq_pos):
+            rail_write(e, r)
+    while not p.ready.empty():
+        best = NULL
+        best_score = 0
+        for k in range(p.nrails):
+            r = p.rails[k]
+            if r.state != R_UP or r.tx_busy:
+                continue
+            if r.inflight_bytes > 0 and r.inflight_bytes + e.cs > r.window:
+                continue
+            score = (r.inflight_bytes + e.cs) / r.weight
+            if best == NULL or score < best_score:
+                best = r
+                best_score = score
+        if best == NULL or not start_chunk(e, p, best):
+            return
+        rail_write(e, best)
 
 # ---------------------------------------------------------------------------------------------
 # Completion, gating and delivery
@@ -1555,6 +1576,24 @@ cdef class Buffer:
             PyBuffer_Release(&self.view)
 
 
+def validate_header(bytes frame, uint32_t max_chunk):
+    """The wire validator on raw bytes: 0 if the 48-byte header is well formed, else < 0."""
+    cdef r2_hdr h
+    if len(frame) < HDR_SIZE:
+        return -5
+    memcpy(&h, <const char*>frame, HDR_SIZE)
+    return hdr_validate(&h, max_chunk)
+
+
+def encode_header(int type, int flags, int dtype, int redop, uint32_t comm, uint32_t seq,
+                  uint32_t step, uint32_t sig, uint32_t chunk, uint32_t length, uint64_t total,
+                  uint32_t aux):
+    """The wire encoder (for tests and fuzzing): 48 header bytes."""
+    cdef r2_hdr h
+    hdr_encode(&h, type, flags, dtype, redop, comm, seq, step, sig, chunk, length, total, aux)
+    return (<char*>&h)[:HDR_SIZE]
+
+
 def memcopy(uint64_t dst, uint64_t src, uint64_t n):
     """memcpy between two buffer addresses without the GIL (local copies of a schedule)."""
     with nogil:
@@ -1653,16 +1692,18 @@ cdef class Engine:
         if self.started:
             self.thread.join(5.0)
         with nogil:
+            # owned sends whose operation was released belong to the engine alone
+            it2 = e.smap.begin()
+            while it2 != e.smap.end():
+                if (<SendMsg*>deref(it2).second).op == NULL:
+                    free_send(<SendMsg*>deref(it2).second)
+                inc(it2)
+            e.smap.clear()
             it = e.ops.begin()
             while it != e.ops.end():
                 free_op(e, deref(it).second, 0)
                 inc(it)
             e.ops.clear()
-            it2 = e.smap.begin()
-            while it2 != e.smap.end():
-                free_send(<SendMsg*>deref(it2).second)
-                inc(it2)
-            e.smap.clear()
             for i in range(e.nranks):
                 p = e.peers[i]
                 if p == NULL:
@@ -1695,6 +1736,28 @@ cdef class Engine:
     def __dealloc__(self):
         if self.e != NULL and not self.started:
             self.close()
+
+    def drain(self, double timeout):
+        """Wait until every send was acknowledged and every queued frame written (or timeout);
+        returns True if drained. Called before close, so a rank that finished first does not
+        take unacknowledged eager data, or the acks its peers wait for, down with it."""
+        cdef State* e = self._live()
+        cdef double until = mono() + timeout, t
+        cdef timespec ts
+        cdef int done = 0
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            while True:
+                done = e.smap.empty() and txq_empty(e)
+                t = mono()
+                if done or t >= until:
+                    break
+                t = t + 0.002
+                ts.tv_sec = <long>t
+                ts.tv_nsec = <long>((t - ts.tv_sec) * 1e9)
+                pthread_cond_timedwait(&e.cv, &e.mu, &ts)
+            pthread_mutex_unlock(&e.mu)
+        return bool(done)
 
     # -- connections ---------------------------------------------------------------------------
     def attach(self, int peer, int rail, int fd, uint32_t conn_id):
@@ -1998,6 +2061,18 @@ cdef class Engine:
 
 
 
+cdef int txq_empty(State* e) noexcept nogil:
+    cdef int i, k
+    cdef Rail* r
+    for i in range(e.nranks):
+        if e.peers[i] == NULL or e.peers[i].lost:
+            continue
+        for k in range(e.peers[i].nrails + 1):
+            r = e.peers[i].rails[k]
+            if r.state == R_UP and (r.tx_busy or r.txq.size() > r.txq_pos):
+                return 0
+    return 1
+
 cdef void free_p2p(P2PState* st) noexcept nogil:
     it = st.unexp.begin()
     while it != st.unexp.end():
@@ -2170,7 +2245,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
                 u = deref(itu).second
                 e.cunexp.erase(itu)
                 bind_unexp(e, rm, u, rm.peer)
-        if op.state != ST_ACTIVE:
+        if op.state == ST_ERROR:
             return op.id
     # sends: queue every chunk that waits on nothing
     for i in range(op.sends.size()):

@@ -81,8 +81,10 @@ def connect(addr, port, local_addr, secret, job, src, dst, rail, timeout, rail_t
         raise
 
 
-def accept(listener, secret, job, me, timeout, rail_timeout_ms):
-    """Accept and authenticate one connection; returns (peer rank, rail, fd, connection id)."""
+def accept(listener, secret, job, me, timeout, rail_timeout_ms, admit=None):
+    """Accept and authenticate one connection; returns (peer rank, rail, fd, connection id).
+    admit(peer, rail) -> False refuses it before this side proves the secret, so the
+    connector never takes a refused connection for a working rail."""
     sock, addr = listener.accept()
     try:
         sock.settimeout(timeout)
@@ -92,6 +94,8 @@ def accept(listener, secret, job, me, timeout, rail_timeout_ms):
             raise HandshakeError(f"connection from {addr[0]}:{addr[1]} is not an r2comm rail")
         if pjob != job or dst != me:
             raise HandshakeError(f"connection from {addr[0]}:{addr[1]} belongs to another job/rank")
+        if admit is not None and not admit(src, rail):
+            raise HandshakeError(f"rank {src} rail {rail}: refused (rail failed on this side)")
         nonce_s = os.urandom(16)
         sock.sendall(nonce_s + _mac(secret, b"acc", hello, nonce_s))
         mac = _recv_exact(sock, MAC_LEN)

@@ -42,7 +42,7 @@ class RailSampler(threading.Thread):
         self.t, self.sent, self.recv, self.state = [], [], [], []
         self.last_op = time.time()
         self.error = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def sample(self):
         rails = self.comm.rails
@@ -53,7 +53,7 @@ class RailSampler(threading.Thread):
 
     def run(self):
         try:
-            while not self._stop.wait(self.period):
+            while not self._halt.wait(self.period):
                 self.sample()
                 if self.stall > 0 and time.time() - self.last_op > self.stall:
                     self._abort()
@@ -68,7 +68,7 @@ class RailSampler(threading.Thread):
         os._exit(3)
 
     def stop(self):
-        self._stop.set()
+        self._halt.set()
         self.join()
         self.sample()  # closing sample after the last op
 
@@ -191,7 +191,12 @@ def first_event(events, kinds, after=None):
 
 
 def analyze(ranks, nbytes, factor):
-    """Fault time (injected, else first detection), and per-rank window() plus event delays."""
+    """Fault time (injected, else first detection), and per-rank window() plus event delays.
+
+    Byte counts: 'requeued' sums the `nbytes` of this rank's 'migrated' events
+    (unacknowledged data moved to surviving rails); 'resent' is the rails'
+    bytes_resent counter at the end of the run.
+    """
     injected = [r["t_fault"] for r in ranks if r["t_fault"] is not None]
     restored = [r["t_restore"] for r in ranks if r["t_restore"] is not None]
     detected = [e["t"] for r in ranks for e in r["events"] if e.get("kind") == "rail_failed" and "t" in e]
@@ -212,11 +217,15 @@ def analyze(ranks, nbytes, factor):
                                ("migrated", ("migrated",))):
                 ev = first_event(r["events"], kinds, after=t_fault - 1.0)
                 row[f"{key}_s"] = ev["t"] - t_fault if ev else None
-                row[f"{key}_by"] = ev.get("detector") if ev else None
-            row["nbytes_resent"] = sum(int(e.get("nbytes_resent") or 0) for e in r["events"])
+                row[f"{key}_by"] = (ev.get("detector"), ev.get("info")) if ev else None
+            row["bytes_requeued"] = sum(int(e.get("nbytes") or 0) for e in r["events"]
+                                        if e.get("kind") == "migrated")
+        row["bytes_resent"] = sum(int(rail.get("bytes_resent") or 0) for rail in r["rails"])
         if t_restore is not None:
             after = window(ops, t0, t_restore, t_end, nbytes)
             row["restore_pause_s"], row["rate_restored"] = after["pause_s"], after["rate_after"]
+            ev = first_event(r["events"], ("rail_restored",), after=t_restore)
+            row["readmitted_s"] = ev["t"] - t_restore if ev else None
         for key in ("rate_before", "rate_after", "rate_restored"):
             if row.get(key) is not None:
                 row[key.replace("rate", "busbw") + "_GBps"] = row[key] * factor / 1e9
@@ -244,19 +253,20 @@ def summary(args, ranks, t_fault, t_restore, rows, nranks):
              + (f"; restore at {t_restore - t0:.3f} s" if t_restore else ""),
              "# algbw in GB/s; pause = longest gap between op completions after the fault"]
     lines.append(f"{'# rank':<7}{'ops':>6}{'before':>9}{'pause(ms)':>11}{'gap(ms)':>9}{'after':>9}"
-                 f"{'detect(ms)':>12}{'migrate(ms)':>13}{'resent(B)':>12}{'wrong':>7}")
+                 f"{'detect(ms)':>12}{'migrate(ms)':>13}{'requeued(B)':>13}{'resent(B)':>11}{'wrong':>7}")
     for row in rows:
         lines.append(f"{row['rank']:<7}{row['ops']:>6}{_gbps(row.get('rate_before')):>9}"
                      f"{_ms(row.get('pause_s')):>11}{_ms(row.get('gap_before_s')):>9}"
                      f"{_gbps(row.get('rate_after')):>9}{_ms(row.get('detect_s')):>12}"
-                     f"{_ms(row.get('migrated_s')):>13}{row.get('nbytes_resent', 0):>12}"
+                     f"{_ms(row.get('migrated_s')):>13}{row.get('bytes_requeued', 0):>13}"
+                     f"{row['bytes_resent']:>11}"
                      f"{row['wrong_results']:>7}")
         for err in row["errors"] + ([row["sampler_error"]] if row["sampler_error"] else []):
             lines.append(f"# rank {row['rank']} error: {err}")
     if t_restore is not None:
         for row in rows:
-            lines.append(f"# rank {row['rank']} after restore: pause {_ms(row.get('restore_pause_s'))} ms, "
-                         f"{_gbps(row.get('rate_restored'))} GB/s")
+            lines.append(f"# rank {row['rank']} after restore: rail back after {_ms(row['readmitted_s'])} ms, "
+                         f"pause {_ms(row['restore_pause_s'])} ms, {_gbps(row['rate_restored'])} GB/s")
     ref = t_fault if t_fault is not None else t0
     events = sorted((e for r in ranks for e in r["events"]), key=lambda e: e.get("t", 0))
     if events:

@@ -70,7 +70,8 @@ def rates(t, counters, bin_s):
     """
     t = np.asarray(t, float)
     c = np.asarray(counters, float)
-    edges = np.arange(t[0], t[-1] + bin_s, bin_s)
+    full_bins = int(np.floor((t[-1] - t[0]) / bin_s + 1e-9))  # a partial last bin would dip
+    edges = t[0] + np.arange(full_bins + 1) * bin_s
     at = np.column_stack([np.interp(edges, t, c[:, k]) for k in range(c.shape[1])])
     return (edges[1:] + edges[:-1]) / 2, np.diff(at, axis=0) / bin_s
 

@@ -1,0 +1,16 @@
+# Shared by demo.sh and test.sh: system packages, a virtualenv, the project installed in it.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${R2COMM_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ "$(id -u)" = 0 ] && { ! command -v ip >/dev/null || ! command -v tc >/dev/null; }; then
+    # the netns testbed needs ip and tc (iproute2)
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2) >/dev/null
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -m pip install -q -e "$ROOT[test]" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c "import r2comm._core.engine" || { echo "r2comm did not build" >&2; exit 1; }
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,44 @@
+"""Shared helpers: launching real multi-rank jobs under the mpiexec that ships with the mpich
+wheel (a project dependency, so it is never skipped)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "mpi_worker.py")
+
+
+def mpiexec_path():
+    cand = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    path = cand if os.path.exists(cand) else shutil.which("mpiexec")
+    if path is None:
+        pytest.fail("mpiexec not found: the mpich wheel (an install requirement) provides it")
+    return path
+
+
+def run_mpi(n, argv, timeout=240, env=None, expect_ok=True):
+    """Run `mpiexec -n n python argv...`, bounded in time; return (returncode, output)."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e["MPIEXEC_TIMEOUT"] = str(int(timeout))
+    e.update(env or {})
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable] + list(argv)
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e,
+                           timeout=timeout + 30, text=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout + 30} s:\n{exc.output}")
+    if expect_ok and p.returncode != 0:
+        pytest.fail(f"{' '.join(argv)} with {n} ranks failed (rc {p.returncode}):\n{p.stdout[-6000:]}")
+    return p.returncode, p.stdout
+
+
+def run_scenario(n, scenario, timeout=240, env=None, **kw):
+    args = [f"{k}={v}" for k, v in kw.items()]
+    rc, out = run_mpi(n, [WORKER, scenario] + args, timeout=timeout, env=env)
+    lines = [ln for ln in out.splitlines() if ln.startswith(f"OK {scenario} ")]
+    assert lines, f"{scenario}: no OK line:\n{out[-4000:]}"
+    return int(lines[-1].split()[2]), out

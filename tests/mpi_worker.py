@@ -1,0 +1,358 @@
+"""Multi-rank test scenarios, run under mpiexec by the pytest drivers.
+
+    mpiexec -n N python tests/mpi_worker.py SCENARIO [key=value ...]
+
+Each rank checks its own results against numpy (every rank can compute every rank's input,
+since inputs are seeded by (case, rank)) and that all ranks hold the same bits. A scenario
+prints "OK <scenario> <count>" on rank 0 when every check passed; any failed check raises,
+so the job exits non-zero."""
+import hashlib
+import zlib
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import r2comm  # noqa: E402
+from r2comm import SUM, PROD, MIN, MAX  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float16", "float32", "float64"]
+OPS = [SUM, PROD, MIN, MAX]
+NP_OPS = {"SUM": np.add, "PROD": np.multiply, "MIN": np.minimum, "MAX": np.maximum}
+
+
+def data(case, rank, count, dtype, op):
+    """Integer-valued inputs whose reductions are exact in every dtype."""
+    rng = np.random.default_rng([zlib.crc32(case.encode()), rank])
+    if op is PROD:
+        vals = rng.choice([1, 1, 1, 2], size=count)
+        if np.dtype(dtype).kind in "if":
+            vals = vals * rng.choice([1, -1], size=count)
+    elif op is SUM:
+        hi = 10 if np.dtype(dtype).itemsize == 1 else 200
+        vals = rng.integers(0, hi, size=count)
+    else:
+        vals = rng.integers(-50 if np.dtype(dtype).kind in "if" else 0, 100, size=count)
+    return vals.astype(dtype)
+
+
+def reduce_ref(case, n, count, dtype, op):
+    acc = data(case, 0, count, dtype, op)
+    for r in range(1, n):
+        acc = NP_OPS[op.name](acc, data(case, r, count, dtype, op)).astype(dtype)
+    return acc
+
+
+def same_everywhere(arr, what):
+    h = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+    hs = WORLD.allgather(h)
+    assert len(set(hs)) == 1, f"{what}: results differ between ranks"
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def expect(exc_type, fn, what):
+    try:
+        fn()
+    except exc_type as exc:
+        return exc
+    except Exception as exc:
+        raise AssertionError(f"{what}: expected {exc_type.__name__}, got "
+                             f"{type(exc).__name__}: {exc}") from exc
+    raise AssertionError(f"{what}: expected {exc_type.__name__}, nothing raised")
+
+
+def sizes(n, big=True):
+    out = [0, 1, 7, 4 * n + 1, 1000]
+    if big:
+        out.append((3 << 20) // 8 + 3)     # several chunks, not divisible by n
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+def sc_collectives(comm, args):
+    n, r = comm.size, comm.rank
+    count = 0
+    for dtype in DTYPES:
+        big = dtype in ("float32", "int64", "float16")
+        for op in OPS:
+            for cnt in sizes(n, big and op is SUM):
+                case = f"ar-{dtype}-{op.name}-{cnt}"
+                x = data(case, r, cnt, dtype, op)
+                y = np.empty_like(x)
+                comm.Allreduce(x, y, op)
+                ref = reduce_ref(case, n, cnt, dtype, op)
+                check(np.array_equal(y, ref), f"Allreduce {case}")
+                same_everywhere(y, case)
+                count += 1
+    for cnt in sizes(n):
+        # IN_PLACE, lowercase
+        case = f"inplace-{cnt}"
+        x = data(case, r, cnt, "float32", SUM)
+        comm.Allreduce(r2comm.IN_PLACE, x, SUM)
+        check(np.array_equal(x, reduce_ref(case, n, cnt, "float32", SUM)), case)
+        z = comm.allreduce(data(case, r, cnt, "int32", MAX), MAX)
+        check(np.array_equal(z, reduce_ref(case, n, cnt, "int32", MAX)), "lowercase " + case)
+        count += 2
+    check(comm.allreduce(r + 1) == n * (n + 1) // 2, "lowercase allreduce of int (pickle path)")
+    for root in range(n):
+        for cnt in sizes(n):
+            for dtype in ("uint8", "float64"):
+                case = f"bcast-{root}-{cnt}-{dtype}"
+                b = data(case, root, cnt, dtype, SUM) if r == root else np.zeros(cnt, dtype)
+                comm.Bcast(b, root)
+                check(np.array_equal(b, data(case, root, cnt, dtype, SUM)), case)
+                count += 1
+            case = f"reduce-{root}-{cnt}"
+            x = data(case, r, cnt, "int32", SUM)
+            out = np.zeros(cnt, "int32") if r == root else None
+            comm.Reduce(x, out, SUM, root)
+            if r == root:
+                check(np.array_equal(out, reduce_ref(case, n, cnt, "int32", SUM)), case)
+            count += 1
+    for cnt in sizes(n):
+        for dtype in ("int16", "float32"):
+            case = f"allgather-{cnt}-{dtype}"
+            x = data(case, r, cnt, dtype, SUM)
+            out = np.empty(cnt * n, dtype)
+            comm.Allgather(x, out)
+            ref = np.concatenate([data(case, k, cnt, dtype, SUM) for k in range(n)])
+            check(np.array_equal(out, ref), case)
+            inplace = np.zeros(cnt * n, dtype)
+            inplace[r * cnt:(r + 1) * cnt] = x
+            comm.Allgather(r2comm.IN_PLACE, inplace)
+            check(np.array_equal(inplace, ref), "in-place " + case)
+            case = f"rsb-{cnt}-{dtype}"
+            x = data(case, r, cnt * n, dtype, SUM)
+            out = np.empty(cnt, dtype)
+            comm.Reduce_scatter_block(x, out, SUM)
+            ref = reduce_ref(case, n, cnt * n, dtype, SUM)[r * cnt:(r + 1) * cnt]
+            check(np.array_equal(out, ref), case)
+            case = f"alltoall-{cnt}-{dtype}"
+            x = data(case, r, cnt * n, dtype, SUM)
+            out = np.empty(cnt * n, dtype)
+            comm.Alltoall(x, out)
+            ref = np.concatenate([data(case, k, cnt * n, dtype, SUM)[r * cnt:(r + 1) * cnt]
+                                  for k in range(n)])
+            check(np.array_equal(out, ref), case)
+            count += 4
+    comm.Barrier()
+    return count
+
+
+def sc_p2p(comm, args):
+    n, r = comm.size, comm.rank
+    count = 0
+    for cnt in (0, 1, 1000, 300001):
+        # ring exchange with Sendrecv
+        case = f"sendrecv-{cnt}"
+        out = np.empty(cnt, "float64")
+        comm.Sendrecv(data(case, r, cnt, "float64", SUM), (r + 1) % n, 5, out, (r - 1) % n, 5)
+        check(np.array_equal(out, data(case, (r - 1) % n, cnt, "float64", SUM)), case)
+        count += 1
+    if r == 0:
+        # messages with different tags, received in reverse tag order
+        for tag in range(5):
+            comm.Send(np.full(10 + tag, tag, "int32"), 1, tag=tag)
+        st = r2comm.Status()
+        buf = np.zeros(100, "int64")
+        comm.Recv(buf, 1, tag=7, status=st)
+        check(st.count == 8 * 50 and (buf[:50] == 7).all(), "Recv with status and larger buffer")
+        # truncation error is raised on the receiver
+        comm.Send(np.ones(64, "uint8"), 1, tag=9)
+    elif r == 1:
+        for tag in reversed(range(5)):
+            b = np.zeros(10 + tag, "int32")
+            comm.Recv(b, 0, tag=tag)
+            check((b == tag).all(), f"tagged recv {tag}")
+        comm.Send(np.full(50, 7, "int64"), 0, tag=7)
+        exc = expect(r2comm.R2commTruncateError, lambda: comm.Recv(np.zeros(8, "uint8"), 0, tag=9),
+                     "truncated Recv")
+        check("truncated" in str(exc), "truncation message")
+    count += 7
+    # many non-blocking sends/receives in flight, completed in reverse order
+    reqs, bufs = [], []
+    for k in range(8):
+        peer = (r + 1 + k % (n - 1)) % n
+        src = (r - 1 - k % (n - 1)) % n
+        b = np.zeros(5000 + k, "int32")
+        bufs.append((b, src, k))
+        reqs.append(comm.Irecv(b, src, tag=k))
+        reqs.append(comm.Isend(np.full(5000 + k, 1000 * r + k, "int32"), peer, tag=k))
+    r2comm.Request.Waitall(list(reversed(reqs)))
+    for b, src, k in bufs:
+        check((b == 1000 * src + k).all(), f"Irecv {k}")
+    count += 8
+    comm.Barrier()
+    return count
+
+
+def sc_nonblocking(comm, args):
+    n, r = comm.size, comm.rank
+    reqs, outs = [], []
+    cases = [(f"nb-{k}", [1, 1000, 100000, 700001][k % 4]) for k in range(10)]
+    for case, cnt in cases:
+        x = data(case, r, cnt, "int32", SUM)
+        y = np.empty_like(x)
+        outs.append(y)
+        reqs.append(comm.Iallreduce(x, y, SUM))
+    bc = data("nb-bcast", 0, 5000, "float32", SUM) if r == 0 else np.zeros(5000, "float32")
+    reqs.append(comm.Ibcast(bc, 0))
+    ag = np.empty(300 * n, "int16")
+    reqs.append(comm.Iallgather(data("nb-ag", r, 300, "int16", SUM), ag))
+    rs = np.empty(4000, "float64")
+    reqs.append(comm.Ireduce_scatter_block(data("nb-rs", r, 4000 * n, "float64", SUM), rs, SUM))
+    # complete in reverse order, with Test polling on one
+    polls = 0
+    while not reqs[0].Test():
+        polls += 1
+        time.sleep(0.001)
+    for q in reversed(reqs[1:]):
+        q.Wait()
+    for (case, cnt), y in zip(cases, outs):
+        check(np.array_equal(y, reduce_ref(case, n, cnt, "int32", SUM)), case)
+    check(np.array_equal(bc, data("nb-bcast", 0, 5000, "float32", SUM)), "Ibcast")
+    check(np.array_equal(ag, np.concatenate([data("nb-ag", k, 300, "int16", SUM) for k in range(n)])),
+          "Iallgather")
+    check(np.array_equal(rs, reduce_ref("nb-rs", n, 4000 * n, "float64", SUM)[r * 4000:(r + 1) * 4000]),
+          "Ireduce_scatter_block")
+    return len(reqs)
+
+
+def sc_errors(comm, args):
+    n, r = comm.size, comm.rank
+    E = r2comm
+    a = np.arange(20, dtype="float32")
+    count = 0
+    for what, fn, exc in [
+        ("non-contiguous", lambda: comm.Allreduce(a[::2], np.empty(10, "float32")), E.R2commBufferError),
+        ("read-only recvbuf", lambda: comm.Allreduce(a, np.frombuffer(bytes(80), "float32")),
+         E.R2commBufferError),
+        ("dtype differs", lambda: comm.Allreduce(a, np.empty(20, "float64")), E.R2commArgumentError),
+        ("recvbuf too small", lambda: comm.Allreduce(a, np.empty(10, "float32")), E.R2commBufferError),
+        ("unknown op", lambda: comm.Allreduce(a, np.empty(20, "float32"), op="XOR"), E.R2commArgumentError),
+        ("unsupported dtype", lambda: comm.Allreduce(np.zeros(4, "complex64"), np.zeros(4, "complex64")),
+         E.R2commArgumentError),
+        ("list as buffer", lambda: comm.Allreduce([1, 2], np.empty(2)), E.R2commBufferError),
+        ("bad root", lambda: comm.Bcast(a, root=n), E.R2commArgumentError),
+        ("allgather recvbuf", lambda: comm.Allgather(a, np.empty(20 * n + 1, "float32")), E.R2commBufferError),
+    ]:
+        expect(exc, fn, what)
+        count += 1
+    # arguments that differ between ranks: every rank raises the same error class
+    for what, fn in [
+        ("sizes differ", lambda: comm.Allreduce(np.ones(1000 + r, "int32"), np.empty(1000 + r, "int32"))),
+        ("big sizes differ", lambda: comm.Allreduce(np.ones(300000 + 7 * r, "int32"),
+                                                    np.empty(300000 + 7 * r, "int32"))),
+        ("dtypes differ", lambda: comm.Allreduce(np.ones(64, "int32" if r else "float32"),
+                                                 np.empty(64, "int32" if r else "float32"))),
+        ("ops differ", lambda: comm.Allreduce(np.ones(64, "int32"), np.empty(64, "int32"),
+                                              SUM if r else MAX)),
+    ]:
+        exc = expect(r2comm.R2commMismatchError, fn, what)
+        check("differ" in str(exc), f"{what}: message says what differs: {exc}")
+        flags = WORLD.allgather(True)
+        check(all(flags), what)
+        count += 1
+    # the communicator is still usable afterwards
+    y = comm.allreduce(np.full(10, r, "int64"))
+    check((y == n * (n - 1) // 2).all(), "allreduce after errors")
+    # a freed communicator
+    d = comm.Dup()
+    d.Free()
+    expect(r2comm.R2commClosedError, lambda: d.Allreduce(a, np.empty_like(a)), "freed communicator")
+    # timeout: rank 0 of a Dup does not take part; the others raise within the timeout
+    d = comm.Dup()
+    d.timeout = 1.5
+    t0 = time.monotonic()
+    if r != 0:
+        expect(r2comm.R2commTimeout, lambda: d.Allreduce(a, np.empty_like(a)), "timeout")
+        check(time.monotonic() - t0 < 6, "timeout bounded")
+    WORLD.Barrier()
+    count += 2
+    if n > 2:
+        # mismatched roots can leave every rank waiting for a sender that never comes: no header
+        # can show it, so each rank must end with an error within the timeout, not hang
+        d = comm.Dup()
+        d.timeout = 1.5
+        t0 = time.monotonic()
+        expect(r2comm.R2commError, lambda: d.Bcast(np.ones(100, "int32"), root=1 if r == 0 else 0),
+               "roots differ")
+        check(time.monotonic() - t0 < 6, "roots differ: bounded")
+        WORLD.Barrier()
+        count += 1
+    return count
+
+
+def sc_comms(comm, args):
+    n, r = comm.size, comm.rank
+    count = 0
+    d = comm.Dup()
+    y = d.allreduce(np.full(100, r + 1, "int64"))
+    check((y == n * (n + 1) // 2).all(), "Dup allreduce")
+    count += 1
+    s = comm.Split(color=r % 2, key=-r)
+    members = [k for k in range(n) if k % 2 == r % 2]
+    check(s.size == len(members) and s.rank == len(members) - 1 - members.index(r), "Split ranks")
+    if s.size > 1:
+        y = s.allreduce(np.full(1000, r, "int64"))
+        check((y == sum(members)).all(), "Split allreduce")
+        b = np.arange(10.0) if s.rank == 0 else np.zeros(10)
+        s.Bcast(b, 0)
+        check(np.array_equal(b, np.arange(10.0)), "Split bcast")
+    count += 1
+    # both communicators interleaved
+    y1 = np.empty(5, "int32")
+    q1 = d.Iallreduce(np.full(5, 1, "int32"), y1)
+    y2 = comm.allreduce(np.full(5, 2, "int32"))
+    q1.Wait()
+    check((y1 == n).all() and (y2 == 2 * n).all(), "interleaved communicators")
+    none = comm.Split(color=None if r == 0 else 1)
+    check((none is None) == (r == 0), "Split with undefined color")
+    if none is not None:
+        none.Free()
+    s.Free()
+    with comm.Dup() as w:
+        w.Barrier()
+    d.Free()
+    count += 2
+    return count
+
+
+SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_nonblocking,
+             "errors": sc_errors, "comms": sc_comms}
+
+
+def main():
+    name = sys.argv[1]
+    args = dict(a.split("=", 1) for a in sys.argv[2:])
+    import faulthandler
+    faulthandler.dump_traceback_later(float(args.get("dump_after", 240)), exit=False)
+    if name in SCENARIOS:
+        comm = r2comm.Communicator(MPI.COMM_WORLD, timeout=float(args.get("timeout", 30)))
+        try:
+            count = SCENARIOS[name](comm, args)
+        except BaseException:
+            for ev in comm.events:
+                print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
+            print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
+            raise
+    else:
+        import fault_worker
+        comm, count = fault_worker.run(name, args)
+    total = WORLD.allreduce(count)
+    if WORLD.rank == 0:
+        print(f"OK {name} {total}", flush=True)
+    comm.Free()
+
+
+if __name__ == "__main__":
+    main()

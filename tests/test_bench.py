@@ -1,0 +1,351 @@
+"""Tests of the benchmark harness, ``python -m r2comm.bench``.
+
+Pure parts (sizes, references, tables, failover analysis) are tested in
+process.  Every subcommand is also run for real under ``mpiexec -n 2`` with
+--check, which validates each result against numpy; runs that use r2comm need
+its engine built, runs of the MPI and Gloo peers alone do not.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from r2comm.bench import data, failover, osu, peers, report, sizes
+from r2comm.bench.cli import build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+SWEEPS = data.COLLECTIVES + ("latency", "bw")
+QUICK = ["--rounds", "1", "--budget", "0.02", "-i", "50", "-x", "2", "--check"]
+
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install mpich)")
+
+
+def bench(args, n=2, timeout=240, env=None):
+    """Run the harness under mpiexec; fail with its output if it does not exit 0."""
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "r2comm.bench", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, f"{' '.join(cmd)}\nrc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def table_rows(stdout):
+    """Numeric rows of an OSU table: [[size, col1, col2, ...], ...]."""
+    return [[float(v) for v in line.split()] for line in stdout.splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def gloo_or_skip():
+    reason = peers.gloo_unavailable()
+    if reason:
+        pytest.skip(f"gloo peer not installed: {reason}")
+
+
+# ---------------------------------------------------------------- pure parts
+
+def test_parse_size_and_range():
+    assert sizes.parse_size("8") == 8
+    assert sizes.parse_size("4K") == 4096
+    assert sizes.parse_size("64M") == 64 << 20
+    assert sizes.parse_size("1g") == 1 << 30
+    assert sizes.parse_size("2MiB") == 2 << 20
+    assert sizes.parse_range("8:64M") == (8, 64 << 20)
+    assert sizes.parse_range("1M") == (None, 1 << 20)
+    with pytest.raises(ValueError):
+        sizes.parse_size("12Q")
+    with pytest.raises(ValueError):
+        sizes.parse_range("1M:8")
+
+
+def test_sweep_doubles_like_osu():
+    assert sizes.sweep(8, 64) == [8, 16, 32, 64]
+    assert sizes.sweep(0, 4) == [0, 1, 2, 4]
+    assert sizes.sweep(3, 20) == [3, 6, 12]
+    assert sizes.human(64 << 20) == "64M" and sizes.human(1000) == "1000"
+
+
+def _simulate(kind, cases, op):
+    """What each rank must receive, computed from all ranks' send buffers alone."""
+    n = len(cases)
+    sends = [c.send.copy() for c in cases]
+    ufunc = data.OPS[op]
+    if kind == "allreduce":
+        total = sends[0]
+        for s in sends[1:]:
+            total = ufunc(total, s)
+        return [total] * n
+    if kind == "allgather":
+        return [np.concatenate(sends)] * n
+    if kind == "reduce_scatter":
+        c = cases[0].count
+        full = sends[0]
+        for s in sends[1:]:
+            full = ufunc(full, s)
+        return [full[r * c:(r + 1) * c] for r in range(n)]
+    if kind == "bcast":
+        return [sends[cases[0].root]] * n
+    if kind == "alltoall":
+        c = cases[0].count
+        return [np.concatenate([sends[j][r * c:(r + 1) * c] for j in range(n)]) for r in range(n)]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", data.COLLECTIVES)
+@pytest.mark.parametrize("op", sorted(data.OPS))
+def test_references_match_a_simulated_collective(kind, op):
+    n, nbytes = 3, 4096
+    cases = [data.make_case(kind, nbytes, r, n, "float32", op, root=1) for r in range(n)]
+    for case, want in zip(cases, _simulate(kind, cases, op)):
+        np.testing.assert_array_equal(case.expected, want)
+        assert case.nbytes == max(case.send.nbytes, case.recv.nbytes)
+        case.reset()
+        assert not case.check() or (kind == "bcast" and case.is_root)
+        case.recv[...] = case.expected
+        assert case.check()
+
+
+def test_small_sizes_round_up_to_one_element_per_rank():
+    case = data.make_case("allgather", 8, 0, 4, "float64")
+    assert case.count == 1 and case.nbytes == 32
+
+
+def test_busbw_factors_are_nccl_tests():
+    f = {k: osu.BUSBW_FACTOR[k](4) for k in osu.BUSBW_FACTOR}
+    assert f == {"allreduce": 1.5, "allgather": 0.75, "reduce_scatter": 0.75, "bcast": 1.0, "alltoall": 0.75}
+
+
+def test_settings_plan_respects_budget_and_bounds():
+    s = osu.Settings(iters=1000, warmup=10, budget=0.25)
+    assert s.plan(1e-6) == (1000, 10)
+    assert s.plan(0.1) == (3, 1)  # min_iters, at least one warm-up
+    assert osu.Settings(iters=7, warmup=2, budget=0).plan(5.0) == (7, 2)
+
+
+class _Bench:
+    messages_per_iteration = 1
+    factor = 1.0
+    time_of = staticmethod(osu.Collective.time_of)
+
+
+def _result(lib, size, seconds):
+    r = osu.Result(lib, size, size // 4, 100, 10)
+    r.rounds = [(seconds, seconds * 0.9, seconds * 1.1)] * 3
+    return r
+
+
+def test_table_has_osu_columns_then_bandwidths_and_ratio(capsys):
+    t = report.Table("allreduce", ["r2comm", "mpi-shm"], full=True)
+    t.header(["test run"])
+    rows = [report.metrics(_Bench(), _result("r2comm", 1 << 20, 1e-3)),
+            report.metrics(_Bench(), _result("mpi-shm", 1 << 20, 2e-3))]
+    t.row(rows)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# OSU MPI Allreduce Latency Test"
+    assert out[2].startswith("# Size") and "Avg Latency(us)" in out[2] and "Iterations" in out[2]
+    assert out[2].index("Avg Latency(us)") < out[2].index("busbw(GB/s)") < out[2].index("r2comm/mpi-shm")
+    size, avg, lo, hi, iters, algbw, busbw, peer_us, peer_busbw, ratio = map(float, out[3].split())
+    assert size == 1 << 20 and iters == 100
+    assert avg == pytest.approx(1000.0) and lo == pytest.approx(900.0) and hi == pytest.approx(1100.0)
+    assert algbw == pytest.approx((1 << 20) / 1.1e-3 / 1e9, rel=1e-3)  # slowest rank's time
+    assert ratio == pytest.approx(2.0)
+
+
+def test_parse_peers():
+    assert peers.parse_peers(["mpi,gloo", "mpi"]) == ["mpi", "gloo"]
+    assert peers.parse_peers(["mpi", "none"]) == []
+    assert peers.parse_peers(None) == []
+    with pytest.raises(ValueError):
+        peers.parse_peers(["nccl"])
+
+
+def test_mpi_transport_names():
+    assert peers.mpi_transport({}) == "shm"
+    assert peers.mpi_transport(peers.TCP_ENV) == "tcp"
+    assert peers.mpi_transport({"MPIR_CVAR_NOLOCAL": "1"}) == "netmod"  # UCX still uses shm
+    assert peers.mpi_transport({"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self"}) == "tcp"
+
+
+def test_failover_window_finds_pause_and_rates():
+    nbytes = 1 << 20
+    ops = list(np.arange(1, 101) * 0.01)  # 100 ops, 10 ms apart, from t=0
+    ops += list(1.3 + np.arange(0, 50) * 0.02)  # 300 ms pause after t=1.0, then half the rate
+    w = failover.window(ops, 0.0, 1.005, ops[-1], nbytes)
+    assert w["ops_before"] == 100
+    assert w["rate_before"] == pytest.approx(nbytes / 0.01)
+    assert w["pause_s"] == pytest.approx(0.3)
+    assert w["rate_after"] == pytest.approx(nbytes / 0.02)
+    assert w["gap_before_s"] == pytest.approx(0.01)
+
+
+def test_failover_analysis_uses_events_without_injection():
+    t0 = 100.0
+    ops = list(t0 + np.arange(1, 51) * 0.01) + list(t0 + 0.7 + np.arange(50) * 0.01)
+    rank = {"rank": 0, "t0": t0, "ops": ops, "wrong_results": 0, "errors": [], "t_fault": None,
+            "t_restore": None, "samples": {"error": None},
+            "rails": [{"index": 0, "bytes_resent": 512}, {"index": 1, "bytes_resent": 0}],
+            "events": [{"t": t0 + 0.52, "kind": "rail_failed", "rank": 0, "rail": 0, "detector": 0,
+                        "info": "send error"},
+                       {"t": t0 + 0.6, "kind": "migrated", "rank": 0, "rail": 0, "nbytes": 4096}]}
+    t_fault, t_restore, rows = failover.analyze([rank], 1 << 20, 1.0)
+    assert t_fault == pytest.approx(t0 + 0.52) and t_restore is None
+    row = rows[0]
+    assert row["detect_s"] == 0.0 and row["detect_by"] == (0, "send error")
+    assert row["migrated_s"] == pytest.approx(0.08)
+    assert row["bytes_requeued"] == 4096 and row["bytes_resent"] == 512
+    assert row["pause_s"] == pytest.approx(0.2)
+
+
+def test_rates_interpolates_counters():
+    from r2comm.bench.plot import rates
+    t = [0.0, 0.1, 0.2, 0.4]
+    counters = [[0, 0], [100, 0], [200, 50], [400, 50]]
+    centres, r = rates(t, counters, 0.1)
+    assert len(centres) == r.shape[0] == 4
+    np.testing.assert_allclose(r[:, 0], [1000, 1000, 1000, 1000])
+    np.testing.assert_allclose(r[:, 1], [0, 500, 0, 0])
+
+
+def test_cli_parses_every_subcommand():
+    p = build_parser()
+    for kind in SWEEPS:
+        a = p.parse_args([kind, "-m", "8:64M", "--peer", "mpi,gloo", "-f"])
+        assert a.message_size == (8, 64 << 20) and a.full
+    a = p.parse_args(["failover", "--mode", "silent", "--fail-at", "0.5", "--no-inject"])
+    assert a.mode == "silent" and a.no_inject and a.size == 4 << 20
+
+
+# ---------------------------------------------------- MPI peer (no engine needed)
+
+@needs_mpiexec
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", SWEEPS)
+def test_mpi_peer_sweep_checks_and_writes_json(kind, tmp_path):
+    out = tmp_path / f"{kind}.json"
+    stdout = bench([kind, "--no-r2comm", "--peer", "mpi", "-m", "8:64K", "-f", *QUICK, "--json", str(out)])
+    rows = table_rows(stdout)
+    assert rows and all(r[1] > 0 for r in rows)
+    doc = load(out)
+    assert doc["bench"] == kind and doc["nranks"] == 2 and doc["settings"]["check"]
+    assert doc["libraries"][0]["transport"] == "shm"
+    results = doc["results"]["mpi-shm"]
+    assert [r["size"] for r in results] == [int(r[0]) for r in rows]
+    assert all(r["time_us"] > 0 and r["iters"] >= 1 for r in results)
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+def test_mpi_tcp_environment_is_labelled(tmp_path):
+    out = tmp_path / "tcp.json"
+    bench(["allreduce", "--no-r2comm", "--peer", "mpi", "-m", "8:4K", *QUICK, "--json", str(out)],
+          env=peers.TCP_ENV)
+    doc = load(out)
+    assert list(doc["results"]) == ["mpi-tcp"]
+    assert doc["libraries"][0]["env"]["FI_PROVIDER"] == "tcp"
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+def test_plot_from_json_files(tmp_path):
+    a, b, png = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "both.png"
+    bench(["allreduce", "--no-r2comm", "--peer", "mpi", "-m", "8:1K", *QUICK, "--json", str(a),
+           "--plot", str(tmp_path / "a.png")])
+    bench(["allreduce", "--no-r2comm", "--peer", "mpi", "-m", "8:1K", *QUICK, "--json", str(b)],
+          env=peers.TCP_ENV)
+    assert (tmp_path / "a.png").stat().st_size > 0
+    subprocess.run([sys.executable, "-m", "r2comm.bench", "plot", str(a), str(b), "-o", str(png)],
+                   cwd=ROOT, check=True, timeout=120, capture_output=True)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["allreduce", "latency"])
+def test_gloo_peer(kind, tmp_path):
+    gloo_or_skip()
+    out = tmp_path / "gloo.json"
+    stdout = bench([kind, "--no-r2comm", "--peer", "mpi,gloo", "-m", "8:16K", *QUICK, "--json", str(out)])
+    header = [line for line in stdout.splitlines() if line.startswith("# Size")][0]
+    assert "mpi-shm/gloo" in header
+    assert set(load(out)["results"]) == {"mpi-shm", "gloo"}
+
+
+# ------------------------------------------------------- r2comm (needs the engine)
+
+@needs_mpiexec
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", SWEEPS)
+def test_r2comm_sweep_against_mpi(kind, tmp_path):
+    out, png = tmp_path / f"{kind}.json", tmp_path / f"{kind}.png"
+    stdout = bench([kind, "--peer", "mpi", "-m", "8:256K", "-f", *QUICK, "--json", str(out), "--plot", str(png)])
+    header = [line for line in stdout.splitlines() if line.startswith("# Size")][0]
+    assert "r2comm/mpi-shm" in header
+    assert table_rows(stdout)
+    doc = load(out)
+    assert set(doc["results"]) == {"r2comm", "mpi-shm"}
+    assert doc["libraries"][0]["name"] == "r2comm" and len(doc["libraries"][0]["rails"]) >= 1
+    assert all(r["time_us"] > 0 for r in doc["results"]["r2comm"])
+    assert png.stat().st_size > 0
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+def test_r2comm_gloo_three_way(tmp_path):
+    gloo_or_skip()
+    out = tmp_path / "three.json"
+    bench(["allreduce", "--peer", "mpi", "--peer", "gloo", "-m", "1K:64K", *QUICK, "--json", str(out)])
+    assert set(load(out)["results"]) == {"r2comm", "mpi-shm", "gloo"}
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["hard", "silent"])
+def test_failover_stream(mode, tmp_path):
+    out, png = tmp_path / f"{mode}.json", tmp_path / f"{mode}.png"
+    stdout = bench(["failover", "--size", "1M", "--duration", "2.5", "--fail-at", "0.8", "--rail", "0",
+                    "--mode", mode, "--check", "--stall-timeout", "60", "--json", str(out), "--plot", str(png)])
+    assert "# r2comm failover test" in stdout
+    doc = load(out)
+    assert doc["t_fault"] is not None
+    for row in doc["analysis"]:
+        assert row["wrong_results"] == 0 and row["ops_before"] > 0 and row["ops_after"] > 0
+        assert row["pause_s"] is not None and row["rate_after"] > 0
+    assert any(e["kind"] == "rail_failed" for r in doc["ranks"] for e in r["events"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+def test_failover_restore_readmits_the_rail(tmp_path):
+    out = tmp_path / "restore.json"
+    stdout = bench(["failover", "--size", "1M", "--duration", "2.5", "--fail-at", "0.6", "--restore-at", "1.2",
+                    "--check", "--json", str(out), "--plot", ""])
+    assert "after restore" in stdout
+    doc = load(out)
+    assert doc["t_restore"] is not None
+    for row in doc["analysis"]:
+        assert row["wrong_results"] == 0 and row["rate_restored"] > 0
+    assert any(e["kind"] == "rail_restored" for r in doc["ranks"] for e in r["events"])
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+def test_failover_external_fault_is_found_from_events(tmp_path):
+    """--no-inject: the fault comes from outside (here r2comm's own R2COMM_FAULT timer)."""
+    out = tmp_path / "external.json"
+    bench(["failover", "--size", "1M", "--duration", "2.5", "--no-inject", "--check", "--json", str(out),
+           "--plot", ""], env={"R2COMM_FAULT": "rank=1,rail=1,after_ms=1000,mode=hard"})
+    doc = load(out)
+    assert doc["t_fault"] is not None and doc["t_restore"] is None
+    assert all(r["t_fault"] is None for r in doc["ranks"])  # the harness injected nothing
+    for row in doc["analysis"]:
+        assert row["wrong_results"] == 0 and row["pause_s"] is not None and row["detect_s"] is not None

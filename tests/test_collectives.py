@@ -1,0 +1,37 @@
+"""Every collective, point-to-point call and error path, under mpiexec with 2, 3 and 4 ranks.
+Each scenario checks results against numpy and bit-identity across ranks (tests/mpi_worker.py)."""
+import pytest
+
+from conftest import run_scenario
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives_dtypes_ops_sizes(n):
+    count, _ = run_scenario(n, "collectives", timeout=30)
+    assert count >= 600 * n      # every (collective, dtype, op, size) case on every rank
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_point_to_point(n):
+    count, _ = run_scenario(n, "p2p", timeout=30)
+    assert count >= 19 * n
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_nonblocking_in_flight_any_order(n):
+    count, _ = run_scenario(n, "nonblocking", timeout=30)
+    assert count == 13 * n
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bad_input_raises_on_every_rank(n):
+    count, _ = run_scenario(n, "errors", timeout=20)
+    assert count >= 15 * n
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_dup_split_free(n):
+    count, _ = run_scenario(n, "comms", timeout=30)
+    assert count == 4 * n
