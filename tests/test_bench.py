@@ -28,8 +28,11 @@ needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (p
 def bench(args, n=2, timeout=240, env=None):
     """Run the harness under mpiexec; fail with its output if it does not exit 0."""
     cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "r2comm.bench", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    env = {**os.environ, "MPIEXEC_TIMEOUT": str(timeout), **(env or {})}  # hydra kills all ranks
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 30, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout + 30} s:\n{exc.stdout}\n{exc.stderr}")
     assert proc.returncode == 0, f"{' '.join(cmd)}\nrc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 

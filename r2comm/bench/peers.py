@@ -20,8 +20,6 @@ import socket
 
 import numpy as np
 
-LIBRARIES = ("r2comm", "mpi", "gloo")
-
 # Launch-time variables that decide how MPICH moves bytes between ranks on one host.
 MPI_ENV_PREFIXES = ("MPIR_CVAR_", "FI_", "UCX_", "MPICH_")
 
@@ -58,7 +56,7 @@ def mpi_transport(env=os.environ):
         return "shm"
     if env.get("MPIR_CVAR_CH4_NETMOD", "").lower() == "ofi" and env.get("FI_PROVIDER") in ("tcp", "sockets"):
         return "tcp"
-    if "tcp" in env.get("UCX_TLS", "") and "shm" not in env.get("UCX_TLS", ""):
+    if set(env.get("UCX_TLS", "").split(",")) in ({"tcp"}, {"tcp", "self"}):
         return "tcp"
     return "netmod"
 
@@ -78,19 +76,8 @@ def rail_record(rail):
     return dict(vars(rail))
 
 
-class R2comm:
-    """r2comm.Communicator; the library under test."""
-    name = label = "r2comm"
-
-    def __init__(self, world):
-        try:
-            import r2comm
-        except ImportError as exc:
-            raise Unavailable(f"r2comm engine not importable ({exc}); "
-                              "build it (pip install -e .) or use --no-r2comm") from exc
-        self.mod = r2comm
-        self.comm = r2comm.Communicator(world)
-        self.ops = {"sum": r2comm.SUM, "prod": r2comm.PROD, "min": r2comm.MIN, "max": r2comm.MAX}
+class _MpiStyle:
+    """Calls shared by r2comm and mpi4py: r2comm's Communicator mirrors mpi4py's buffer API."""
 
     def collective(self, case, op):
         c, s, r, o = self.comm, case.send, case.recv, self.ops[op]
@@ -109,6 +96,23 @@ class R2comm:
     def recv(self, buf, source):
         return lambda: self.comm.Recv(buf, source, tag=0)
 
+    def close(self):
+        self.comm.Free()
+
+
+class R2comm(_MpiStyle):
+    """r2comm.Communicator; the library under test."""
+    name = label = "r2comm"
+
+    def __init__(self, world):
+        try:
+            import r2comm
+            self.comm = r2comm.Communicator(world)
+        except ImportError as exc:  # the Cython engine loads with the first Communicator
+            raise Unavailable(f"r2comm engine not importable ({exc}); "
+                              "build it (pip install -e .) or use --no-r2comm") from exc
+        self.ops = {"sum": r2comm.SUM, "prod": r2comm.PROD, "min": r2comm.MIN, "max": r2comm.MAX}
+
     def window(self, buf, peer, n, sending):
         post = self.comm.Isend if sending else self.comm.Irecv
         return lambda: [req.Wait() for req in [post(buf, peer, tag=0) for _ in range(n)]]
@@ -117,11 +121,8 @@ class R2comm:
         return {"rails": [rail_record(r) for r in self.comm.rails],
                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("R2COMM_")}}
 
-    def close(self):
-        self.comm.Free()
 
-
-class Mpi:
+class Mpi(_MpiStyle):
     """mpi4py buffer calls: the reference every MPI user already has."""
     name = "mpi"
 
@@ -132,23 +133,6 @@ class Mpi:
         self.label = f"mpi-{mpi_transport()}"
         self.ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
 
-    def collective(self, case, op):
-        c, s, r, o = self.comm, case.send, case.recv, self.ops[op]
-        calls = {
-            "allreduce": lambda: c.Allreduce(s, r, op=o),
-            "allgather": lambda: c.Allgather(s, r),
-            "reduce_scatter": lambda: c.Reduce_scatter_block(s, r, op=o),
-            "bcast": lambda: c.Bcast(r, root=case.root),
-            "alltoall": lambda: c.Alltoall(s, r),
-        }
-        return calls[case.kind], None
-
-    def send(self, buf, dest):
-        return lambda: self.comm.Send(buf, dest, tag=0)
-
-    def recv(self, buf, source):
-        return lambda: self.comm.Recv(buf, source, tag=0)
-
     def window(self, buf, peer, n, sending):
         post = self.comm.Isend if sending else self.comm.Irecv
         waitall = self.MPI.Request.Waitall
@@ -157,9 +141,6 @@ class Mpi:
     def describe(self):
         return {"transport": mpi_transport(), "library": self.MPI.Get_library_version().splitlines()[0],
                 "env": mpi_env()}
-
-    def close(self):
-        self.comm.Free()
 
 
 class Gloo:
