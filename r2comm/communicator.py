@@ -128,7 +128,7 @@ class Communicator:
                         [0 if j == boot.rank else min(len(boot.rail_addrs), len(ep["rails"]))
                          for j, ep in enumerate(boot.endpoints)],
                         cfg.chunk_size, cfg.rail_timeout_ms / 1e3, cfg.peer_timeout_ms / 1e3,
-                        cfg.window, cfg.probe_ms / 1e3)
+                        cfg.window, cfg.probe_ms / 1e3, cfg.probe_max_ms / 1e3)
         try:
             engine.start()
             links = Links(engine, boot, cfg)

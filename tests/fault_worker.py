@@ -1,0 +1,222 @@
+"""Fault-injection scenarios (run by mpi_worker.py under mpiexec).
+
+random     trials of (collective, size, faults): 1 or 2 rails failed hard or silently, on random
+           ranks, at a random byte offset of the traffic (0 = before the first chunk); every
+           result compared bit for bit with the fault-free answer
+partition  one rank loses every rail: every rank must raise R2commNetworkError within a bound
+flap       a rail flaps (fail/restore every few ms) under a stream of allreduces
+"""
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import r2comm
+from r2comm import SUM, MAX
+from mpi_worker import WORLD, data, reduce_ref, check, expect, same_everywhere
+
+COLLS = ["allreduce", "allreduce", "bcast", "allgather", "reduce_scatter", "alltoall",
+         "sendrecv", "nonblocking", "reduce"]
+
+
+def run_collective(comm, coll, nbytes, case, rng):
+    """Run one collective on inputs seeded by `case`, check it, return checks done."""
+    n, r = comm.size, comm.rank
+    cnt = max(nbytes // 4, 1)
+    if coll == "allreduce":
+        x = data(case, r, cnt, "float32", SUM)
+        y = np.empty_like(x)
+        comm.Allreduce(x, y, SUM)
+        check(np.array_equal(y, reduce_ref(case, n, cnt, "float32", SUM)), case)
+        same_everywhere(y, case)
+    elif coll == "bcast":
+        root = int(rng.integers(n))
+        b = data(case, root, cnt, "int32", SUM) if r == root else np.zeros(cnt, "int32")
+        comm.Bcast(b, root)
+        check(np.array_equal(b, data(case, root, cnt, "int32", SUM)), case)
+    elif coll == "reduce":
+        root = int(rng.integers(n))
+        out = np.empty(cnt, "int32") if r == root else None
+        comm.Reduce(data(case, r, cnt, "int32", MAX), out, MAX, root)
+        if r == root:
+            check(np.array_equal(out, reduce_ref(case, n, cnt, "int32", MAX)), case)
+    elif coll == "allgather":
+        c = max(cnt // n, 1)
+        out = np.empty(c * n, "int32")
+        comm.Allgather(data(case, r, c, "int32", SUM), out)
+        check(np.array_equal(out, np.concatenate([data(case, k, c, "int32", SUM)
+                                                  for k in range(n)])), case)
+    elif coll == "reduce_scatter":
+        c = max(cnt // n, 1)
+        out = np.empty(c, "float64")
+        comm.Reduce_scatter_block(data(case, r, c * n, "float64", SUM), out, SUM)
+        check(np.array_equal(out, reduce_ref(case, n, c * n, "float64", SUM)[r * c:(r + 1) * c]),
+              case)
+    elif coll == "alltoall":
+        c = max(cnt // n, 1)
+        out = np.empty(c * n, "int32")
+        comm.Alltoall(data(case, r, c * n, "int32", SUM), out)
+        check(np.array_equal(out, np.concatenate([data(case, k, c * n, "int32", SUM)[r * c:(r + 1) * c]
+                                                  for k in range(n)])), case)
+    elif coll == "sendrecv":
+        out = np.empty(cnt, "int32")
+        comm.Sendrecv(data(case, r, cnt, "int32", SUM), (r + 1) % n, 3, out, (r - 1) % n, 3)
+        check(np.array_equal(out, data(case, (r - 1) % n, cnt, "int32", SUM)), case)
+    elif coll == "nonblocking":
+        reqs, outs = [], []
+        for k in range(3):
+            x = data(f"{case}-{k}", r, cnt, "int32", SUM)
+            outs.append(np.empty_like(x))
+            reqs.append(comm.Iallreduce(x, outs[-1], SUM))
+        b = data(case, 0, cnt, "float32", SUM) if r == 0 else np.zeros(cnt, "float32")
+        reqs.append(comm.Ibcast(b, 0))
+        r2comm.Request.Waitall(reqs[::-1])
+        for k in range(3):
+            check(np.array_equal(outs[k], reduce_ref(f"{case}-{k}", n, cnt, "int32", SUM)), case)
+        check(np.array_equal(b, data(case, 0, cnt, "float32", SUM)), case)
+    return 1
+
+
+def wait_rails_up(comm, limit):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if all(ra.state == "up" for ra in comm.rails):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def sc_random(comm, args):
+    n, r = comm.size, comm.rank
+    seed, trials = int(args.get("seed", 1)), int(args.get("trials", 30))
+    nrails = len(comm.rails)
+    struck = injected = checks = skipped = 0
+    t_start = time.monotonic()
+    for t in range(trials):
+        rng = np.random.default_rng([seed, t])          # same plan on every rank
+        coll = str(rng.choice(COLLS))
+        nbytes = int(rng.choice([8, 4096, 200_000, 1_000_000, 2_500_000]))
+        nfail = 1 if rng.random() < 0.65 or nrails < 3 else 2
+        rails = rng.permutation(nrails)[:nfail]
+        plan = []
+        for k in range(nfail):
+            frank = int(rng.integers(n))
+            mode = str(rng.choice(["hard", "silent"]))
+            # a byte offset within what that rank sends on one rail: 0 strikes before the
+            # first chunk, offsets near the end strike in the last chunk
+            per_rail = max(nbytes * 2 // max(nrails, 1), 1)
+            after = int(rng.choice([0, int(rng.integers(per_rail)), max(per_rail - 100, 0)]))
+            plan.append((frank, int(rails[k]), mode, after))
+        before = len(comm.events)
+        # inject only when every rank sees every rail up, so that each pair keeps a rail
+        healthy = WORLD.allreduce(1 if wait_rails_up(comm, 3.0) else 0, op=MPI.MIN)
+        skipped += 1 - healthy
+        for frank, rail, mode, after in plan:
+            if frank == r and healthy:
+                comm.fail_rail(rail, mode, after_bytes=after)
+                injected += 1
+        checks += run_collective(comm, coll, nbytes, f"rt-{seed}-{t}", rng)
+        mine = [e for e in comm.events[before:] if e["kind"] == "rail_failed"
+                and e["detector"] == r]
+        struck += 1 if mine else 0
+        for frank, rail, mode, after in plan:
+            if frank == r and healthy:
+                comm.restore_rail(rail)
+        WORLD.Barrier()
+    struck = WORLD.allreduce(struck)
+    injected = WORLD.allreduce(injected)
+    if r == 0:
+        print(f"FAULTS injected={injected} detected_trials={struck} trials={trials} skipped={skipped} "
+              f"seconds={time.monotonic() - t_start:.1f}", flush=True)
+    # bilateral awareness: every locally detected failure was told to the peer and acked
+    evs = comm.events
+    notified = sum(1 for e in evs if e["kind"] == "notify_sent")
+    acked = sum(1 for e in evs if e["kind"] == "notify_acked")
+    check(acked >= notified * 0.9, f"notifications acknowledged: {acked} of {notified}")
+    return checks
+
+
+def sc_partition(comm, args):
+    """Rank 1 loses every rail mid-collective; every rank raises within the bound."""
+    n, r = comm.size, comm.rank
+    mode = args.get("mode", "hard")
+    x = np.ones(2_000_000, "float32")
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)
+    if r == 1:
+        for rail in range(len(comm.rails)):
+            comm.fail_rail(rail, mode, after_bytes=100_000)
+    t0 = time.monotonic()
+    exc = expect(r2comm.R2commNetworkError, lambda: [comm.Allreduce(x, y) for _ in range(50)],
+                 f"partition ({mode})")
+    took = time.monotonic() - t0
+    check(took < 10, f"partition detected in {took:.1f} s")
+    check("rail" in str(exc), f"message names the cause: {exc}")
+    flags = WORLD.allgather((type(exc).__name__, round(took, 2)))
+    if r == 0:
+        print(f"PARTITION {mode} {flags}", flush=True)
+    return 1
+
+
+def sc_flap(comm, args):
+    """A rail that flaps: fail and restore in a loop while allreduces stream; all exact."""
+    n, r = comm.size, comm.rank
+    ops = int(args.get("ops", 60))
+    flaps = 0
+    case = "flap"
+    x = data(case, r, 500_000, "float32", SUM)
+    ref = reduce_ref(case, n, 500_000, "float32", SUM)
+    y = np.empty_like(x)
+    period = float(args.get("period_ms", 40)) / 1e3
+    down, last = False, time.monotonic()
+    for i in range(ops):
+        if r == 1 and time.monotonic() - last > period:
+            if down:
+                comm.restore_rail(0)
+            else:
+                comm.fail_rail(0, "hard" if flaps % 2 else "silent")
+                flaps += 1
+            down, last = not down, time.monotonic()
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), f"flap op {i}")
+    if r == 1:
+        comm.restore_rail(0)
+    flaps = WORLD.allreduce(flaps)
+    if r == 0:
+        print(f"FLAPS {flaps}", flush=True)
+    check(flaps >= 3, "the rail flapped")
+    return ops
+
+
+def sc_envfault(comm, args):
+    """R2COMM_FAULT (set by the test) fails a rail of an unmodified loop of allreduces."""
+    n, r = comm.size, comm.rank
+    x = data("env", r, 300_000, "int32", SUM)
+    ref = reduce_ref("env", n, 300_000, "int32", SUM)
+    y = np.empty_like(x)
+    ops = 0
+    t_end = WORLD.bcast(time.time() + float(args.get("seconds", 1.5)), root=0)
+    while WORLD.allreduce(time.time() < t_end, op=MPI.LAND):
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), "allreduce under R2COMM_FAULT")
+        ops += 1
+    failed = WORLD.allreduce(sum(1 for e in comm.events if e["kind"] == "rail_failed"))
+    if r == 0:
+        print(f"ENVFAULT ops={ops} rail_failed={failed}", flush=True)
+    check(failed >= 1, "the fault from R2COMM_FAULT struck")
+    return ops
+
+
+def run(name, args):
+    rails = args.get("rails", "127.0.0.1,127.0.0.2,127.0.0.3").split(",")
+    comm = r2comm.Communicator(MPI.COMM_WORLD, rails=rails, timeout=float(args.get("timeout", 60)))
+    fn = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
+          "envfault": sc_envfault}[name]
+    try:
+        return comm, fn(comm, args)
+    except BaseException:
+        import sys
+        for ev in comm.events[-30:]:
+            print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
+        print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
+        raise
