@@ -151,7 +151,8 @@ MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV = M_COPY, M_REDUCE, M_REDUCE_REV
 
 cdef enum:
     RBUF_SIZE = 262144
-    DIRECT_MIN = 16384
+    RBUF_READ = 8192
+    DIRECT_MIN = 4096
     EVFD_TAG = 0xFFFFFFFFFFFFFFFF
     INJ_NONE = 0
     INJ_HARD = 1
@@ -364,6 +365,7 @@ cdef cppclass State:
     int evfd
     pthread_mutex_t mu
     pthread_cond_t cv
+    pthread_cond_t pcv       # the progress thread parks on this one while a waiter drives I/O
     cmap[Key, void*] smap
     cmap[Key, void*] rmap
     cmap[Key, Unexp*] cunexp
@@ -385,7 +387,11 @@ cdef cppclass State:
     vector[int] inj_peer
     double fault_time
     int awaiting_redelivery
+    double last_timer
+    int waiters
     __init__() noexcept nogil:
+        this.waiters = 0
+        this.last_timer = 0
         this.next_op = 1
         this.stop = 0
         this.signal = 0
@@ -411,6 +417,9 @@ cdef inline Key mkey(int peer, uint32_t comm, uint8_t flags, uint32_t step, uint
     k.first = (<uint64_t>peer << 32) | comm
     k.second = (<uint64_t>flags << 56) | (<uint64_t>(step & 0xFFFFFF) << 32) | seq
     return k
+
+cdef inline uint32_t min_u32(uint32_t a, uint32_t b) noexcept nogil:
+    return a if a < b else b
 
 cdef inline uint32_t chunk_len(uint64_t total, uint32_t cs, uint32_t c) noexcept nogil:
     cdef uint64_t off = <uint64_t>c * cs
@@ -1107,7 +1116,9 @@ cdef void rail_read(State* e, Rail* r) noexcept nogil:
             memmove(r.rbuf, r.rbuf + r.rpos, r.rlen - r.rpos)
             r.rlen -= r.rpos
             r.rpos = 0
-        n = e.tp.post_recv(r.fd, r.rbuf + r.rlen, RBUF_SIZE - r.rlen)
+        # small reads for headers and acks: a large payload then goes straight to its target
+        # (one copy, kernel to destination) instead of through this buffer
+        n = e.tp.post_recv(r.fd, r.rbuf + r.rlen, min_u32(RBUF_SIZE - r.rlen, RBUF_READ))
         if n == 0:
             return
         if n < 0:
@@ -1453,50 +1464,74 @@ cdef void check_timers(State* e) noexcept nogil:
                  "in time", late[j].comm, late[j].seq)
         fail_op(e, late[j], E_TIMEOUT, buf, 1)
 
-cdef void progress_loop(State* e) noexcept nogil:
+cdef int progress_once(State* e, int tmo) noexcept nogil:
+    """Wait up to tmo ms for socket events, then handle them under the mutex. Run by the
+    progress thread in a loop and by any thread that waits for an operation, so a message
+    completes in the thread that needs it without a hand-off. Returns the number of events."""
     cdef epoll_event evs[64]
-    cdef int n, i, tmo, pi, ri
+    cdef int n, i, pi, ri
     cdef uint64_t tag, drain
     cdef Rail* r
     cdef Peer* p
-    cdef double last_timer = 0, now
+    cdef double now
+    n = epoll_wait(e.epfd, evs, 64, tmo)
+    pthread_mutex_lock(&e.mu)
+    if e.stop:
+        pthread_mutex_unlock(&e.mu)
+        return -1
+    for i in range(n):
+        tag = evs[i].data.u64
+        if tag == EVFD_TAG:
+            read(e.evfd, &drain, 8)
+            continue
+        pi = <int>((tag >> 8) & 0xFFFFFF)
+        ri = <int>(tag & 0xFF)
+        if pi >= e.nranks or e.peers[pi] == NULL or ri > e.peers[pi].nrails:
+            continue
+        r = e.peers[pi].rails[ri]
+        if r.state != R_UP or r.gen != <uint32_t>(tag >> 32):
+            continue
+        if evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP):
+            rail_read(e, r)
+        if r.state == R_UP and (evs[i].events & EPOLLOUT or r.txq.size() > r.txq_pos):
+            rail_write(e, r)
+    for pi in range(e.nranks):
+        p = e.peers[pi]
+        if p != NULL and (not p.ready.empty() or n > 0):
+            pump_peer(e, p)
+    now = mono()
+    if now - e.last_timer > 0.001:
+        e.last_timer = now
+        check_timers(e)
+    if e.signal:
+        e.signal = 0
+        pthread_cond_broadcast(&e.cv)
+    pthread_mutex_unlock(&e.mu)
+    return n
+
+cdef void progress_loop(State* e) noexcept nogil:
+    """Background progress (acks, retransmissions, deadlines) while nobody waits. When a
+    thread waits for an operation it drives the sockets itself and this thread stands aside,
+    so the two never race for the same wake-up."""
+    cdef int tmo
+    cdef timespec ts
+    cdef double t
     while True:
         pthread_mutex_lock(&e.mu)
         if e.stop:
             pthread_mutex_unlock(&e.mu)
             break
+        if e.waiters > 0:
+            t = mono() + 0.005
+            ts.tv_sec = <long>t
+            ts.tv_nsec = <long>((t - ts.tv_sec) * 1e9)
+            pthread_cond_timedwait(&e.pcv, &e.mu, &ts)
+            pthread_mutex_unlock(&e.mu)
+            continue
         tmo = 2 if (not e.ops.empty() or not e.notices.empty() or not e.smap.empty()) else 20
         pthread_mutex_unlock(&e.mu)
-        n = epoll_wait(e.epfd, evs, 64, tmo)
-        pthread_mutex_lock(&e.mu)
-        for i in range(n):
-            tag = evs[i].data.u64
-            if tag == EVFD_TAG:
-                read(e.evfd, &drain, 8)
-                continue
-            pi = <int>((tag >> 8) & 0xFFFFFF)
-            ri = <int>(tag & 0xFF)
-            if pi >= e.nranks or e.peers[pi] == NULL or ri > e.peers[pi].nrails:
-                continue
-            r = e.peers[pi].rails[ri]
-            if r.state != R_UP or r.gen != <uint32_t>(tag >> 32):
-                continue
-            if evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP):
-                rail_read(e, r)
-            if r.state == R_UP and (evs[i].events & EPOLLOUT or r.txq.size() > r.txq_pos):
-                rail_write(e, r)
-        for pi in range(e.nranks):
-            p = e.peers[pi]
-            if p != NULL:
-                pump_peer(e, p)
-        now = mono()
-        if now - last_timer > 0.001:
-            last_timer = now
-            check_timers(e)
-        if e.signal:
-            e.signal = 0
-            pthread_cond_broadcast(&e.cv)
-        pthread_mutex_unlock(&e.mu)
+        if progress_once(e, tmo) < 0:
+            break
 
 # ---------------------------------------------------------------------------------------------
 # Python-facing objects
@@ -1614,6 +1649,7 @@ cdef class Engine:
     cdef State* e
     cdef int started
     cdef object thread
+    cdef public double spin          # seconds a waiter busy-polls before blocking in epoll
 
     def __cinit__(self, int me, int nranks, list nrails_per_peer, uint32_t chunk_size,
                   double rail_timeout, double peer_timeout, uint64_t window,
@@ -1638,6 +1674,7 @@ cdef class Engine:
         pthread_condattr_init(&ca)
         pthread_condattr_setclock(&ca, CLOCK_MONOTONIC)
         pthread_cond_init(&e.cv, &ca)
+        pthread_cond_init(&e.pcv, &ca)
         e.epfd = epoll_create1(EPOLL_CLOEXEC)
         e.evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)
         ev.events = EPOLLIN
@@ -1665,6 +1702,7 @@ cdef class Engine:
             e.inj_mode.push_back(INJ_NONE)
             e.inj_peer.push_back(-1)
         self.started = 0
+        self.spin = 50e-6
 
     def start(self):
         import threading
@@ -1687,6 +1725,7 @@ cdef class Engine:
         with nogil:
             pthread_mutex_lock(&e.mu)
             e.stop = 1
+            pthread_cond_broadcast(&e.pcv)
             pthread_mutex_unlock(&e.mu)
             write(e.evfd, &one, 8)
         if self.started:
@@ -1729,6 +1768,7 @@ cdef class Engine:
             close(e.evfd)
             free(e.trash)
             pthread_cond_destroy(&e.cv)
+            pthread_cond_destroy(&e.pcv)
             pthread_mutex_destroy(&e.mu)
         del self.e
         self.e = NULL
@@ -1936,12 +1976,18 @@ cdef class Engine:
         cdef int state = -1, err = 0
         cdef string msg
         cdef uint64_t nrecv = 0
+        cdef double spin_until = mono() + self.spin
+        cdef int idle
         with nogil:
             pthread_mutex_lock(&e.mu)
+            e.waiters += 1
+            pthread_mutex_unlock(&e.mu)
             while True:
+                pthread_mutex_lock(&e.mu)
                 it = e.ops.find(oid)
                 if it == e.ops.end():
                     state = -1
+                    pthread_mutex_unlock(&e.mu)
                     break
                 op = deref(it).second
                 if op.state != ST_ACTIVE:
@@ -1949,15 +1995,20 @@ cdef class Engine:
                     err = op.err
                     msg = op.msg
                     nrecv = op.nbytes_recv
+                    pthread_mutex_unlock(&e.mu)
                     break
+                pthread_mutex_unlock(&e.mu)
                 t = mono()
                 if t >= until:
                     state = ST_ACTIVE
                     break
-                t = until if until - t < 0.05 else t + 0.05
-                ts.tv_sec = <long>t
-                ts.tv_nsec = <long>((t - ts.tv_sec) * 1e9)
-                pthread_cond_timedwait(&e.cv, &e.mu, &ts)
+                # drive progress here: poll briefly, then block in epoll for at most 1 ms
+                idle = 0 if t < spin_until else (1 if until - t > 0.001 else 0)
+                if progress_once(e, idle) < 0:
+                    state = -1
+                    break
+            pthread_mutex_lock(&e.mu)
+            e.waiters -= 1
             pthread_mutex_unlock(&e.mu)
         cdef bytes bmsg = msg
         return state, err, bmsg.decode("utf-8", "replace"), nrecv
