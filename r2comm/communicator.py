@@ -142,6 +142,8 @@ class Communicator:
                 raise R2commNetworkError("; ".join(errs))
             if cfg.rail_bw:
                 engine.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
+            if not boot.params["acks"]:
+                engine.set_noack(True)
         except BaseException:
             if links is not None:
                 links.close()
@@ -214,9 +216,16 @@ class Communicator:
         return Communicator._child(self._world, new_mpi, members, base + distinct.index(color))
 
     def Free(self):
+        """Collective, as in MPI: a bounded barrier first, so no rank closes its connections
+        while a peer still needs acknowledgements or retransmissions from it."""
         if self._engine is None:
             return
         if self._owner:
+            if not self._world.closed:
+                try:
+                    self.Ibarrier().Wait(timeout=min(self.timeout, 10.0))
+                except Exception:        # a dead peer must not keep us from closing
+                    pass
             self._world.close()
         elif self._mpi is not None:
             try:

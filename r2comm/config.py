@@ -40,6 +40,7 @@ class Config:
     fault: str = ""                                # R2COMM_FAULT: fault injection spec(s)
     debug: str = ""                                # R2COMM_DEBUG: INFO logs failover events
     algo: str = ""                                 # R2COMM_ALGO: force an algorithm
+    acks: bool = True                              # R2COMM_ACKS=0: benchmark only, no loss protection
 
     @classmethod
     def from_env(cls):
@@ -64,4 +65,5 @@ class Config:
         c.fault = os.environ.get("R2COMM_FAULT", "")
         c.debug = os.environ.get("R2COMM_DEBUG", "").upper()
         c.algo = os.environ.get("R2COMM_ALGO", "")
+        c.acks = os.environ.get("R2COMM_ACKS", "1") != "0"
         return c

@@ -1,23 +1,35 @@
 """Planner: chooses an algorithm per operation and size and builds its schedule.
 
-Pure Python and socket-free, so tests and a simulator can use it directly."""
-from . import algorithms
+Pure Python and socket-free, so tests and a simulator can use it directly.
+
+Without a RailState the planner is static (ring / recursive doubling by size). With one
+(`state=`, the same on every rank) it is bandwidth-aware: build() prices every candidate with the
+cost model (cost.py) and routes around broken pairs (routing.py); "degraded" (degraded.py) keeps a
+slow host off the critical path."""
+from . import algorithms, cost, degraded, routing
 from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV
+from .state import RailState, PartitionedError
 
-ALLREDUCE_ALGOS = ("ring", "recursive_doubling")
+ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "degraded", "ring_rerouted")
+STATE_ALGOS = ("degraded", "ring_rerouted")            # need a RailState
+DEFAULT_EAGER = 64 << 10
+_CACHE = {}
+_CACHE_MAX = 128
 
 
-def allreduce(rank, n, nbytes, itemsize, eager, algo=""):
+def allreduce(rank, n, nbytes, itemsize, eager, algo="", state=None):
     if algo not in ("", *ALLREDUCE_ALGOS):
         raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
+    if state is not None:
+        return build("allreduce", rank, n, nbytes, itemsize, 0, eager, algo, state)
+    if algo in STATE_ALGOS:
+        raise ValueError(f"allreduce algorithm {algo!r} needs the rail state (state=RailState)")
     if algo == "recursive_doubling" or (not algo and nbytes <= eager):
         return algorithms.allreduce_rd(rank, n, nbytes, itemsize)
     return algorithms.allreduce_ring(rank, n, nbytes, itemsize, eager)
 
 
-def build(coll, rank, n, nbytes, itemsize, root, eager, algo=""):
-    """Schedule for one rank. nbytes is the per-rank message size (a block for the
-    block-wise collectives)."""
+def _static(coll, rank, n, nbytes, itemsize, root, eager, algo):
     if coll == "allreduce":
         return allreduce(rank, n, nbytes, itemsize, eager, algo)
     if coll == "barrier":
@@ -33,3 +45,97 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo=""):
     if coll == "alltoall":
         return algorithms.alltoall_direct(rank, n, nbytes, eager)
     raise ValueError(f"no schedule for {coll!r}")
+
+
+def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None):
+    """Schedule for one rank. nbytes is the per-rank message size (a block for the
+    block-wise collectives). With a RailState the schedule is re-planned for it: algo ""
+    picks the cheapest candidate (choose()), and messages over broken pairs are relayed."""
+    if state is None:
+        return _static(coll, rank, n, nbytes, itemsize, root, eager, algo)
+    scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state)
+    s = scheds[rank]
+    return Schedule(s.algo, list(s.msgs), list(s.deps), s.scratch, list(s.pre), list(s.post),
+                    s.cost)
+
+
+def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state):
+    """Every rank's schedule for one named algorithm, relayed around broken pairs."""
+    if coll == "allreduce" and algo == "degraded":
+        sc = [degraded.allreduce_degraded(r, n, nbytes, itemsize, eager, state) for r in range(n)]
+    elif coll == "allreduce" and algo == "ring_rerouted":
+        order = routing.best_ring_order(state)
+        sc = [routing.allreduce_ring_ordered(r, order, nbytes, itemsize, eager) for r in range(n)]
+    elif coll == "allreduce" and algo in ("", "ring") and not (algo == "" and nbytes <= eager):
+        sc = [routing.allreduce_ring_ordered(r, list(range(n)), nbytes, itemsize, eager, "ring")
+              for r in range(n)]
+    elif coll == "allreduce" and algo == "":
+        sc = [algorithms.allreduce_rd(r, n, nbytes, itemsize) for r in range(n)]
+    else:
+        sc = [_static(coll, r, n, nbytes, itemsize, root, eager, algo) for r in range(n)]
+    return routing.relay(sc, state)
+
+
+def candidates(coll, n, state):
+    """The algorithm names choose() compares for `coll` on `state`."""
+    if coll != "allreduce":
+        return [""]
+    out = ["ring", "recursive_doubling"]
+    if n > 2 and state.degraded_ranks() and len(state.degraded_ranks()) < n:
+        out.append("degraded")
+    if state.broken_pairs() or routing.ring_order(state) not in (None, list(range(n))):
+        out.append("ring_rerouted")
+    return out
+
+
+def evaluate(coll, n, nbytes, itemsize, state, root=0, eager=DEFAULT_EAGER):
+    """{algorithm: predicted seconds} over candidates(coll, n, state)."""
+    return {a: build_all(coll, n, nbytes, itemsize, root, eager, a, state)[0].cost
+            for a in candidates(coll, n, state)}
+
+
+def choose(coll, n, nbytes, itemsize, state, root=0, eager=DEFAULT_EAGER):
+    """The algorithm with the lowest predicted time on `state` (ties: the earlier candidate,
+    i.e. the plain ring first). Raises PartitionedError when no schedule can reach every rank."""
+    if state.n != n:
+        raise ValueError(f"RailState describes {state.n} ranks, the communicator has {n}")
+    state.check_connected()
+    costs = evaluate(coll, n, nbytes, itemsize, state, root, eager)
+    best = min(costs.values())
+    for a, c in costs.items():
+        if c <= best * (1 + 1e-9):
+            return a
+
+
+def build_all(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", state=None):
+    """Every rank's schedule (a list indexed by rank), each with .cost = the predicted seconds
+    of the whole set. Cached per (arguments, state fingerprint); callers must not modify them."""
+    if state is None:
+        return [_static(coll, r, n, nbytes, itemsize, root, eager, algo) for r in range(n)]
+    if coll == "allreduce" and algo not in ("", *ALLREDUCE_ALGOS):
+        raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
+    if state.n != n:
+        raise ValueError(f"RailState describes {state.n} ranks, the communicator has {n}")
+    key = (coll, n, nbytes, itemsize, root, eager, algo, state.fingerprint())
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    state.check_connected()
+    if coll == "allreduce" and algo == "":
+        algo = choose(coll, n, nbytes, itemsize, state, root, eager)
+        scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state)
+    else:
+        scheds = _candidate(coll, n, nbytes, itemsize, root, eager, algo, state)
+        t = cost.predict(scheds, state)
+        for s in scheds:
+            s.validate()
+            s.cost = t
+    if len(_CACHE) >= _CACHE_MAX:
+        _CACHE.clear()
+    _CACHE[key] = scheds
+    return scheds
+
+
+__all__ = ["build", "build_all", "choose", "evaluate", "candidates", "allreduce", "RailState",
+           "PartitionedError", "Schedule", "ALLREDUCE_ALGOS", "WORK", "SEND", "SCRATCH", "COPY",
+           "REDUCE", "REDUCE_REV"]

@@ -1,0 +1,245 @@
+"""Routing around broken pairs (ranks with no common working rail).
+
+Two tools, both deterministic functions of the RailState (every rank computes the same thing):
+
+  ring_order()  re-ranks a ring so that no ring neighbours form a broken pair: a Hamiltonian
+                cycle in the graph of working pairs, found by backtracking search (small n), the
+                one whose slowest link is fastest (bottleneck search over bandwidth thresholds).
+  relay()       rewrites a whole schedule set so that every message between a broken pair goes
+                through one or more relay ranks: the relay receives into its SCRATCH buffer and
+                sends on, with a chunk dependency (so it is pipelined chunk by chunk). Works for
+                any collective (recursive doubling, trees, alltoall, a ring with no Hamiltonian
+                cycle, ...).
+
+Both fail with PartitionedError only when the working pairs do not connect every rank."""
+from .algorithms import blocks
+from .schedule import Schedule, WORK, SCRATCH, COPY, REDUCE
+from .state import PartitionedError
+
+RELAY_STEP0 = 1 << 24          # relayed messages use steps above every algorithm's own steps
+SEARCH_BUDGET = 50_000         # backtracking expansions per bandwidth threshold
+
+
+# -- a ring over any order of ranks and any region of the work buffer ------------------------------
+def ring_region(s, order, me, off, count, itemsize, step0=0, own=False, fold=None):
+    """Ring allreduce (reduce-scatter then allgather, chunk-pipelined) of `count` elements of
+    WORK at byte offset `off` among the ranks of `order` (ring neighbours are consecutive
+    entries). Equals algorithms.allreduce_ring for order = range(n), off = 0, step0 = 0.
+
+    Block b's value is reduced along the ring starting at order[b] and is final at order[b-1];
+    `fold(s, prev, boff, blen)` is called on that owner with `prev` the message that completed
+    its block (None for a ring of one) and returns the message the allgather must wait for (a
+    hook to fold in contributions from outside the ring and to hand the result out)."""
+    n = len(order)
+    pos = order.index(me)
+    blk = [(off + o, ln) for o, ln in blocks(count, n, itemsize)]
+    if n == 1:
+        if fold is not None:
+            fold(s, None, blk[0][0], blk[0][1])
+        return
+    right, left = order[(pos + 1) % n], order[(pos - 1) % n]
+    prev = None
+    for st in range(n - 1):                       # reduce-scatter
+        sb, rb = (pos - st) % n, (pos - st - 1) % n
+        si = s.send(right, step0 + st, WORK, blk[sb][0], blk[sb][1], owned=own)
+        s.dep(prev, si)
+        ri = s.recv(left, step0 + st, WORK, blk[rb][0], blk[rb][1], REDUCE)
+        if own and blk[sb][1] == blk[rb][1]:
+            s.dep(si, ri)          # keeps the copies ordered (dependencies need equal sizes)
+        prev = ri
+    if fold is not None:
+        mine = (pos + 1) % n
+        prev = fold(s, prev, blk[mine][0], blk[mine][1])
+    for st in range(n - 1):                       # allgather
+        sb, rb = (pos + 1 - st) % n, (pos - st) % n
+        si = s.send(right, step0 + n - 1 + st, WORK, blk[sb][0], blk[sb][1], owned=own)
+        s.dep(prev, si)
+        prev = s.recv(left, step0 + n - 1 + st, WORK, blk[rb][0], blk[rb][1], COPY)
+
+
+def owner_block(order, rank):
+    """Index of the block `rank` holds the final value of after the reduce-scatter."""
+    return (order.index(rank) + 1) % len(order)
+
+
+def allreduce_ring_ordered(rank, order, nbytes, itemsize, eager=0, algo="ring_rerouted"):
+    s = Schedule(algo)
+    if len(order) > 1:
+        ring_region(s, list(order), rank, 0, nbytes // itemsize, itemsize,
+                    own=nbytes // len(order) <= eager)
+    return s
+
+
+# -- Hamiltonian ring search ---------------------------------------------------------------------
+def _ham_cycle(members, ok, budget):
+    """A Hamiltonian cycle through `members` using only pairs with ok(a, b), starting at the
+    smallest member and preferring the next rank up (so a healthy graph gives the identity)."""
+    n = len(members)
+    if n <= 2:
+        if n == 2 and not ok(members[0], members[1]):
+            return None
+        return list(members)
+    idx = {r: i for i, r in enumerate(members)}
+    adj = {a: [b for b in members if b != a and ok(a, b)] for a in members}
+    if any(len(v) < 2 for v in adj.values()):
+        return None
+    for a in members:            # prefer the next rank up in the original numbering
+        adj[a].sort(key=lambda b: (idx[b] - idx[a]) % n)
+    start = members[0]
+    path, used = [start], {start}
+    left = [budget]
+
+    def dfs():
+        if len(path) == n:
+            return ok(path[-1], start)
+        left[0] -= 1
+        if left[0] < 0:
+            return False
+        u = path[-1]
+        for v in adj[u]:
+            if v in used:
+                continue
+            path.append(v)
+            used.add(v)
+            # prune: an unvisited rank needs two ways in/out (or one, to close at start)
+            dead = False
+            for w in members:
+                if w in used:
+                    continue
+                free = sum(1 for x in adj[w] if x not in used or x in (v, start))
+                if free < 2:
+                    dead = True
+                    break
+            if not dead and dfs():
+                return True
+            path.pop()
+            used.discard(v)
+        return False
+
+    return list(path) if dfs() else None
+
+
+def ring_order(state, members=None, budget=SEARCH_BUDGET):
+    """The ring order of `members` (default: every rank) whose slowest ring link is fastest and
+    which uses no broken pair; None when no such cycle was found (then relay() must help)."""
+    members = list(range(state.n)) if members is None else sorted(members)
+    if len(members) <= 1:
+        return members
+    bws = sorted({state.pair_bw(a, b) for a in members for b in members if a < b}, reverse=True)
+    for t in bws:
+        if t <= 0:
+            break
+        cyc = _ham_cycle(members, lambda a, b, t=t: state.pair_bw(a, b) >= t, budget)
+        if cyc is not None:
+            return cyc
+    return None
+
+
+def best_ring_order(state, members=None):
+    """ring_order(), or when no Hamiltonian cycle of working pairs exists, a greedy order with
+    as few broken neighbour pairs as possible (relay() then carries those)."""
+    members = list(range(state.n)) if members is None else sorted(members)
+    order = ring_order(state, members)
+    if order is not None:
+        return order
+    left, order = set(members[1:]), [members[0]]
+    while left:
+        u = order[-1]
+        nxt = sorted(left, key=lambda v: (-state.pair_bw(u, v), v))[0]
+        order.append(nxt)
+        left.discard(nxt)
+    return order
+
+
+def broken_neighbours(state, order):
+    n = len(order)
+    if n < 2:
+        return []
+    pairs = {tuple(sorted((order[i], order[(i + 1) % n]))) for i in range(n)}
+    return sorted(p for p in pairs if not state.working(*p))
+
+
+# -- relaying ---------------------------------------------------------------------------------------
+def _hops(state, src):
+    """Hop distance from src over working pairs."""
+    dist, frontier = {src: 0}, [src]
+    while frontier:
+        nxt = []
+        for a in frontier:
+            for b in state.neighbours(a):
+                if b not in dist:
+                    dist[b] = dist[a] + 1
+                    nxt.append(b)
+        frontier = nxt
+    return dist
+
+
+def route(state, a, b, nbytes=1, load=None, _dist=None):
+    """A shortest (in hops) path a -> ... -> b over working pairs; among equal-length next hops
+    the one that would finish its relayed bytes soonest (load: bytes already relayed per rank)."""
+    if state.working(a, b):
+        return [a, b]
+    dist = _dist if _dist is not None else _hops(state, b)
+    if a not in dist:
+        state.check_connected()
+        raise PartitionedError(f"no working path between ranks {a} and {b}")
+    load = {} if load is None else load
+    path = [a]
+    while path[-1] != b:
+        u = path[-1]
+        cands = [c for c in state.neighbours(u) if dist.get(c, -1) == dist[u] - 1]
+
+        def score(c):
+            if c == b:
+                return (0.0, c)
+            bott = min(state.pair_bw(u, c), state.pair_bw(c, b) if state.working(c, b)
+                       else state.pair_bw(u, c))
+            return ((load.get(c, 0) + nbytes) / bott, c)
+        path.append(min(cands, key=score))
+    return path
+
+
+def uses_broken_pair(schedules, state):
+    return any(m[0] == "send" and not state.working(r, m[1])
+               for r, s in enumerate(schedules) for m in s.msgs)
+
+
+def relay(schedules, state, suffix="+relay"):
+    """Rewrite `schedules` (one per rank, all ranks) so that no message crosses a broken pair.
+    Returns new Schedule objects (the inputs are not modified). Every schedule gets the same
+    new algo name (the engine checks that peers run the same algorithm)."""
+    n = len(schedules)
+    if not uses_broken_pair(schedules, state):
+        return schedules
+    state.check_connected()
+    out = [Schedule(s.algo + suffix, list(s.msgs), list(s.deps), s.scratch, list(s.pre),
+                    list(s.post), s.cost) for s in schedules]
+    recv_at = [{(m[1], m[2]): i for i, m in enumerate(s.msgs) if m[0] == "recv"}
+               for s in schedules]
+    load, dists = {}, {}
+    for a in range(n):
+        for i, m in enumerate(schedules[a].msgs):
+            kind, b, step, buf, off, nbytes, mode, owned = m
+            if kind != "send" or state.working(a, b):
+                continue
+            if b not in dists:
+                dists[b] = _hops(state, b)
+            path = route(state, a, b, max(nbytes, 1), load, dists[b])
+            S = RELAY_STEP0 + (step * n + a) * n + b
+            if S >= 1 << 31:
+                raise ValueError("schedule too large to relay (step numbers overflow)")
+            out[a].msgs[i] = ("send", path[1], S, buf, off, nbytes, COPY, owned)
+            j = recv_at[b].get((a, step))
+            if j is None:
+                raise ValueError(f"send {a}->{b} step {step} has no receive to relay to")
+            rm = out[b].msgs[j]
+            out[b].msgs[j] = ("recv", path[-2], S, rm[3], rm[4], rm[5], rm[6], rm[7])
+            for k in range(1, len(path) - 1):
+                c, s = path[k], out[path[k]]
+                so = s.scratch
+                s.scratch += nbytes
+                ri = s.recv(path[k - 1], S, SCRATCH, so, nbytes, COPY)
+                si = s.send(path[k + 1], S, SCRATCH, so, nbytes, owned=owned)
+                s.dep(ri, si)
+                load[c] = load.get(c, 0) + nbytes
+    return out
