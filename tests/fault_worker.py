@@ -207,11 +207,34 @@ def sc_envfault(comm, args):
     return ops
 
 
+def sc_peerdeath(comm, args):
+    """Rank 1 dies (exits without a word) mid-stream: every survivor raises
+    R2commNetworkError within a bound instead of hanging. Survivors report and exit at once,
+    since MPI itself cannot finalize with a dead rank."""
+    import os
+    import sys
+    n, r = comm.size, comm.rank
+    x = np.ones(1_000_000, "float32")
+    y = np.empty_like(x)
+    for _ in range(3):
+        comm.Allreduce(x, y)
+    if r == 1:
+        os._exit(0)
+    t0 = time.monotonic()
+    exc = expect(r2comm.R2commNetworkError, lambda: [comm.Allreduce(x, y) for _ in range(100)],
+                 "peer death")
+    took = time.monotonic() - t0
+    check(took < 10, f"peer death noticed in {took:.1f} s")
+    print(f"OK peerdeath rank={r} took={took:.2f} {type(exc).__name__}: {exc}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def run(name, args):
     rails = args.get("rails", "127.0.0.1,127.0.0.2,127.0.0.3").split(",")
     comm = r2comm.Communicator(MPI.COMM_WORLD, rails=rails, timeout=float(args.get("timeout", 60)))
     fn = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
-          "envfault": sc_envfault}[name]
+          "envfault": sc_envfault, "peerdeath": sc_peerdeath}[name]
     try:
         return comm, fn(comm, args)
     except BaseException:

@@ -55,3 +55,14 @@ def test_fault_from_environment_and_debug_log():
     count, out = run_scenario(2, "envfault", timeout=60, env=env)
     assert re.search(r"ENVFAULT ops=\d+ rail_failed=[1-9]", out)
     assert "rail_failed" in out and "r2comm rank" in out      # R2COMM_DEBUG=INFO log lines
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_peer_death_raises_on_survivors(n):
+    from conftest import run_mpi, WORKER
+    # hydra would kill the survivors when a rank exits early; keep them running
+    rc, out = run_mpi(n, [WORKER, "peerdeath"], timeout=60, env=FAST, expect_ok=False,
+                      mpiexec_args=["-disable-auto-cleanup"])
+    oks = [ln for ln in out.splitlines() if ln.startswith("OK peerdeath")]
+    assert len(oks) == n - 1, out[-3000:]
+    assert all("R2commNetworkError" in ln for ln in oks)
