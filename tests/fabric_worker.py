@@ -1,0 +1,195 @@
+"""r2comm inside the network-namespace testbed (run by test_fabric_collectives.py).
+
+    Fabric.mpiexec(N, [python, tests/fabric_worker.py, SCENARIO, key=value ...])
+
+Each rank runs inside its host's namespace with R2COMM_RAILS naming that host's NICs, so
+r2comm's rails are real (rate-limited) veths: faults are injected from outside the job
+(ip link down, tc blackhole), never with comm.fail_rail().
+
+collectives  every collective, several sizes and dtypes, bit-identical to numpy references on
+             every rank; both rails must have carried bytes
+stream       back-to-back allreduces for `seconds` (all ranks agree when to stop); rank 0 writes
+             `marker` (JSON {"t0": ...}) when the stream starts so the test can time its fault.
+             Every result is checked bit for bit (the output buffer is poisoned before each op
+             and the inputs rotate, so a chunk that never arrived cannot pass).  expect=fail
+             checks that some rank saw a rail_failed event on rail `rail`; restore_wait=S then
+             waits up to S seconds for every rail to be 'up' again (fail-back)
+
+Prints "OK <scenario> <count>" on rank 0 when all checks passed; a failed check raises, so the
+job exits non-zero.
+"""
+import collections
+import faulthandler
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import r2comm  # noqa: E402
+from r2comm import SUM, MAX  # noqa: E402
+from mpi_worker import WORLD, data, reduce_ref, check, same_everywhere  # noqa: E402
+
+MAX_OPS = 5000          # a stream never runs more ops than this, whatever the clock says
+
+
+def sc_collectives(comm, args):
+    n, r = comm.size, comm.rank
+    done = 0
+    big = (3 << 20) // 4 + 3                      # several 256K chunks, not divisible by n
+    for cnt in (1, 7, 1000, big):
+        for dtype, op in (("float32", SUM), ("float64", SUM), ("int32", MAX)):
+            case = f"ar-{cnt}-{dtype}-{op.name}"
+            x = data(case, r, cnt, dtype, op)
+            y = np.full_like(x, 77)
+            comm.Allreduce(x, y, op=op)
+            check(np.array_equal(y, reduce_ref(case, n, cnt, dtype, op)), case)
+            same_everywhere(y, case)
+            done += 1
+    for root, cnt in ((0, 1000), (n - 1, 600_003)):
+        case = f"bc-{root}-{cnt}"
+        b = data(case, root, cnt, "int32", SUM) if r == root else np.zeros(cnt, "int32")
+        comm.Bcast(b, root)
+        check(np.array_equal(b, data(case, root, cnt, "int32", SUM)), case)
+        done += 1
+    for c in (5, 250_001):
+        case = f"ag-{c}"
+        out = np.zeros(c * n, "int32")
+        comm.Allgather(data(case, r, c, "int32", SUM), out)
+        check(np.array_equal(out, np.concatenate([data(case, k, c, "int32", SUM)
+                                                  for k in range(n)])), case)
+        case = f"rs-{c}"
+        out = np.zeros(c, "float64")
+        comm.Reduce_scatter_block(data(case, r, c * n, "float64", SUM), out, SUM)
+        check(np.array_equal(out, reduce_ref(case, n, c * n, "float64", SUM)[r * c:(r + 1) * c]),
+              case)
+        case = f"a2a-{c}"
+        out = np.zeros(c * n, "int32")
+        comm.Alltoall(data(case, r, c * n, "int32", SUM), out)
+        want = np.concatenate([data(case, k, c * n, "int32", SUM)[r * c:(r + 1) * c]
+                               for k in range(n)])
+        check(np.array_equal(out, want), case)
+        done += 3
+    reqs, outs = [], []
+    for k in range(3):
+        x = data(f"iar-{k}", r, 400_001, "float32", SUM)
+        outs.append(np.zeros_like(x))
+        reqs.append(comm.Iallreduce(x, outs[-1], SUM))
+    r2comm.Request.Waitall(reqs[::-1])
+    for k in range(3):
+        want = reduce_ref(f"iar-{k}", n, 400_001, "float32", SUM)
+        check(np.array_equal(outs[k], want), f"iar-{k}")
+        done += 1
+    # striping really happened: every rail of every rank carried traffic, none failed
+    rails = comm.rails
+    check(all(ra.bytes_sent > 0 and ra.bytes_recv > 0 for ra in rails),
+          f"rank {r}: every rail carried bytes: {rails}")
+    check(all(ra.state == "up" for ra in rails), f"rank {r}: rails up: {rails}")
+    sent = WORLD.gather([ra.bytes_sent for ra in rails])
+    if r == 0:
+        print(f"COLLECTIVES rails={[ra.address for ra in rails]} bytes_sent_per_rank={sent}",
+              flush=True)
+    return done
+
+
+def _write_marker(path, payload):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def wait_rails_up(comm, limit):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if all(ra.state == "up" for ra in comm.rails):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def sc_stream(comm, args):
+    n, r = comm.size, comm.rank
+    seconds = float(args.get("seconds", 3.0))
+    cnt = int(args.get("count", 1 << 20))          # float32 elements per allreduce (4 MiB)
+    expect = args.get("expect", "none")
+    rail = int(args.get("rail", 0))
+    cases = [f"st-{k}" for k in range(3)]
+    xs = [data(c, r, cnt, "float32", SUM) for c in cases]
+    refs = [reduce_ref(c, n, cnt, "float32", SUM) for c in cases]
+    y = np.empty_like(xs[0])
+    comm.Allreduce(xs[0], y)                        # warm-up: connections, buffers
+    check(np.array_equal(y, refs[0]), "warm-up allreduce")
+    WORLD.Barrier()
+    t0 = time.time()
+    t_end = WORLD.bcast(t0 + seconds, root=0)
+    if r == 0 and args.get("marker"):
+        _write_marker(args["marker"], {"t0": t0, "t_end": t_end})
+    done, ops = [], 0
+    while ops < MAX_OPS and WORLD.allreduce(time.time() < t_end, op=MPI.LAND):
+        k = ops % len(cases)
+        y.fill(np.float32(-1.0))                    # poison: a missing chunk cannot look right
+        comm.Allreduce(xs[k], y, op=SUM)
+        check(np.array_equal(y, refs[k]), f"rank {r}: stream op {ops} bit-identical")
+        done.append(time.time())
+        ops += 1
+    restored = True
+    if float(args.get("restore_wait", 0)) > 0:
+        restored = wait_rails_up(comm, float(args["restore_wait"]))
+    evs = comm.events
+    kinds = collections.Counter(e["kind"] for e in evs)
+    failed_here = [e for e in evs if e["kind"] == "rail_failed"]
+    first_fail = min((e["t"] for e in failed_here), default=None)
+    marks = np.concatenate([[t0], done])
+    pause = float(np.max(np.diff(marks))) if len(done) else None
+    row = {"rank": r, "ops": ops, "kinds": dict(kinds),
+           "failed_rails": sorted({e["rail"] for e in failed_here}),
+           "first_fail_s": None if first_fail is None else round(first_fail - t0, 3),
+           "longest_gap_s": None if pause is None else round(pause, 3),
+           "restored": restored,
+           "rails": [(ra.state, ra.bytes_sent, ra.bytes_resent, ra.failures) for ra in comm.rails]}
+    rows = WORLD.allgather(row)
+    if r == 0:
+        for rw in rows:
+            print(f"STREAM {json.dumps(rw)}", flush=True)
+    check(len({rw["ops"] for rw in rows}) == 1, "every rank ran the same number of ops")
+    check(ops >= 3, f"the stream ran ({ops} ops)")
+    n_failed = sum(rw["kinds"].get("rail_failed", 0) for rw in rows)
+    on_rail = any(rail in rw["failed_rails"] for rw in rows)
+    if expect in ("fail", "flap"):
+        check(n_failed >= 1 and on_rail, f"a rail_failed event on rail {rail}: {rows}")
+    elif expect == "none":
+        check(n_failed == 0, f"no rail failed on a healthy fabric: {rows}")
+    if float(args.get("restore_wait", 0)) > 0:
+        check(all(rw["restored"] for rw in rows), f"every rail back up (fail-back): {rows}")
+    return ops
+
+
+SCENARIOS = {"collectives": sc_collectives, "stream": sc_stream}
+
+
+def main():
+    name = sys.argv[1]
+    args = dict(a.split("=", 1) for a in sys.argv[2:])
+    faulthandler.dump_traceback_later(float(args.get("dump_after", 50)), exit=False)
+    rails = os.environ.get("R2COMM_RAILS", "")
+    check(rails.startswith("198.18."), f"not placed in the fabric: R2COMM_RAILS={rails!r}")
+    comm = r2comm.Communicator(MPI.COMM_WORLD, timeout=float(args.get("timeout", 30)))
+    try:
+        count = SCENARIOS[name](comm, args)
+    except BaseException:
+        for ev in comm.events[-30:]:
+            print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
+        print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
+        raise
+    total = WORLD.allreduce(count)
+    if WORLD.rank == 0:
+        print(f"OK {name} {total}", flush=True)
+    comm.Free()
+
+
+if __name__ == "__main__":
+    main()
