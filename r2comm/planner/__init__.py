@@ -62,7 +62,13 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None):
 def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state):
     """Every rank's schedule for one named algorithm, relayed around broken pairs."""
     if coll == "allreduce" and algo == "degraded":
-        sc = [degraded.allreduce_degraded(r, n, nbytes, itemsize, eager, state) for r in range(n)]
+        deg = state.degraded_ranks()
+        ok = [r for r in range(n) if r not in deg]
+        kw = dict(degraded=deg, frac=degraded.state_fraction(state),
+                  order_all=routing.best_ring_order(state),
+                  order_ok=routing.best_ring_order(state, ok) if ok else None)
+        sc = [degraded.allreduce_degraded(r, n, nbytes, itemsize, eager, state, **kw)
+              for r in range(n)]
     elif coll == "allreduce" and algo == "ring_rerouted":
         order = routing.best_ring_order(state)
         sc = [routing.allreduce_ring_ordered(r, order, nbytes, itemsize, eager) for r in range(n)]

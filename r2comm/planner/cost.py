@@ -6,15 +6,17 @@ over them). α is the per-message latency, c the engine's chunk size, ct = min(c
 
 Two bounds are computed and the larger is the prediction:
 
-  P  pipelined critical path. Dependencies are chunk-level, so a transfer can start as soon as
-     the first chunk of each predecessor is done, and cannot finish before its predecessors'
-     last chunk (plus one chunk of its own):
+  P  pipelined critical path over the messages (the schedules' dependency graph, plus an
+     edge from every send to its receive). Dependencies are chunk-level, so a send can start
+     as soon as the first chunk of each predecessor is done, and cannot finish before its
+     predecessors' last chunk (plus one chunk of its own):
         R1 = max over preds of D1(pred)        (first chunk ready; 0 without preds)
         RL = max over preds of DL(pred)        (last chunk ready)
-        A1 = R1 + α + ct                       (first chunk applied at the receiver)
-        AL = max(A1 + (m - c)/b, RL + α + ct)  (last chunk applied)
-     where a predecessor's done times D are A (a receive: applied), A + α (a send: acknowledged)
-     or R (an owned send: copied when ready). P = max AL.
+        A1 = R1 + α + ct                       (first chunk arrives)
+        AL = max(A1 + (m - c)/b, RL + α + ct)  (last chunk arrives)
+     A receive's chunks are applied at max(arrival, its own gates' done times). Done times D:
+     a receive once applied, a send once acknowledged (arrival + α), an owned send once copied
+     (ready: R). P = max over receives of the last chunk's applied time.
   R  resource (bandwidth) bound plus latency: the busiest resource's bytes over its capacity,
         R = max( bytes(a->b) / pair_bw(a,b),                    every directed pair
                  off-host bytes out of h / host_bw(h),         every host NIC set, egress

@@ -16,7 +16,8 @@ from .algorithms import blocks
 from .schedule import Schedule, WORK, SCRATCH, COPY, REDUCE
 from .state import PartitionedError
 
-RELAY_STEP0 = 1 << 24          # relayed messages use steps above every algorithm's own steps
+RELAY_STEP0 = 1 << 23          # relayed messages use steps above every algorithm's own steps
+MAX_STEP = 1 << 24             # the engine's limit (steps share a 64-bit key with the sequence)
 SEARCH_BUDGET = 50_000         # backtracking expansions per bandwidth threshold
 
 
@@ -101,7 +102,7 @@ def _ham_cycle(members, ok, budget):
                 continue
             path.append(v)
             used.add(v)
-            # prune: an unvisited rank needs two ways in/out (or one, to close at start)
+            # prune: every unvisited rank still needs two free neighbours (in and out)
             dead = False
             for w in members:
                 if w in used:
@@ -125,19 +126,30 @@ def ring_order(state, members=None, budget=SEARCH_BUDGET):
     members = list(range(state.n)) if members is None else sorted(members)
     if len(members) <= 1:
         return members
-    bws = sorted({state.pair_bw(a, b) for a in members for b in members if a < b}, reverse=True)
-    for t in bws:
-        if t <= 0:
-            break
-        cyc = _ham_cycle(members, lambda a, b, t=t: state.pair_bw(a, b) >= t, budget)
+    bw = {(a, b): state.pair_bw(a, b) for a in members for b in members if a != b}
+    levels = sorted({v for v in bw.values() if v > 0}, reverse=True)
+
+    def at(i):
+        return _ham_cycle(members, lambda a, b: bw[(a, b)] >= levels[i], budget)
+    if not levels:
+        return None
+    best = at(len(levels) - 1)                  # every working pair allowed
+    if best is None:
+        return None
+    lo, hi = 0, len(levels) - 1                 # binary search for the fastest level with one
+    while lo < hi:
+        mid = (lo + hi) // 2
+        cyc = at(mid)
         if cyc is not None:
-            return cyc
-    return None
+            best, hi = cyc, mid
+        else:
+            lo = mid + 1
+    return best
 
 
 def best_ring_order(state, members=None):
-    """ring_order(), or when no Hamiltonian cycle of working pairs exists, a greedy order with
-    as few broken neighbour pairs as possible (relay() then carries those)."""
+    """ring_order(), or when no Hamiltonian cycle of working pairs exists, a greedy order that
+    always moves on to the fastest unvisited neighbour (relay() then carries the broken ones)."""
     members = list(range(state.n)) if members is None else sorted(members)
     order = ring_order(state, members)
     if order is not None:
@@ -159,7 +171,7 @@ def broken_neighbours(state, order):
     return sorted(p for p in pairs if not state.working(*p))
 
 
-# -- relaying ---------------------------------------------------------------------------------------
+# -- relaying -----------------------------------------------------------------------------------
 def _hops(state, src):
     """Hop distance from src over working pairs."""
     dist, frontier = {src: 0}, [src]
@@ -216,7 +228,11 @@ def relay(schedules, state, suffix="+relay"):
                     list(s.post), s.cost) for s in schedules]
     recv_at = [{(m[1], m[2]): i for i, m in enumerate(s.msgs) if m[0] == "recv"}
                for s in schedules]
+    top = max((m[2] for s in schedules for m in s.msgs), default=0)
+    if top >= RELAY_STEP0:
+        raise ValueError(f"cannot relay: the schedule already uses step {top}")
     load, dists = {}, {}
+    nrelayed = 0
     for a in range(n):
         for i, m in enumerate(schedules[a].msgs):
             kind, b, step, buf, off, nbytes, mode, owned = m
@@ -225,8 +241,9 @@ def relay(schedules, state, suffix="+relay"):
             if b not in dists:
                 dists[b] = _hops(state, b)
             path = route(state, a, b, max(nbytes, 1), load, dists[b])
-            S = RELAY_STEP0 + (step * n + a) * n + b
-            if S >= 1 << 31:
+            S = RELAY_STEP0 + nrelayed          # one step per relayed message: unique on
+            nrelayed += 1                       # every link of its path
+            if S >= MAX_STEP:
                 raise ValueError("schedule too large to relay (step numbers overflow)")
             out[a].msgs[i] = ("send", path[1], S, buf, off, nbytes, COPY, owned)
             j = recv_at[b].get((a, step))

@@ -28,7 +28,7 @@ class RailState:
     link: dict = field(default_factory=dict)     # (rank, peer, rail) -> (up, bytes_per_s)
     alpha: float = DEFAULT_ALPHA
     chunk: int = DEFAULT_CHUNK
-    degraded_tol: float = 0.05                   # a host below (1 - tol) x the best is degraded
+    degraded_tol: float = 0.02                   # a host below (1 - tol) x the best is degraded
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -61,6 +61,24 @@ class RailState:
                     rel = rail_bw[k] if rail_bw and k < len(rail_bw) else (weight or 1.0)
                     st.link[(r, p, k)] = (state == "up", float(rel) * nominal_bw)
         return st
+
+    @classmethod
+    def gather(cls, allgather, rank, members, rail_stats, hosts, rail_bw=None,
+               nominal_bw=DEFAULT_BW, **kw):
+        """The live RailState of a communicator, identical on every rank (collective).
+
+        allgather: e.g. mpi_comm.allgather; rank: this rank in the communicator; members: the
+        global rank of each communicator rank; rail_stats: Engine.rail_stats() (keyed by
+        global rank, rows (state, sent, recv, resent, inflight, weight, failures)); hosts: the
+        host name of each communicator rank. When every rank reports the same host (one test
+        machine) each rank is taken as its own host, so NIC loss still shows as a slow host."""
+        g2c = {g: i for i, g in enumerate(members)}
+        me = members[rank]
+        mine = {g2c[g]: [(row[0], row[5]) for row in rows]
+                for g, rows in rail_stats.items() if g in g2c and g != me}
+        stats = allgather(mine)
+        hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
+        return cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, **kw)
 
     def copy(self):
         return RailState(list(self.hosts), self.nrails, dict(self.link), self.alpha, self.chunk,

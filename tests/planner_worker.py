@@ -1,0 +1,242 @@
+"""Bandwidth-aware planner schedules (degraded AllReduce, re-ranked and relayed rings) run on the
+real r2comm engine under mpiexec.
+
+    mpiexec -n N python tests/planner_worker.py SCENARIO [key=value ...]
+
+degraded   degraded-server AllReduce for a RailState with a slow host, several split fractions,
+           dtypes, ops and sizes (up to several engine chunks); then for real (n >= 3): the
+           last rank loses its NIC 1, the live state shows its host at half bandwidth, and
+           the planner's choice (degraded for large messages) runs
+rerouted   re-ranked ring and relayed ring / recursive doubling for a RailState with broken pairs,
+           then for real: rank 0 loses every rail to rank 1, the RailState is built from the
+           engines' live rail_stats() (allgathered), the planner routes around the broken pair
+           and the collective still completes (n >= 3)
+Each rank checks its result against numpy and that all ranks hold the same bits; rank 0 prints
+"OK <scenario> <count>" at the end.
+
+Schedules are posted with run_schedule(), a local copy of what Communicator._start does (the
+hook communicator.py would need is Communicator._run_schedule(sched, recvbuf, sendbuf, op))."""
+import os
+import sys
+import time
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import r2comm  # noqa: E402
+from r2comm import SUM, PROD, MIN, MAX, planner  # noqa: E402
+from r2comm.planner import degraded  # noqa: E402
+from r2comm.planner.schedule import WORK, SEND  # noqa: E402
+from r2comm.planner.state import RailState  # noqa: E402
+from mpi_worker import WORLD, data, reduce_ref, check, same_everywhere  # noqa: E402
+
+
+def run_schedule(comm, sched, recvbuf, sendbuf=None, op=SUM, coll="allreduce", members=None):
+    """Post `sched` (this rank's Schedule, ranks of `comm`) on comm's engine and wait: what
+    Communicator._start does for a planned collective. Every rank must call it in the same
+    order (it takes the next sequence number). members: the communicator ranks the operation
+    involves (default all; a relayed schedule may leave out a peer it cannot reach)."""
+    from r2comm._core.engine import Plan, Buffer, memcopy
+    from r2comm.ops import as_op, dtype_code
+    from r2comm.request import Request
+    comm._check()
+    op = as_op(op)
+    gm = comm._members
+    msgs = [(k, gm[p], st, b, off, n, mode, own) for (k, p, st, b, off, n, mode, own) in sched.msgs]
+    plan = Plan(msgs, sched.deps, sched.algo)
+    work = recvbuf
+    send = recvbuf if sendbuf is None else sendbuf
+    scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
+    keep, ptr = [None, None, None], [0, 0, 0]
+    for i, (obj, writable) in enumerate(((work, True), (send, False), (scratch, True))):
+        if obj is not None:
+            keep[i] = Buffer(obj, writable)
+            ptr[i] = keep[i].ptr
+    pre = ([] if sendbuf is None else [(WORK, 0, SEND, 0, recvbuf.nbytes)]) + sched.pre
+    for (db, do, sb, so, n) in pre:
+        if n:
+            memcopy(ptr[db] + do, ptr[sb] + so, n)
+    dtc = dtype_code(recvbuf.dtype)
+    sig = zlib.crc32(f"{coll}|{recvbuf.nbytes}|{dtc}|{op.code}|0|{sched.algo}|{comm.size}".encode())
+    seq = comm._seq
+    comm._seq += 1
+    mem = list(gm) if members is None else [gm[m] for m in sorted(members)]
+    oid = comm._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, op.code, comm._id, seq, sig,
+                            comm.timeout, mem)
+    posts = [p for p in sched.post if p[4]]
+
+    def finish():
+        for (db, do, sb, so, n) in posts:
+            memcopy(ptr[db] + do, ptr[sb] + so, n)
+    Request(comm, oid, keep, finish if posts else None).Wait()
+
+
+def peers_of(sched, me):
+    return {m[1] for m in sched.msgs} | {me}
+
+
+def allreduce_case(comm, sched_fn, case, cnt, dtype, op, members=None):
+    n, r = comm.size, comm.rank
+    isz = np.dtype(dtype).itemsize
+    sched = sched_fn(cnt * isz, isz)
+    x = data(case, r, cnt, dtype, op)
+    y = np.full_like(x, 7)
+    run_schedule(comm, sched, y, x, op, members=peers_of(sched, r) if members == "used" else None)
+    check(np.array_equal(y, reduce_ref(case, n, cnt, dtype, op)), f"{case} ({sched.algo})")
+    same_everywhere(y, case)
+    return sched
+
+
+CASES = [(1, "int32", SUM), (7, "int64", MAX), (1000, "float32", SUM), (999, "float16", PROD),
+         (4097, "float64", MIN), ((3 << 20) // 4 + 5, "float32", SUM)]   # the last: many chunks
+
+
+def sc_degraded(comm, args):
+    n, r = comm.size, comm.rank
+    count = 0
+    slow = int(args.get("slow", n - 1))
+    st = RailState.uniform(n, 2)
+    st.scale_host(slow, float(args.get("beta", 0.3)))
+    if n > 2:
+        check(st.degraded_ranks() == [slow], f"degraded rank seen: {st.describe()}")
+    for frac in (None, 0.0, 0.4, 0.75):
+        for cnt, dtype, op in CASES:
+            def fn(nbytes, isz, frac=frac):
+                return degraded.allreduce_degraded(r, n, nbytes, isz, comm._cfg.eager, st,
+                                                   frac=frac, degraded=[slow])
+            s = allreduce_case(comm, fn, f"deg-{frac}-{cnt}-{dtype}", cnt, dtype, op)
+            check(s.algo == "degraded", s.algo)
+            count += 1
+    # through the planner's interface, as communicator.py would call it
+    for cnt, dtype, op in CASES[2:4]:
+        def fn(nbytes, isz):
+            return planner.build("allreduce", r, n, nbytes, isz, 0, comm._cfg.eager,
+                                 "degraded" if n > 2 else "", st)
+        allreduce_case(comm, fn, f"deg-build-{cnt}", cnt, dtype, op)
+        count += 1
+    comm.Barrier()
+    if n < 3 or args.get("real", "1") == "0":
+        return count
+    # for real: the last rank loses its NIC 1 (to every peer): its host has half the bandwidth
+    if r == n - 1:
+        comm.fail_rail(1, "hard")
+    live = wait_state(comm, lambda st: st.degraded_ranks() == [n - 1])
+    check(live.degraded_ranks() == [n - 1] and live.beta() == 0.5, f"live: {live.describe()}")
+    for cnt, dtype, op in CASES:
+        isz = np.dtype(dtype).itemsize
+        algo = planner.choose("allreduce", n, cnt * isz, isz, live, eager=comm._cfg.eager)
+
+        def fn(nbytes, isz):
+            return planner.build("allreduce", r, n, nbytes, isz, 0, comm._cfg.eager, "", live)
+        s = allreduce_case(comm, fn, f"live-deg-{cnt}-{dtype}", cnt, dtype, op)
+        if r == 0:
+            print(f"LIVE {cnt}x{dtype}: chose {algo} -> {s.algo}", flush=True)
+        count += 1
+    comm.Barrier()
+    return count
+
+
+def live_state(comm):
+    """RailState from every engine's rail_stats(), allgathered (the same on every rank)."""
+    hosts = [comm._world.boot.endpoints[g]["host"] for g in comm._members]
+    return RailState.gather(comm.mpi_comm.allgather, comm.rank, comm._members,
+                            comm._engine.rail_stats(), hosts, comm._cfg.rail_bw or None)
+
+
+def wait_state(comm, cond, limit=15):
+    """Poll the live state until cond(state) (decided alike on every rank)."""
+    deadline = time.monotonic() + limit
+    while True:
+        st = live_state(comm)
+        late = WORLD.allreduce(time.monotonic() > deadline, op=MPI.LOR)
+        if cond(st) or late:
+            return st
+        time.sleep(0.05)
+
+
+def sc_rerouted(comm, args):
+    n, r = comm.size, comm.rank
+    count = 0
+    st = RailState.uniform(n, 2)
+    broken = [(0, 1)] + ([(2, 3)] if n >= 5 else [])
+    for a, b in broken:
+        st.break_pair(a, b)
+    if n < 3:                        # two ranks without a working rail: nothing to route over
+        try:
+            planner.choose("allreduce", n, 1 << 20, 4, st)
+        except planner.PartitionedError:
+            return 1
+        raise AssertionError("a partitioned pair was planned for")
+    for algo in ("ring_rerouted", "ring", "recursive_doubling"):
+        for cnt, dtype, op in CASES:
+            def fn(nbytes, isz, algo=algo):
+                return planner.build("allreduce", r, n, nbytes, isz, 0, comm._cfg.eager, algo, st)
+            s = allreduce_case(comm, fn, f"rr-{algo}-{cnt}-{dtype}", cnt, dtype, op)
+            check(not any(tuple(sorted((r, m[1]))) in broken for m in s.msgs),
+                  f"{s.algo} talks over a broken pair")
+            count += 1
+    comm.Barrier()
+    if args.get("real", "1") == "0":
+        return count
+    # for real: rank 0 loses every rail to rank 1
+    nrails = len(comm.rails)
+    if r == 0:
+        for k in range(nrails):
+            comm.fail_rail(k, "hard", peer=1)
+    stt = wait_state(comm, lambda st: st.broken_pairs() == [(0, 1)])
+    check(stt.broken_pairs() == [(0, 1)], f"live state sees the broken pair: {stt.describe()}")
+    check(not stt.partitioned(), "not partitioned")
+    for cnt, dtype, op in CASES:
+        isz = np.dtype(dtype).itemsize
+        algo = planner.choose("allreduce", n, cnt * isz, isz, stt, eager=comm._cfg.eager)
+
+        def fn(nbytes, isz):
+            return planner.build("allreduce", r, n, nbytes, isz, 0, comm._cfg.eager, "", stt)
+        s = allreduce_case(comm, fn, f"live-{cnt}-{dtype}", cnt, dtype, op, members="used")
+        check(r > 1 or 1 - r not in {m[1] for m in s.msgs}, f"{s.algo} uses the dead pair")
+        if r == 0:
+            print(f"LIVE {cnt}x{dtype}: chose {algo} -> {s.algo}", flush=True)
+        count += 1
+    # the static plan, by contrast, needs the dead pair
+    x = np.ones(1000, "float32")
+    try:
+        comm.Iallreduce(x, np.empty_like(x)).Wait(timeout=10)
+        got = "ok"
+    except r2comm.R2commError as exc:
+        got = type(exc).__name__
+    got = WORLD.allgather(got)
+    check(got[0] == got[1] == "R2commNetworkError", f"static plan over the dead pair: {got}")
+    if r == 0:
+        print(f"STATIC {got}", flush=True)
+    WORLD.Barrier()
+    return count
+
+
+SCENARIOS = {"degraded": sc_degraded, "rerouted": sc_rerouted}
+
+
+def main():
+    name = sys.argv[1]
+    args = dict(a.split("=", 1) for a in sys.argv[2:])
+    import faulthandler
+    faulthandler.dump_traceback_later(float(args.get("dump_after", 120)), exit=False)
+    comm = r2comm.Communicator(MPI.COMM_WORLD, timeout=float(args.get("timeout", 30)))
+    try:
+        count = SCENARIOS[name](comm, args)
+    except BaseException:
+        for ev in comm.events:
+            print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
+        print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
+        raise
+    total = WORLD.allreduce(count)
+    if WORLD.rank == 0:
+        print(f"OK {name} {total}", flush=True)
+    comm.timeout = min(comm.timeout, 3.0)   # Free's barrier cannot cross a pair broken for real
+    comm.Free()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Planner schedules on the real engine under mpiexec (tests/planner_worker.py): the degraded
+AllReduce and rings re-ranked / relayed around broken pairs, checked against numpy and bit for
+bit across ranks; with n >= 3 a pair loses every rail for real and the planner, fed the engines'
+live rail state, routes around it."""
+import os
+
+import pytest
+
+from conftest import ROOT, run_mpi
+
+pytestmark = pytest.mark.mpi
+WORKER = os.path.join(ROOT, "tests", "planner_worker.py")
+CASES = 6           # sizes/dtypes per algorithm in the worker (CASES)
+
+
+def scenario(n, name, timeout=60, **kw):
+    rc, out = run_mpi(n, [WORKER, name] + [f"{k}={v}" for k, v in kw.items()], timeout=timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith(f"OK {name} ")]
+    assert lines, f"{name}: no OK line:\n{out[-4000:]}"
+    return int(lines[-1].split()[2]), out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_degraded_allreduce_on_the_engine(n):
+    """n >= 3: the last rank then loses NIC 1 for real; the live state shows its host at
+    β = 0.5 and the planner picks the degraded AllReduce for the large message."""
+    count, out = scenario(n, "degraded")
+    live = [ln for ln in out.splitlines() if ln.startswith("LIVE ")]
+    assert count == (4 * CASES + 2 + len(live)) * n
+    if n >= 3:
+        assert len(live) == CASES and "chose degraded -> degraded" in live[-1]
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_rerouted_and_relayed_rings_on_the_engine_and_a_real_broken_pair(n):
+    count, out = scenario(n, "rerouted")
+    assert count == (3 * CASES + CASES) * n
+    live = [ln for ln in out.splitlines() if ln.startswith("LIVE ")]
+    assert len(live) == CASES
+    big = live[-1]
+    assert ("ring_rerouted" in big) if n == 4 else ("+relay" in big)   # n=3: no Hamiltonian ring
+    assert "STATIC ['R2commNetworkError', 'R2commNetworkError'" in out
+
+
+def test_two_ranks_without_a_rail_are_refused():
+    count, _ = scenario(2, "rerouted")
+    assert count == 2
