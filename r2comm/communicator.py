@@ -310,17 +310,19 @@ class Communicator:
             self.restore_rail(rail)
 
     # -- planning ------------------------------------------------------------------------------
-    def _schedule(self, coll, nbytes, itemsize, root=0):
-        key = (coll, nbytes, itemsize, root)
+    def _schedule(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0):
+        """(compiled Plan, Schedule, signature), cached per operation shape. The signature
+        travels in every frame header so that ranks with other arguments are detected."""
+        key = (coll, nbytes, itemsize, root, dtc, redop)
         hit = self._plans.get(key)
         if hit is None:
-            from ._core.engine import Plan
             sched = planner.build(coll, self.rank, self.size, nbytes, itemsize, root,
                                   self._cfg.eager, self._cfg.algo if coll == "allreduce" else "")
             sched.validate()
             msgs = [(k, self._members[p], st, b, off, n, mode, own)
                     for (k, p, st, b, off, n, mode, own) in sched.msgs]
-            hit = (Plan(msgs, sched.deps, sched.algo), sched)
+            sig = zlib.crc32(f"{coll}|{nbytes}|{dtc}|{redop}|{root}|{sched.algo}|{self.size}".encode())
+            hit = (_engine().Plan(msgs, sched.deps, sched.algo), sched, sig)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = hit
@@ -334,19 +336,19 @@ class Communicator:
                result=None, extra_pre=()):
         """Build/fetch the schedule, do the local pre-copies, post it to the engine."""
         self._check()
-        plan, sched = self._schedule(coll, nbytes, itemsize, root)
+        plan, sched, sig = self._schedule(coll, nbytes, itemsize, root, dtc, redop)
         scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
         keep = [work, send, scratch]
         ptr = [0, 0, 0]
-        from ._core.engine import Buffer, memcopy
+        eng = _engine()
         for i, (obj, writable) in enumerate(((work, True), (send, False), (scratch, True))):
             if obj is not None:
-                keep[i] = Buffer(obj, writable)
+                keep[i] = eng.Buffer(obj, writable)
                 ptr[i] = keep[i].ptr
-        for (db, do, sb, so, n) in list(extra_pre) + sched.pre:
+        memcopy = eng.memcopy
+        for (db, do, sb, so, n) in (*extra_pre, *sched.pre):
             if n:
                 memcopy(ptr[db] + do, ptr[sb] + so, n)
-        sig = zlib.crc32(f"{coll}|{nbytes}|{dtc}|{redop}|{root}|{sched.algo}|{self.size}".encode())
         seq = self._seq
         self._seq += 1
         oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, sig,
@@ -494,7 +496,7 @@ class Communicator:
             raise R2commArgumentError(f"bad tag {tag!r}")
         if kind == "send" and tag < 0:
             raise R2commArgumentError("a send needs a tag >= 0")
-        from ._core.engine import Plan, Buffer
+        Plan, Buffer = _engine().Plan, _engine().Buffer
         gpeer = self._members[peer]
         nbytes = arr.nbytes
         owned = kind == "send" and nbytes <= self._cfg.eager
@@ -550,6 +552,18 @@ class Communicator:
     def __repr__(self):
         return (f"<r2comm.Communicator rank {self.rank}/{self.size} id {self._id} "
                 f"rails {len(self._world.boot.rail_addrs)}>")
+
+
+def _engine():
+    """The compiled engine module (imported on first use, so `import r2comm` stays light)."""
+    global _ENGINE
+    if _ENGINE is None:
+        from ._core import engine as _ENGINE_MOD
+        _ENGINE = _ENGINE_MOD
+    return _ENGINE
+
+
+_ENGINE = None
 
 
 def _mpi_max():
