@@ -169,6 +169,8 @@ class Communicator:
         self._seq = 0
         self._plans = {}
         self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
+        self._state = None                    # RailState the plans are made for (None: static)
+        self._marks = None                    # rail-state marks at the last agreed check
         self.rank = members.index(world.boot.rank)
         self.size = len(members)
 
@@ -317,7 +319,8 @@ class Communicator:
         hit = self._plans.get(key)
         if hit is None:
             sched = planner.build(coll, self.rank, self.size, nbytes, itemsize, root,
-                                  self._cfg.eager, self._cfg.algo if coll == "allreduce" else "")
+                                  self._cfg.eager, self._cfg.algo if coll == "allreduce" else "",
+                                  state=self._state)
             sched.validate()
             msgs = [(k, self._members[p], st, b, off, n, mode, own)
                     for (k, p, st, b, off, n, mode, own) in sched.msgs]
@@ -329,13 +332,49 @@ class Communicator:
         return hit
 
     def plan(self, op="allreduce", nbytes=0, itemsize=4, root=0):
-        """The schedule this rank would run for (op, nbytes): algorithm and message list."""
+        """The schedule this rank would run for (op, nbytes): its algorithm (.algo), messages
+        and, once the plans follow a rail state (replan()), the predicted seconds (.cost)."""
         return self._schedule(op, nbytes, itemsize, root)[1]
+
+    # -- re-planning ---------------------------------------------------------------------------
+    def rail_state(self):
+        """The live rail state of this communicator, the same on every rank (collective)."""
+        self._check()
+        hosts = [self._world.boot.endpoints[g]["host"] for g in self._members]
+        return planner.RailState.gather(self._mpi.allgather, self.rank, self._members,
+                                        self._engine.rail_stats(), hosts,
+                                        self._cfg.rail_bw or None)
+
+    def replan(self, state=None):
+        """Make the plans follow the rail state from now on (collective: every rank must call
+        it at the same operation boundary, which is what makes the switch agreed). Broken
+        pairs are routed around; a slow host gets the degraded-server allreduce when the cost
+        model says it is faster. Returns the state."""
+        self._state = self.rail_state() if state is None else state
+        self._plans.clear()
+        return self._state
+
+    def _maybe_replan(self):
+        """R2COMM_REPLAN=K: every K operations the ranks compare rail-state marks (over the
+        bootstrap communicator, an agreed boundary because all ranks run the same sequence of
+        operations) and re-plan together if any rank saw a rail fail or come back."""
+        stats = self._engine.rail_stats()
+        mark = tuple((g, tuple((row[0], row[6]) for row in stats[g]))
+                     for g in self._members if g in stats)
+        marks = self._mpi.allgather(mark)
+        if marks != self._marks:
+            first = self._marks is None
+            self._marks = marks
+            degraded = any(row[0] != "up" for m in marks for _, rows in m for row in rows)
+            if not first or degraded or self._state is not None:
+                self.replan()
 
     def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
                result=None, extra_pre=()):
         """Build/fetch the schedule, do the local pre-copies, post it to the engine."""
         self._check()
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            self._maybe_replan()
         plan, sched, sig = self._schedule(coll, nbytes, itemsize, root, dtc, redop)
         scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
         keep = [work, send, scratch]
@@ -351,8 +390,12 @@ class Communicator:
                 memcopy(ptr[db] + do, ptr[sb] + so, n)
         seq = self._seq
         self._seq += 1
+        members = self._members
+        if self._state is not None:       # peers this rank cannot reach are relayed around
+            members = [g for i, g in enumerate(self._members)
+                       if i == self.rank or self._state.working(self.rank, i)]
         oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, sig,
-                                self.timeout, self._members)
+                                self.timeout, members)
         posts = [(db, do, sb, so, n) for (db, do, sb, so, n) in sched.post if n]
 
         def finish():

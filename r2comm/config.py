@@ -41,6 +41,7 @@ class Config:
     debug: str = ""                                # R2COMM_DEBUG: INFO logs failover events
     algo: str = ""                                 # R2COMM_ALGO: force an algorithm
     acks: bool = True                              # R2COMM_ACKS=0: benchmark only, no loss protection
+    replan_every: int = 0                          # R2COMM_REPLAN=K: agree on rail state every K ops
 
     @classmethod
     def from_env(cls):
@@ -66,4 +67,5 @@ class Config:
         c.debug = os.environ.get("R2COMM_DEBUG", "").upper()
         c.algo = os.environ.get("R2COMM_ALGO", "")
         c.acks = os.environ.get("R2COMM_ACKS", "1") != "0"
+        c.replan_every = _int("R2COMM_REPLAN", 0)
         return c

@@ -230,11 +230,36 @@ def sc_peerdeath(comm, args):
     os._exit(0)
 
 
+def sc_autoreplan(comm, args):
+    """R2COMM_REPLAN: rank n-1 loses NIC 1; at the next agreed boundary every rank switches
+    to the degraded-server allreduce, and results stay exact."""
+    n, r = comm.size, comm.rank
+    cnt = 750_000
+    ref = reduce_ref("auto", n, cnt, "int32", SUM)
+    x = data("auto", r, cnt, "int32", SUM)
+    y = np.empty_like(x)
+    before = comm.plan("allreduce", cnt * 4, 4).algo
+    if r == n - 1:
+        comm.fail_rail(1, "hard")
+    algos = set()
+    for i in range(12):
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), f"allreduce {i} after NIC loss")
+        algos.add(comm.plan("allreduce", cnt * 4, 4).algo)
+    after = comm.plan("allreduce", cnt * 4, 4).algo
+    agreed = WORLD.allgather(after)
+    check(len(set(agreed)) == 1, f"all ranks chose the same schedule: {agreed}")
+    if r == 0:
+        print(f"AUTOREPLAN before={before} after={after} beta={comm._state.beta():.2f}", flush=True)
+    check(before == "ring" and after.startswith("degraded"), f"switched {before} -> {after}")
+    return 12
+
+
 def run(name, args):
     rails = args.get("rails", "127.0.0.1,127.0.0.2,127.0.0.3").split(",")
     comm = r2comm.Communicator(MPI.COMM_WORLD, rails=rails, timeout=float(args.get("timeout", 60)))
     fn = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
-          "envfault": sc_envfault, "peerdeath": sc_peerdeath}[name]
+          "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan}[name]
     try:
         return comm, fn(comm, args)
     except BaseException:

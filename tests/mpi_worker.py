@@ -71,7 +71,8 @@ def expect(exc_type, fn, what):
 
 
 def sizes(n, big=True):
-    out = [0, 1, 7, 4 * n + 1, 1000]
+    # 40001 float32 = 160 KB: ring allreduce with eager (owned) blocks of unequal sizes
+    out = [0, 1, 7, 4 * n + 1, 1000, 40001]
     if big:
         out.append((3 << 20) // 8 + 3)     # several chunks, not divisible by n
     return out

@@ -66,3 +66,12 @@ def test_peer_death_raises_on_survivors(n):
     oks = [ln for ln in out.splitlines() if ln.startswith("OK peerdeath")]
     assert len(oks) == n - 1, out[-3000:]
     assert all("R2commNetworkError" in ln for ln in oks)
+
+
+def test_automatic_replan_after_nic_loss():
+    """R2COMM_REPLAN: after a real NIC loss the ranks agree on the new rail state at an
+    operation boundary and switch to the degraded-server allreduce; results stay exact."""
+    count, out = run_scenario(4, "autoreplan", timeout=90, env=dict(FAST, R2COMM_REPLAN="2"),
+                              rails="127.0.0.1,127.0.0.2")
+    assert count == 48
+    assert "AUTOREPLAN before=ring after=degraded" in out

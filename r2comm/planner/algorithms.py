@@ -27,10 +27,7 @@ def allreduce_ring(rank, n, nbytes, itemsize, eager=0):
         sb, rb = (rank - st) % n, (rank - st - 1) % n
         si = s.send(right, st, WORK, blk[sb][0], blk[sb][1], owned=own)
         s.dep(prev, si)
-        ri = s.recv(left, st, WORK, blk[rb][0], blk[rb][1], REDUCE)
-        if own:
-            s.dep(si, ri)  # never needed for correctness (different blocks); keeps copies ordered
-        prev = ri
+        prev = s.recv(left, st, WORK, blk[rb][0], blk[rb][1], REDUCE)
     for st in range(n - 1):                       # allgather
         sb, rb = (rank + 1 - st) % n, (rank - st) % n
         si = s.send(right, n - 1 + st, WORK, blk[sb][0], blk[sb][1], owned=own)
