@@ -32,7 +32,7 @@ class Config:
     chunk_size: int = 256 << 10                    # R2COMM_CHUNK_SIZE (bytes, K/M suffixes)
     rail_timeout_ms: float = 500.0                 # R2COMM_RAIL_TIMEOUT_MS: silent-stall deadline
     peer_timeout_ms: float = 1500.0                # R2COMM_PEER_TIMEOUT_MS: all rails down -> error
-    window: int = 4 << 20                          # R2COMM_WINDOW: unacknowledged bytes per rail
+    window: int = 16 << 20                         # R2COMM_WINDOW: unacknowledged bytes per rail
     eager: int = 64 << 10                          # R2COMM_EAGER: sends up to this size are copied
     rail_bw: list = field(default_factory=list)    # R2COMM_RAIL_BW: relative bandwidth per rail
     probe_ms: float = 100.0                        # R2COMM_PROBE_MS: first fail-back probe delay
