@@ -310,7 +310,13 @@ cdef cppclass Rail:
     int fault_mode
     int fail_count
     double fail_time, restore_time, next_probe, backoff
+    double rate              # measured throughput (bytes/s, EWMA of acknowledged bytes); 0 unknown
+    double meas_t0
+    uint64_t meas_bytes
     __init__() noexcept nogil:
+        this.rate = 0
+        this.meas_t0 = 0
+        this.meas_bytes = 0
         this.fd = -1
         this.state = R_DOWN
         this.conn_id = 0
@@ -516,13 +522,15 @@ cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
             p.ready.pop_front()
             continue
         ln = chunk_len(m.total, m.cs, ref.c)
-        if r.inflight_bytes > 0 and r.inflight_bytes + ln > r.window:
+        if r.inflight_bytes > 0 and r.inflight_bytes + ln > rail_window(e, r):
             return 0
         p.ready.pop_front()
         m.cstate[ref.c] = C_INFLIGHT | (m.cstate[ref.c] & C_RESENT)
         m.crail[ref.c] = <int8_t>r.index
         if r.inflight.empty():
             r.last_progress = mono()
+            r.meas_t0 = r.last_progress      # idle time is not counted against the rate
+            r.meas_bytes = 0
         r.inflight.push_back(ref)
         r.inflight_bytes += ln
         hdr_encode(&r.tx_hdr, F_DATA, m.flags, m.dtype, m.redop, m.comm, m.seq, m.step, m.sig,
@@ -600,11 +608,15 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
     cdef int k
     cdef Rail* r
     cdef Rail* best
-    cdef double score, best_score
+    cdef double score, best_score, rate, best_rate
     for k in range(p.nrails + 1):
         r = p.rails[k]
         if r.state == R_UP and (r.tx_busy or r.txq.size() > r.txq_pos):
             rail_write(e, r)
+    best_rate = 0
+    for k in range(p.nrails):
+        if p.rails[k].state == R_UP and p.rails[k].rate > best_rate:
+            best_rate = p.rails[k].rate
     while not p.ready.empty():
         best = NULL
         best_score = 0
@@ -612,9 +624,12 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
             r = p.rails[k]
             if r.state != R_UP or r.tx_busy:
                 continue
-            if r.inflight_bytes > 0 and r.inflight_bytes + e.cs > r.window:
+            if r.inflight_bytes > 0 and r.inflight_bytes + e.cs > rail_window(e, r):
                 continue
-            score = (r.inflight_bytes + e.cs) / r.weight
+            # when would this chunk be through? (a rail not measured yet is taken as fast as
+            # the best one, so it gets tried; declared weights scale the measurement)
+            rate = r.rate if r.rate > 0 else (best_rate if best_rate > 0 else 1.0)
+            score = (r.inflight_bytes + e.cs) / (rate * r.weight)
             if best == NULL or score < best_score:
                 best = r
                 best_score = score
@@ -968,6 +983,31 @@ cdef void on_ack(State* e, Rail* r) noexcept nogil:
         return
     ack_chunk(e, <SendMsg*>deref(it).second, h.chunk, r)
 
+cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
+    """Outstanding bytes a rail may hold: the configured window, but no more than ~50 ms of
+    its measured throughput (at least one chunk), so a slow rail never sits on a backlog that
+    the fast ones would have to wait for at the end of an operation."""
+    cdef uint64_t w
+    if r.rate <= 0:
+        return r.window
+    w = <uint64_t>(r.rate * 0.05)
+    if w < <uint64_t>e.cs:
+        w = e.cs
+    return w if w < r.window else r.window
+
+cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
+    """Throughput of a busy rail: acknowledged bytes over time with data outstanding,
+    sampled every >= 5 ms, smoothed (EWMA). A slow or degraded rail shows up within a few
+    chunks, and the striping then gives it less."""
+    cdef double now = mono(), dt
+    r.meas_bytes += nbytes
+    dt = now - r.meas_t0
+    if dt >= 0.005 and r.meas_bytes > 0:
+        sample = r.meas_bytes / dt
+        r.rate = sample if r.rate == 0 else 0.7 * r.rate + 0.3 * sample
+        r.meas_t0 = now
+        r.meas_bytes = 0
+
 cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
     """Chunk c of m is safe at the receiver: forget it, release what waited on it."""
     cdef Key k = mkey(m.peer, m.comm, m.flags, m.step, m.seq)
@@ -983,6 +1023,7 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
     if (st & 0x7F) == C_INFLIGHT and m.crail[c] >= 0:
         pr = e.peers[m.peer].rails[m.crail[c]]
         pr.inflight_bytes -= chunk_len(m.total, m.cs, c)
+        measure_rate(pr, chunk_len(m.total, m.cs, c))
         for i in range(pr.inflight.size()):
             ref = pr.inflight[i]
             if ref.m == <void*>m and ref.c == c:
@@ -1236,6 +1277,7 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
         r.backoff = e.probe_base
     r.fail_time = now
     r.fail_count += 1
+    r.rate = 0
     r.next_probe = now + r.backoff
     if r.index < p.nrails:
         if e.fault_time == 0:
@@ -2078,7 +2120,8 @@ cdef class Engine:
         return out
 
     def rail_stats(self):
-        """Per peer, per rail: (state, bytes_sent, bytes_recv, bytes_resent, inflight, weight, failures)."""
+        """Per peer, per rail: (state, bytes_sent, bytes_recv, bytes_resent, inflight, weight,
+        failures, measured bytes/s)."""
         cdef State* e = self._live()
         cdef dict out = {}
         cdef int i, k
@@ -2093,7 +2136,7 @@ cdef class Engine:
                 for k in range(e.peers[i].nrails):
                     r = e.peers[i].rails[k]
                     rows.append(("up" if r.state == R_UP else "down", r.bytes_sent, r.bytes_recv,
-                                 r.bytes_resent, r.inflight_bytes, r.weight, r.fail_count))
+                                 r.bytes_resent, r.inflight_bytes, r.weight, r.fail_count, r.rate))
                 out[i] = rows
         finally:
             pthread_mutex_unlock(&e.mu)
