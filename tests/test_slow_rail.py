@@ -1,0 +1,41 @@
+"""A degraded rail (issue 3's 'slow' failure, issue 5's adaptation): in the netns fabric NIC 1
+drops to 100 Mbit/s beside NIC 0 at 1 Gbit/s. r2comm measures the rails from their
+acknowledgements and gives the slow one proportionally less; results stay exact."""
+import os
+import re
+import shutil
+import time
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = [pytest.mark.netns, pytest.mark.mpi]
+
+
+def _need_root():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to build network namespaces")
+    if not shutil.which("ip") or not shutil.which("tc"):
+        pytest.skip("needs iproute2 (ip, tc)")
+
+
+def test_slow_rail_gets_less_traffic(tmp_path):
+    _need_root()
+    import sys
+    from r2comm.testbed import Fabric
+    marker = str(tmp_path / "ready")
+    with Fabric(hosts=2, nics=2, rate="1gbit", tag=f"sl{os.getpid() % 100000}") as fab:
+        p = fab.mpiexec(2, [sys.executable, os.path.join(ROOT, "tests", "slow_rail_worker.py"),
+                            marker], timeout=120, stdout=__import__("subprocess").PIPE,
+                        stderr=__import__("subprocess").STDOUT, text=True)
+        deadline = time.time() + 60
+        while not os.path.exists(marker) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        fab.degrade(0, 1, "100mbit")
+        fab.degrade(1, 1, "100mbit")
+        out, _ = p.communicate(timeout=150)
+    assert p.returncode == 0, out[-3000:]
+    share = {m.group(1): float(m.group(2)) for m in re.finditer(r"PHASE (\w+) ms=\d+ share1=([\d.]+)", out)}
+    assert 0.35 < share["healthy"] < 0.65, out      # equal rails share evenly
+    assert share["degraded"] < 0.25, out             # ideal 1/11; equal split would be 0.5
