@@ -35,7 +35,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from r2comm.bench.failover import RailSampler  # noqa: E402
 
 MAX_STREAM_OPS = 10_000
 
@@ -70,22 +70,13 @@ def _timed(comm, world, x, y, ref, iters, r2comm):
     return world.allreduce(dt, op=MPI.MAX) / iters, world.allreduce(wrong)
 
 
-class Sampler(threading.Thread):
-    """comm.rails byte counters and states every PERIOD s, timestamped with time.time()."""
+class Sampler(RailSampler):
+    """The harness's rail sampler on a fixed grid (no stall watchdog), timestamped with
+    time.time()."""
 
     def __init__(self, comm, period):
-        super().__init__(daemon=True, name="testbed-sampler")
-        self.comm, self.period = comm, period
-        self.t, self.sent, self.recv, self.state = [], [], [], []
-        self.error = None
-        self._halt = threading.Event()
-
-    def sample(self):
-        rails = self.comm.rails
-        self.t.append(time.time())
-        self.sent.append([r.bytes_sent for r in rails])
-        self.recv.append([r.bytes_recv for r in rails])
-        self.state.append([r.state for r in rails])
+        super().__init__(comm, period, 0)
+        self.name = "testbed-sampler"
 
     def run(self):
         try:
@@ -99,11 +90,6 @@ class Sampler(threading.Thread):
                 self.sample()
         except Exception as exc:  # kept in the result; the stream goes on
             self.error = repr(exc)
-
-    def stop(self):
-        self._halt.set()
-        self.join(5)
-        self.sample()
 
 
 def worker(args):
