@@ -79,7 +79,7 @@ done
 # issue-3 figures: a healthy single rail (baseline for "after 1 of 2 rails failed") and the cost
 # of the acknowledgement machinery (R2COMM_ACKS=0 trusts TCP: benchmark only)
 step single_rail R2COMM_RAILS=127.0.0.1 -- failover --size 4M --duration 4 --no-inject \
-    --check --stall-timeout 60 --json "$OUT/single_rail.json"
+    --check --stall-timeout 60 --json "$OUT/single_rail.json" --plot "$OUT/single_rail.png"
 for acks in 1 0; do
     step "acks_$acks" R2COMM_ACKS=$acks -- allreduce -m 16M:16M --rounds 5 --budget 0.5 -f \
         --json "$OUT/acks_$acks.json"
