@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from r2comm.bench.failover import RailSampler  # noqa: E402
+from r2comm.testbed import kill_job  # noqa: E402
 
 MAX_STREAM_OPS = 10_000
 
@@ -165,23 +165,14 @@ def _job(fab, nranks, mode, args, workdir, env, inject=None):
                 fault = inject(json.loads(marker.read_text())["t0"])
         out, _ = proc.communicate(timeout=args.job_timeout + 15)
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        kill_job(proc)
         out, _ = proc.communicate(timeout=10)
     finally:
-        _kill(proc)
+        kill_job(proc)
     if proc.returncode != 0 or not result.exists():
         raise SystemExit(f"{mode} job with {nranks} ranks failed (rc {proc.returncode}):\n"
                          f"{out[-5000:]}")
     return json.loads(result.read_text()), fault
-
-
-def _kill(proc):
-    """End a job that is still running: mpiexec and its ranks (its own process group)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _busbw(size, seconds, n):

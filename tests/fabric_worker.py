@@ -19,7 +19,6 @@ Prints "OK <scenario> <count>" on rank 0 when all checks passed; a failed check 
 job exits non-zero.
 """
 import collections
-import faulthandler
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
 from r2comm import SUM, MAX  # noqa: E402
-from mpi_worker import WORLD, data, reduce_ref, check, same_everywhere  # noqa: E402
+from mpi_worker import WORLD, data, reduce_ref, check, same_everywhere, main  # noqa: E402
 
 MAX_OPS = 5000          # a stream never runs more ops than this, whatever the clock says
 
@@ -171,25 +170,11 @@ def sc_stream(comm, args):
 SCENARIOS = {"collectives": sc_collectives, "stream": sc_stream}
 
 
-def main():
-    name = sys.argv[1]
-    args = dict(a.split("=", 1) for a in sys.argv[2:])
-    faulthandler.dump_traceback_later(float(args.get("dump_after", 50)), exit=False)
+def fabric_main():
     rails = os.environ.get("R2COMM_RAILS", "")
     check(rails.startswith("198.18."), f"not placed in the fabric: R2COMM_RAILS={rails!r}")
-    comm = r2comm.Communicator(MPI.COMM_WORLD, timeout=float(args.get("timeout", 30)))
-    try:
-        count = SCENARIOS[name](comm, args)
-    except BaseException:
-        for ev in comm.events[-30:]:
-            print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
-        print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
-        raise
-    total = WORLD.allreduce(count)
-    if WORLD.rank == 0:
-        print(f"OK {name} {total}", flush=True)
-    comm.Free()
+    main(SCENARIOS, dump_after=50)
 
 
 if __name__ == "__main__":
-    main()
+    fabric_main()

@@ -255,16 +255,10 @@ def sc_autoreplan(comm, args):
     return 12
 
 
-def run(name, args):
-    rails = args.get("rails", "127.0.0.1,127.0.0.2,127.0.0.3").split(",")
-    comm = r2comm.Communicator(MPI.COMM_WORLD, rails=rails, timeout=float(args.get("timeout", 60)))
-    fn = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
-          "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan}[name]
-    try:
-        return comm, fn(comm, args)
-    except BaseException:
-        import sys
-        for ev in comm.events[-30:]:
-            print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
-        print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
-        raise
+SCENARIOS = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
+             "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan}
+
+
+def comm_kwargs(args):
+    """Fault scenarios run on three loopback rails, so two can fail and every pair keeps one."""
+    return {"rails": args.get("rails", "127.0.0.1,127.0.0.2,127.0.0.3").split(",")}

@@ -332,23 +332,30 @@ SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_non
              "errors": sc_errors, "comms": sc_comms}
 
 
-def main():
+def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):
+    """Run the scenario named on the command line: one Communicator, the scenario, on failure
+    the engine's last events and state on stderr, then "OK <name> <count summed over ranks>".
+    Shared by every worker (mpi, fault, fabric, planner)."""
+    import faulthandler
     name = sys.argv[1]
     args = dict(a.split("=", 1) for a in sys.argv[2:])
-    import faulthandler
-    faulthandler.dump_traceback_later(float(args.get("dump_after", 240)), exit=False)
-    if name in SCENARIOS:
-        comm = r2comm.Communicator(MPI.COMM_WORLD, timeout=float(args.get("timeout", 30)))
-        try:
-            count = SCENARIOS[name](comm, args)
-        except BaseException:
-            for ev in comm.events:
-                print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
-            print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
-            raise
-    else:
-        import fault_worker
-        comm, count = fault_worker.run(name, args)
+    if scenarios is None:
+        if name in SCENARIOS:
+            scenarios = SCENARIOS
+        else:
+            import fault_worker
+            scenarios, default_timeout = fault_worker.SCENARIOS, 60
+            comm_kwargs = fault_worker.comm_kwargs(args)
+    faulthandler.dump_traceback_later(float(args.get("dump_after", dump_after)), exit=False)
+    comm = r2comm.Communicator(MPI.COMM_WORLD, timeout=float(args.get("timeout", default_timeout)),
+                               **(comm_kwargs or {}))
+    try:
+        count = scenarios[name](comm, args)
+    except BaseException:
+        for ev in comm.events[-30:]:
+            print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
+        print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
+        raise
     total = WORLD.allreduce(count)
     if WORLD.rank == 0:
         print(f"OK {name} {total}", flush=True)

@@ -31,7 +31,7 @@ from r2comm import SUM, PROD, MIN, MAX, planner  # noqa: E402
 from r2comm.planner import degraded  # noqa: E402
 from r2comm.planner.schedule import WORK, SEND  # noqa: E402
 from r2comm.planner.state import RailState  # noqa: E402
-from mpi_worker import WORLD, data, reduce_ref, check, same_everywhere  # noqa: E402
+from mpi_worker import WORLD, data, reduce_ref, check, same_everywhere, main  # noqa: E402
 
 
 def run_schedule(comm, sched, recvbuf, sendbuf=None, op=SUM, coll="allreduce", members=None):
@@ -218,25 +218,5 @@ def sc_rerouted(comm, args):
 SCENARIOS = {"degraded": sc_degraded, "rerouted": sc_rerouted}
 
 
-def main():
-    name = sys.argv[1]
-    args = dict(a.split("=", 1) for a in sys.argv[2:])
-    import faulthandler
-    faulthandler.dump_traceback_later(float(args.get("dump_after", 120)), exit=False)
-    comm = r2comm.Communicator(MPI.COMM_WORLD, timeout=float(args.get("timeout", 30)))
-    try:
-        count = SCENARIOS[name](comm, args)
-    except BaseException:
-        for ev in comm.events:
-            print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
-        print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
-        raise
-    total = WORLD.allreduce(count)
-    if WORLD.rank == 0:
-        print(f"OK {name} {total}", flush=True)
-    comm.timeout = min(comm.timeout, 3.0)   # Free's barrier cannot cross a pair broken for real
-    comm.Free()
-
-
 if __name__ == "__main__":
-    main()
+    main(SCENARIOS, dump_after=120)

@@ -9,7 +9,6 @@ a finally.  `pytest -s` shows each rank's failover summary.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from r2comm.testbed import Fabric, TestbedError
+from r2comm.testbed import Fabric, TestbedError, kill_job
 from r2comm.testbed import _iproute as iproute
 
 pytestmark = [pytest.mark.netns, pytest.mark.mpi]
@@ -60,21 +59,12 @@ def _start(fab, scenario, **kw):
                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _kill(proc):
-    """End a job that is still running: mpiexec and its ranks (its own process group)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _finish(proc, scenario):
     """Wait (bounded) for the job; return its output and the count from its OK line."""
     try:
         out, _ = proc.communicate(timeout=JOB_TIMEOUT + 15)
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        kill_job(proc)
         out, _ = proc.communicate(timeout=10)
         pytest.fail(f"{scenario}: job did not end in {JOB_TIMEOUT + 15} s:\n{out[-6000:]}")
     assert proc.returncode == 0, f"{scenario}: rc {proc.returncode}\n{out[-6000:]}"
@@ -96,7 +86,7 @@ def _wait_marker(proc, marker, limit=20.0):
         if proc.poll() is not None:
             break
         time.sleep(0.02)
-    _kill(proc)
+    kill_job(proc)
     out, _ = proc.communicate(timeout=10)
     pytest.fail(f"stream did not start within {limit} s:\n{out[-6000:]}")
 
@@ -116,7 +106,7 @@ def _fault_mid_stream(fab, tmp_path, what, inject, heal, seconds=3.5, at=1.0, **
         inject()
         out, ops = _finish(proc, "stream")
     finally:
-        _kill(proc)
+        kill_job(proc)
         heal()
     took = time.monotonic() - started
     rows = _stream_rows(out)

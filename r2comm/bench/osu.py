@@ -144,18 +144,24 @@ class Collective:
         return stats[2]
 
 
-class PingPong:
-    """osu_latency: ranks 0 and 1 bounce a message; other ranks wait at the barrier."""
+class _Pair:
+    """What the point-to-point benchmarks share: ranks 0 and 1 do the work, others wait."""
     factor = 1.0
-    messages_per_iteration = 1
+    name = "p2p"
 
     def __init__(self, world, dtype="uint8", check=False):
         if world.size < 2:
-            raise ValueError("latency needs at least 2 ranks")
+            raise ValueError(f"{self.name} needs at least 2 ranks")
         self.world, self.dtype, self.check = world, dtype, check
 
     def case(self, size):
         return make_p2p(size, self.world.rank, self.dtype)
+
+
+class PingPong(_Pair):
+    """osu_latency: ranks 0 and 1 bounce a message; other ranks wait at the barrier."""
+    name = "latency"
+    messages_per_iteration = 1
 
     def prepare(self, lib, case):
         rank = self.world.rank
@@ -190,19 +196,15 @@ class PingPong:
         return stats[0]
 
 
-class Stream:
+class Stream(_Pair):
     """osu_bw: rank 0 sends `window` messages back to back, rank 1 acknowledges each window."""
-    factor = 1.0
+    name = "bw"
 
     def __init__(self, world, dtype="uint8", check=False, window=64):
-        if world.size < 2:
-            raise ValueError("bw needs at least 2 ranks")
-        self.world, self.dtype, self.check, self.window = world, dtype, check, window
+        super().__init__(world, dtype, check)
+        self.window = window
         self.messages_per_iteration = window
         self.ack = np.zeros(4, np.uint8)
-
-    def case(self, size):
-        return make_p2p(size, self.world.rank, self.dtype)
 
     def prepare(self, lib, case):
         rank = self.world.rank

@@ -5,8 +5,8 @@ are tbf qdiscs and faults are real link changes; see `fabric` for the layout
 and ``python -m r2comm.testbed --help`` for the CLI.  Needs root and iproute2.
 """
 from ._iproute import TestbedError
-from .fabric import Fabric, fabric_tags, remove_all, remove_fabric
+from .fabric import Fabric, fabric_tags, kill_job, remove_all, remove_fabric
 from .rates import format_rate, parse_rate
 
-__all__ = ["Fabric", "TestbedError", "fabric_tags", "remove_all", "remove_fabric",
+__all__ = ["Fabric", "TestbedError", "fabric_tags", "kill_job", "remove_all", "remove_fabric",
            "format_rate", "parse_rate"]

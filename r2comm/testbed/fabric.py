@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -412,6 +413,16 @@ class Fabric:
                     "MPIEXEC_TIMEOUT": str(max(1, int(timeout)))}
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         return subprocess.Popen(cmd, env=full_env, **kwargs)
+
+
+def kill_job(proc):
+    """End a job from Fabric.mpiexec(..., start_new_session=True) that is still running:
+    mpiexec and its ranks, which share its process group."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _link_word(link):
