@@ -30,7 +30,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
 from r2comm import SUM, MAX  # noqa: E402
-from mpi_worker import WORLD, data, reduce_ref, check, same_everywhere, main  # noqa: E402
+from mpi_worker import WORLD, wait_rails_up, data, reduce_ref, check, same_everywhere, main  # noqa: E402
 
 MAX_OPS = 5000          # a stream never runs more ops than this, whatever the clock says
 
@@ -99,15 +99,6 @@ def _write_marker(path, payload):
     with open(tmp, "w") as f:
         json.dump(payload, f)
     os.replace(tmp, path)
-
-
-def wait_rails_up(comm, limit):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if all(ra.state == "up" for ra in comm.rails):
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def sc_stream(comm, args):

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 import r2comm
 from r2comm import SUM, MAX
-from mpi_worker import WORLD, data, reduce_ref, check, expect, same_everywhere
+from mpi_worker import WORLD, wait_rails_up, data, reduce_ref, check, expect, same_everywhere
 
 COLLS = ["allreduce", "allreduce", "bcast", "allgather", "reduce_scatter", "alltoall",
          "sendrecv", "nonblocking", "reduce"]
@@ -75,15 +75,6 @@ def run_collective(comm, coll, nbytes, case, rng):
             check(np.array_equal(outs[k], reduce_ref(f"{case}-{k}", n, cnt, "int32", SUM)), case)
         check(np.array_equal(b, data(case, 0, cnt, "float32", SUM)), case)
     return 1
-
-
-def wait_rails_up(comm, limit):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if all(ra.state == "up" for ra in comm.rails):
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def sc_random(comm, args):

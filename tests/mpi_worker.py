@@ -70,6 +70,16 @@ def expect(exc_type, fn, what):
     raise AssertionError(f"{what}: expected {exc_type.__name__}, nothing raised")
 
 
+def wait_rails_up(comm, limit):
+    """True once every rail of this rank is up to every peer (polled, at most `limit` s)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if all(ra.state == "up" for ra in comm.rails):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def sizes(n, big=True):
     # 40001 float32 = 160 KB: ring allreduce with eager (owned) blocks of unequal sizes
     out = [0, 1, 7, 4 * n + 1, 1000, 40001]
