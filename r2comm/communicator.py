@@ -312,15 +312,15 @@ class Communicator:
             self.restore_rail(rail)
 
     # -- planning ------------------------------------------------------------------------------
-    def _schedule(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0):
+    def _schedule(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0, separate=False):
         """(compiled Plan, Schedule, signature), cached per operation shape. The signature
         travels in every frame header so that ranks with other arguments are detected."""
-        key = (coll, nbytes, itemsize, root, dtc, redop)
+        key = (coll, nbytes, itemsize, root, dtc, redop, separate)
         hit = self._plans.get(key)
         if hit is None:
             sched = planner.build(coll, self.rank, self.size, nbytes, itemsize, root,
                                   self._cfg.eager, self._cfg.algo if coll == "allreduce" else "",
-                                  state=self._state)
+                                  state=self._state, separate_send=separate)
             sched.validate()
             msgs = [(k, self._members[p], st, b, off, n, mode, own)
                     for (k, p, st, b, off, n, mode, own) in sched.msgs]
@@ -331,10 +331,10 @@ class Communicator:
             self._plans[key] = hit
         return hit
 
-    def plan(self, op="allreduce", nbytes=0, itemsize=4, root=0):
+    def plan(self, op="allreduce", nbytes=0, itemsize=4, root=0, in_place=False):
         """The schedule this rank would run for (op, nbytes): its algorithm (.algo), messages
         and, once the plans follow a rail state (replan()), the predicted seconds (.cost)."""
-        return self._schedule(op, nbytes, itemsize, root)[1]
+        return self._schedule(op, nbytes, itemsize, root, separate=not in_place)[1]
 
     # -- re-planning ---------------------------------------------------------------------------
     def rail_state(self):
@@ -375,7 +375,10 @@ class Communicator:
         self._check()
         if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
             self._maybe_replan()
-        plan, sched, sig = self._schedule(coll, nbytes, itemsize, root, dtc, redop)
+        separate = send is not None and send is not work
+        plan, sched, sig = self._schedule(coll, nbytes, itemsize, root, dtc, redop, separate)
+        if sched.fills_work:
+            extra_pre = ()      # the schedule reads the input from SEND itself
         scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
         keep = [work, send, scratch]
         ptr = [0, 0, 0]

@@ -13,6 +13,15 @@ def test_collectives_dtypes_ops_sizes(n):
     assert count >= 300 * n      # every (collective, dtype, op, size) case, summed over ranks
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_recursive_doubling_at_every_size(n):
+    """The latency algorithm forced for big messages too (it then sends straight from the
+    send buffer and reduces from it, with no copy into the result first)."""
+    count, _ = run_scenario(n, "collectives", timeout=30,
+                            env={"R2COMM_ALGO": "recursive_doubling"})
+    assert count >= 300 * n
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_point_to_point(n):
     count, _ = run_scenario(n, "p2p", timeout=30)

@@ -14,7 +14,8 @@ import pytest
 
 from r2comm import planner
 from r2comm.planner import algorithms, cost, degraded, routing
-from r2comm.planner.schedule import WORK, SEND, SCRATCH, COPY, REDUCE
+from r2comm.planner.schedule import (WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV,
+                                     REDUCE_SEND, REDUCE_SEND_REV)
 from r2comm.planner.state import RailState, PartitionedError
 
 NP = {"SUM": np.add, "PROD": np.multiply, "MIN": np.minimum, "MAX": np.maximum}
@@ -168,7 +169,7 @@ def execute(schedules, bufs, dtype, op="SUM", chunk=64, seed=0, policy="random")
             m = schedules[r].msgs[i]
             buf, lo, hi = region(r, i, c)
             for (pk, pc), (pr, pb, plo, phi) in pending_reads.items():
-                if pr == r and pb == buf and plo < hi and lo < phi:
+                if pr == r and bufs[r][pb] is bufs[r][buf] and plo < hi and lo < phi:
                     raise ScheduleError(f"rank {r}: receive {i} chunk {c} overwrites bytes "
                                         f"{lo}..{hi} of buffer {buf} before send {pk[1]} "
                                         f"chunk {pc} has read them")
@@ -177,9 +178,10 @@ def execute(schedules, bufs, dtype, op="SUM", chunk=64, seed=0, policy="random")
             if m[6] == COPY:
                 dst[:] = data
             elif hi > lo:
-                a, b = dst.view(dt), data.view(dt)
+                mine = bufs[r][SEND][lo:hi] if m[6] in (REDUCE_SEND, REDUCE_SEND_REV) else dst
+                a, b = mine.view(dt), data.view(dt)
                 with np.errstate(all="ignore"):
-                    res = NP[op](a, b) if m[6] == REDUCE else NP[op](b, a)
+                    res = NP[op](a, b) if m[6] in (REDUCE, REDUCE_SEND) else NP[op](b, a)
                 dst[:] = np.asarray(res, dt).view(np.uint8)
             applied.add((k, c))
             chunk_done(k, c)
@@ -220,9 +222,21 @@ def reference(xs, op, dtype):
     return acc
 
 
-def run_allreduce(schedules, xs, op="SUM", chunk=64, seed=0, policy="random"):
+def run_allreduce(schedules, xs, op="SUM", chunk=64, seed=0, policy="random", in_place=False):
+    """Like Communicator.Allreduce: WORK starts as a copy of the input unless the schedule
+    says it fills WORK itself (then it starts as garbage, so a byte it misses shows up);
+    in_place makes SEND and WORK one array."""
     dtype = xs[0].dtype
-    bufs = [{WORK: x.view(np.uint8).copy(), SEND: x.view(np.uint8).copy()} for x in xs]
+    bufs = []
+    for x, s in zip(xs, schedules):
+        send = x.view(np.uint8).copy()
+        if in_place:
+            work = send
+        elif s.fills_work:
+            work = np.full(send.size, 0xA5, np.uint8)
+        else:
+            work = send.copy()
+        bufs.append({WORK: work, SEND: send})
     execute(schedules, bufs, dtype, op, chunk, seed, policy)
     return [b[WORK].view(dtype) for b in bufs]
 
@@ -268,6 +282,45 @@ def test_executor_runs_the_existing_algorithms_exactly():
                    [algorithms.allreduce_rd(r, n, 37 * 4, 4) for r in range(n)]):
             for pol in ("random", "skew", "fifo"):
                 check_allreduce(sc, xs, chunk=12, seed=n, policy=pol)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("eager", [0, 1 << 20])
+def test_allreduce_reading_the_send_buffer(n, eager):
+    """Ring and (with a separate send buffer) recursive doubling read the input from SEND and
+    write every byte of WORK themselves: WORK starts as garbage and the result is still exact,
+    with the float operand order (bits) the same as the copy-first schedules; in place
+    (SEND is WORK) the ring stays race-free and recursive doubling falls back to copies."""
+    count = 41
+    for dtype, op, exact in (("int32", "SUM", True), ("float32", "SUM", False),
+                             ("float64", "MIN", True), ("int16", "PROD", True)):
+        xs = inputs(f"send{n}{dtype}{op}", n, count, dtype, op, exact=exact)
+        nb, isz = count * xs[0].itemsize, xs[0].itemsize
+        ring = [algorithms.allreduce_ring(r, n, nb, isz, eager) for r in range(n)]
+        rd = [algorithms.allreduce_rd(r, n, nb, isz, True, eager) for r in range(n)]
+        rd_old = [algorithms.allreduce_rd(r, n, nb, isz) for r in range(n)]
+        assert all(s.fills_work for s in ring + rd) and not any(s.fills_work for s in rd_old)
+        assert any(m[3] == SEND for s in rd for m in s.msgs)
+        for seed, pol in enumerate(("random", "skew", "fifo", "random")):
+            kw = dict(chunk=3 * isz, seed=seed, policy=pol)
+            got = check_allreduce(rd, xs, op, exact=exact, **kw)
+            assert got.tobytes() == run_allreduce(rd_old, xs, op, **kw)[0].tobytes()
+            check_allreduce(ring, xs, op, exact=exact, **kw)
+            for y in run_allreduce(ring, xs, op, in_place=True, **kw):
+                assert y.tobytes() == run_allreduce(ring, xs, op, **kw)[0].tobytes()
+            for y in run_allreduce(rd_old, xs, op, in_place=True, **kw):
+                assert y.tobytes() == got.tobytes()
+
+
+def test_executor_sees_a_reduce_send_schedule_run_in_place():
+    """Recursive doubling that sends straight from SEND is wrong in place (the receive
+    overwrites what the send has yet to read): the executor must say so."""
+    n, count = 2, 64
+    xs = inputs("rdinplace", n, count, "int32")
+    rd = [algorithms.allreduce_rd(r, n, count * 4, 4, True) for r in range(n)]
+    with pytest.raises(ScheduleError, match="overwrites"):
+        for seed in range(20):
+            run_allreduce(rd, xs, chunk=8, seed=seed, policy="skew", in_place=True)
 
 
 def test_executor_catches_broken_schedules():

@@ -30,6 +30,7 @@ from r2comm._core.tcp cimport tcp_transport
 
 cdef extern from "r2_reduce.h" namespace "r2" nogil:
     int reduce_into(void* d, const void* s, size_t nbytes, int dt, int op, int rev)
+    int reduce3(void* d, const void* a, const void* b, size_t nbytes, int dt, int op)
     int itemsize(int dt)
 
 cdef extern from "<sys/epoll.h>" nogil:
@@ -115,6 +116,8 @@ cdef enum:
     M_COPY = 0
     M_REDUCE = 1
     M_REDUCE_REV = 2
+    M_REDUCE_SEND = 3       # dst = send buffer (same offset) op incoming: no pre-copy needed
+    M_REDUCE_SEND_REV = 4   # dst = incoming op send buffer
 
 cdef enum:
     R_DOWN = 0
@@ -147,7 +150,8 @@ EVENT_NAMES = {EV_RAIL_FAILED: "rail_failed", EV_NOTIFY_SENT: "notify_sent",
                EV_ABORT: "abort"}
 ERR_TIMEOUT, ERR_NETWORK, ERR_MISMATCH, ERR_TRUNCATE, ERR_PROTOCOL, ERR_CLOSED = (
     E_TIMEOUT, E_NETWORK, E_MISMATCH, E_TRUNCATE, E_PROTOCOL, E_CLOSED)
-MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV = M_COPY, M_REDUCE, M_REDUCE_REV
+MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV = (
+    M_COPY, M_REDUCE, M_REDUCE_REV, M_REDUCE_SEND, M_REDUCE_SEND_REV)
 
 cdef enum:
     RBUF_SIZE = 262144
@@ -239,6 +243,7 @@ cdef cppclass RecvMsg:
     uint32_t comm, seq, step, sig, aux, cs, nchunks, napplied
     uint8_t flags, dtype, redop
     char* base
+    char* src            # M_REDUCE_SEND*: the other operand (send buffer at the same offset)
     uint64_t total
     uint64_t cap
     uint8_t* cdone
@@ -254,6 +259,7 @@ cdef cppclass RecvMsg:
         this.cdone = NULL
         this.gate = NULL
         this.held = NULL
+        this.src = NULL
 
 cdef cppclass Unexp:
     uint32_t sig, aux, cs, nchunks, nrecv
@@ -655,6 +661,10 @@ cdef void apply_chunk(State* e, RecvMsg* rm, uint32_t c, const char* data) noexc
     if data != NULL and ln:
         if rm.mode == M_COPY:
             memcpy(dst, data, ln)
+        elif rm.mode == M_REDUCE_SEND:
+            reduce3(dst, rm.src + <uint64_t>c * rm.cs, data, ln, rm.dtype, rm.redop)
+        elif rm.mode == M_REDUCE_SEND_REV:
+            reduce3(dst, data, rm.src + <uint64_t>c * rm.cs, ln, rm.dtype, rm.redop)
         else:
             reduce_into(dst, data, ln, rm.dtype, rm.redop, rm.mode == M_REDUCE_REV)
     rm.cdone[c] = 2
@@ -1615,6 +1625,8 @@ cdef class Plan:
             # typed locals: Cython mis-compiles a conditional expression passed to push_back
             kind = 1 if m[0] == "send" else 0
             peer, step, buf, off, nbytes, mode = m[1], m[2], m[3], m[4], m[5], m[6]
+            if buf < 0 or buf > 2 or mode < M_COPY or mode > M_REDUCE_SEND_REV:
+                raise ValueError(f"message {m!r}: buffer index or receive mode out of range")
             owned = 1 if m[7] else 0
             if step < 0 or step >= (1 << 24):
                 raise ValueError(f"message step {step} out of range: steps are 0 .. 2**24 - 1 "
@@ -2243,6 +2255,11 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     op.members = members
     e.ops[op.id] = op
     for i in range(n):
+        if bufs[1] == 0 and (plan.mode[i] == M_REDUCE_SEND or plan.mode[i] == M_REDUCE_SEND_REV):
+            bad = 2
+    for i in range(n):
+        if bad:
+            break
         p = e.peers[plan.peer[i]] if plan.peer[i] != e.me else NULL
         if p == NULL:
             bad = 1
@@ -2294,6 +2311,8 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             rm.mode = plan.mode[i]
             rm.cs = cs
             rm.base = <char*>bufs[plan.buf[i]] + plan.off[i]
+            if rm.mode == M_REDUCE_SEND or rm.mode == M_REDUCE_SEND_REV:
+                rm.src = <char*>bufs[1] + plan.off[i]
             rm.total = plan.nbytes[i]
             rm.cap = cap if p2p else rm.total
             if p2p:
@@ -2309,7 +2328,8 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             msgs.push_back(<void*>rm)
             is_send.push_back(0)
     if bad:
-        fail_op(e, op, E_PROTOCOL, "schedule names this rank or an unknown rank as a peer", 0)
+        fail_op(e, op, E_PROTOCOL, "schedule names this rank or an unknown rank as a peer"
+                if bad == 1 else "schedule reduces from a send buffer the operation lacks", 0)
         return op.id
     for i in range(plan.deps.size()):
         a = msgs[plan.deps[i].first]

@@ -1,4 +1,4 @@
-// Reduction kernels for r2comm's engine: dst[i] = dst[i] op src[i] (or src op dst when rev).
+// Reduction kernels for r2comm's engine: dst[i] = a[i] op b[i] (dst may be a or b).
 // Plain loops over typed pointers so the compiler vectorises them at -O3; called without the GIL.
 // float16 is computed in float32 and rounded back (to nearest even), as numpy does.
 #pragma once
@@ -68,35 +68,31 @@ template <typename T> static inline T fop_apply(int op, T a, T b) {  // NaN-prop
     }
 }
 
-template <typename T, int OP> static void loop_int(T* d, const T* s, size_t n, bool rev) {
-    if (!rev) for (size_t i = 0; i < n; i++) d[i] = op_apply<T>(OP, d[i], s[i]);
-    else for (size_t i = 0; i < n; i++) d[i] = op_apply<T>(OP, s[i], d[i]);
+template <typename T, int OP> static void loop_int(T* d, const T* a, const T* b, size_t n) {
+    for (size_t i = 0; i < n; i++) d[i] = op_apply<T>(OP, a[i], b[i]);
 }
-template <typename T, int OP> static void loop_flt(T* d, const T* s, size_t n, bool rev) {
-    if (!rev) for (size_t i = 0; i < n; i++) d[i] = fop_apply<T>(OP, d[i], s[i]);
-    else for (size_t i = 0; i < n; i++) d[i] = fop_apply<T>(OP, s[i], d[i]);
+template <typename T, int OP> static void loop_flt(T* d, const T* a, const T* b, size_t n) {
+    for (size_t i = 0; i < n; i++) d[i] = fop_apply<T>(OP, a[i], b[i]);
 }
-template <int OP> static void loop_half(uint16_t* d, const uint16_t* s, size_t n, bool rev) {
-    for (size_t i = 0; i < n; i++) {
-        float a = half_to_float(d[i]), b = half_to_float(s[i]);
-        d[i] = float_to_half(rev ? fop_apply<float>(OP, b, a) : fop_apply<float>(OP, a, b));
-    }
+template <int OP> static void loop_half(uint16_t* d, const uint16_t* a, const uint16_t* b, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        d[i] = float_to_half(fop_apply<float>(OP, half_to_float(a[i]), half_to_float(b[i])));
 }
 
-template <typename T> static void dispatch_int(int op, void* d, const void* s, size_t n, bool rev) {
+template <typename T> static void dispatch_int(int op, void* d, const void* a, const void* b, size_t n) {
     switch (op) {
-        case SUM: loop_int<T, SUM>((T*)d, (const T*)s, n, rev); break;
-        case PROD: loop_int<T, PROD>((T*)d, (const T*)s, n, rev); break;
-        case MIN: loop_int<T, MIN>((T*)d, (const T*)s, n, rev); break;
-        default: loop_int<T, MAX>((T*)d, (const T*)s, n, rev); break;
+        case SUM: loop_int<T, SUM>((T*)d, (const T*)a, (const T*)b, n); break;
+        case PROD: loop_int<T, PROD>((T*)d, (const T*)a, (const T*)b, n); break;
+        case MIN: loop_int<T, MIN>((T*)d, (const T*)a, (const T*)b, n); break;
+        default: loop_int<T, MAX>((T*)d, (const T*)a, (const T*)b, n); break;
     }
 }
-template <typename T> static void dispatch_flt(int op, void* d, const void* s, size_t n, bool rev) {
+template <typename T> static void dispatch_flt(int op, void* d, const void* a, const void* b, size_t n) {
     switch (op) {
-        case SUM: loop_flt<T, SUM>((T*)d, (const T*)s, n, rev); break;
-        case PROD: loop_flt<T, PROD>((T*)d, (const T*)s, n, rev); break;
-        case MIN: loop_flt<T, MIN>((T*)d, (const T*)s, n, rev); break;
-        default: loop_flt<T, MAX>((T*)d, (const T*)s, n, rev); break;
+        case SUM: loop_flt<T, SUM>((T*)d, (const T*)a, (const T*)b, n); break;
+        case PROD: loop_flt<T, PROD>((T*)d, (const T*)a, (const T*)b, n); break;
+        case MIN: loop_flt<T, MIN>((T*)d, (const T*)a, (const T*)b, n); break;
+        default: loop_flt<T, MAX>((T*)d, (const T*)a, (const T*)b, n); break;
     }
 }
 
@@ -105,35 +101,41 @@ static inline int itemsize(int dt) {
     return (dt >= 0 && dt < NDTYPES) ? sz[dt] : 0;
 }
 
-// Returns 0 on success, -1 for an unknown dtype/op. nbytes must be a multiple of the item size.
-static inline int reduce_into(void* d, const void* s, size_t nbytes, int dt, int op, int rev) {
+// d[i] = a[i] op b[i]; d may be a or b (element-wise, so aliasing is safe). The operand order is
+// part of the result for floats, so callers fix it from the schedule. Returns 0 on success, -1
+// for an unknown dtype/op. nbytes must be a multiple of the item size.
+static inline int reduce3(void* d, const void* a, const void* b, size_t nbytes, int dt, int op) {
     if (op < 0 || op >= NOPS) return -1;
     int isz = itemsize(dt);
     if (!isz) return -1;
     size_t n = nbytes / (size_t)isz;
-    bool r = rev != 0;
     switch (dt) {
-        case I8: dispatch_int<int8_t>(op, d, s, n, r); break;
-        case I16: dispatch_int<int16_t>(op, d, s, n, r); break;
-        case I32: dispatch_int<int32_t>(op, d, s, n, r); break;
-        case I64: dispatch_int<int64_t>(op, d, s, n, r); break;
-        case U8: dispatch_int<uint8_t>(op, d, s, n, r); break;
-        case U16: dispatch_int<uint16_t>(op, d, s, n, r); break;
-        case U32: dispatch_int<uint32_t>(op, d, s, n, r); break;
-        case U64: dispatch_int<uint64_t>(op, d, s, n, r); break;
+        case I8: dispatch_int<int8_t>(op, d, a, b, n); break;
+        case I16: dispatch_int<int16_t>(op, d, a, b, n); break;
+        case I32: dispatch_int<int32_t>(op, d, a, b, n); break;
+        case I64: dispatch_int<int64_t>(op, d, a, b, n); break;
+        case U8: dispatch_int<uint8_t>(op, d, a, b, n); break;
+        case U16: dispatch_int<uint16_t>(op, d, a, b, n); break;
+        case U32: dispatch_int<uint32_t>(op, d, a, b, n); break;
+        case U64: dispatch_int<uint64_t>(op, d, a, b, n); break;
         case F16:
             switch (op) {
-                case SUM: loop_half<SUM>((uint16_t*)d, (const uint16_t*)s, n, r); break;
-                case PROD: loop_half<PROD>((uint16_t*)d, (const uint16_t*)s, n, r); break;
-                case MIN: loop_half<MIN>((uint16_t*)d, (const uint16_t*)s, n, r); break;
-                default: loop_half<MAX>((uint16_t*)d, (const uint16_t*)s, n, r); break;
+                case SUM: loop_half<SUM>((uint16_t*)d, (const uint16_t*)a, (const uint16_t*)b, n); break;
+                case PROD: loop_half<PROD>((uint16_t*)d, (const uint16_t*)a, (const uint16_t*)b, n); break;
+                case MIN: loop_half<MIN>((uint16_t*)d, (const uint16_t*)a, (const uint16_t*)b, n); break;
+                default: loop_half<MAX>((uint16_t*)d, (const uint16_t*)a, (const uint16_t*)b, n); break;
             }
             break;
-        case F32: dispatch_flt<float>(op, d, s, n, r); break;
-        case F64: dispatch_flt<double>(op, d, s, n, r); break;
+        case F32: dispatch_flt<float>(op, d, a, b, n); break;
+        case F64: dispatch_flt<double>(op, d, a, b, n); break;
         default: return -1;
     }
     return 0;
+}
+
+// dst = dst op src, or src op dst when rev.
+static inline int reduce_into(void* d, const void* s, size_t nbytes, int dt, int op, int rev) {
+    return rev ? reduce3(d, s, d, nbytes, dt, op) : reduce3(d, d, s, nbytes, dt, op);
 }
 
 // Header checksum: FNV-1a over the first 44 bytes of a frame header.

@@ -7,7 +7,7 @@ Without a RailState the planner is static (ring / recursive doubling by size). W
 cost model (cost.py) and routes around broken pairs (routing.py); "degraded" (degraded.py) keeps a
 slow host off the critical path."""
 from . import algorithms, cost, degraded, routing
-from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV
+from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, REDUCE_SEND, REDUCE_SEND_REV
 from .state import RailState, PartitionedError
 
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "degraded", "ring_rerouted")
@@ -17,21 +17,21 @@ _CACHE = {}
 _CACHE_MAX = 128
 
 
-def allreduce(rank, n, nbytes, itemsize, eager, algo="", state=None):
+def allreduce(rank, n, nbytes, itemsize, eager, algo="", state=None, separate_send=False):
     if algo not in ("", *ALLREDUCE_ALGOS):
         raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
     if state is not None:
-        return build("allreduce", rank, n, nbytes, itemsize, 0, eager, algo, state)
+        return build("allreduce", rank, n, nbytes, itemsize, 0, eager, algo, state, separate_send)
     if algo in STATE_ALGOS:
         raise ValueError(f"allreduce algorithm {algo!r} needs the rail state (state=RailState)")
     if algo == "recursive_doubling" or (not algo and nbytes <= eager):
-        return algorithms.allreduce_rd(rank, n, nbytes, itemsize)
+        return algorithms.allreduce_rd(rank, n, nbytes, itemsize, separate_send, eager)
     return algorithms.allreduce_ring(rank, n, nbytes, itemsize, eager)
 
 
-def _static(coll, rank, n, nbytes, itemsize, root, eager, algo):
+def _static(coll, rank, n, nbytes, itemsize, root, eager, algo, separate_send=False):
     if coll == "allreduce":
-        return allreduce(rank, n, nbytes, itemsize, eager, algo)
+        return allreduce(rank, n, nbytes, itemsize, eager, algo, separate_send=separate_send)
     if coll == "barrier":
         return algorithms.allreduce_rd(rank, n, 0, 1)
     if coll == "bcast":
@@ -47,19 +47,22 @@ def _static(coll, rank, n, nbytes, itemsize, root, eager, algo):
     raise ValueError(f"no schedule for {coll!r}")
 
 
-def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None):
+def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
+          separate_send=False):
     """Schedule for one rank. nbytes is the per-rank message size (a block for the
     block-wise collectives). With a RailState the schedule is re-planned for it: algo ""
-    picks the cheapest candidate (choose()), and messages over broken pairs are relayed."""
+    picks the cheapest candidate (choose()), and messages over broken pairs are relayed.
+    separate_send: the send buffer is not the result buffer (not IN_PLACE), which lets some
+    schedules read their input from it instead of a copy (Schedule.fills_work)."""
     if state is None:
-        return _static(coll, rank, n, nbytes, itemsize, root, eager, algo)
-    scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state)
+        return _static(coll, rank, n, nbytes, itemsize, root, eager, algo, separate_send)
+    scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send)
     s = scheds[rank]
     return Schedule(s.algo, list(s.msgs), list(s.deps), s.scratch, list(s.pre), list(s.post),
-                    s.cost)
+                    s.cost, s.fills_work)
 
 
-def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state):
+def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send=False):
     """Every rank's schedule for one named algorithm, relayed around broken pairs."""
     if coll == "allreduce" and algo == "degraded":
         deg = state.degraded_ranks()
@@ -76,9 +79,11 @@ def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state):
         sc = [routing.allreduce_ring_ordered(r, list(range(n)), nbytes, itemsize, eager, "ring")
               for r in range(n)]
     elif coll == "allreduce" and algo == "":
-        sc = [algorithms.allreduce_rd(r, n, nbytes, itemsize) for r in range(n)]
+        sc = [algorithms.allreduce_rd(r, n, nbytes, itemsize, separate_send, eager)
+              for r in range(n)]
     else:
-        sc = [_static(coll, r, n, nbytes, itemsize, root, eager, algo) for r in range(n)]
+        sc = [_static(coll, r, n, nbytes, itemsize, root, eager, algo, separate_send)
+              for r in range(n)]
     return routing.relay(sc, state)
 
 
@@ -113,25 +118,27 @@ def choose(coll, n, nbytes, itemsize, state, root=0, eager=DEFAULT_EAGER):
             return a
 
 
-def build_all(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", state=None):
+def build_all(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", state=None,
+              separate_send=False):
     """Every rank's schedule (a list indexed by rank), each with .cost = the predicted seconds
     of the whole set. Cached per (arguments, state fingerprint); callers must not modify them."""
     if state is None:
-        return [_static(coll, r, n, nbytes, itemsize, root, eager, algo) for r in range(n)]
+        return [_static(coll, r, n, nbytes, itemsize, root, eager, algo, separate_send)
+                for r in range(n)]
     if coll == "allreduce" and algo not in ("", *ALLREDUCE_ALGOS):
         raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
     if state.n != n:
         raise ValueError(f"RailState describes {state.n} ranks, the communicator has {n}")
-    key = (coll, n, nbytes, itemsize, root, eager, algo, state.fingerprint())
+    key = (coll, n, nbytes, itemsize, root, eager, algo, state.fingerprint(), separate_send)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
     state.check_connected()
     if coll == "allreduce" and algo == "":
         algo = choose(coll, n, nbytes, itemsize, state, root, eager)
-        scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state)
+        scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send)
     else:
-        scheds = _candidate(coll, n, nbytes, itemsize, root, eager, algo, state)
+        scheds = _candidate(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send)
         t = cost.predict(scheds, state)
         for s in scheds:
             s.validate()
@@ -144,4 +151,4 @@ def build_all(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", s
 
 __all__ = ["build", "build_all", "choose", "evaluate", "candidates", "allreduce", "RailState",
            "PartitionedError", "Schedule", "ALLREDUCE_ALGOS", "WORK", "SEND", "SCRATCH", "COPY",
-           "REDUCE", "REDUCE_REV"]
+           "REDUCE", "REDUCE_REV", "REDUCE_SEND", "REDUCE_SEND_REV"]

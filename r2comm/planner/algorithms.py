@@ -2,7 +2,8 @@
 
 Reduction order is fixed by the schedule alone (never by arrival order), so results are
 bitwise identical on every rank and between a faulty and a fault-free run."""
-from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV
+from .schedule import (Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, REDUCE_SEND,
+                       REDUCE_SEND_REV)
 
 
 def blocks(count, n, itemsize):
@@ -15,19 +16,22 @@ def blocks(count, n, itemsize):
 
 
 def allreduce_ring(rank, n, nbytes, itemsize, eager=0):
-    """Ring reduce-scatter then ring allgather, pipelined chunk by chunk (bandwidth optimal)."""
+    """Ring reduce-scatter then ring allgather, pipelined chunk by chunk (bandwidth optimal).
+    The input is read from SEND (first send, and the other operand of every reduction), so
+    WORK needs no copy of it: each block is written once by a reduction or by the allgather."""
     s = Schedule("ring")
     if n == 1:
         return s
+    s.fills_work = True
     blk = blocks(nbytes // itemsize, n, itemsize)
     right, left = (rank + 1) % n, (rank - 1) % n
     own = nbytes // n <= eager
     prev = None
     for st in range(n - 1):                       # reduce-scatter
         sb, rb = (rank - st) % n, (rank - st - 1) % n
-        si = s.send(right, st, WORK, blk[sb][0], blk[sb][1], owned=own)
+        si = s.send(right, st, SEND if st == 0 else WORK, blk[sb][0], blk[sb][1], owned=own)
         s.dep(prev, si)
-        prev = s.recv(left, st, WORK, blk[rb][0], blk[rb][1], REDUCE)
+        prev = s.recv(left, st, WORK, blk[rb][0], blk[rb][1], REDUCE_SEND)
     for st in range(n - 1):                       # allgather
         sb, rb = (rank + 1 - st) % n, (rank - st) % n
         si = s.send(right, n - 1 + st, WORK, blk[sb][0], blk[sb][1], owned=own)
@@ -36,30 +40,47 @@ def allreduce_ring(rank, n, nbytes, itemsize, eager=0):
     return s
 
 
-def allreduce_rd(rank, n, nbytes, itemsize=1):
+def allreduce_rd(rank, n, nbytes, itemsize=1, separate_send=False, eager=0):
     """Recursive doubling on the largest power of two, extra ranks folded in first (latency
     optimal). Each level combines as (lower rank's value) op (higher rank's value) on both
-    sides, so both hold the same bits."""
+    sides, so both hold the same bits.
+
+    separate_send (SEND is not WORK, i.e. not IN_PLACE): the first exchange sends straight from
+    SEND and reduces SEND op incoming into WORK, with no copy at all (messages over `eager` bytes
+    are sent in place and wait for their acks; smaller ones are still copied, so the operation
+    can end before the ack comes back); later levels send owned copies, because the same
+    level's receive overwrites WORK."""
     s = Schedule("recursive_doubling")
     if n == 1:
         return s
+    s.fills_work = separate_send
     p2 = 1 << (n.bit_length() - 1)
     rem = n - p2
     if rank >= p2:                                 # extra: hand over, get the result back
-        si = s.send(rank - p2, 0, WORK, 0, nbytes, owned=True)
+        si = s.send(rank - p2, 0, SEND if separate_send else WORK, 0, nbytes,
+                    owned=not separate_send or nbytes <= eager)
         ri = s.recv(rank - p2, 1, WORK, 0, nbytes, COPY)
         s.dep(si, ri)
         return s
     prev = None
+    fresh = separate_send                          # WORK does not hold a value yet
     if rank < rem:
-        prev = s.recv(rank + p2, 0, WORK, 0, nbytes, REDUCE)
+        prev = s.recv(rank + p2, 0, WORK, 0, nbytes, REDUCE_SEND if fresh else REDUCE)
+        fresh = False
     level, dist = 0, 1
     while dist < p2:
         partner = rank ^ dist
-        si = s.send(partner, 1 + level, WORK, 0, nbytes, owned=True)
-        s.dep(prev, si)
-        ri = s.recv(partner, 1 + level, WORK, 0, nbytes, REDUCE if rank < partner else REDUCE_REV)
-        s.dep(si, ri)
+        lower = rank < partner
+        if fresh:
+            si = s.send(partner, 1 + level, SEND, 0, nbytes, owned=nbytes <= eager)
+            ri = s.recv(partner, 1 + level, WORK, 0, nbytes,
+                        REDUCE_SEND if lower else REDUCE_SEND_REV)
+            fresh = False
+        else:
+            si = s.send(partner, 1 + level, WORK, 0, nbytes, owned=True)
+            s.dep(prev, si)
+            ri = s.recv(partner, 1 + level, WORK, 0, nbytes, REDUCE if lower else REDUCE_REV)
+            s.dep(si, ri)
         prev = ri
         level, dist = level + 1, dist * 2
     if rank < rem:

@@ -13,7 +13,7 @@ Two tools, both deterministic functions of the RailState (every rank computes th
 
 Both fail with PartitionedError only when the working pairs do not connect every rank."""
 from .algorithms import blocks
-from .schedule import Schedule, WORK, SCRATCH, COPY, REDUCE
+from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_SEND
 from .state import PartitionedError
 
 RELAY_STEP0 = 1 << 23          # relayed messages use steps above every algorithm's own steps
@@ -22,7 +22,8 @@ SEARCH_BUDGET = 50_000         # backtracking expansions per bandwidth threshold
 
 
 # -- a ring over any order of ranks and any region of the work buffer ------------------------------
-def ring_region(s, order, me, off, count, itemsize, step0=0, own=False, fold=None):
+def ring_region(s, order, me, off, count, itemsize, step0=0, own=False, fold=None,
+                from_send=False):
     """Ring allreduce (reduce-scatter then allgather, chunk-pipelined) of `count` elements of
     WORK at byte offset `off` among the ranks of `order` (ring neighbours are consecutive
     entries). Equals algorithms.allreduce_ring for order = range(n), off = 0, step0 = 0.
@@ -30,7 +31,10 @@ def ring_region(s, order, me, off, count, itemsize, step0=0, own=False, fold=Non
     Block b's value is reduced along the ring starting at order[b] and is final at order[b-1];
     `fold(s, prev, boff, blen)` is called on that owner with `prev` the message that completed
     its block (None for a ring of one) and returns the message the allgather must wait for (a
-    hook to fold in contributions from outside the ring and to hand the result out)."""
+    hook to fold in contributions from outside the ring and to hand the result out).
+
+    from_send: the first send and the reductions read the input from SEND, so WORK needs no
+    copy of it beforehand (every byte of the region is written by a receive)."""
     n = len(order)
     pos = order.index(me)
     blk = [(off + o, ln) for o, ln in blocks(count, n, itemsize)]
@@ -42,9 +46,11 @@ def ring_region(s, order, me, off, count, itemsize, step0=0, own=False, fold=Non
     prev = None
     for st in range(n - 1):                       # reduce-scatter
         sb, rb = (pos - st) % n, (pos - st - 1) % n
-        si = s.send(right, step0 + st, WORK, blk[sb][0], blk[sb][1], owned=own)
+        src = SEND if from_send and st == 0 else WORK
+        si = s.send(right, step0 + st, src, blk[sb][0], blk[sb][1], owned=own)
         s.dep(prev, si)
-        ri = s.recv(left, step0 + st, WORK, blk[rb][0], blk[rb][1], REDUCE)
+        ri = s.recv(left, step0 + st, WORK, blk[rb][0], blk[rb][1],
+                    REDUCE_SEND if from_send else REDUCE)
         if own and blk[sb][1] == blk[rb][1]:
             s.dep(si, ri)          # keeps the copies ordered (dependencies need equal sizes)
         prev = ri
@@ -67,7 +73,8 @@ def allreduce_ring_ordered(rank, order, nbytes, itemsize, eager=0, algo="ring_re
     s = Schedule(algo)
     if len(order) > 1:
         ring_region(s, list(order), rank, 0, nbytes // itemsize, itemsize,
-                    own=nbytes // len(order) <= eager)
+                    own=nbytes // len(order) <= eager, from_send=True)
+        s.fills_work = True
     return s
 
 
@@ -225,7 +232,7 @@ def relay(schedules, state, suffix="+relay"):
         return schedules
     state.check_connected()
     out = [Schedule(s.algo + suffix, list(s.msgs), list(s.deps), s.scratch, list(s.pre),
-                    list(s.post), s.cost) for s in schedules]
+                    list(s.post), s.cost, s.fills_work) for s in schedules]
     recv_at = [{(m[1], m[2]): i for i, m in enumerate(s.msgs) if m[0] == "recv"}
                for s in schedules]
     top = max((m[2] for s in schedules for m in s.msgs), default=0)

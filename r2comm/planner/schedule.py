@@ -7,7 +7,10 @@ A message is (kind, peer, step, buf, offset, nbytes, mode, owned):
   kind    "send" or "recv"; peer is a rank of the communicator
   step    distinguishes the messages between one pair (per direction) in one operation
   buf     WORK (the result buffer), SEND (the user's send buffer) or SCRATCH
-  mode    COPY, REDUCE (dst = dst op incoming) or REDUCE_REV (dst = incoming op dst), receives
+  mode    COPY, REDUCE (dst = dst op incoming) or REDUCE_REV (dst = incoming op dst), receives;
+          REDUCE_SEND / REDUCE_SEND_REV take the other operand from SEND at the same offset
+          (dst = send op incoming / incoming op send), so the input need not be copied into
+          WORK first (with IN_PLACE, SEND is WORK and they equal REDUCE / REDUCE_REV)
   owned   the engine copies the data (small messages: the op need not wait for acks)
 A dependency (a, b) means: chunk c of message b waits for chunk c of message a (a receive is
 done with a chunk once applied; a send once acknowledged, or once copied if owned). Both
@@ -16,7 +19,7 @@ messages must have the same length.
 from dataclasses import dataclass, field
 
 WORK, SEND, SCRATCH = 0, 1, 2
-COPY, REDUCE, REDUCE_REV = 0, 1, 2
+COPY, REDUCE, REDUCE_REV, REDUCE_SEND, REDUCE_SEND_REV = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -28,6 +31,8 @@ class Schedule:
     pre: list = field(default_factory=list)    # local copies before: (dst_buf, dst_off, src_buf, src_off, n)
     post: list = field(default_factory=list)   # local copies after completion
     cost: float = 0.0             # predicted seconds (planner's cost model)
+    fills_work: bool = False      # every byte of WORK is written from SEND and received data,
+                                  # so the caller skips copying the input into WORK
 
     def send(self, peer, step, buf, off, nbytes, owned=False):
         self.msgs.append(("send", peer, step, buf, off, nbytes, COPY, owned))
