@@ -533,8 +533,12 @@ class Communicator:
             raise R2commArgumentError(f"root {root!r} is not a rank of this communicator "
                                       f"(size {self.size})")
 
-    def _p2p(self, kind, arr, peer, tag, status=None):
+    def _p2p(self, kind, arr, peer, tag, status=None, rail=None):
         self._check()
+        if rail is not None and not (isinstance(rail, (int, np.integer))
+                                     and 0 <= rail < len(self._world.boot.rail_addrs)):
+            raise R2commArgumentError(f"rail {rail!r} is not a rail index "
+                                      f"(0 .. {len(self._world.boot.rail_addrs) - 1})")
         self._check_root(peer)
         if peer == self.rank:
             raise R2commArgumentError("send/receive to self is not supported")
@@ -549,16 +553,19 @@ class Communicator:
         plan = Plan([(kind, gpeer, 0, WORK, 0, nbytes, 0, owned)], [], "p2p")
         b = Buffer(arr, kind == "recv")
         oid = self._engine.post(plan, b.ptr, 0, 0, dtype_code(arr.dtype), 0, self._id, 0, 0,
-                                self.timeout, [gpeer], 1, int(tag), nbytes)
+                                self.timeout, [gpeer], 1, int(tag), nbytes,
+                                -1 if rail is None else int(rail))
         if status is not None:
             status.source, status.tag = peer, tag
         return Request(self, oid, [b], None, None, status)
 
-    def Isend(self, buf, dest, tag=0):
-        return self._p2p("send", _as_array(buf, False, "Send buf"), dest, tag)
+    def Isend(self, buf, dest, tag=0, rail=None):
+        """rail: pin the message to one rail while it is up (probes, experiments); if that
+        rail fails, its chunks move to the others like any others."""
+        return self._p2p("send", _as_array(buf, False, "Send buf"), dest, tag, rail=rail)
 
-    def Send(self, buf, dest, tag=0):
-        self.Isend(buf, dest, tag).Wait()
+    def Send(self, buf, dest, tag=0, rail=None):
+        self.Isend(buf, dest, tag, rail).Wait()
 
     def Irecv(self, buf, source, tag=ANY_TAG, status=None):
         return self._p2p("recv", _as_array(buf, True, "Recv buf"), source, tag, status)

@@ -215,6 +215,7 @@ cdef cppclass SendMsg:
     int peer
     int owned
     int done
+    int pin              # rail index this message must use while that rail is up (-1: any)
     uint32_t comm, seq, step, sig, aux, cs, nchunks, nacked
     uint8_t flags, dtype, redop
     char* base           # bytes on the wire: the user's buffer, or the engine's copy if owned
@@ -228,6 +229,7 @@ cdef cppclass SendMsg:
         this.op = NULL
         this.owned = 0
         this.done = 0
+        this.pin = -1
         this.nacked = 0
         this.base = NULL
         this.cstate = NULL
@@ -615,6 +617,8 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
     cdef Rail* r
     cdef Rail* best
     cdef double score, best_score, rate, best_rate
+    cdef CRef ref
+    cdef SendMsg* m
     for k in range(p.nrails + 1):
         r = p.rails[k]
         if r.state == R_UP and (r.tx_busy or r.txq.size() > r.txq_pos):
@@ -626,6 +630,21 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
     while not p.ready.empty():
         best = NULL
         best_score = 0
+        # a message pinned to one rail (bandwidth probes) waits for that rail while it is up
+        ref = p.ready.front()
+        m = <SendMsg*>ref.m
+        if (m.cstate[ref.c] & 0x7F) != C_QUEUED:
+            p.ready.pop_front()
+            continue
+        if m.pin >= 0 and m.pin < p.nrails and p.rails[m.pin].state == R_UP:
+            r = p.rails[m.pin]
+            if r.tx_busy or (r.inflight_bytes > 0 and
+                             r.inflight_bytes + chunk_len(m.total, m.cs, ref.c) > rail_window(e, r)):
+                return
+            if not start_chunk(e, p, r):
+                return
+            rail_write(e, r)
+            continue
         for k in range(p.nrails):
             r = p.rails[k]
             if r.state != R_UP or r.tx_busy:
@@ -2013,12 +2032,31 @@ cdef class Engine:
         finally:
             pthread_mutex_unlock(&e.mu)
 
+    def set_rail_rate(self, int peer, int rail, double rate):
+        """Seed the measured throughput (bytes/s) of one rail to `peer`, e.g. from a start-up
+        probe; acknowledged traffic keeps refining it (measure_rate's moving average)."""
+        cdef State* e = self._live()
+        if rate < 0:
+            raise ValueError("rate must be >= 0")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
+                raise ValueError(f"no peer {peer}")
+            if rail < 0 or rail >= e.peers[peer].nrails:
+                raise ValueError(f"no rail {rail} to peer {peer}")
+            e.peers[peer].rails[rail].rate = rate
+        finally:
+            pthread_mutex_unlock(&e.mu)
+
     # -- operations ----------------------------------------------------------------------------
     def post(self, Plan plan, uint64_t b0, uint64_t b1, uint64_t b2, int dtype, int redop,
              uint32_t comm, uint32_t seq, uint32_t sig, double timeout, members,
-             int p2p=0, int tag=0, uint64_t cap=0):
+             int p2p=0, int tag=0, uint64_t cap=0, int rail=-1):
         """Start one operation; returns its id. For p2p (a single send or receive), seq is
-        assigned here and tag/cap describe the message."""
+        assigned here and tag/cap describe the message. rail >= 0 pins every send of the
+        operation to that rail while it is up (a bandwidth probe); if it fails, the chunks
+        move to the surviving rails as usual."""
         cdef State* e = self._live()
         cdef uint64_t bufs[3]
         cdef Op* op
@@ -2034,7 +2072,8 @@ cdef class Engine:
         bufs[2] = b2
         with nogil:
             pthread_mutex_lock(&e.mu)
-            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, p2p, tag, cap, isz)
+            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, p2p, tag, cap,
+                          isz, rail)
             pthread_mutex_unlock(&e.mu)
         return oid
 
@@ -2229,7 +2268,7 @@ cdef void free_op(State* e, Op* op, int unlink) noexcept nogil:
 
 cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
                       uint32_t seq, uint32_t sig, double timeout, vector[int]& members, int p2p,
-                      int tag, uint64_t cap, int isz) noexcept nogil:
+                      int tag, uint64_t cap, int isz, int pin) noexcept nogil:
     cdef Op* op = r2_new[Op]()
     cdef size_t i, n = plan.kind.size()
     cdef vector[void*] msgs
@@ -2277,6 +2316,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             sm.cs = cs
             sm.nchunks = nchunks_of(sm.total, cs)
             sm.owned = plan.owned[i]
+            sm.pin = pin
             if p2p:
                 sm.flags = FL_P2P
                 sm.aux = <uint32_t>tag
