@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# r2comm comparison suite on one host: 2 ranks over loopback, about 6-8 minutes on 2 cores.
+# r2comm comparison suite on one host, then bench/RESULTS.md written from its JSON files.
+# About 5 minutes on 2 cores for the loopback part, plus about 1.5 minutes of testbed as root;
+# the testbed steps get what is left of a 10-minute budget (BUDGET) and are skipped when too
+# little is left.
 #
-#   bench/run_all.sh                # everything, results in bench/out/
-#   OUT=/tmp/r2 NP=2 bench/run_all.sh
+#   bash bench/run_all.sh                # everything: results in bench/out/, bench/RESULTS.md,
+#                                        # the figures RESULTS.md shows in bench/figures/
+#   OUT=/tmp/r2 NP=2 bash bench/run_all.sh   # RESULTS.md and figures/ go to $OUT (RESULTS=... to change)
 #
-# Writes per step: <name>.txt (the OSU table as printed), <name>.json, and PNGs:
+# Writes per step: <name>.txt (the table as printed), <name>.json, <name>.cmd (the exact command),
+# <name>.failed or <name>.skipped (why there is no JSON), and PNGs:
 #   allreduce_shm    r2comm vs MPI (shared memory) vs Gloo, 8 B .. 64 MiB
 #   allreduce_tcp    r2comm vs MPI forced onto TCP over 127.0.0.1, 8 B .. 64 MiB
 #   allreduce.png    busbw and time vs size, all of the above
@@ -13,6 +18,11 @@
 #   <collective>     allgather, reduce_scatter, bcast, alltoall vs MPI shm, 8 B .. 16 MiB
 #   failover_hard    4 MiB allreduce stream, rail 0 failed (connection error) at 2 s
 #   failover_silent  same, rail 0 goes silent (no error: bytes just stop)
+#   single_rail      the same stream on one healthy rail (baseline after a failure)
+#   acks_1, acks_0   16 MiB allreduce with and without acknowledgements
+# and, as root with iproute2 (network namespaces; traffic stays in 198.18.0.0/15):
+#   testbed_failover          2 hosts x 2 NICs at 1 Gbit/s: 1 vs 2 NICs, a real NIC down
+#   testbed_degraded_<H>hosts H = 3, 4 hosts at 500 Mbit/s, one NIC of the last host down
 #
 # MPI over TCP: the MPICH wheel uses shared memory between local ranks, and with
 # MPIR_CVAR_NOLOCAL=1 alone its UCX netmod still picks shared memory.  The OFI
@@ -26,8 +36,13 @@ VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 MPIEXEC=${MPIEXEC:-$VENV/bin/mpiexec}
 OUT=${OUT:-bench/out}
+if [[ -z ${RESULTS:-} ]]; then
+    [[ $OUT == bench/out ]] && RESULTS=bench/RESULTS.md || RESULTS=$OUT/RESULTS.md
+fi
 NP=${NP:-2}
 STEP_TIMEOUT=${STEP_TIMEOUT:-150}
+BUDGET=${BUDGET:-570}          # seconds for all steps; the rest of 10 minutes is for the report
+TESTBED=${TESTBED:-auto}       # auto: when root; 0: never
 export R2COMM_RAILS=${R2COMM_RAILS:-127.0.0.1,127.0.0.2}
 export R2COMM_TIMEOUT=${R2COMM_TIMEOUT:-30}  # a hung collective fails its step sooner
 TCP_ENV=(MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo)
@@ -36,56 +51,134 @@ mkdir -p "$OUT"
 failed=()
 start=$SECONDS
 
-# step NAME [VAR=value ...] -- ARGS...: one harness run under mpiexec, table saved to NAME.txt
+# fresh: forget what an earlier run left for step NAME (so a failed step never reports old numbers)
+fresh() {
+    rm -f "$OUT/$1".{json,cmd,failed,skipped,txt,png}
+}
+
+# run NAME TIMEOUT SIGNAL CMD...: one bounded step, output to NAME.txt, command to NAME.cmd
+run() {
+    local name=$1 limit=$2 sig=$3; shift 3
+    fresh "$name"
+    local shown
+    shown=$(printf '%q ' "$@"); shown=${shown% }
+    shown=${shown//$PWD\//}
+    shown=${shown#env }  # VAR=value cmd: the same command as the shell reads it
+    shown=${shown//\\,/,}
+    echo "$shown" >"$OUT/$name.cmd"
+    echo "=== $name (timeout ${limit}s): $shown"
+    timeout -s "$sig" --kill-after=20 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    if [[ $rc != 0 ]]; then
+        echo "!!! $name failed (rc=$rc)"
+        failed+=("$name")
+        [[ $rc == 124 ]] && echo "rc 124: stopped by its ${limit} s timeout" >"$OUT/$name.failed" \
+            || echo "rc $rc" >"$OUT/$name.failed"
+    fi
+    return "$rc"
+}
+
+# step NAME [VAR=value ...] -- ARGS...: one harness run under mpiexec
 step() {
     local name=$1; shift
     local envs=()
     while [[ $1 != -- ]]; do envs+=("$1"); shift; done
     shift
-    echo "=== $name: $* ${envs[*]}"
-    env "${envs[@]}" timeout --kill-after=10 "$STEP_TIMEOUT" \
-        "$MPIEXEC" -n "$NP" "$PY" -m r2comm.bench "$@" 2>&1 | tee "$OUT/$name.txt"
-    local rc=${PIPESTATUS[0]}
-    [[ $rc == 0 ]] || { echo "!!! $name failed (rc=$rc)"; failed+=("$name"); }
+    ((${#envs[@]})) && envs=(env "${envs[@]}")
+    run "$name" "$STEP_TIMEOUT" TERM "${envs[@]}" "$MPIEXEC" -n "$NP" "$PY" -m r2comm.bench "$@"
+}
+
+# testbed NAME CAP MIN ARGS...: a root-only testbed script, with at most CAP seconds and only
+# if at least MIN seconds of the budget are left.  SIGINT lets it take its namespaces down.
+testbed() {
+    local name=$1 cap=$2 min=$3; shift 3
+    local left=$((BUDGET - (SECONDS - start)))
+    local limit=$((left < cap ? left : cap))
+    if ((limit < min)); then
+        fresh "$name"
+        echo "skipped: only ${left} s of the ${BUDGET} s budget were left" >"$OUT/$name.skipped"
+        echo "=== $name skipped: ${left} s left"
+        return 1
+    fi
+    run "$name" "$limit" INT "$PY" "$@"
 }
 
 plot() {
     local png=$1; shift
+    rm -f "$OUT/$png"
     "$PY" -m r2comm.bench plot "$@" -o "$OUT/$png" || failed+=("$png")
 }
 
 SWEEP=(--rounds 3 --budget 0.2 -f)
+BIG=64M; COLL_MAX=16M; P2P=(--rounds 3 --budget 0.2); FO=(--duration 6 --fail-at 2); SR=(--duration 4)
+TB_FO=(--ranks 2,4); TB_DG=(--mib 64); ACKS=(--rounds 5 --budget 0.5)
+if [[ ${QUICK:-0} == 1 ]]; then  # a smoke test of this script and the report (about 1.5 minutes)
+    SWEEP=(--rounds 1 --budget 0.05 -f); BIG=4M; COLL_MAX=1M; P2P=(--rounds 1 --budget 0.05)
+    FO=(--duration 2.5 --fail-at 0.8); SR=(--duration 1.5)
+    TB_FO=(--ranks 2 --size $((16 << 20)) --iters 2 --stream-seconds 3 --fail-at 1); TB_DG=(--mib 16 --reps 1); ACKS=(--rounds 2 --budget 0.1)
+fi
 
-step allreduce_shm -- allreduce -m 8:64M --peer mpi,gloo "${SWEEP[@]}" --json "$OUT/allreduce_shm.json"
-step allreduce_tcp "${TCP_ENV[@]}" -- allreduce -m 8:64M --peer mpi "${SWEEP[@]}" --json "$OUT/allreduce_tcp.json"
+step allreduce_shm -- allreduce -m 8:$BIG --peer mpi,gloo "${SWEEP[@]}" --json "$OUT/allreduce_shm.json"
+step allreduce_tcp "${TCP_ENV[@]}" -- allreduce -m 8:$BIG --peer mpi "${SWEEP[@]}" --json "$OUT/allreduce_tcp.json"
 plot allreduce.png "$OUT/allreduce_shm.json" "$OUT/allreduce_tcp.json"
 
-step latency_shm -- latency -m 1:1M --peer mpi,gloo "${SWEEP[@]}" --json "$OUT/latency_shm.json"
-step latency_tcp "${TCP_ENV[@]}" -- latency -m 1:1M --peer mpi "${SWEEP[@]}" --json "$OUT/latency_tcp.json"
+step latency_shm -- latency -m 1:1M --peer mpi,gloo "${P2P[@]}" -f --json "$OUT/latency_shm.json"
+step latency_tcp "${TCP_ENV[@]}" -- latency -m 1:1M --peer mpi "${P2P[@]}" -f --json "$OUT/latency_tcp.json"
 plot latency.png "$OUT/latency_shm.json" "$OUT/latency_tcp.json"
 
 step bw_shm -- bw -m 1K:4M --peer mpi --rounds 2 --budget 0.2 --json "$OUT/bw_shm.json" --plot "$OUT/bw.png"
 
 for coll in allgather reduce_scatter bcast alltoall; do
-    step "$coll" -- "$coll" -m 8:16M --peer mpi --rounds 2 --budget 0.1 --check \
+    step "$coll" -- "$coll" -m 8:$COLL_MAX --peer mpi --rounds 2 --budget 0.1 --check \
         --json "$OUT/$coll.json" --plot "$OUT/$coll.png"
 done
 
 for mode in hard silent; do
-    step "failover_$mode" -- failover --size 4M --duration 6 --fail-at 2 --rail 0 --mode "$mode" \
+    step "failover_$mode" -- failover --size 4M "${FO[@]}" --rail 0 --mode "$mode" \
         --check --stall-timeout 60 --json "$OUT/failover_$mode.json" --plot "$OUT/failover_$mode.png"
 done
 
 # issue-3 figures: a healthy single rail (baseline for "after 1 of 2 rails failed") and the cost
 # of the acknowledgement machinery (R2COMM_ACKS=0 trusts TCP: benchmark only)
-step single_rail R2COMM_RAILS=127.0.0.1 -- failover --size 4M --duration 4 --no-inject \
+step single_rail R2COMM_RAILS=127.0.0.1 -- failover --size 4M "${SR[@]}" --no-inject \
     --check --stall-timeout 60 --json "$OUT/single_rail.json" --plot "$OUT/single_rail.png"
 for acks in 1 0; do
-    step "acks_$acks" R2COMM_ACKS=$acks -- allreduce -m 16M:16M --rounds 5 --budget 0.5 -f \
+    step "acks_$acks" R2COMM_ACKS=$acks -- allreduce -m 16M:16M "${ACKS[@]}" -f \
         --json "$OUT/acks_$acks.json"
 done
 
-echo "=== done in $((SECONDS - start)) s; results in $OUT"
+# the netns testbed (issue 4, 5): root and iproute2 only; bounded by the budget
+TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts)
+why_not=""
+if [[ $TESTBED == 0 ]]; then
+    why_not="TESTBED=0"
+elif [[ $EUID != 0 ]]; then
+    why_not="needs root: the testbed uses network namespaces"
+elif ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+    why_not="needs iproute2 (ip, tc)"
+fi
+if [[ -n $why_not ]]; then
+    for name in "${TESTBED_NAMES[@]}"; do
+        fresh "$name"
+        echo "$why_not" >"$OUT/$name.skipped"
+    done
+    echo "=== testbed skipped: $why_not"
+else
+    rm -f "$OUT"/testbed_timeline*.png
+    testbed testbed_failover 150 60 bench/testbed_failover.py "${TB_FO[@]}" --job-timeout 60 --out "$OUT"
+    for hosts in 3 4; do
+        rm -f "$OUT/testbed_degraded.json"
+        testbed "testbed_degraded_${hosts}hosts" 90 40 bench/testbed_degraded.py --hosts "$hosts" \
+            --rate 500mbit "${TB_DG[@]}" --out "$OUT" \
+            && mv "$OUT/testbed_degraded.json" "$OUT/testbed_degraded_${hosts}hosts.json"
+    done
+fi
+
+took=$((SECONDS - start))
+echo "=== benchmarks done in ${took} s; writing $RESULTS"
+"$PY" -m r2comm.bench results "$OUT" -o "$RESULTS" --elapsed "$took" || failed+=("results")
+
+echo "=== total time: $((SECONDS - start)) s; results in $OUT and $RESULTS"
 if ((${#failed[@]})); then
     echo "!!! failed: ${failed[*]}"
     exit 1

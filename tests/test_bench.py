@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from r2comm.bench import data, failover, osu, peers, report, sizes
+from r2comm.bench import data, failover, osu, peers, report, results, sizes
 from r2comm.bench.cli import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +46,39 @@ def table_rows(stdout):
 def load(path):
     with open(path) as f:
         return json.load(f)
+
+
+class Runs:
+    """Short harness runs shared by the tests of this module (one per name and session), written into
+    one folder under run_all.sh's file names, so the RESULTS.md generator can read what the
+    subcommand tests produced instead of running its own jobs."""
+
+    def __init__(self, folder):
+        self.folder, self.stdout = folder, {}
+
+    def get(self, name, args, env=None, png=False):
+        """Path of NAME.json (run on first use), its stdout in self.stdout[name]."""
+        out = self.folder / f"{name}.json"
+        if name not in self.stdout:
+            extra = ["--plot", str(self.folder / f"{name}.png")] if png else []
+            self.stdout[name] = bench([*args, "--json", str(out), *extra], env=env)
+        return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("runs"))
+
+
+def shm_run(runs):
+    """allreduce_shm: r2comm vs MPI (shm) vs Gloo, from 8 B (the latency target's size)."""
+    return runs.get("allreduce_shm", ["allreduce", "--peer", "mpi", "--peer", "gloo", "-m", "8:64K", *QUICK])
+
+
+def failover_run(runs, mode):
+    return runs.get(f"failover_{mode}", ["failover", "--size", "1M", "--duration", "2.5", "--fail-at", "0.8",
+                                         "--rail", "0", "--mode", mode, "--check", "--stall-timeout", "60"],
+                    png=True)
 
 
 def gloo_or_skip():
@@ -302,21 +335,18 @@ def test_r2comm_sweep_against_mpi(kind, tmp_path):
 
 @needs_mpiexec
 @pytest.mark.mpi
-def test_r2comm_gloo_three_way(tmp_path):
+def test_r2comm_gloo_three_way(runs):
     gloo_or_skip()
-    out = tmp_path / "three.json"
-    bench(["allreduce", "--peer", "mpi", "--peer", "gloo", "-m", "1K:64K", *QUICK, "--json", str(out)])
-    assert set(load(out)["results"]) == {"r2comm", "mpi-shm", "gloo"}
+    assert set(load(shm_run(runs))["results"]) == {"r2comm", "mpi-shm", "gloo"}
 
 
 @needs_mpiexec
 @pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["hard", "silent"])
-def test_failover_stream(mode, tmp_path):
-    out, png = tmp_path / f"{mode}.json", tmp_path / f"{mode}.png"
-    stdout = bench(["failover", "--size", "1M", "--duration", "2.5", "--fail-at", "0.8", "--rail", "0",
-                    "--mode", mode, "--check", "--stall-timeout", "60", "--json", str(out), "--plot", str(png)])
-    assert "# r2comm failover test" in stdout
+def test_failover_stream(mode, runs):
+    out = failover_run(runs, mode)
+    png = out.with_suffix(".png")
+    assert "# r2comm failover test" in runs.stdout[f"failover_{mode}"]
     doc = load(out)
     assert doc["t_fault"] is not None
     for row in doc["analysis"]:
@@ -352,3 +382,78 @@ def test_failover_external_fault_is_found_from_events(tmp_path):
     assert all(r["t_fault"] is None for r in doc["ranks"])  # the harness injected nothing
     for row in doc["analysis"]:
         assert row["wrong_results"] == 0 and row["pause_s"] is not None and row["detect_s"] is not None
+
+
+# ------------------------------------------------- bench/RESULTS.md generator
+
+def test_results_target_sentences():
+    M = 1 << 20
+    text, ok = results.evaluate_sizes([(M, 1.1), (2 * M, 1.2), (4 * M, 1.05), (8 * M, 0.93), (64 << 10, 0.5)],
+                                      M, 8 * M)
+    assert not ok and text == "met at 1, 2, 4 MiB (1.05–1.20×), not met at 8 MiB (0.93×)"
+    text, ok = results.evaluate_sizes([(M, 1.1), (4 * M, 1.3)], M, 4 * M)
+    assert ok and "not measured: 2 MiB" in text
+    assert results.evaluate_sizes([(64 << 10, 2.0)], M, 4 * M)[1] is None
+    assert results.fsize(8) == "8 B" and results.fsize(64 << 20) == "64 MiB"
+
+
+def test_results_with_nothing_measured_says_not_run(tmp_path):
+    """An empty folder, a broken file and a skipped step: every section says why, nothing raises."""
+    (tmp_path / "bcast.json").write_text("{not json")
+    (tmp_path / "testbed_failover.skipped").write_text("needs root: the testbed uses network namespaces")
+    md = tmp_path / "R.md"
+    proc = subprocess.run([sys.executable, "-m", "r2comm.bench", "results", str(tmp_path), "-o", str(md)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = md.read_text()
+    for title in ("## Targets at a glance", "## Allreduce on one host", "## Other collectives",
+                  "## Failover on loopback rails", "## Multi-rail and NIC failover in the netns testbed",
+                  "## Degraded-server allreduce in the testbed"):
+        assert title in text
+    assert "Not run: allreduce_shm not run (no `allreduce_shm.json`" in text
+    assert "bcast unreadable bcast.json" in text
+    assert "Not run (needs root: the testbed uses network namespaces)." in text
+    assert "Not run (needs root" in text.split("## Degraded-server")[1]
+    assert "✅" not in text and "❌" not in text  # nothing evaluated, nothing claimed
+    assert not (tmp_path / "figures").exists()
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+def test_results_from_short_runs(runs, tmp_path):
+    """The generator on real short-run JSON: sections, numbers and targets computed from the files."""
+    with_gloo = peers.gloo_unavailable() is None
+    if with_gloo:
+        shm_run(runs)
+    tcp = load(runs.get("allreduce_tcp", ["allreduce", "--peer", "mpi", "-m", "8:1M", *QUICK], env=peers.TCP_ENV))
+    hard = load(failover_run(runs, "hard"))
+    md = tmp_path / "RESULTS.md"
+    text = results.write(str(runs.folder), str(md), elapsed_s=12.0)
+    assert md.read_text() == text
+    r2 = {r["size"]: r for r in tcp["results"]["r2comm"]}
+    mpi = {r["size"]: r for r in tcp["results"]["mpi-tcp"]}
+    # the 1 MiB busbw row: r2comm and MPI-TCP busbw and their ratio, from the TCP job
+    row = [line for line in text.splitlines() if line.startswith("| 1 MiB |")][0].split(" | ")
+    ratio = mpi[1 << 20]["time_us"] / r2[1 << 20]["time_us"]
+    assert row[1:4] == [f"{r2[1 << 20]['busbw_GBps']:.3f}", f"{mpi[1 << 20]['busbw_GBps']:.3f}", results.fratio(ratio)]
+    target = [line for line in text.splitlines() if line.startswith("- busbw ≥ 1.0× MPI over TCP")][0]
+    assert ("**met**" if ratio >= 1 else "**not met**") in target and "not measured: 2, 4, 8, 16, 32, 64 MiB" in target
+    lat = r2[8]["time_us"] / mpi[8]["time_us"]
+    assert f"r2comm takes {lat:.2f}× MPI's time" in text
+    assert ("8 B allreduce latency within 3× of MPI over TCP: **met**" in text) == (lat <= 3)
+    assert "MPIR_CVAR_NOLOCAL=1" in text and "-m 8:1M" in text  # the command, rebuilt from the JSON
+    # failover: the failing rank's pause, and the wrong-result count
+    fail_row = [r for r in hard["analysis"] if r["rank"] == hard["plot_rank"]][0]
+    row = [line for line in text.splitlines() if line.startswith("| hard |")][0]
+    assert f"{fail_row['pause_s'] * 1e3:.1f} ms" in row and row.endswith("| 0 |")
+    assert "Failover pause, hard fault, < 20 ms:" in text
+    assert "(figures/failover_hard.png)" in text and (tmp_path / "figures" / "failover_hard.png").exists()
+    if with_gloo:
+        assert "busbw ≥ 1.0× Gloo" in text and "| Gloo |" in text
+    # what these runs did not produce is reported, not invented
+    assert "healthy single rail: not evaluated (not run (no `single_rail.json`" in text
+    assert "Ack overhead ≤ 3% busbw at 16 MiB: not evaluated" in text
+    assert "- `failover_silent`: not run" in text or "| silent |" in text
+    assert "not run (needs root" in text.lower()  # no testbed JSON among these runs
+    assert "Multi-rail and NIC failover in the netns testbed" in text
+    assert f"{tcp['machine']['cpus']} CPUs" in text and "took 12 s" in text

@@ -4,6 +4,7 @@
     mpiexec -n 2 python -m r2comm.bench latency -f
     mpiexec -n 2 python -m r2comm.bench failover --fail-at 1 --rail 0 --mode silent
     python -m r2comm.bench plot a.json b.json -o busbw.png
+    python -m r2comm.bench results bench/out -o bench/RESULTS.md
 
 Any exception on one rank aborts the whole job (MPI_Abort): the other ranks
 would otherwise wait forever in the next collective.
@@ -90,6 +91,14 @@ def build_parser():
     p.add_argument("files", nargs="+")
     p.add_argument("-o", "--output", required=True, metavar="FILE.png")
     p.set_defaults(func=None)
+
+    r = sub.add_parser("results", help="write bench/RESULTS.md from the JSON files of bench/run_all.sh")
+    r.add_argument("folder", nargs="?", default="bench/out", help="run_all.sh's output (default bench/out)")
+    r.add_argument("-o", "--output", default="bench/RESULTS.md", help="Markdown file (default bench/RESULTS.md)")
+    r.add_argument("--elapsed", type=float, metavar="S", help="seconds the benchmarks took (reported)")
+    r.add_argument("--no-figures", action="store_true",
+                   help="do not copy the PNGs it shows into figures/ next to the output")
+    r.set_defaults(func=None)
     return parser
 
 
@@ -181,6 +190,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.cmd == "plot":
         return plot_cmd(args)
+    if args.cmd == "results":  # no MPI: reads JSON files only
+        from .results import results_cmd
+        return results_cmd(args)
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     try:

@@ -281,7 +281,7 @@ def run(args, world, argv):
     """The `failover` subcommand: stream, gather to rank 0, report, JSON, timeline PNG."""
     import r2comm
     from .osu import BUSBW_FACTOR
-    from .report import write_json
+    from .report import machine, write_json
     comm = r2comm.Communicator(world)
     if len(comm.rails) < 2 and world.rank == 0:
         print(f"# warning: only {len(comm.rails)} rail(s); failover needs a second rail", flush=True)
@@ -299,7 +299,9 @@ def run(args, world, argv):
     report = {"schema": "r2comm.bench/1", "bench": "failover", "argv": argv, "nranks": world.size,
               "size": nbytes, "dtype": args.dtype, "t_fault": t_fault, "t_restore": t_restore,
               "analysis": rows, "ranks": ranks, "plot_rank": plot_rank,
-              "title": lines[0].lstrip("# ") + "\n" + lines[1].lstrip("# ")}
+              "title": lines[0].lstrip("# ") + "\n" + lines[1].lstrip("# "),
+              "time": min(r["t0"] for r in ranks), "machine": machine(),
+              "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("R2COMM_")}}
     if args.json:
         write_json(args.json, report)
     if args.plot:

@@ -9,6 +9,7 @@ library is faster, for latency and bandwidth tests alike.
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from statistics import median
@@ -130,9 +131,54 @@ def document(kind, argv, nranks, libraries, settings, rows_by_lib, extra=None):
                      "budget_s": settings.budget, "check": settings.check},
         "libraries": libraries,
         "results": rows_by_lib,
+        "machine": machine(),
     }
     doc.update(extra or {})
     return doc
+
+
+def machine():
+    """Facts about the machine and software of a run, for bench/RESULTS.md (best effort)."""
+    from importlib import metadata
+    info = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    try:
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            info["cpu_model"] = names[0]
+    except OSError:
+        pass
+    versions = {}
+    for dist in ("numpy", "mpi4py", "mpich", "torch", "matplotlib"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    info["versions"] = versions
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        info["mpi_library"] = mpi.Get_library_version().splitlines()[0].strip()
+    info["r2comm_commit"] = _git_commit()
+    return info
+
+
+def _git_commit():
+    """HEAD of the checkout r2comm runs from, '+' when it has uncommitted changes; None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=5)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+        return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def write_json(path, doc):
