@@ -144,6 +144,7 @@ class Communicator:
                 engine.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
             if not boot.params["acks"]:
                 engine.set_noack(True)
+            engine.set_hedge(cfg.hedge)
         except BaseException:
             if links is not None:
                 links.close()
@@ -266,7 +267,8 @@ class Communicator:
             state = "up" if up == len(rows) else ("down" if up == 0 else "degraded")
             out.append(Rail(k, addr, state, rows[0][5] if rows else 1.0,
                             sum(r[1] for r in rows), sum(r[2] for r in rows),
-                            sum(r[3] for r in rows), sum(r[6] for r in rows), up, len(rows)))
+                            sum(r[3] for r in rows), sum(r[6] for r in rows), up, len(rows),
+                            sum(r[8] for r in rows)))
         return out
 
     def fail_rail(self, index, mode="hard", peer=None, after_bytes=None):

@@ -42,6 +42,8 @@ class Config:
     algo: str = ""                                 # R2COMM_ALGO: force an algorithm
     acks: bool = True                              # R2COMM_ACKS=0: benchmark only, no loss protection
     replan_every: int = 0                          # R2COMM_REPLAN=K: agree on rail state every K ops
+    bw_probe: int = 1 << 20                        # R2COMM_PROBE: start-up probe message bytes, 0 off
+    hedge: bool = True                             # R2COMM_HEDGE=0: no tail copies on a faster rail
 
     @classmethod
     def from_env(cls):
@@ -68,4 +70,7 @@ class Config:
         c.algo = os.environ.get("R2COMM_ALGO", "")
         c.acks = os.environ.get("R2COMM_ACKS", "1") != "0"
         c.replan_every = _int("R2COMM_REPLAN", 0)
+        pb = os.environ.get("R2COMM_PROBE")
+        c.bw_probe = max(_size(pb), 0) if pb not in (None, "") else c.bw_probe
+        c.hedge = os.environ.get("R2COMM_HEDGE", "1") != "0"
         return c

@@ -53,3 +53,4 @@ class Rail:
     failures: int
     peers_up: int
     peers: int
+    bytes_hedged: int = 0       # copies of a slower rail's tail chunks sent on this one

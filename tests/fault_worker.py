@@ -134,6 +134,7 @@ def sc_partition(comm, args):
     x = np.ones(2_000_000, "float32")
     y = np.empty_like(x)
     comm.Allreduce(x, y)
+    WORLD.Barrier()            # everyone is done with that one (its acks included) first
     if r == 1:
         for rail in range(len(comm.rails)):
             comm.fail_rail(rail, mode, after_bytes=100_000)

@@ -32,5 +32,6 @@ for phase in ("healthy", "degraded"):
     dt = (time.perf_counter() - t) / 6
     d = [ra.bytes_sent - b for ra, b in zip(comm.rails, b0)]
     if comm.rank == 0:
-        print(f"PHASE {phase} ms={dt * 1e3:.0f} share1={d[1] / sum(d):.3f}", flush=True)
+        print(f"PHASE {phase} ms={dt * 1e3:.0f} share1={d[1] / sum(d):.3f} "
+              f"hedged={[ra.bytes_hedged for ra in comm.rails]}", flush=True)
 comm.Free()

@@ -110,7 +110,9 @@ cdef enum:
     C_QUEUED = 1
     C_INFLIGHT = 2
     C_ACKED = 3
+    C_HEDGED = 0x40       # flag: a copy is also in flight on a second (faster) rail
     C_RESENT = 0x80       # flag: this chunk was migrated off a failed rail
+    C_STATE = 0x3F        # the state bits
 
 cdef enum:
     M_COPY = 0
@@ -292,6 +294,8 @@ cdef cppclass Rail:
     uint64_t window
     deque[CRef] inflight
     uint64_t inflight_bytes
+    int ghosts           # copies sent here whose chunk another rail delivered first: until an
+                         # ack comes back here they keep the stall deadline running
     double last_progress
     string txq
     size_t txq_pos
@@ -312,7 +316,7 @@ cdef cppclass Rail:
     char* rtarget
     uint32_t rgot
     char* stage
-    uint64_t bytes_sent, bytes_recv, bytes_resent
+    uint64_t bytes_sent, bytes_recv, bytes_resent, bytes_hedged
     int blackhole
     int64_t fault_at
     int fault_mode
@@ -331,6 +335,7 @@ cdef cppclass Rail:
         this.gen = 0
         this.weight = 1.0
         this.inflight_bytes = 0
+        this.ghosts = 0
         this.txq_pos = 0
         this.tx_busy = 0
         this.tx_orphan = NULL
@@ -346,6 +351,7 @@ cdef cppclass Rail:
         this.bytes_sent = 0
         this.bytes_recv = 0
         this.bytes_resent = 0
+        this.bytes_hedged = 0
         this.blackhole = 0
         this.fault_at = -1
         this.fault_mode = INJ_NONE
@@ -405,8 +411,10 @@ cdef cppclass State:
     double last_timer
     int waiters
     int noack
+    int hedge
     __init__() noexcept nogil:
         this.noack = 0
+        this.hedge = 1
         this.waiters = 0
         this.last_timer = 0
         this.next_op = 1
@@ -526,7 +534,7 @@ cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
     while not p.ready.empty():
         ref = p.ready.front()
         m = <SendMsg*>ref.m
-        if (m.cstate[ref.c] & 0x7F) != C_QUEUED:
+        if (m.cstate[ref.c] & C_STATE) != C_QUEUED:
             p.ready.pop_front()
             continue
         ln = chunk_len(m.total, m.cs, ref.c)
@@ -535,7 +543,7 @@ cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
         p.ready.pop_front()
         m.cstate[ref.c] = C_INFLIGHT | (m.cstate[ref.c] & C_RESENT)
         m.crail[ref.c] = <int8_t>r.index
-        if r.inflight.empty():
+        if r.inflight.empty() and r.ghosts == 0:
             r.last_progress = mono()
             r.meas_t0 = r.last_progress      # idle time is not counted against the rate
             r.meas_bytes = 0
@@ -633,7 +641,7 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
         # a message pinned to one rail (bandwidth probes) waits for that rail while it is up
         ref = p.ready.front()
         m = <SendMsg*>ref.m
-        if (m.cstate[ref.c] & 0x7F) != C_QUEUED:
+        if (m.cstate[ref.c] & C_STATE) != C_QUEUED:
             p.ready.pop_front()
             continue
         if m.pin >= 0 and m.pin < p.nrails and p.rails[m.pin].state == R_UP:
@@ -661,6 +669,84 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
         if best == NULL or not start_chunk(e, p, best):
             return
         rail_write(e, best)
+    hedge_tail(e, p)
+
+cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
+    """Nothing is left to queue for this peer, but another rail still holds chunks that a
+    rail with room would deliver much sooner: send copies of them there, the chunk that would
+    arrive last first. Whichever copy is acknowledged first completes the chunk and the
+    receiver drops the other (chunks are identified, duplicates discarded).
+    Two cases: a rail that is late (no ack for several times its usual chunk time: stalled or
+    suddenly slower than measured) is hedged while the other rail's window has room, so a
+    silent failure costs milliseconds rather than the whole rail deadline (which still runs:
+    copies delivered elsewhere stay counted as ghosts); a rail that is merely slow (measured
+    at under half the other's rate) only when the faster rail has nothing outstanding, since
+    then the copies take no bandwidth anything else needed."""
+    cdef int kf, ks
+    cdef Rail* f
+    cdef Rail* sl
+    cdef CRef ref
+    cdef SendMsg* m
+    cdef uint32_t ln
+    cdef uint64_t after
+    cdef double now, t_s, t_f
+    cdef Py_ssize_t i
+    cdef int sent = 1, late
+    if not e.hedge or e.noack or not p.ready.empty():
+        return
+    now = mono()
+    while sent:
+        sent = 0
+        for kf in range(p.nrails):
+            f = p.rails[kf]
+            if f.state != R_UP or f.tx_busy or f.rate <= 0:
+                continue
+            if not f.inflight.empty() and now - f.last_progress > 0.005 + 4.0 * e.cs / f.rate:
+                continue                          # late itself: no help
+            for ks in range(p.nrails):
+                sl = p.rails[ks]
+                if ks == kf or sl.state != R_UP or sl.inflight.empty() or sl.rate <= 0:
+                    continue
+                late = now - sl.last_progress > 0.005 + 4.0 * e.cs / sl.rate
+                if not late and (sl.rate >= 0.5 * f.rate or f.inflight_bytes > 0):
+                    continue
+                after = 0
+                i = <Py_ssize_t>sl.inflight.size() - 1
+                while i >= 0:
+                    ref = sl.inflight[i]
+                    m = <SendMsg*>ref.m
+                    ln = chunk_len(m.total, m.cs, ref.c)
+                    t_s = (sl.inflight_bytes - after) / sl.rate   # when it is through on sl
+                    after += ln
+                    i -= 1
+                    if (m.cstate[ref.c] & C_STATE) != C_INFLIGHT or (m.cstate[ref.c] & C_HEDGED) \
+                            or m.crail[ref.c] != ks:
+                        continue
+                    t_f = (f.inflight_bytes + ln) / f.rate
+                    if not late and t_s < 2.0 * t_f + 0.002:
+                        break                     # the earlier ones are even sooner: done
+                    if f.inflight_bytes > 0 and f.inflight_bytes + ln > rail_window(e, f):
+                        break
+                    m.cstate[ref.c] |= C_HEDGED
+                    if f.inflight.empty() and f.ghosts == 0:
+                        f.last_progress = now
+                        f.meas_t0 = now
+                        f.meas_bytes = 0
+                    f.inflight.push_back(ref)
+                    f.inflight_bytes += ln
+                    f.bytes_hedged += ln
+                    hdr_encode(&f.tx_hdr, F_DATA, m.flags, m.dtype, m.redop, m.comm, m.seq, m.step,
+                               m.sig, ref.c, ln, m.total, m.aux)
+                    f.tx_payload = m.base + <uint64_t>ref.c * m.cs
+                    f.tx_ref = ref
+                    f.tx_plen = ln
+                    f.tx_done = 0
+                    f.tx_busy = 1
+                    rail_write(e, f)
+                    sent = 1
+                    break
+                if f.tx_busy or f.state != R_UP:
+                    break
 
 # ---------------------------------------------------------------------------------------------
 # Completion, gating and delivery
@@ -1007,6 +1093,7 @@ cdef void on_ack(State* e, Rail* r) noexcept nogil:
     cdef r2_hdr* h = &r.rh
     cdef Key k = mkey(r.peer, h.comm, h.flags, h.step, h.seq)
     r.last_progress = mono()
+    r.ghosts = 0
     it = e.smap.find(k)
     if it == e.smap.end():
         return
@@ -1037,6 +1124,34 @@ cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
         r.meas_t0 = now
         r.meas_bytes = 0
 
+cdef int drop_inflight(Rail* r, SendMsg* m, uint32_t c) noexcept nogil:
+    """Remove chunk c of m from r's in-flight list; 1 if it was there."""
+    cdef size_t i
+    cdef CRef ref
+    for i in range(r.inflight.size()):
+        ref = r.inflight[i]
+        if ref.m == <void*>m and ref.c == c:
+            erase_at(r.inflight, i)
+            r.inflight_bytes -= chunk_len(m.total, m.cs, c)
+            return 1
+    return 0
+
+cdef void forget_copies(State* e, Peer* p, SendMsg* m, uint32_t c, Rail* via) noexcept nogil:
+    """A hedged chunk is delivered (its ack came on `via`): drop it from every rail, and give
+    a copy still being written its own bytes (the user's buffer may be reused once the
+    operation ends). The other rail's copy becomes a ghost there: if that rail never answers,
+    its deadline still fires."""
+    cdef int k
+    cdef Rail* t
+    for k in range(p.nrails):
+        t = p.rails[k]
+        if drop_inflight(t, m, c) and t != via:
+            t.ghosts += 1
+        if t.tx_busy and t.tx_ref.m == <void*>m and t.tx_ref.c == c and t.tx_orphan == NULL:
+            t.tx_orphan = <char*>malloc(t.tx_plen if t.tx_plen else 1)
+            memcpy(t.tx_orphan, t.tx_payload, t.tx_plen)
+            t.tx_payload = t.tx_orphan
+
 cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
     """Chunk c of m is safe at the receiver: forget it, release what waited on it."""
     cdef Key k = mkey(m.peer, m.comm, m.flags, m.step, m.seq)
@@ -1047,17 +1162,18 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
     if c >= m.nchunks:
         return
     st = m.cstate[c]
-    if (st & 0x7F) == C_ACKED:
+    if (st & C_STATE) == C_ACKED:
         return
-    if (st & 0x7F) == C_INFLIGHT and m.crail[c] >= 0:
+    if (st & C_STATE) == C_INFLIGHT and m.crail[c] >= 0:
         pr = e.peers[m.peer].rails[m.crail[c]]
-        pr.inflight_bytes -= chunk_len(m.total, m.cs, c)
+        if st & C_HEDGED:
+            # the first copy through wins: credit the rail that delivered it, forget both
+            if r.index < e.peers[m.peer].nrails:
+                pr = r
+            forget_copies(e, e.peers[m.peer], m, c, r)
+        else:
+            drop_inflight(pr, m, c)
         measure_rate(pr, chunk_len(m.total, m.cs, c))
-        for i in range(pr.inflight.size()):
-            ref = pr.inflight[i]
-            if ref.m == <void*>m and ref.c == c:
-                erase_at(pr.inflight, i)
-                break
     if (st & C_RESENT) and e.awaiting_redelivery:
         e.awaiting_redelivery = 0
         add_event(e, EV_REDELIVERED, m.peer, r.index, e.me, chunk_len(m.total, m.cs, c),
@@ -1253,7 +1369,7 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     cdef CRef ref
     cdef SendMsg* m
     cdef uint64_t nbytes = 0
-    cdef size_t i
+    cdef size_t i, j
     cdef Notice nt
     cdef double now = mono()
     cdef int k, up = 0
@@ -1272,7 +1388,23 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     for i in range(r.inflight.size()):
         ref = r.inflight[i]
         m = <SendMsg*>ref.m
-        if (m.cstate[ref.c] & 0x7F) == C_INFLIGHT and m.crail[ref.c] == r.index:
+        if (m.cstate[ref.c] & C_STATE) != C_INFLIGHT:
+            continue
+        if m.cstate[ref.c] & C_HEDGED:
+            # the other copy carries on alone, on whichever rail it is
+            m.cstate[ref.c] &= ~C_HEDGED
+            if m.crail[ref.c] == r.index:
+                for k in range(p.nrails):
+                    if k != r.index and p.rails[k].state == R_UP:
+                        for j in range(p.rails[k].inflight.size()):
+                            if p.rails[k].inflight[j].m == ref.m and p.rails[k].inflight[j].c == ref.c:
+                                m.crail[ref.c] = <int8_t>k
+                                break
+                if m.crail[ref.c] != r.index:
+                    continue
+            else:
+                continue
+        if m.crail[ref.c] == r.index:
             m.cstate[ref.c] = C_QUEUED | C_RESENT
             m.crail[ref.c] = -1
             nbytes += chunk_len(m.total, m.cs, ref.c)
@@ -1281,6 +1413,7 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
         p.ready.push_front(back[back.size() - 1 - i])
     r.inflight.clear()
     r.inflight_bytes = 0
+    r.ghosts = 0
     r.tx_busy = 0
     if r.tx_orphan != NULL:
         free(r.tx_orphan)
@@ -1385,7 +1518,7 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
             memcpy(r.tx_orphan, r.tx_payload, r.tx_plen)
             r.tx_payload = r.tx_orphan
     for i in range(m.nchunks):
-        if (m.cstate[i] & 0x7F) != C_ACKED:
+        if (m.cstate[i] & C_STATE) != C_ACKED:
             m.cstate[i] = C_ACKED
 
 cdef void unlink_recv(State* e, RecvMsg* rm) noexcept nogil:
@@ -1514,9 +1647,12 @@ cdef void check_timers(State* e) noexcept nogil:
             if r.state != R_UP:
                 continue
             up += 1
-            if not e.noack and not r.inflight.empty() and now - r.last_progress > e.rail_timeout:
+            if not e.noack and (not r.inflight.empty() or r.ghosts > 0) and \
+                    now - r.last_progress > e.rail_timeout:
                 fail_rail(e, r, "no progress within the rail deadline (silent failure)", e.me, 1)
                 up -= 1
+        if up > 0:
+            hedge_tail(e, p)                # a rail gone quiet gets its tail copied elsewhere
         if up == 0 and p.nrails > 0:
             if p.all_down_since == 0:
                 p.all_down_since = now
@@ -2013,6 +2149,10 @@ cdef class Engine:
         acknowledgement machinery costs; a rail failure can then lose data)."""
         self._live().noack = on
 
+    def set_hedge(self, bint on):
+        """Copy a slower rail's tail chunks onto an idle faster rail (default on)."""
+        self._live().hedge = on
+
     def set_weights(self, list weights):
         """Rail weights (relative bandwidth): each rail's window is scaled by its weight."""
         cdef State* e = self._live()
@@ -2172,7 +2312,7 @@ cdef class Engine:
 
     def rail_stats(self):
         """Per peer, per rail: (state, bytes_sent, bytes_recv, bytes_resent, inflight, weight,
-        failures, measured bytes/s)."""
+        failures, measured bytes/s, bytes sent as hedge copies)."""
         cdef State* e = self._live()
         cdef dict out = {}
         cdef int i, k
@@ -2187,7 +2327,8 @@ cdef class Engine:
                 for k in range(e.peers[i].nrails):
                     r = e.peers[i].rails[k]
                     rows.append(("up" if r.state == R_UP else "down", r.bytes_sent, r.bytes_recv,
-                                 r.bytes_resent, r.inflight_bytes, r.weight, r.fail_count, r.rate))
+                                 r.bytes_resent, r.inflight_bytes, r.weight, r.fail_count, r.rate,
+                                 r.bytes_hedged))
                 out[i] = rows
         finally:
             pthread_mutex_unlock(&e.mu)
