@@ -13,6 +13,14 @@ from .state import RailState, PartitionedError
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "degraded", "ring_rerouted")
 STATE_ALGOS = ("degraded", "ring_rerouted")            # need a RailState
 DEFAULT_EAGER = 64 << 10
+PAIR_RD_MAX = 256 << 10     # 2 ranks: recursive doubling up to here (measured crossover)
+
+
+def latency_allreduce(n, nbytes, eager):
+    """Static rule: recursive doubling for small messages, ring above. With 2 ranks both move
+    the same bytes and recursive doubling needs one step instead of two, so it wins further
+    up: on loopback 74 vs 101 us at 256 KiB, 201 vs 179 us at 512 KiB (ring ahead)."""
+    return nbytes <= (max(eager, PAIR_RD_MAX) if n == 2 else eager)
 _CACHE = {}
 _CACHE_MAX = 128
 
@@ -24,7 +32,7 @@ def allreduce(rank, n, nbytes, itemsize, eager, algo="", state=None, separate_se
         return build("allreduce", rank, n, nbytes, itemsize, 0, eager, algo, state, separate_send)
     if algo in STATE_ALGOS:
         raise ValueError(f"allreduce algorithm {algo!r} needs the rail state (state=RailState)")
-    if algo == "recursive_doubling" or (not algo and nbytes <= eager):
+    if algo == "recursive_doubling" or (not algo and latency_allreduce(n, nbytes, eager)):
         return algorithms.allreduce_rd(rank, n, nbytes, itemsize, separate_send, eager)
     return algorithms.allreduce_ring(rank, n, nbytes, itemsize, eager)
 
@@ -75,7 +83,8 @@ def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state, separate_sen
     elif coll == "allreduce" and algo == "ring_rerouted":
         order = routing.best_ring_order(state)
         sc = [routing.allreduce_ring_ordered(r, order, nbytes, itemsize, eager) for r in range(n)]
-    elif coll == "allreduce" and algo in ("", "ring") and not (algo == "" and nbytes <= eager):
+    elif coll == "allreduce" and algo in ("", "ring") and not (
+            algo == "" and latency_allreduce(n, nbytes, eager)):
         sc = [routing.allreduce_ring_ordered(r, list(range(n)), nbytes, itemsize, eager, "ring")
               for r in range(n)]
     elif coll == "allreduce" and algo == "":
