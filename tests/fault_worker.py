@@ -247,8 +247,42 @@ def sc_autoreplan(comm, args):
     return 12
 
 
+def sc_hedge(comm, args):
+    """A rail goes silent under a long deadline: its stuck chunks are copied to the other rail
+    (hedged) and the operations finish long before the deadline, exactly; the deadline still
+    declares the rail dead afterwards (the copies delivered elsewhere count as ghosts)."""
+    n, r = comm.size, comm.rank
+    case = "hedge"
+    x = data(case, r, 2_000_000, "float32", SUM)
+    ref = reduce_ref(case, n, 2_000_000, "float32", SUM)
+    y = np.empty_like(x)
+    for _ in range(4):                         # the rails' rates get measured
+        comm.Allreduce(x, y)
+    deadline_s = float(args.get("deadline_ms", 4000)) / 1e3
+    WORLD.Barrier()
+    if r == 0:
+        comm.fail_rail(0, "silent")
+    t0 = time.monotonic()
+    for _ in range(3):
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), "hedged allreduce result")
+    took = time.monotonic() - t0
+    check(took < deadline_s / 2, f"3 operations over a silent rail took {took:.2f} s, the "
+          f"deadline is {deadline_s:.1f} s: the stuck chunks were not hedged")
+    hedged = WORLD.allreduce(sum(ra.bytes_hedged for ra in comm.rails))
+    check(hedged > 0, "no bytes were hedged")
+    until = time.monotonic() + 3 * deadline_s
+    while time.monotonic() < until and comm.rails[0].state == "up":
+        time.sleep(0.02)
+    check(comm.rails[0].state != "up", "the silent rail was never declared failed")
+    if r == 0:
+        print(f"HEDGE took={took:.3f} hedged={hedged}", flush=True)
+    return 3
+
+
 SCENARIOS = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
-             "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan}
+             "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan,
+             "hedge": sc_hedge}
 
 
 def comm_kwargs(args):

@@ -45,6 +45,13 @@ def test_pair_losing_every_rail_raises_everywhere(n, mode):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_silent_rail_is_hedged_before_its_deadline(n):
+    env = {"R2COMM_RAIL_TIMEOUT_MS": "4000", "R2COMM_PROBE_MS": "30"}
+    count, out = run_scenario(n, "hedge", timeout=60, env=env, rails="127.0.0.1,127.0.0.2")
+    assert count == 3 * n and "HEDGE took=" in out
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_flapping_rail(n):
     count, out = run_scenario(n, "flap", timeout=90, env=FAST)
     assert count == 60 * n
