@@ -156,8 +156,49 @@ class Communicator:
             world.callbacks.append(on_event)
         _live_worlds.add(world)
         self._init(world, mpi_comm, list(range(boot.size)), 0, owner=True)
+        world.probe = None
+        nbytes = mpi_comm.bcast(max(cfg.bw_probe, cfg.eager + 4096) if cfg.bw_probe > 0 else 0,
+                                root=0)        # every rank probes alike (message sizes), or none
+        if nbytes and boot.params["acks"] and boot.size > 1:
+            try:
+                self._bandwidth_probe(nbytes)
+            except BaseException:
+                world.close()
+                raise
         self._arm_faults(cfg.fault)
         mpi_comm.Barrier()
+
+    def _bandwidth_probe(self, nbytes):
+        """Time every rail to every peer (probe.py) and seed the engine's measured rates."""
+        from . import control, probe
+        eng, g = self._engine, self._members
+        stats = eng.rail_stats()
+        hedge = getattr(eng, "set_hedge", None)   # tail copies on another rail would time that one
+        if hedge is not None:
+            hedge(False)
+        try:
+            res = probe.run(control.plane(self), nbytes,
+                            lambda p, k: eng.rail_stats()[g[p]][k][0] == "up",
+                            lambda p: len(stats[g[p]]), self._cfg.eager, min(self.timeout, 30.0),
+                            hosts=[self._world.boot.endpoints[x]["host"] for x in g],
+                            max_rails=max(len(self._world.boot.endpoints[x]["rails"]) for x in g))
+        finally:
+            if hedge is not None:
+                hedge(getattr(self._cfg, "hedge", True))
+        for (p, k), rate in res.rates.items():
+            if rate > 0:
+                eng.set_rail_rate(g[p], k, rate)
+        self._world.probe = res
+        if self._cfg.debug in ("INFO", "DEBUG"):
+            log.warning("r2comm rank %d: bandwidth probe %.1f ms: %s", self.rank,
+                        res.seconds * 1e3, {f"{p}/{k}": f"{r / 1e9:.3f} GB/s"
+                                            for (p, k), r in sorted(res.rates.items())})
+
+    @property
+    def probe_result(self):
+        """What the start-up bandwidth probe measured on this rank (probe.ProbeResult: .rates
+        {(peer, rail): bytes/s}, .seconds), or None when it did not run (R2COMM_PROBE=0)."""
+        return getattr(self._world, "probe", None)
 
     def _init(self, world, mpi_comm, members, comm_id, owner):
         self._world = world
@@ -171,7 +212,11 @@ class Communicator:
         self._plans = {}
         self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
         self._state = None                    # RailState the plans are made for (None: static)
-        self._marks = None                    # rail-state marks at the last agreed check
+        self._marks = None                    # this rank's rail marks when the epoch was agreed
+        self._epoch = 0                       # agreed rail-state epoch (see _maybe_replan)
+        self._epoch_state = None              # the RailState gathered when it was agreed
+        self._ctl = None                      # control-plane twin (control.plane)
+        self._is_ctl = False
         self.rank = members.index(world.boot.rank)
         self.size = len(members)
 
@@ -340,36 +385,78 @@ class Communicator:
 
     # -- re-planning ---------------------------------------------------------------------------
     def rail_state(self):
-        """The live rail state of this communicator, the same on every rank (collective)."""
+        """The live rail state of this communicator, the same on every rank (collective, over
+        r2comm's control plane). Bandwidths are the engines' measured rates (start-up probe,
+        then acknowledgements), R2COMM_RAIL_BW where a rail has no measurement yet."""
         self._check()
-        hosts = [self._world.boot.endpoints[g]["host"] for g in self._members]
-        return planner.RailState.gather(self._mpi.allgather, self.rank, self._members,
-                                        self._engine.rail_stats(), hosts,
-                                        self._cfg.rail_bw or None)
+        import ipaddress
+        from . import control
+        eps = self._world.boot.endpoints
+        hosts = [eps[g]["host"] for g in self._members]
+        nrails = max(len(ep["rails"]) for ep in eps)
+        # loopback "rails" are one device: only the overall scale of the measurements counts
+        loop = all(ipaddress.ip_address(a).is_loopback for g in self._members
+                   for a, _ in eps[g]["rails"])
+        ctl = control.plane(self)
+        return planner.RailState.gather(lambda mine: control.gather_rails(ctl, mine, nrails),
+                                        self.rank, self._members, self._engine.rail_stats(),
+                                        hosts, self._cfg.rail_bw or None,
+                                        rates="scale" if loop else "nic")
+
+    @property
+    def epoch(self):
+        """The agreed rail-state epoch: 0 at start, +1 at every agreed change (an R2COMM_REPLAN
+        check that saw a rail fail or come back, or a replan() call); the same on every rank
+        after the same operation."""
+        return self._epoch
 
     def replan(self, state=None):
         """Make the plans follow the rail state from now on (collective: every rank must call
         it at the same operation boundary, which is what makes the switch agreed). Broken
         pairs are routed around; a slow host gets the degraded-server allreduce when the cost
-        model says it is faster. Returns the state."""
-        self._state = self.rail_state() if state is None else state
+        model says it is faster. Starts a new epoch. Returns the state."""
+        self._marks = self._rail_marks()
+        state = self.rail_state() if state is None else state
+        self._epoch += 1
+        self._epoch_state = state
+        self._adopt(state)
+        return state
+
+    def _adopt(self, state):
+        self._state = state
         self._plans.clear()
-        return self._state
+
+    def _rail_marks(self):
+        stats = self._engine.rail_stats()
+        return tuple((g, tuple((row[0], row[6]) for row in stats[g]))
+                     for g in self._members if g in stats)
 
     def _maybe_replan(self):
-        """R2COMM_REPLAN=K: every K operations the ranks compare rail-state marks (over the
-        bootstrap communicator, an agreed boundary because all ranks run the same sequence of
-        operations) and re-plan together if any rank saw a rail fail or come back."""
-        stats = self._engine.rail_stats()
-        mark = tuple((g, tuple((row[0], row[6]) for row in stats[g]))
-                     for g in self._members if g in stats)
-        marks = self._mpi.allgather(mark)
-        if marks != self._marks:
-            first = self._marks is None
-            self._marks = marks
-            degraded = any(row[0] != "up" for m in marks for _, rows in m for row in rows)
-            if not first or degraded or self._state is not None:
-                self.replan()
+        """R2COMM_REPLAN=K: the epoch check, at every K-th operation (the same boundary on every
+        rank, because all ranks run the same sequence of operations).
+
+        Each rank proposes the agreed epoch, plus one if its own rails changed (one failed or
+        came back: up/down state or failure count) since the epoch was agreed; the ranks take
+        the maximum over r2comm's control plane (control.allgather: point-to-point messages
+        through the engine, lossless under rail failures, routed around pairs that lost every
+        rail). A higher epoch is adopted by every rank here, before this operation: they gather
+        the rail state (also over the control plane) and re-plan from it, unless the plans are
+        still static and the state is healthy (every rail up, no slow host). The first check
+        always starts epoch 1, so a slow NIC seen by the start-up probe is planned for."""
+        if self._is_ctl:
+            return
+        from . import control
+        marks = self._rail_marks()
+        propose = self._epoch + (1 if marks != self._marks else 0)
+        epoch = int(control.allreduce_max(control.plane(self), [propose])[0])
+        if epoch <= self._epoch:
+            return
+        self._marks = marks
+        state = self.rail_state()
+        self._epoch = epoch
+        self._epoch_state = state
+        if self._state is not None or not state.healthy():
+            self._adopt(state)
 
     def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
                result=None, extra_pre=()):

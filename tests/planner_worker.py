@@ -140,10 +140,9 @@ def sc_degraded(comm, args):
 
 
 def live_state(comm):
-    """RailState from every engine's rail_stats(), allgathered (the same on every rank)."""
-    hosts = [comm._world.boot.endpoints[g]["host"] for g in comm._members]
-    return RailState.gather(comm.mpi_comm.allgather, comm.rank, comm._members,
-                            comm._engine.rail_stats(), hosts, comm._cfg.rail_bw or None)
+    """RailState from every engine's rail_stats(), gathered over r2comm's control plane (the
+    same on every rank; measured rates, loopback rails: their overall scale only)."""
+    return comm.rail_state()
 
 
 def wait_state(comm, cond, limit=15):

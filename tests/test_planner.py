@@ -375,7 +375,7 @@ def test_rail_state_queries():
     # gather(): engine rows keyed by global rank, allgathered; one machine -> a host per rank
     engine_rows = {10: {20: [("up", 5, 0, 0, 0, 1.0, 0), ("down", 0, 0, 0, 0, 1.0, 1)]},
                    20: {10: [("up", 5, 0, 0, 0, 1.0, 0), ("up", 0, 0, 0, 0, 1.0, 0)]}}
-    mines = [{1: [("up", 1.0), ("down", 1.0)]}, {0: [("up", 1.0), ("up", 1.0)]}]
+    mines = [{1: [("up", 1.0, 0.0), ("down", 1.0, 0.0)]}, {0: [("up", 1.0, 0.0), ("up", 1.0, 0.0)]}]
     views = []
     for r, g in enumerate((10, 20)):
         seen = []

@@ -9,12 +9,93 @@ between them must be relayed or avoided); the rank graph is *partitioned* when t
 do not connect every rank (then no schedule exists).
 
 Every rank must plan from the same RailState (e.g. allgathered), since schedules are computed
-independently on each rank and must match. Everything here is deterministic."""
+independently on each rank and must match. Everything here is deterministic.
+
+Measured bandwidths. The engines measure every (rank, peer, rail) as the sender sees it
+(start-up probe, then acknowledgements; rail_stats() row[7]). from_rail_stats(rates=...) uses
+them in one of three ways:
+  "nic"       (real NICs, the netns testbed) a model of NICs, not pairs, that believes only
+              large differences, since measurements are noisy (rails sharing a switch or CPUs
+              measure 10-30% apart although equal, and an online figure also depends on the
+              load the schedule put on the rail):
+               1. rank r's NIC k gets the best rate r measured on rail k towards a peer on
+                  another host (interference only slows a transfer down; peers on r's own host
+                  are rated apart, since those links do not use the NIC);
+               2. rail k's typical figure is the (upper) median over the ranks' NICs k; rails
+                  whose typical figures lie within a factor (1 - noise) of the fastest rail's
+                  count as equal (snap_rates);
+               3. a NIC at or above (1 - noise) x its rail's typical figure gets exactly that
+                  figure; only a NIC below it (a 100 Mbit NIC beside 1 Gbit ones) keeps its own
+                  (slow NICs snapped among themselves);
+               4. a link is as fast as the slower of its two NICs (a rail-optimised fabric);
+               5. a host is degraded only below (1 - noise) of the best host (degraded_tol).
+              So equal rails come out exactly equal, a lost NIC halves a 2-NIC host exactly,
+              noise cannot make the planner switch, and a rate-limited NIC shows up.
+  "scale"     (loopback rails: one device, so differences between "rails" are CPU scheduling,
+              up to several times apart, not bandwidth) only the overall scale is measured:
+              every link gets its declared relative bandwidth times the median measured rate
+              per unit of declared bandwidth.
+  "declared"  measurements ignored: declared relative bandwidth times nominal_bw.
+A rail without a measurement (0: not yet measured, or just restored) gets its declared relative
+bandwidth (R2COMM_RAIL_BW, else its engine weight) times the median measured rate per unit of
+declared bandwidth, or times nominal_bw when nothing was measured at all."""
 from dataclasses import dataclass, field
 
 DEFAULT_BW = 1.25e9          # bytes/s of one rail (10 Gbit/s) when nothing better is known
 DEFAULT_ALPHA = 25e-6        # seconds of latency per message (TCP round trip / 2 + engine)
 DEFAULT_CHUNK = 256 << 10    # the engine's chunk size (R2COMM_CHUNK_SIZE default)
+MEASURE_NOISE = 0.3          # relative noise of measured rates (see the module docstring)
+
+
+def _median(vals):
+    vals = sorted(vals)
+    return vals[len(vals) // 2]           # upper median: an actual measurement
+
+
+def snap_rates(rates, noise=MEASURE_NOISE):
+    """{key: rate} -> {key: snapped rate}: greedy bands from the fastest rate down, each band
+    holding the rates >= (1 - noise) x its fastest, every member set to the band's median.
+    Deterministic (ties broken by key order); noise = 0 leaves distinct rates alone."""
+    order = sorted(rates, key=lambda k: (-rates[k], k))
+    out, i = {}, 0
+    while i < len(order):
+        top = rates[order[i]]
+        j = i
+        while j < len(order) and rates[order[j]] >= (1 - noise) * top:
+            j += 1
+        band = sorted(rates[k] for k in order[i:j])
+        m = len(band)
+        med = band[m // 2] if m % 2 else 0.5 * (band[m // 2 - 1] + band[m // 2])
+        for k in order[i:j]:
+            out[k] = med
+        i = j
+    return out
+
+
+def measured_figures(hosts, measured, noise=MEASURE_NOISE):
+    """Steps 1-3 of the "nic" model (module docstring): {(rank, peer, rail): bytes/s}
+    measured -> {(rank, rail, inside): bytes/s} per NIC (inside: the figure for the links
+    within the rank's host)."""
+    nic = {}
+    for (r, p, k), rate in measured.items():
+        key = (r, k, hosts[r] == hosts[p])
+        nic[key] = max(nic.get(key, 0.0), rate)
+    out = {}
+    for inside in (False, True):
+        mine = {key: v for key, v in nic.items() if key[2] == inside}
+        if not mine:
+            continue
+        rails = sorted({k for (_, k, _) in mine})
+        typical = snap_rates({k: _median([v for (r, kk, _), v in mine.items() if kk == k])
+                              for k in rails}, noise)
+        slow = {}
+        for key, v in mine.items():
+            if v >= (1 - noise) * typical[key[1]]:
+                out[key] = typical[key[1]]
+            else:
+                slow[key] = v
+        out.update(snap_rates(slow, noise))
+    return out
 
 
 class PartitionedError(ValueError):
@@ -29,6 +110,7 @@ class RailState:
     alpha: float = DEFAULT_ALPHA
     chunk: int = DEFAULT_CHUNK
     degraded_tol: float = 0.02                   # a host below (1 - tol) x the best is degraded
+    measured: dict = field(default_factory=dict, compare=False)  # (rank, peer, rail) -> raw B/s
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -46,43 +128,70 @@ class RailState:
         return st
 
     @classmethod
-    def from_rail_stats(cls, hosts, stats, rail_bw=None, nominal_bw=DEFAULT_BW, **kw):
+    def from_rail_stats(cls, hosts, stats, rail_bw=None, nominal_bw=DEFAULT_BW,
+                        noise=MEASURE_NOISE, rates="nic", **kw):
         """Build from what every rank's engine reports, gathered on every rank.
 
-        stats[r] = {peer: [(state, weight), ...] per rail} (e.g. the (row[0], row[5]) of
-        Engine.rail_stats() rows, keyed by communicator rank); rail_bw[k] is rail k's relative
-        bandwidth (R2COMM_RAIL_BW) and nominal_bw the bytes/s of a rail of weight 1."""
+        stats[r] = {peer: [(state, weight[, rate]), ...] per rail} (e.g. the (row[0], row[5],
+        row[7]) of Engine.rail_stats() rows, keyed by communicator rank). rate is the measured
+        bytes/s (0 or absent: not measured); rail_bw[k] is rail k's declared relative bandwidth
+        (R2COMM_RAIL_BW) and nominal_bw the bytes/s of a rail of relative bandwidth 1 when
+        nothing was measured. rates: how measurements are used ("nic", "scale", "declared";
+        module docstring); with "nic", degraded_tol defaults to `noise`."""
+        if rates not in ("nic", "scale", "declared"):
+            raise ValueError(f"rates must be 'nic', 'scale' or 'declared', not {rates!r}")
         n = len(hosts)
         nrails = max((len(rows) for s in stats for rows in s.values()), default=0)
-        st = cls(list(hosts), nrails, {}, **kw)
+        rel, up, measured = {}, {}, {}
         for r in range(n):
             for p, rows in stats[r].items():
-                for k, (state, weight) in enumerate(rows):
-                    rel = rail_bw[k] if rail_bw and k < len(rail_bw) else (weight or 1.0)
-                    st.link[(r, p, k)] = (state == "up", float(rel) * nominal_bw)
+                for k, rec in enumerate(rows):
+                    key = (r, p, k)
+                    rel[key] = float(rail_bw[k] if rail_bw and k < len(rail_bw)
+                                     else (rec[1] or 1.0))
+                    up[key] = rec[0] == "up"
+                    rate = float(rec[2]) if len(rec) > 2 and rec[2] else 0.0
+                    if up[key] and rate > 0:
+                        measured[key] = rate
+        if rates == "nic" and measured:
+            kw.setdefault("degraded_tol", noise)
+        st = cls(list(hosts), nrails, {}, measured=measured, **kw)
+        nic, scale = {}, nominal_bw
+        if rates == "nic" and measured:
+            nic = measured_figures(hosts, measured, noise)
+            scale = _median([nic[(r, k, hosts[r] == hosts[p])] / (rel[(r, p, k)] or 1.0)
+                             for (r, p, k) in measured])
+        elif rates == "scale" and measured:
+            scale = _median([v / (rel[key] or 1.0) for key, v in measured.items()])
+        for (r, p, k) in rel:
+            inside = hosts[r] == hosts[p]
+            ends = [nic[x] for x in ((r, k, inside), (p, k, inside)) if x in nic]
+            st.link[(r, p, k)] = (up[(r, p, k)], min(ends) if ends else rel[(r, p, k)] * scale)
         return st
 
     @classmethod
     def gather(cls, allgather, rank, members, rail_stats, hosts, rail_bw=None,
-               nominal_bw=DEFAULT_BW, **kw):
+               nominal_bw=DEFAULT_BW, rates="nic", **kw):
         """The live RailState of a communicator, identical on every rank (collective).
 
         allgather: e.g. mpi_comm.allgather; rank: this rank in the communicator; members: the
         global rank of each communicator rank; rail_stats: Engine.rail_stats() (keyed by
-        global rank, rows (state, sent, recv, resent, inflight, weight, failures)); hosts: the
-        host name of each communicator rank. When every rank reports the same host (one test
-        machine) each rank is taken as its own host, so NIC loss still shows as a slow host."""
+        global rank, rows (state, sent, recv, resent, inflight, weight, failures, rate, ...));
+        hosts: the host name of each communicator rank. When every rank reports the same host
+        (one test machine) each rank is taken as its own host, so NIC loss still shows as a
+        slow host. The measured rates (row[7]) give the bandwidths as `rates` says ("nic",
+        "scale", "declared": from_rail_stats), R2COMM_RAIL_BW (rail_bw) where a rail has none."""
         g2c = {g: i for i, g in enumerate(members)}
         me = members[rank]
-        mine = {g2c[g]: [(row[0], row[5]) for row in rows]
+        mine = {g2c[g]: [(row[0], row[5], row[7] if len(row) > 7 else 0.0) for row in rows]
                 for g, rows in rail_stats.items() if g in g2c and g != me}
         stats = allgather(mine)
         hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
-        return cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, **kw)
+        return cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates, **kw)
 
     def copy(self):
         return RailState(list(self.hosts), self.nrails, dict(self.link), self.alpha, self.chunk,
-                         self.degraded_tol)
+                         self.degraded_tol, dict(self.measured))
 
     # -- mutation (tests, simulations) -------------------------------------------------------------
     def set_link(self, a, b, rail, up=None, bw=None):
@@ -223,6 +332,10 @@ class RailState:
     def degraded_ranks(self):
         bad = set(self.degraded_hosts())
         return [r for r in range(self.n) if self.hosts[r] in bad]
+
+    def healthy(self):
+        """Every rail up at both ends and no degraded host: the static plans are right."""
+        return all(up for up, _ in self.link.values()) and not self.degraded_hosts()
 
     def describe(self):
         return (f"RailState({self.n} ranks on {len(self.host_list())} hosts, {self.nrails} rails, "

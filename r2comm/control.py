@@ -1,0 +1,110 @@
+"""r2comm's own control plane: small agreements between the ranks of a communicator that go
+through the engine (not through the bootstrap MPI communicator).
+
+Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
+CTL_BIT | id, so its operations have their own sequence numbers and tags and never match the
+application's. The start-up bandwidth probe (probe.py), the rail-state gather (rail_state())
+and the epoch check of R2COMM_REPLAN run on it.
+
+allgather() is a flooding allgather of one small float64 row per rank built from point-to-point
+messages: each round every rank sends the rows it knows to every peer it can still reach and
+merges what it receives. The engine makes each message lossless under rail failures (chunks of a
+failed rail move to a surviving one). A message to or from a peer that lost every rail fails
+alone, not the whole operation, and the second round brings that peer's row along a third rank.
+So the agreement survives pairs with no common rail that the plans do not know about yet,
+whenever each broken pair has a common working neighbour. Every rank ends with the same table,
+or raises R2commNetworkError when it could not learn every row."""
+import numpy as np
+
+from .errors import R2commError, R2commNetworkError
+
+CTL_BIT = 0x80000000       # communicator id bit of control-plane twins
+TAG_FLOOD = 0x52000000     # tags of flooding rounds (the probe uses 0x51......)
+ROUNDS = 2                 # flooding rounds: enough when every broken pair has a common neighbour
+
+
+def plane(comm):
+    """The control-plane twin of `comm` (created on first use, the same on every rank)."""
+    ctl = getattr(comm, "_ctl", None)
+    if ctl is None:
+        ctl = type(comm)._child(comm._world, comm._mpi, list(comm._members),
+                                CTL_BIT | comm._id)
+        ctl._is_ctl = True
+        ctl._flood_seq = 0
+        comm._ctl = ctl
+    return ctl
+
+
+def allgather(ctl, row, rounds=ROUNDS, timeout=None):
+    """Every rank's `row` (1-D, the same length on every rank), as an (n, len) float64 array
+    identical on every rank. Collective over the control plane `ctl`."""
+    n, me = ctl.size, ctl.rank
+    row = np.asarray(row, np.float64).ravel()
+    width = row.size + 1                      # column 0: 1.0 where the row is known
+    table = np.zeros((n, width))
+    table[me, 0] = 1.0
+    table[me, 1:] = row
+    timeout = ctl.timeout if timeout is None else timeout
+    eng, members = ctl._engine, ctl._members
+    for _ in range(rounds if n > 1 else 0):
+        ctl._flood_seq += 1
+        tag = TAG_FLOOD + (ctl._flood_seq & 0xFFFFFF)
+        peers = [p for p in range(n) if p != me and eng.peer_ok(members[p])]
+        inbox = {p: np.zeros((n, width)) for p in peers}
+        reqs = []
+        out = table.copy()                    # what this round sends (the merge goes in table)
+        for p in peers:
+            try:
+                reqs.append((p, ctl.Irecv(inbox[p], p, tag)))
+            except R2commError:
+                pass
+        sends = []
+        for p in peers:
+            try:
+                sends.append(ctl.Isend(out, p, tag))
+            except R2commError:
+                pass
+        for p, rq in reqs:
+            try:
+                rq.Wait(timeout)
+            except R2commError:              # that pair lost every rail: its rows come around
+                continue
+            got = inbox[p]
+            new = (got[:, 0] > 0) & (table[:, 0] == 0)
+            table[new] = got[new]
+        for sq in sends:
+            try:
+                sq.Wait(timeout)
+            except R2commError:
+                pass
+    missing = [r for r in range(n) if table[r, 0] == 0]
+    if missing:
+        raise R2commNetworkError(f"control plane: rank {me} could not learn the state of ranks "
+                                 f"{missing} in {rounds} rounds (the fabric is partitioned)")
+    return table[:, 1:].copy()
+
+
+def allreduce_max(ctl, values, **kw):
+    """Element-wise maximum over ranks of a small vector (through allgather)."""
+    return allgather(ctl, values, **kw).max(axis=0)
+
+
+def gather_rails(ctl, mine, nrails):
+    """RailState.gather's allgather for the control plane: mine = {peer: [(state, weight,
+    rate), ...]} (communicator ranks) -> the list of every rank's dict."""
+    n = ctl.size
+    row = np.full((n, nrails, 3), np.nan)
+    for p, rows in mine.items():
+        for k, rec in enumerate(rows[:nrails]):
+            row[p, k] = (1.0 if rec[0] == "up" else 0.0, rec[1], rec[2] if len(rec) > 2 else 0.0)
+    table = allgather(ctl, row.ravel()).reshape(n, n, nrails, 3)
+    out = []
+    for r in range(n):
+        d = {}
+        for p in range(n):
+            rows = [("up" if x[0] > 0 else "down", float(x[1]), float(x[2]))
+                    for x in table[r, p] if not np.isnan(x[0])]
+            if rows and p != r:
+                d[p] = rows
+        out.append(d)
+    return out

@@ -1,0 +1,216 @@
+"""Start-up bandwidth probe and epoch agreement over r2comm's control plane, under mpiexec.
+
+    mpiexec -n N python tests/probe_worker.py SCENARIO [key=value ...]
+
+probe     the probe measured every (peer, rail), seeded the engine's rates, sent its bytes on
+          every rail; a message pinned to rail k goes on rail k; rail_state() (over the
+          control plane) is identical on every rank and healthy; prints PROBE ms=<slowest rank>
+epoch     (R2COMM_REPLAN=1) the agreed epoch is identical on every rank after every operation,
+          without the bootstrap communicator; it changes when the last rank loses NIC 1, the
+          ranks then plan for the state with that NIC down, and again once it is back
+broken    (R2COMM_REPLAN=1, n >= 3) ranks 0 and 1 lose every rail between them: the next
+          epoch check still agrees (flooding through rank 2), the state shows the broken pair
+          and the allreduces are routed around it
+netns     (in the testbed) prints every probe rate, RATE <rank> <peer> <rail> <bytes/s>, the
+          slowest rank's probe time and the agreed state's degraded ranks
+Rank 0 prints "OK <scenario> <count>" at the end."""
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import r2comm  # noqa: E402
+from mpi_worker import WORLD, check, data, reduce_ref, main  # noqa: E402
+
+
+class NoBootstrap:
+    """Stands in for the bootstrap mpi4py communicator: collectives on it are a test failure
+    (the agreement must go through r2comm); everything else is forwarded."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        if name in ("allgather", "allreduce", "bcast", "Allgather", "Allreduce", "Bcast",
+                    "barrier", "Barrier", "gather", "alltoall"):
+            def refuse(*a, **k):
+                raise AssertionError(f"bootstrap communicator used: {name}")
+            return refuse
+        return getattr(self._real, name)
+
+
+def rail_rows(comm):
+    return comm._engine.rail_stats()
+
+
+def sc_probe(comm, args):
+    n, r = comm.size, comm.rank
+    res = comm.probe_result
+    check(res is not None, "the probe ran")
+    nrails = len(comm.rails)
+    want = {(p, k) for p in range(n) if p != r for k in range(nrails)}
+    check(set(res.rates) == want and not res.skipped, f"every rail measured: {res}")
+    check(all(v > 1e6 for v in res.rates.values()), f"plausible rates {res.rates}")
+    stats = rail_rows(comm)
+    for p in range(n):
+        if p != r:
+            for k in range(nrails):
+                row = stats[p][k]
+                check(row[7] > 0, f"engine rate of peer {p} rail {k} seeded: {row}")
+                check(row[1] >= res.nbytes, f"the probe sent its bytes on rail {k} to {p}: {row}")
+    slowest = WORLD.allreduce(res.seconds, op=MPI.MAX)
+    if r == 0:
+        print(f"PROBE ms={slowest * 1e3:.1f} nbytes={res.nbytes} rates_GBps="
+              + ",".join(f"{p}/{k}:{v / 1e9:.2f}" for (p, k), v in sorted(res.rates.items())),
+              flush=True)
+    # a pinned message uses its rail (every chunk placed there; hedge copies aside)
+    count = 1
+    size = 4 << 20
+    buf = np.ones(size, np.uint8)
+    for k in range(nrails):
+        if r in (0, 1):
+            peer = 1 - r
+            before = rail_rows(comm)[peer]
+            if r == 0:
+                comm.Send(buf, 1, tag=5, rail=k)
+            else:
+                comm.Recv(buf, 0, tag=5)
+            after = rail_rows(comm)[peer]
+            if r == 0:
+                sent = [a[1] - b[1] - ((a[8] - b[8]) if len(a) > 8 else 0)
+                        for a, b in zip(after, before)]
+                check(sent[k] >= size, f"pinned to rail {k}: bytes per rail {sent}")
+                check(sum(sent) - sent[k] < size // 20, f"pinned to rail {k}: {sent}")
+            count += 1
+        WORLD.Barrier()
+    st = comm.rail_state()
+    fps = WORLD.allgather(st.fingerprint())
+    check(all(f == fps[0] for f in fps), "rail_state() identical on every rank")
+    check(st.healthy() and st.beta() == 1.0, f"healthy loopback state: {st.describe()}")
+    check(len(st.measured) == n * (n - 1) * nrails, "the state holds every measurement")
+    return count
+
+
+def agreed(comm, what):
+    eps = WORLD.allgather(comm.epoch)
+    check(len(set(eps)) == 1, f"{what}: epochs differ between ranks: {eps}")
+    return eps[0]
+
+
+def allreduce_checked(comm, i, cnt=200_000):
+    n, r = comm.size, comm.rank
+    x = data(f"ep{i}", r, cnt, "int32", r2comm.SUM)
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)
+    check(np.array_equal(y, reduce_ref(f"ep{i}", n, cnt, "int32", r2comm.SUM)), f"result {i}")
+
+
+def until_epoch_above(comm, e, label, limit=15.0, start=0):
+    """Run checked allreduces until the agreed epoch exceeds e (bounded; the stop decision is
+    taken alike on every rank)."""
+    deadline = time.monotonic() + limit
+    i = start
+    while True:
+        allreduce_checked(comm, i)
+        i += 1
+        ep = agreed(comm, f"{label} op {i}")
+        late = WORLD.allreduce(time.monotonic() > deadline, op=MPI.LOR)
+        if ep > e or late:
+            return ep, i
+        time.sleep(0.01)
+
+
+def sc_epoch(comm, args):
+    n, r = comm.size, comm.rank
+    check(comm._cfg.replan_every == 1, "run with R2COMM_REPLAN=1")
+    check(comm.epoch == 0, "epoch 0 before the first operation")
+    real = comm._mpi
+    comm._mpi = NoBootstrap(real)
+    try:
+        allreduce_checked(comm, 0)
+        e1 = agreed(comm, "first operation")
+        check(e1 == 1 and comm._state is None, f"first check: epoch {e1}, static plans")
+        for i in range(1, 4):
+            allreduce_checked(comm, i)
+            check(agreed(comm, f"op {i}") == 1, "no change, no new epoch")
+        if r == n - 1:
+            comm.fail_rail(1, "hard")
+        e2, i = until_epoch_above(comm, e1, "after NIC loss", start=4)
+        check(e2 > e1, f"the epoch changed after the NIC loss ({e1} -> {e2})")
+        st = comm._state
+        check(st is not None and not st.healthy(), "plans follow the degraded state")
+        if n >= 3:
+            check(st.degraded_ranks() == [n - 1], f"degraded: {st.describe()}")
+        if r == n - 1:
+            comm.restore_rail(1)
+        e3, i = until_epoch_above(comm, e2, "after restore", start=i)
+        check(e3 > e2, f"the epoch changed again once the NIC was back ({e2} -> {e3})")
+    finally:
+        comm._mpi = real
+    if r == 0:
+        print(f"EPOCHS {e1} {e2} {e3} ops={i}", flush=True)
+    return 3
+
+
+def sc_broken(comm, args):
+    n, r = comm.size, comm.rank
+    check(n >= 3 and comm._cfg.replan_every == 1, "n >= 3, R2COMM_REPLAN=1")
+    allreduce_checked(comm, 0)
+    e1 = agreed(comm, "first")
+    nrails = len(comm.rails)
+    if r == 0:
+        for k in range(nrails):
+            comm.fail_rail(k, "hard", peer=1)
+    # both ends see the pair without a rail before the next operation
+    deadline = time.monotonic() + 10
+    while True:
+        rows = rail_rows(comm)
+        mine = all(row[0] == "down" for row in rows[1 - r]) if r in (0, 1) else True
+        if WORLD.allreduce(0 if mine else 1) == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    real = comm._mpi
+    comm._mpi = NoBootstrap(real)
+    try:
+        t = time.monotonic()
+        allreduce_checked(comm, 1)              # the check floods around the broken pair
+        took = time.monotonic() - t
+    finally:
+        comm._mpi = real
+    e2 = agreed(comm, "after the broken pair")
+    st = comm._state
+    check(e2 > e1 and st is not None and st.broken_pairs() == [(0, 1)],
+          f"epoch {e1} -> {e2}, state {None if st is None else st.describe()}")
+    for i in range(2, 5):
+        allreduce_checked(comm, i)
+    if r == 0:
+        print(f"BROKEN epoch {e1}->{e2} first op {took:.2f}s algo="
+              f"{comm.plan('allreduce', 800_000, 4).algo}", flush=True)
+    return 4
+
+
+def sc_netns(comm, args):
+    res = comm.probe_result
+    check(res is not None, "probe ran")
+    mine = [f"RATE {comm.rank} {p} {k} {v:.0f}" for (p, k), v in sorted(res.rates.items())]
+    lines = WORLD.gather((mine, res.seconds), root=0)
+    st = comm.rail_state()
+    if comm.rank == 0:
+        for ls, _ in lines:
+            for ln in ls:
+                print(ln, flush=True)
+        print(f"PROBE ms={max(t for _, t in lines) * 1e3:.0f}", flush=True)
+        print(f"STATE degraded={st.degraded_ranks()} beta={st.beta():.3f} {st.describe()}",
+              flush=True)
+    return 1
+
+
+SCENARIOS = {"probe": sc_probe, "epoch": sc_epoch, "broken": sc_broken, "netns": sc_netns}
+
+
+if __name__ == "__main__":
+    main(SCENARIOS, dump_after=120)
