@@ -720,8 +720,8 @@ cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
                     after += ln
                     i -= 1
                     if (m.cstate[ref.c] & C_STATE) != C_INFLIGHT or (m.cstate[ref.c] & C_HEDGED) \
-                            or m.crail[ref.c] != ks:
-                        continue
+                            or m.crail[ref.c] != ks or m.pin >= 0:
+                        continue                  # (a pinned message measures its own rail)
                     t_f = (f.inflight_bytes + ln) / f.rate
                     if not late and t_s < 2.0 * t_f + 0.002:
                         break                     # the earlier ones are even sooner: done
@@ -1018,8 +1018,12 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
                 r.rtarget = <char*>malloc(h.len if h.len else 1)
             return
     if rm == NULL:
-        # p2p message that nobody has asked for yet
-        u = deref(st.unexp.find(h.seq)).second
+        # p2p message that nobody has asked for yet, or whose match just failed (truncation,
+        # dtype): then the unexpected entry is gone and the payload is dropped
+        itu3 = st.unexp.find(h.seq)
+        if itu3 == st.unexp.end():
+            return
+        u = deref(itu3).second
         if c < u.nchunks and u.chunks[c] == NULL and h.total == u.total:
             r.rkind = K_BUF
             r.rtarget = <char*>malloc(h.len if h.len else 1)
