@@ -43,6 +43,7 @@ class Config:
     acks: bool = True                              # R2COMM_ACKS=0: benchmark only, no loss protection
     replan_every: int = 0                          # R2COMM_REPLAN=K: agree on rail state every K ops
     bw_probe: int = 1 << 20                        # R2COMM_PROBE: start-up probe message bytes, 0 off
+    bw_probe_set: bool = False                     # R2COMM_PROBE given (else: off on loopback rails)
     hedge: bool = True                             # R2COMM_HEDGE=0: no tail copies on a faster rail
 
     @classmethod
@@ -72,5 +73,6 @@ class Config:
         c.replan_every = _int("R2COMM_REPLAN", 0)
         pb = os.environ.get("R2COMM_PROBE")
         c.bw_probe = max(_size(pb), 0) if pb not in (None, "") else c.bw_probe
+        c.bw_probe_set = pb not in (None, "")
         c.hedge = os.environ.get("R2COMM_HEDGE", "1") != "0"
         return c

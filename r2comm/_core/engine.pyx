@@ -689,7 +689,7 @@ cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
     cdef SendMsg* m
     cdef uint32_t ln
     cdef uint64_t after
-    cdef double now, t_s, t_f
+    cdef double now, t_s, t_f, fr, sr
     cdef Py_ssize_t i
     cdef int sent = 1, late
     if not e.hedge or e.noack or not p.ready.empty():
@@ -699,16 +699,19 @@ cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
         sent = 0
         for kf in range(p.nrails):
             f = p.rails[kf]
-            if f.state != R_UP or f.tx_busy or f.rate <= 0:
+            if f.state != R_UP or f.tx_busy:
                 continue
-            if not f.inflight.empty() and now - f.last_progress > 0.005 + 4.0 * e.cs / f.rate:
+            fr = f.rate if f.rate > 0 else 1e9    # not measured yet: taken as fast
+            if not f.inflight.empty() and now - f.last_progress > 0.005 + 4.0 * e.cs / fr:
                 continue                          # late itself: no help
             for ks in range(p.nrails):
                 sl = p.rails[ks]
-                if ks == kf or sl.state != R_UP or sl.inflight.empty() or sl.rate <= 0:
+                if ks == kf or sl.state != R_UP or sl.inflight.empty():
                     continue
-                late = now - sl.last_progress > 0.005 + 4.0 * e.cs / sl.rate
-                if not late and (sl.rate >= 0.5 * f.rate or f.inflight_bytes > 0):
+                sr = sl.rate if sl.rate > 0 else 0.0
+                late = now - sl.last_progress > (0.005 + 4.0 * e.cs / sr if sr > 0 else 0.02)
+                if not late and (sr <= 0 or f.rate <= 0 or sr >= 0.5 * f.rate
+                                 or f.inflight_bytes > 0):
                     continue
                 after = 0
                 i = <Py_ssize_t>sl.inflight.size() - 1
@@ -716,13 +719,13 @@ cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
                     ref = sl.inflight[i]
                     m = <SendMsg*>ref.m
                     ln = chunk_len(m.total, m.cs, ref.c)
-                    t_s = (sl.inflight_bytes - after) / sl.rate   # when it is through on sl
+                    t_s = (sl.inflight_bytes - after) / sr if sr > 0 else 1e9
                     after += ln
                     i -= 1
                     if (m.cstate[ref.c] & C_STATE) != C_INFLIGHT or (m.cstate[ref.c] & C_HEDGED) \
                             or m.crail[ref.c] != ks or m.pin >= 0:
                         continue                  # (a pinned message measures its own rail)
-                    t_f = (f.inflight_bytes + ln) / f.rate
+                    t_f = (f.inflight_bytes + ln) / fr
                     if not late and t_s < 2.0 * t_f + 0.002:
                         break                     # the earlier ones are even sooner: done
                     if f.inflight_bytes > 0 and f.inflight_bytes + ln > rail_window(e, f):
@@ -1122,7 +1125,7 @@ cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
     cdef double now = mono(), dt
     r.meas_bytes += nbytes
     dt = now - r.meas_t0
-    if dt >= 0.005 and r.meas_bytes > 0:
+    if r.meas_bytes > 0 and (dt >= 0.005 or (r.meas_bytes >= (1 << 20) and dt >= 0.0005)):
         sample = r.meas_bytes / dt
         r.rate = sample if r.rate == 0 else 0.7 * r.rate + 0.3 * sample
         r.meas_t0 = now
