@@ -35,15 +35,11 @@ def rank_main(args):
     from mpi4py import MPI
     import r2comm
     from r2comm.planner import cost
+    from testbed_failover import rank_job     # (this folder)
 
-    world = MPI.COMM_WORLD
-    comm = r2comm.Communicator(world, timeout=120)
+    world, comm, x, ref, y = rank_job(args.mib)
     r, n = comm.rank, comm.size
-    count = (args.mib << 20) // 4
-    x = ((np.arange(count, dtype=np.int64) * (r + 1)) % 1000).astype(np.float32)
-    ref = sum(((np.arange(count, dtype=np.int64) * (k + 1)) % 1000).astype(np.float32)
-              for k in range(n))
-    y = np.empty_like(x)
+    count = x.size
     comm.Allreduce(x, y)
     marker = os.path.join(args.out, ".degraded_ready")
     if r == 0:

@@ -56,6 +56,17 @@ def _inputs(rank, nranks, count):
     return x, ref
 
 
+def rank_job(mib, timeout=120):
+    """What a testbed bench rank starts with: (world, comm, x, ref, y) for a float32
+    allreduce of `mib` MiB with exact inputs (shared by the testbed_* scripts)."""
+    from mpi4py import MPI
+    import r2comm
+    world = MPI.COMM_WORLD
+    comm = r2comm.Communicator(world, timeout=timeout)
+    x, ref = _inputs(comm.rank, comm.size, (mib << 20) // 4)
+    return world, comm, x, ref, np.empty_like(x)
+
+
 def _timed(comm, world, x, y, ref, iters, r2comm):
     """Seconds per op (slowest rank) of ITERS back-to-back allreduces, and wrong results."""
     from mpi4py import MPI

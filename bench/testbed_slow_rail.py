@@ -30,14 +30,9 @@ sys.path.insert(0, ROOT)
 def rank_main(args):
     import numpy as np
     from mpi4py import MPI
-    import r2comm
-    world = MPI.COMM_WORLD
-    comm = r2comm.Communicator(world, timeout=120)
+    from testbed_failover import rank_job     # (this folder)
+    world, comm, x, ref, y = rank_job(args.mib)
     n = comm.size
-    count = (args.mib << 20) // 4
-    x = ((np.arange(count) + comm.rank) % 1000).astype(np.float32)
-    ref = sum(((np.arange(count) + r) % 1000).astype(np.float32) for r in range(n))
-    y = np.empty_like(x)
     eng = comm._engine
     wrong = 0
 

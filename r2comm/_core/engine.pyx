@@ -543,21 +543,26 @@ cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
         p.ready.pop_front()
         m.cstate[ref.c] = C_INFLIGHT | (m.cstate[ref.c] & C_RESENT)
         m.crail[ref.c] = <int8_t>r.index
-        if r.inflight.empty() and r.ghosts == 0:
-            r.last_progress = mono()
-            r.meas_t0 = r.last_progress      # idle time is not counted against the rate
-            r.meas_bytes = 0
-        r.inflight.push_back(ref)
-        r.inflight_bytes += ln
-        hdr_encode(&r.tx_hdr, F_DATA, m.flags, m.dtype, m.redop, m.comm, m.seq, m.step, m.sig,
-                   ref.c, ln, m.total, m.aux)
-        r.tx_payload = m.base + <uint64_t>ref.c * m.cs
-        r.tx_ref = ref
-        r.tx_plen = ln
-        r.tx_done = 0
-        r.tx_busy = 1
+        begin_tx(r, ref, ln, mono())
         return 1
     return 0
+
+cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
+    """Put chunk ref on rail r: count it in flight there and make it the frame being written."""
+    cdef SendMsg* m = <SendMsg*>ref.m
+    if r.inflight.empty() and r.ghosts == 0:
+        r.last_progress = now
+        r.meas_t0 = now                      # idle time is not counted against the rate
+        r.meas_bytes = 0
+    r.inflight.push_back(ref)
+    r.inflight_bytes += ln
+    hdr_encode(&r.tx_hdr, F_DATA, m.flags, m.dtype, m.redop, m.comm, m.seq, m.step, m.sig,
+               ref.c, ln, m.total, m.aux)
+    r.tx_payload = m.base + <uint64_t>ref.c * m.cs
+    r.tx_ref = ref
+    r.tx_plen = ln
+    r.tx_done = 0
+    r.tx_busy = 1
 
 cdef void rail_write(State* e, Rail* r) noexcept nogil:
     cdef iovec iov[3]
@@ -646,10 +651,7 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
             continue
         if m.pin >= 0 and m.pin < p.nrails and p.rails[m.pin].state == R_UP:
             r = p.rails[m.pin]
-            if r.tx_busy or (r.inflight_bytes > 0 and
-                             r.inflight_bytes + chunk_len(m.total, m.cs, ref.c) > rail_window(e, r)):
-                return
-            if not start_chunk(e, p, r):
+            if r.tx_busy or not start_chunk(e, p, r):     # busy, or its window is full
                 return
             rail_write(e, r)
             continue
@@ -731,20 +733,8 @@ cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
                     if f.inflight_bytes > 0 and f.inflight_bytes + ln > rail_window(e, f):
                         break
                     m.cstate[ref.c] |= C_HEDGED
-                    if f.inflight.empty() and f.ghosts == 0:
-                        f.last_progress = now
-                        f.meas_t0 = now
-                        f.meas_bytes = 0
-                    f.inflight.push_back(ref)
-                    f.inflight_bytes += ln
                     f.bytes_hedged += ln
-                    hdr_encode(&f.tx_hdr, F_DATA, m.flags, m.dtype, m.redop, m.comm, m.seq, m.step,
-                               m.sig, ref.c, ln, m.total, m.aux)
-                    f.tx_payload = m.base + <uint64_t>ref.c * m.cs
-                    f.tx_ref = ref
-                    f.tx_plen = ln
-                    f.tx_done = 0
-                    f.tx_busy = 1
+                    begin_tx(f, ref, ln, now)
                     rail_write(e, f)
                     sent = 1
                     break
