@@ -121,6 +121,7 @@ def main():
     ap.add_argument("--rate", default="500mbit")
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--mtu", type=int, default=None, help="rail MTU (default: the testbed's)")
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
     args = ap.parse_args()
     if args.rank:
@@ -130,7 +131,9 @@ def main():
     marker = os.path.join(args.out, ".degraded_ready")
     if os.path.exists(marker):
         os.remove(marker)
-    with Fabric(hosts=args.hosts, nics=2, rate=args.rate, tag="degr") as fab:
+    from r2comm.testbed.fabric import RAIL_MTU
+    with Fabric(hosts=args.hosts, nics=2, rate=args.rate, tag="degr",
+                mtu=args.mtu or RAIL_MTU) as fab:
         p = fab.mpiexec(args.hosts, [sys.executable, os.path.abspath(__file__), "--rank",
                                      "--hosts", str(args.hosts), "--rate", args.rate,
                                      "--mib", str(args.mib), "--reps", str(args.reps),

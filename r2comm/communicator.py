@@ -3,6 +3,7 @@
 Arguments are checked here with the GIL held; the transfer itself runs in the engine's progress
 thread, and the caller waits on it without the GIL."""
 import atexit
+import os
 import logging
 import threading
 import time
@@ -99,6 +100,19 @@ def _as_array(obj, writable, what):
     return arr
 
 
+def _spin_seconds(cfg, boot):
+    """How long a waiter busy-polls before it blocks in epoll. Polling through a whole
+    operation (as MPI does) saves the wake-up latency between chunks (measured at 1 MiB on
+    loopback: ~300 us per allreduce instead of ~350 us with a 50 us spin), but when a host runs
+    more ranks than it has CPUs, the spinning takes the CPU from the rank being waited for."""
+    if cfg.spin_us >= 0:
+        return cfg.spin_us * 1e-6
+    here = boot.endpoints[boot.rank]["host"]
+    local = sum(1 for ep in boot.endpoints if ep["host"] == here)
+    cpus = os.cpu_count() or 1           # the host's, not this rank's binding
+    return 50e-6 if local > cpus else 1e-3
+
+
 def _is_gpu(obj):
     return hasattr(obj, "__cuda_array_interface__")
 
@@ -145,6 +159,8 @@ class Communicator:
             if not boot.params["acks"]:
                 engine.set_noack(True)
             engine.set_hedge(cfg.hedge)
+            engine.spin = _spin_seconds(cfg, boot)
+            engine.set_window_time(cfg.window_ms * 1e-3)
         except BaseException:
             if links is not None:
                 links.close()

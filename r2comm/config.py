@@ -45,6 +45,13 @@ class Config:
     bw_probe: int = 1 << 20                        # R2COMM_PROBE: start-up probe message bytes, 0 off
     bw_probe_set: bool = False                     # R2COMM_PROBE given (else: off on loopback rails)
     hedge: bool = True                             # R2COMM_HEDGE=0: no tail copies on a faster rail
+    sockbuf: int = 4 << 20                         # R2COMM_SOCKBUF: SO_RCVBUF of a rail, 0 autotune
+    notsent_lowat: int = 64 << 10                  # R2COMM_NOTSENT_LOWAT: unsent bytes a rail's
+                                                   #   socket holds (TCP_NOTSENT_LOWAT), 0 off
+    window_ms: float = 150.0                       # R2COMM_WINDOW_MS: a rail's window, in ms of
+                                                   #   its measured throughput (cap: R2COMM_WINDOW)
+    spin_us: float = -1.0                          # R2COMM_SPIN_US: busy-poll before blocking;
+                                                   #   -1: 1000, or 50 on an oversubscribed host
 
     @classmethod
     def from_env(cls):
@@ -75,4 +82,13 @@ class Config:
         c.bw_probe = max(_size(pb), 0) if pb not in (None, "") else c.bw_probe
         c.bw_probe_set = pb not in (None, "")
         c.hedge = os.environ.get("R2COMM_HEDGE", "1") != "0"
+        sb = os.environ.get("R2COMM_SOCKBUF")
+        c.sockbuf = max(_size(sb), 0) if sb not in (None, "") else c.sockbuf
+        c.spin_us = _float("R2COMM_SPIN_US", c.spin_us)
+        lw = os.environ.get("R2COMM_NOTSENT_LOWAT")
+        c.notsent_lowat = max(_size(lw), 0) if lw not in (None, "") else c.notsent_lowat
+        c.window_ms = _float("R2COMM_WINDOW_MS", c.window_ms)
+        if c.window_ms <= 0:
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_WINDOW_MS={c.window_ms}: must be > 0")
         return c

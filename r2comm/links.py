@@ -58,7 +58,8 @@ class Links:
             (addr, port), local = ep["rails"][rail], self.boot.rail_addrs[rail]
         try:
             fd, conn_id = tcp.connect(addr, port, local, self.boot.secret, self.boot.job, self.me,
-                                      peer, rail, timeout, self.cfg.rail_timeout_ms)
+                                      peer, rail, timeout, self.cfg.rail_timeout_ms,
+                                      self.cfg.sockbuf, self.cfg.notsent_lowat)
         except (OSError, tcp.HandshakeError) as exc:
             if initial:
                 raise R2commNetworkError(f"rank {self.me}: cannot connect rail {rail} to rank "
@@ -106,7 +107,8 @@ class Links:
             return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
         try:
             peer, rail, fd, conn_id = tcp.accept(lst, self.boot.secret, self.boot.job, self.me,
-                                                 1.0, self.cfg.rail_timeout_ms, admit)
+                                                 1.0, self.cfg.rail_timeout_ms, admit,
+                                                 self.cfg.sockbuf, self.cfg.notsent_lowat)
         except (OSError, tcp.HandshakeError) as exc:
             if "refused (rail failed" not in str(exc):
                 self.rejected.append((time.time(), str(exc)))

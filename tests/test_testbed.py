@@ -179,6 +179,29 @@ def test_layout_no_route_out(fab):
 
 
 @pytest.mark.netns
+def test_layout_mtu(fab, listener):
+    """Rail NICs carry jumbo frames end to end (both veth ends); mgmt keeps 1500."""
+    assert fab.mtu == 9000
+    assert {row["mtu"] for row in fab.status()} == {9000}
+    links = iproute.links(fab.switch_ns)
+    for nic in range(2):
+        assert links[f"h0n{nic}"]["mtu"] == 9000 and links[f"h1n{nic}"]["mtu"] == 9000
+    assert iproute.links(fab.host_ns(0))["mgmt"]["mtu"] == 1500
+    # a TCP connection across rail 1 negotiates a jumbo MSS
+    code = ("import socket; s = socket.create_connection(('198.18.1.2', 5301), timeout=5); "
+            "print(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG))")
+    out = fab.run_in_host(0, [sys.executable, "-c", code], timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert 8000 < int(out.stdout) < 9000, out.stdout
+
+
+def test_bad_mtu_is_refused():
+    for bad in (100, 70000, "9000"):
+        with pytest.raises(TestbedError, match="MTU"):
+            Fabric(hosts=2, nics=1, mtu=bad)
+
+
+@pytest.mark.netns
 def test_rate_limit_holds(netns_ok):
     rate = 500_000_000
     with Fabric(hosts=2, nics=1, rate="500mbit", tag=TAG) as fabric:

@@ -24,7 +24,7 @@ from cython.operator cimport dereference as deref, preincrement as inc
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC, CLOCK_REALTIME
 
 from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_CTRL_PAYLOAD, FL_P2P,
-                                F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT)
+                                F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK)
 from r2comm._core.transport cimport iovec, Transport, T_EOF
 from r2comm._core.tcp cimport tcp_transport
 
@@ -157,12 +157,16 @@ MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV 
 
 cdef enum:
     RBUF_SIZE = 262144
+    LAZY_ACK_MAX = 65536     # chunks up to this size from an owned (copied) send: ack may wait
+    DACK_MAX = 32 * 48       # flush delayed acks once this many bytes of them are waiting
     RBUF_READ = 8192
     DIRECT_MIN = 4096
     EVFD_TAG = 0xFFFFFFFFFFFFFFFF
     INJ_NONE = 0
     INJ_HARD = 1
     INJ_SILENT = 2
+
+cdef double DACK_DELAY = 0.0005   # s: longest a delayed ack waits for a frame to ride with
 
 # ---------------------------------------------------------------------------------------------
 # Data structures
@@ -299,6 +303,8 @@ cdef cppclass Rail:
     double last_progress
     string txq
     size_t txq_pos
+    string dackq         # delayed acks (FL_LAZY_ACK frames): sent with the next frame on this
+    double dack_t        # rail, or when the oldest is DACK_DELAY old
     int tx_busy
     r2_hdr tx_hdr
     char* tx_payload
@@ -337,6 +343,7 @@ cdef cppclass Rail:
         this.inflight_bytes = 0
         this.ghosts = 0
         this.txq_pos = 0
+        this.dack_t = 0
         this.tx_busy = 0
         this.tx_orphan = NULL
         this.want_out = 0
@@ -365,7 +372,8 @@ cdef cppclass Peer:
     int rank
     int nrails
     vector[Rail*] rails          # nrails data rails, then the control connection
-    deque[CRef] ready
+    deque[CRef] ready            # chunks to send, in order: the first nhot are "hot"
+    size_t nhot                  # (resent, or released by a dependency), the rest bulk
     double all_down_since
     int lost
     cmap[uint32_t, uint32_t] p2p_send_seq
@@ -400,6 +408,7 @@ cdef cppclass State:
     vector[Notice] notices
     double rail_timeout, peer_timeout, probe_base, probe_max
     uint64_t window
+    double win_s         # a rail's window: at most this many seconds of its measured rate
     Transport tp
     int stop
     int signal
@@ -412,7 +421,9 @@ cdef cppclass State:
     int waiters
     int noack
     int hedge
+    int dack_rails           # rails with delayed acks waiting
     __init__() noexcept nogil:
+        this.dack_rails = 0
         this.noack = 0
         this.hedge = 1
         this.waiters = 0
@@ -491,6 +502,53 @@ cdef void queue_ctrl(State* e, Rail* r, uint8_t type, uint8_t flags, uint32_t co
     if plen:
         r.txq.append(payload, plen)
 
+cdef void queue_lazy_ack(State* e, Rail* r, r2_hdr* d) noexcept nogil:
+    """Acknowledge a DATA frame whose sender does not wait for it (a copied, eager send): the
+    ack goes out with the next frame this rank writes on the rail, or after DACK_DELAY, which
+    saves a write and a wake-up per small message. The echoed flags drop FL_LAZY_ACK, so the
+    ack names the message exactly as the sender keyed it."""
+    cdef r2_hdr h
+    if r.state != R_UP:
+        return
+    hdr_encode(&h, F_ACK, d.flags & ~FL_LAZY_ACK, 0, 0, d.comm, d.seq, d.step, 0, d.chunk, 0, 0, 0)
+    if r.dackq.empty():
+        r.dack_t = mono()
+        e.dack_rails += 1
+    r.dackq.append(<const char*>&h, HDR_SIZE)
+    if r.dackq.size() >= DACK_MAX:
+        flush_lazy_acks(e, r)
+
+cdef void flush_lazy_acks(State* e, Rail* r) noexcept nogil:
+    """Move the rail's delayed acks into its send queue (the caller writes it)."""
+    if r.dackq.empty():
+        return
+    r.txq.append(r.dackq)
+    r.dackq.clear()
+    e.dack_rails -= 1
+
+cdef void drop_lazy_acks(State* e, Rail* r) noexcept nogil:
+    if not r.dackq.empty():
+        r.dackq.clear()
+        e.dack_rails -= 1
+
+cdef void lazy_ack_timer(State* e, double now) noexcept nogil:
+    """Send the delayed acks that have waited DACK_DELAY."""
+    cdef int i, k
+    cdef Peer* p
+    cdef Rail* r
+    for i in range(e.nranks):
+        p = e.peers[i]
+        if p == NULL:
+            continue
+        for k in range(p.nrails):
+            r = p.rails[k]
+            if not r.dackq.empty() and now - r.dack_t >= DACK_DELAY:
+                flush_lazy_acks(e, r)
+                if r.state == R_UP:
+                    rail_write(e, r)
+        if e.dack_rails == 0:
+            return
+
 # ---------------------------------------------------------------------------------------------
 # Sending
 
@@ -526,6 +584,23 @@ cdef void inject_now(State* e, Rail* r, int mode) noexcept nogil:
     if e.fault_time == 0:
         e.fault_time = wall()
 
+cdef inline void ready_pop(Peer* p) noexcept nogil:
+    p.ready.pop_front()
+    if p.nhot > 0:
+        p.nhot -= 1
+
+cdef inline void ready_push(Peer* p, CRef ref, int hot) noexcept nogil:
+    """Queue a chunk for its peer. A hot chunk (one a dependency just released: the next stage
+    of a pipeline) goes ahead of the bulk chunks that were ready when their operation was
+    posted, after the hot ones already queued. Without this a pipelined schedule runs
+    breadth-first: a ring's later steps, or a degraded host's folded blocks, wait behind all of
+    a first step's bytes, and the pipeline's fill and drain grow with the message."""
+    if hot:
+        p.ready.insert(p.ready.begin() + p.nhot, ref)
+        p.nhot += 1
+    else:
+        p.ready.push_back(ref)
+
 cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
     """Take the next queued chunk of this pair for rail r, if its window has room."""
     cdef CRef ref
@@ -535,12 +610,12 @@ cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
         ref = p.ready.front()
         m = <SendMsg*>ref.m
         if (m.cstate[ref.c] & C_STATE) != C_QUEUED:
-            p.ready.pop_front()
+            ready_pop(p)
             continue
         ln = chunk_len(m.total, m.cs, ref.c)
         if r.inflight_bytes > 0 and r.inflight_bytes + ln > rail_window(e, r):
             return 0
-        p.ready.pop_front()
+        ready_pop(p)
         m.cstate[ref.c] = C_INFLIGHT | (m.cstate[ref.c] & C_RESENT)
         m.crail[ref.c] = <int8_t>r.index
         begin_tx(r, ref, ln, mono())
@@ -556,8 +631,8 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
         r.meas_bytes = 0
     r.inflight.push_back(ref)
     r.inflight_bytes += ln
-    hdr_encode(&r.tx_hdr, F_DATA, m.flags, m.dtype, m.redop, m.comm, m.seq, m.step, m.sig,
-               ref.c, ln, m.total, m.aux)
+    hdr_encode(&r.tx_hdr, F_DATA, m.flags | (FL_LAZY_ACK if m.owned and ln <= LAZY_ACK_MAX else 0),
+               m.dtype, m.redop, m.comm, m.seq, m.step, m.sig, ref.c, ln, m.total, m.aux)
     r.tx_payload = m.base + <uint64_t>ref.c * m.cs
     r.tx_ref = ref
     r.tx_plen = ln
@@ -570,6 +645,8 @@ cdef void rail_write(State* e, Rail* r) noexcept nogil:
     cdef int64_t n, left
     cdef Peer* p = e.peers[r.peer]
     cdef size_t qrem
+    if not r.dackq.empty() and (r.tx_busy or r.txq.size() > r.txq_pos):
+        flush_lazy_acks(e, r)           # the delayed acks ride along with this write
     while r.state == R_UP:
         niov = 0
         use_q = 0
@@ -647,7 +724,7 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
         ref = p.ready.front()
         m = <SendMsg*>ref.m
         if (m.cstate[ref.c] & C_STATE) != C_QUEUED:
-            p.ready.pop_front()
+            ready_pop(p)
             continue
         if m.pin >= 0 and m.pin < p.nrails and p.rails[m.pin].state == R_UP:
             r = p.rails[m.pin]
@@ -775,8 +852,8 @@ cdef void apply_chunk(State* e, RecvMsg* rm, uint32_t c, const char* data) noexc
         rm.done = 1
         op_msg_done(e, rm.op)
 
-cdef void send_chunk_ready(State* e, SendMsg* sm, uint32_t c) noexcept nogil:
-    """Chunk c of sm has nothing left to wait for: queue it. An owned send copies the chunk now,
+cdef void send_chunk_ready(State* e, SendMsg* sm, uint32_t c, int hot) noexcept nogil:
+    """Chunk c of sm has nothing left to wait for: queue it (hot: a dependency released it). An owned send copies the chunk now,
     and from then on its source region is free, so what waited on it may go ahead."""
     cdef CRef ref
     cdef size_t i
@@ -784,7 +861,7 @@ cdef void send_chunk_ready(State* e, SendMsg* sm, uint32_t c) noexcept nogil:
     sm.cstate[c] = C_QUEUED
     ref.m = <void*>sm
     ref.c = c
-    e.peers[sm.peer].ready.push_back(ref)
+    ready_push(e.peers[sm.peer], ref, hot)
     if sm.owned:
         memcpy(sm.base + off, sm.src + off, chunk_len(sm.total, sm.cs, c))
         for i in range(sm.succ.size()):
@@ -799,7 +876,7 @@ cdef void gate_release(State* e, Dep d, uint32_t c) noexcept nogil:
         sm = <SendMsg*>d.m
         sm.gate[c] -= 1
         if sm.gate[c] == 0 and sm.cstate[c] == C_GATED:
-            send_chunk_ready(e, sm, c)
+            send_chunk_ready(e, sm, c, 1)
     else:
         rm = <RecvMsg*>d.m
         rm.gate[c] -= 1
@@ -1049,7 +1126,10 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
     cdef Key k
     cdef uint32_t c = h.chunk
     if not e.noack:
-        queue_ctrl(e, r, F_ACK, h.flags, h.comm, h.seq, h.step, c, 0, NULL, 0)
+        if h.flags & FL_LAZY_ACK:
+            queue_lazy_ack(e, r, h)
+        else:
+            queue_ctrl(e, r, F_ACK, h.flags, h.comm, h.seq, h.step, c, 0, NULL, 0)
     if r.rkind == K_DIRECT or r.rkind == K_STAGE:
         rm = <RecvMsg*>r.rmsg
         if rm != NULL and rm.cdone[c] == 0:
@@ -1097,13 +1177,16 @@ cdef void on_ack(State* e, Rail* r) noexcept nogil:
     ack_chunk(e, <SendMsg*>deref(it).second, h.chunk, r)
 
 cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
-    """Outstanding bytes a rail may hold: the configured window, but no more than ~50 ms of
+    """Outstanding bytes a rail may hold: the configured window, but no more than win_s of
     its measured throughput (at least one chunk), so a slow rail never sits on a backlog that
-    the fast ones would have to wait for at the end of an operation."""
+    the fast ones would have to wait for at the end of an operation. win_s must cover the
+    round trip of an ack under load: acks ride behind the other direction's data in the NIC
+    queues, and a window shorter than that round trip caps the rail below its rate, which the
+    next measurement then confirms (a spiral measured in the testbed at 50 ms)."""
     cdef uint64_t w
     if r.rate <= 0:
         return r.window
-    w = <uint64_t>(r.rate * 0.05)
+    w = <uint64_t>(r.rate * e.win_s)
     if w < <uint64_t>e.cs:
         w = e.cs
     return w if w < r.window else r.window
@@ -1408,6 +1491,7 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
             back.push_back(ref)
     for i in range(back.size()):
         p.ready.push_front(back[back.size() - 1 - i])
+    p.nhot += back.size()                # resent chunks go first
     r.inflight.clear()
     r.inflight_bytes = 0
     r.ghosts = 0
@@ -1417,6 +1501,7 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
         r.tx_orphan = NULL
     r.txq.clear()
     r.txq_pos = 0
+    drop_lazy_acks(e, r)
     if r.rtarget != NULL and (r.rkind == K_BUF or r.rkind == K_CTRL):
         free(r.rtarget)
     r.rtarget = NULL
@@ -1490,14 +1575,19 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
     cdef int k
     cdef deque[CRef] keep
     cdef CRef ref
+    cdef size_t hot
     if not m.done:
         e.smap.erase(mkey(m.peer, m.comm, m.flags, m.step, m.seq))
         m.done = 1
+    hot = 0
     for i in range(p.ready.size()):
         ref = p.ready[i]
         if ref.m != <void*>m:
             keep.push_back(ref)
+            if i < p.nhot:
+                hot += 1
     p.ready.swap(keep)
+    p.nhot = hot
     for k in range(p.nrails):
         r = p.rails[k]
         keep.clear()
@@ -1714,6 +1804,8 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
         if p != NULL and (not p.ready.empty() or n > 0):
             pump_peer(e, p)
     now = mono()
+    if e.dack_rails > 0:
+        lazy_ack_timer(e, now)
     if now - e.last_timer > 0.001:
         e.last_timer = now
         check_timers(e)
@@ -1743,6 +1835,8 @@ cdef void progress_loop(State* e) noexcept nogil:
             pthread_mutex_unlock(&e.mu)
             continue
         tmo = 2 if (not e.ops.empty() or not e.notices.empty() or not e.smap.empty()) else 20
+        if e.dack_rails > 0:
+            tmo = 1
         pthread_mutex_unlock(&e.mu)
         if progress_once(e, tmo) < 0:
             break
@@ -1886,6 +1980,7 @@ cdef class Engine:
         e.rail_timeout = rail_timeout
         e.peer_timeout = peer_timeout
         e.window = window
+        e.win_s = 0.15
         e.probe_base = probe_base
         e.probe_max = probe_max
         tcp_transport(&e.tp)
@@ -1906,6 +2001,7 @@ cdef class Engine:
                 continue
             p = r2_new[Peer]()
             p.rank = i
+            p.nhot = 0
             p.nrails = nrails_per_peer[i]
             for k in range(p.nrails + 1):
                 r = r2_new[Rail]()
@@ -2145,6 +2241,10 @@ cdef class Engine:
         """Benchmark-only: trust TCP, count a chunk done once written (measures what the
         acknowledgement machinery costs; a rail failure can then lose data)."""
         self._live().noack = on
+
+    def set_window_time(self, double seconds):
+        """A rail's window in seconds of its measured throughput (default 0.15)."""
+        self._live().win_s = seconds if seconds > 0 else 0.15
 
     def set_hedge(self, bint on):
         """Copy a slower rail's tail chunks onto an idle faster rail (default on)."""
@@ -2562,7 +2662,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
         sm = <SendMsg*>op.sends[i]
         for c in range(sm.nchunks):
             if sm.gate[c] == 0 and sm.cstate[c] == C_GATED:
-                send_chunk_ready(e, sm, c)
+                send_chunk_ready(e, sm, c, 0)
     if op.pending <= 0 and op.state == ST_ACTIVE:
         op.state = ST_DONE
     for i in range(op.sends.size()):

@@ -37,6 +37,8 @@ cdef enum FrameType:
 
 cdef enum:
     FL_P2P = 1
+    FL_LAZY_ACK = 2     # the sender holds its own copy and does not wait for this ack: the
+                        # receiver may delay it and send it with its next frame on that rail
 
 cdef inline void hdr_encode(r2_hdr* h, uint8_t type, uint8_t flags, uint8_t dtype, uint8_t redop,
                             uint32_t comm, uint32_t seq, uint32_t step, uint32_t sig, uint32_t chunk,

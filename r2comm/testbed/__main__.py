@@ -10,7 +10,7 @@ import json
 import sys
 
 from ._iproute import TestbedError
-from .fabric import DEFAULT_TAG, SIDES, Fabric, remove_all, remove_fabric, resolve_tag
+from .fabric import DEFAULT_TAG, RAIL_MTU, SIDES, Fabric, remove_all, remove_fabric, resolve_tag
 from .place import exec_in_fabric
 from .rates import format_rate
 
@@ -37,6 +37,8 @@ def _parser():
     up.add_argument("--nics", type=int, default=2, help="rail NICs per host")
     up.add_argument("--rate", default="unlimited",
                     help="per-NIC rate, e.g. 1gbit (default unlimited)")
+    up.add_argument("--mtu", type=int, default=RAIL_MTU,
+                    help=f"rail NIC MTU (default {RAIL_MTU}, jumbo frames)")
     _add_tag(up, default=DEFAULT_TAG)
 
     down = sub.add_parser("down", help="remove a fabric (or all, also after a crash)")
@@ -78,7 +80,7 @@ def _parser():
 
 def _print_status(fab, rows):
     print(f"fabric {fab.tag}: {fab.hosts} hosts x {fab.nics} NICs, "
-          f"default rate {format_rate(fab.rate)}")
+          f"default rate {format_rate(fab.rate)}, MTU {fab.mtu}")
     print(f"{'host':<5}{'netns':<24}{'nic':<6}{'address':<16}{'state':<18}{'rate':<11}"
           f"{'host-side':<12}switch-side")
     for row in rows:
@@ -99,7 +101,8 @@ def _down(args):
 
 def _run(args):
     if args.command == "up":
-        fab = Fabric(hosts=args.hosts, nics=args.nics, rate=args.rate, tag=args.tag).up()
+        fab = Fabric(hosts=args.hosts, nics=args.nics, rate=args.rate, tag=args.tag,
+                     mtu=args.mtu).up()
         _print_status(fab, fab.status())
         return
     if args.command == "down":

@@ -12,6 +12,10 @@ that:
 * switches  -> netns ``r2tb-<tag>-sw``: one bridge per rail (``rail<k>``) and
                one for the management network (``mgmt``); ports ``h<h>n<k>``, ``h<h>m``
 * rates     -> a tbf root qdisc on both ends of every rail veth
+* MTU       -> rail veths carry jumbo frames (9000 bytes by default), as the
+               Ethernet back-end fabrics of GPU clusters are configured; tbf
+               counts frame headers, so at 1500 bytes ~4.5% of a shaped rate
+               is framing, at 9000 bytes under 1%
 * faults    -> ``ip link set down`` (a dead link) or a ``blackhole`` root qdisc
                on both ends (a silent drop, link still UP).  The blackhole
                qdisc is built into every kernel with tc; the drop action of tc
@@ -49,6 +53,8 @@ DEFAULT_TAG = "default"
 MAX_HOSTS = 254  # host h is .(h+1) of a /24
 MAX_NICS = 32
 SIDES = ("host", "switch", "both")
+RAIL_MTU = 9000   # default MTU of the rail NICs (jumbo frames, as on a GPU back-end fabric)
+MTU_RANGE = (576, 65535)
 MAX_FLAPS = 1000
 FLAP_PERIOD_S = (0.02, 600.0)
 MGMT = "mgmt"  # the host's management NIC and the switch's management bridge
@@ -166,21 +172,25 @@ class Fabric:
     NICs are 0-based indices.
     """
 
-    def __init__(self, hosts=2, nics=2, rate=None, tag=DEFAULT_TAG):
+    def __init__(self, hosts=2, nics=2, rate=None, tag=DEFAULT_TAG, mtu=RAIL_MTU):
         if not _TAG_RE.match(str(tag)):
             raise TestbedError(f"bad tag {tag!r}: 1-24 letters, digits or '_'")
         if not 1 <= hosts <= MAX_HOSTS or not 1 <= nics <= MAX_NICS:
             raise TestbedError(f"need 1..{MAX_HOSTS} hosts and 1..{MAX_NICS} NICs, "
                                f"got {hosts} x {nics}")
+        if not isinstance(mtu, int) or not MTU_RANGE[0] <= mtu <= MTU_RANGE[1]:
+            raise TestbedError(f"bad MTU {mtu!r}: an integer in {MTU_RANGE[0]}..{MTU_RANGE[1]}")
         self.tag, self.hosts, self.nics = str(tag), hosts, nics
         self.rate = _rate_bps(rate)
+        self.mtu = mtu
 
     @classmethod
     def attach(cls, tag=None):
         """Handle on a fabric that is up, from its state file."""
         tag = resolve_tag(tag)
         state = cls._load(tag)
-        return cls(hosts=state["hosts"], nics=state["nics"], rate=state["rate"], tag=tag)
+        return cls(hosts=state["hosts"], nics=state["nics"], rate=state["rate"], tag=tag,
+                   mtu=state.get("mtu", 1500))
 
     def __enter__(self):
         return self.up()
@@ -190,7 +200,7 @@ class Fabric:
 
     def __repr__(self):
         return (f"Fabric(hosts={self.hosts}, nics={self.nics}, "
-                f"rate={format_rate(self.rate)!r}, tag={self.tag!r})")
+                f"rate={format_rate(self.rate)!r}, tag={self.tag!r}, mtu={self.mtu})")
 
     # --- names and addresses -------------------------------------------------
     def host_ns(self, host):
@@ -238,6 +248,7 @@ class Fabric:
             self._build()
             with _state_lock():
                 self._save({"hosts": self.hosts, "nics": self.nics, "rate": self.rate,
+                            "mtu": self.mtu,
                             "rates": [[self.rate] * self.nics for _ in range(self.hosts)]})
             for host in range(self.hosts):
                 for nic in range(self.nics):
@@ -264,12 +275,13 @@ class Fabric:
             self._plug(host, MGMT, f"h{host}m", MGMT, mgmt_addr(host))
             for nic in range(self.nics):
                 self._plug(host, nic_ifname(nic), _port(host, nic), f"rail{nic}",
-                           rail_addr(nic, host))
+                           rail_addr(nic, host), self.mtu)
 
-    def _plug(self, host, ifname, port, bridge, addr):
+    def _plug(self, host, ifname, port, bridge, addr, mtu=1500):
         """One cable: veth IFNAME (ADDR/24) in HOST, its peer PORT on the switch's BRIDGE."""
         ns, sw = self.host_ns(host), self.switch_ns
-        iproute.ip(sw, "link", "add", port, "type", "veth", "peer", "name", ifname, "netns", ns)
+        iproute.ip(sw, "link", "add", port, "mtu", str(mtu), "type", "veth",
+                   "peer", "name", ifname, "mtu", str(mtu), "netns", ns)
         iproute.ip(sw, "link", "set", port, "master", bridge, "up")
         iproute.ip(ns, "addr", "add", f"{addr}/24", "dev", ifname)
         iproute.ip(ns, "link", "set", ifname, "up")
@@ -378,7 +390,8 @@ class Fabric:
                 rows.append({"host": host, "nic": nic, "ifname": nic_ifname(nic),
                              "addr": rail_addr(nic, host), "mgmt": mgmt_addr(host),
                              "host_link": _link_word(mine), "switch_link": _link_word(peer),
-                             "state": _nic_state(mine, peer), "rate": format_rate(rates[host][nic])})
+                             "state": _nic_state(mine, peer), "rate": format_rate(rates[host][nic]),
+                             "mtu": mine.get("mtu")})
         return rows
 
     # --- running things inside ------------------------------------------------------
