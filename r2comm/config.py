@@ -29,7 +29,7 @@ class Config:
     rails: list = field(default_factory=list)      # R2COMM_RAILS: addresses or interface names
     ctrl_addr: str = "127.0.0.1"                   # R2COMM_CTRL_ADDR: control/management address
     timeout: float = 60.0                          # R2COMM_TIMEOUT (s): every blocking wait
-    chunk_size: int = 256 << 10                    # R2COMM_CHUNK_SIZE (bytes, K/M suffixes)
+    chunk_size: int = 512 << 10                    # R2COMM_CHUNK_SIZE (bytes, K/M suffixes)
     rail_timeout_ms: float = 500.0                 # R2COMM_RAIL_TIMEOUT_MS: silent-stall deadline
     peer_timeout_ms: float = 1500.0                # R2COMM_PEER_TIMEOUT_MS: all rails down -> error
     window: int = 16 << 20                         # R2COMM_WINDOW: unacknowledged bytes per rail

@@ -38,7 +38,7 @@ MAX_OPS = 5000          # a stream never runs more ops than this, whatever the c
 def sc_collectives(comm, args):
     n, r = comm.size, comm.rank
     done = 0
-    big = (3 << 20) // 4 + 3                      # several 256K chunks, not divisible by n
+    big = (3 << 20) // 4 + 3                      # several chunks, not divisible by n
     for cnt in (1, 7, 1000, big):
         for dtype, op in (("float32", SUM), ("float64", SUM), ("int32", MAX)):
             case = f"ar-{cnt}-{dtype}-{op.name}"

@@ -82,7 +82,10 @@ def test_probe_sees_a_100mbit_nic_beside_1gbit(tmp_path):
     assert len(rate) == 12, out
     fast = [v for (r, q, k), v in rate.items() if k == 0 or 2 not in (r, q)]
     slow = [v for (r, q, k), v in rate.items() if k == 1 and 2 in (r, q)]
-    assert max(fast) < 2.0 * min(fast), out               # 1 Gbit rails measure alike
+    # 1 Gbit rails measure alike, within 3x: the best-of-reps rate can ride a tbf bucket that
+    # refilled while the other direction lagged (up to ~2x on a 1 MiB probe with a 4 ms bucket),
+    # and on 2 loaded cores a probe can also come out slow; 100 Mbit is 10x apart
+    assert max(fast) < 3.0 * min(fast), out
     ratio = (sum(fast) / len(fast)) / (sum(slow) / len(slow))
     assert 4 < ratio < 25, (ratio, out)                   # ideal 10
     assert 60e6 < sum(fast) / len(fast) < 200e6, out      # 1 Gbit/s = 125 MB/s

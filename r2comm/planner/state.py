@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_BW = 1.25e9          # bytes/s of one rail (10 Gbit/s) when nothing better is known
 DEFAULT_ALPHA = 25e-6        # seconds of latency per message (TCP round trip / 2 + engine)
-DEFAULT_CHUNK = 256 << 10    # the engine's chunk size (R2COMM_CHUNK_SIZE default)
+DEFAULT_CHUNK = 512 << 10    # the engine's chunk size (R2COMM_CHUNK_SIZE default)
 MEASURE_NOISE = 0.3          # relative noise of measured rates (see the module docstring)
 
 
