@@ -635,7 +635,8 @@ def degraded_section(res):
         rs, ps = ring.get("median_s"), rep.get("median_s")
         beta = fnum(doc.get("beta")) + (f" (planner {fnum(doc['beta_planner'])})"
                                         if doc.get("beta_planner") is not None else "")
-        row = [hosts, doc.get("rate"), fsize((doc.get("mib") or 0) * MiB), beta, fms(tstar, 0)]
+        rate = f"{doc.get('rate')}" + (f", MTU {doc['mtu']}" if doc.get("mtu") else "")
+        row = [hosts, rate, fsize((doc.get("mib") or 0) * MiB), beta, fms(tstar, 0)]
         t_good = doc.get("T_star_goodput_s")
         if goodput:
             row.append(fms(t_good, 0))
@@ -656,7 +657,8 @@ def degraded_section(res):
                             f"time than ring)", ok))
     head = ["hosts", "NIC rate", "size", "β", "T*"] + (["T* at measured goodput"] if goodput else [])
     out += table(head + ["ring (median)", "replanned (median)", "reps"], rows) + [""]
-    out += ["tbf counts packet headers, so part of any gap to T* is framing. *T\\* at measured "
+    out += ["Rail NICs use jumbo frames (the testbed's default MTU 9000, as on GPU back-end fabrics); "
+            "tbf counts frame headers, so under 1% of the gap to T* is framing. *T\\* at measured "
             "goodput* comes from timing the degraded host's bare traffic (N/(p−1) bytes to and from "
             "every healthy host at once, no reductions) in the same job. It is an estimate, not a "
             "bound: on 2 shared cores that exchange is partly CPU-limited too, and a ratio below "
