@@ -86,7 +86,16 @@ def rank_main(args):
 
     timed("ring", args.reps)                       # static plans (no rail state)
     state = comm.replan()                           # agreed: every rank calls it here
+    sent0 = comm._engine.rail_stats()
     timed("replanned", args.reps)
+    sent1 = comm._engine.rail_stats()
+    # per rank: what the probe measured, and the bytes each (peer, rail) carried while the
+    # replanned schedule ran, with the engine's measured rate at the end (for slow runs)
+    pr = comm.probe_result
+    diag = world.gather({"probe": {f"{q}:{k}": v for (q, k), v in (pr.rates.items() if pr else [])},
+                         "replanned": {f"{q}:{k}": [sent1[q][k][1] - sent0[q][k][1], sent1[q][k][7],
+                                                      sent1[q][k][8] - sent0[q][k][8]]
+                                       for q in sent1 for k in range(len(sent1[q]))}}, root=0)
     bare = exchange(args.reps)
     # T* from the fabric: a healthy host has 2 NICs at --rate, the degraded one 1 (beta = 1/2,
     # what the fabric was built with; the planner's own estimate is recorded beside it)
@@ -101,7 +110,7 @@ def rank_main(args):
         out = {"hosts": n, "rate": args.rate, "mtu": args.mtu, "mib": args.mib, "beta": beta,
                "beta_planner": state.beta(), "host_bw_Bps": bw, "T_star_s": tstar,
                "nic_goodput_Bps": goodput, "T_star_goodput_s": tstar_eff,
-               "exchange": bare, "results": results}
+               "exchange": bare, "results": results, "diag": diag}
         with open(os.path.join(args.out, "testbed_degraded.json"), "w") as f:
             json.dump(out, f, indent=1)
         print(f"[degraded] p={n} beta={beta:.2f} (planner: {state.beta():.2f}) "
