@@ -507,7 +507,12 @@ def failover_section(res):
         targets.append((f"Throughput after 1 of 2 rails failed ≥ {SURVIVE_FRACTION:.0%} of a healthy single rail "
                         f"({fgb(base)} GB/s): **{verdict(ok)}** — "
                         + ", ".join(f"{m} {fgb(after[m])} GB/s = {fpct(f)}" for m, f in fr.items())
-                        + " (on loopback one rail is as fast as two, so this can exceed 100%)", ok))
+                        + " (on loopback one rail is as fast as two, so this can exceed 100%; the "
+                        "baseline is another job: after ÷ before within each failover job, "
+                        + ", ".join(f"{m} {fpct(after[m] / b)}" for m, b in
+                                    ((m, _fail_row(d).get("busbw_before_GBps")) for m, d in docs.items() if d)
+                                    if b and after.get(m))
+                        + ")", ok))
     else:
         why = res.why_missing("single_rail") if not single else "no after-failure throughput"
         targets.append((f"Throughput after 1 of 2 rails failed ≥ 90% of a healthy single rail: not evaluated "
