@@ -465,6 +465,19 @@ def test_split_fraction_follows_bandwidths():
     assert all((off + ln <= ca * 4) or off >= ca * 4 for off, ln in regions)
 
 
+def test_split_fraction_ignores_one_under_read_healthy_host():
+    """A healthy host measured 20% slow (within the noise tolerance, so not degraded) must not
+    move the split: the split compares the degraded rank with the median healthy one."""
+    st = degraded_state(4, factor=0.5)
+    st.degraded_tol = 0.3                               # as for measured rates (MEASURE_NOISE)
+    assert degraded.state_fraction(st) == 0.0           # beta = 1/2: all of it off the ring
+    noisy = st.copy().scale_host(st.hosts[2], 0.8)        # host 1 is the degraded one
+    assert noisy.degraded_ranks() == st.degraded_ranks()
+    assert degraded.state_fraction(noisy) == 0.0
+    # a really faster degraded host still gets a share of the full ring
+    assert degraded.state_fraction(degraded_state(4, factor=0.8)) > 0
+
+
 @pytest.mark.parametrize("n", [3, 4, 6])
 def test_choose_degraded_when_beta_small_ring_when_healthy(n):
     N = 256 * MB
