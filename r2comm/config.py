@@ -13,6 +13,12 @@ def _float(name, default):
     return float(v) if v not in (None, "") else default
 
 
+def _bytes(name, default):
+    """A byte count from the environment (K/M/G suffixes), at least 0; default when unset."""
+    v = os.environ.get(name)
+    return max(_size(v), 0) if v not in (None, "") else default
+
+
 def _size(text):
     text = text.strip().upper()
     mult = 1
@@ -78,15 +84,12 @@ class Config:
         c.algo = os.environ.get("R2COMM_ALGO", "")
         c.acks = os.environ.get("R2COMM_ACKS", "1") != "0"
         c.replan_every = _int("R2COMM_REPLAN", 0)
-        pb = os.environ.get("R2COMM_PROBE")
-        c.bw_probe = max(_size(pb), 0) if pb not in (None, "") else c.bw_probe
-        c.bw_probe_set = pb not in (None, "")
+        c.bw_probe = _bytes("R2COMM_PROBE", c.bw_probe)
+        c.bw_probe_set = os.environ.get("R2COMM_PROBE") not in (None, "")
         c.hedge = os.environ.get("R2COMM_HEDGE", "1") != "0"
-        sb = os.environ.get("R2COMM_SOCKBUF")
-        c.sockbuf = max(_size(sb), 0) if sb not in (None, "") else c.sockbuf
+        c.sockbuf = _bytes("R2COMM_SOCKBUF", c.sockbuf)
         c.spin_us = _float("R2COMM_SPIN_US", c.spin_us)
-        lw = os.environ.get("R2COMM_NOTSENT_LOWAT")
-        c.notsent_lowat = max(_size(lw), 0) if lw not in (None, "") else c.notsent_lowat
+        c.notsent_lowat = _bytes("R2COMM_NOTSENT_LOWAT", c.notsent_lowat)
         c.window_ms = _float("R2COMM_WINDOW_MS", c.window_ms)
         if c.window_ms <= 0:
             from .errors import R2commArgumentError

@@ -158,7 +158,7 @@ MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV 
 cdef enum:
     RBUF_SIZE = 262144
     LAZY_ACK_MAX = 65536     # chunks up to this size from an owned (copied) send: ack may wait
-    DACK_MAX = 32 * 48       # flush delayed acks once this many bytes of them are waiting
+    DACK_MAX = 32            # flush a rail's delayed acks once this many are waiting
     RBUF_READ = 8192
     DIRECT_MIN = 4096
     EVFD_TAG = 0xFFFFFFFFFFFFFFFF
@@ -305,6 +305,7 @@ cdef cppclass Rail:
     size_t txq_pos
     string dackq         # delayed acks (FL_LAZY_ACK frames): sent with the next frame on this
     double dack_t        # rail, or when the oldest is DACK_DELAY old
+    int dack_listed      # in State.dack_list
     int tx_busy
     r2_hdr tx_hdr
     char* tx_payload
@@ -344,6 +345,7 @@ cdef cppclass Rail:
         this.ghosts = 0
         this.txq_pos = 0
         this.dack_t = 0
+        this.dack_listed = 0
         this.tx_busy = 0
         this.tx_orphan = NULL
         this.want_out = 0
@@ -422,6 +424,7 @@ cdef cppclass State:
     int noack
     int hedge
     int dack_rails           # rails with delayed acks waiting
+    vector[Rail*] dack_list  # those rails (and some whose acks have gone since), for the timer
     __init__() noexcept nogil:
         this.dack_rails = 0
         this.noack = 0
@@ -514,8 +517,11 @@ cdef void queue_lazy_ack(State* e, Rail* r, r2_hdr* d) noexcept nogil:
     if r.dackq.empty():
         r.dack_t = mono()
         e.dack_rails += 1
+        if not r.dack_listed:
+            r.dack_listed = 1
+            e.dack_list.push_back(r)
     r.dackq.append(<const char*>&h, HDR_SIZE)
-    if r.dackq.size() >= DACK_MAX:
+    if r.dackq.size() >= DACK_MAX * HDR_SIZE:
         flush_lazy_acks(e, r)
 
 cdef void flush_lazy_acks(State* e, Rail* r) noexcept nogil:
@@ -532,22 +538,22 @@ cdef void drop_lazy_acks(State* e, Rail* r) noexcept nogil:
         e.dack_rails -= 1
 
 cdef void lazy_ack_timer(State* e, double now) noexcept nogil:
-    """Send the delayed acks that have waited DACK_DELAY."""
-    cdef int i, k
-    cdef Peer* p
+    """Send the delayed acks that have waited DACK_DELAY. Only the listed rails are looked at;
+    a rail whose acks have gone (with a frame, or dropped by a failure) leaves the list."""
+    cdef size_t i, kept = 0
     cdef Rail* r
-    for i in range(e.nranks):
-        p = e.peers[i]
-        if p == NULL:
-            continue
-        for k in range(p.nrails):
-            r = p.rails[k]
-            if not r.dackq.empty() and now - r.dack_t >= DACK_DELAY:
-                flush_lazy_acks(e, r)
-                if r.state == R_UP:
-                    rail_write(e, r)
-        if e.dack_rails == 0:
-            return
+    for i in range(e.dack_list.size()):
+        r = e.dack_list[i]
+        if not r.dackq.empty() and now - r.dack_t >= DACK_DELAY:
+            flush_lazy_acks(e, r)
+            if r.state == R_UP:
+                rail_write(e, r)
+        if r.dackq.empty():
+            r.dack_listed = 0
+        else:
+            e.dack_list[kept] = r
+            kept += 1
+    e.dack_list.resize(kept)
 
 # ---------------------------------------------------------------------------------------------
 # Sending
@@ -853,8 +859,9 @@ cdef void apply_chunk(State* e, RecvMsg* rm, uint32_t c, const char* data) noexc
         op_msg_done(e, rm.op)
 
 cdef void send_chunk_ready(State* e, SendMsg* sm, uint32_t c, int hot) noexcept nogil:
-    """Chunk c of sm has nothing left to wait for: queue it (hot: a dependency released it). An owned send copies the chunk now,
-    and from then on its source region is free, so what waited on it may go ahead."""
+    """Chunk c of sm has nothing left to wait for: queue it (hot: a dependency released it).
+    An owned send copies the chunk now, and from then on its source region is free, so what
+    waited on it may go ahead."""
     cdef CRef ref
     cdef size_t i
     cdef uint64_t off = <uint64_t>c * sm.cs
@@ -2244,7 +2251,9 @@ cdef class Engine:
 
     def set_window_time(self, double seconds):
         """A rail's window in seconds of its measured throughput (default 0.15)."""
-        self._live().win_s = seconds if seconds > 0 else 0.15
+        if not seconds > 0:
+            raise ValueError(f"window time must be > 0 s, not {seconds}")
+        self._live().win_s = seconds
 
     def set_hedge(self, bint on):
         """Copy a slower rail's tail chunks onto an idle faster rail (default on)."""

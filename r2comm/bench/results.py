@@ -501,18 +501,17 @@ def failover_section(res):
     if single:
         out += ["- `single_rail` (the healthy one-rail baseline):"] + code(res.command("single_rail", single))
     after = {m: _fail_row(d).get("busbw_after_GBps") for m, d in docs.items() if d}
+    before = {m: _fail_row(d).get("busbw_before_GBps") for m, d in docs.items() if d}
     if base and any(v for v in after.values()):
         fr = {m: v / base for m, v in after.items() if v}
+        same_job = {m: v / before[m] for m, v in after.items() if v and before.get(m)}
         ok = all(f >= SURVIVE_FRACTION for f in fr.values())
         targets.append((f"Throughput after 1 of 2 rails failed ≥ {SURVIVE_FRACTION:.0%} of a healthy single rail "
                         f"({fgb(base)} GB/s): **{verdict(ok)}** — "
                         + ", ".join(f"{m} {fgb(after[m])} GB/s = {fpct(f)}" for m, f in fr.items())
                         + " (on loopback one rail is as fast as two, so this can exceed 100%; the "
                         "baseline is another job: after ÷ before within each failover job, "
-                        + ", ".join(f"{m} {fpct(after[m] / b)}" for m, b in
-                                    ((m, _fail_row(d).get("busbw_before_GBps")) for m, d in docs.items() if d)
-                                    if b and after.get(m))
-                        + ")", ok))
+                        + ", ".join(f"{m} {fpct(f)}" for m, f in same_job.items()) + ")", ok))
     else:
         why = res.why_missing("single_rail") if not single else "no after-failure throughput"
         targets.append((f"Throughput after 1 of 2 rails failed ≥ 90% of a healthy single rail: not evaluated "
