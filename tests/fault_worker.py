@@ -217,8 +217,10 @@ def sc_peerdeath(comm, args):
                  "peer death")
     took = time.monotonic() - t0
     check(took < 10, f"peer death noticed in {took:.1f} s")
-    print(f"OK peerdeath rank={r} took={took:.2f} {type(exc).__name__}: {exc}", flush=True)
+    # one write: the survivors finish together, and print() (unbuffered under
+    # PYTHONUNBUFFERED) writes the text and its newline separately, which interleaved two lines
     sys.stdout.flush()
+    os.write(1, f"OK peerdeath rank={r} took={took:.2f} {type(exc).__name__}: {exc}\n".encode())
     os._exit(0)
 
 
