@@ -5,6 +5,7 @@ random     trials of (collective, size, faults): 1 or 2 rails failed hard or sil
            result compared bit for bit with the fault-free answer
 partition  one rank loses every rail: every rank must raise R2commNetworkError within a bound
 flap       a rail flaps (fail/restore every few ms) under a stream of allreduces
+signals    a rank is stopped/continued and signalled: every progress thread keeps running
 """
 import time
 
@@ -282,9 +283,60 @@ def sc_hedge(comm, args):
     return 3
 
 
+def sc_signals(comm, args):
+    """Signals interrupt the engine's epoll_wait (EINTR; a stopped and continued process gets
+    it even without a handler): rank 1 is stopped and continued (SIGSTOP/SIGCONT) and gets
+    SIGUSR1 with a Python handler, several times. Every rank's progress thread must still run:
+    eager messages that rank 0 sends while rank 1 only sleeps are acknowledged by rank 1's
+    progress thread alone, rank 0's engine drains, and collectives stay exact."""
+    import os
+    import signal
+    import threading
+    n, r = comm.size, comm.rank
+    got = []
+    signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+    pids = WORLD.allgather(os.getpid())
+    for k in range(4):
+        WORLD.Barrier()
+        if r == 0:
+            os.kill(pids[1], signal.SIGSTOP)
+            time.sleep(0.01)
+            os.kill(pids[1], signal.SIGCONT)
+            os.kill(pids[1], signal.SIGUSR1)
+        time.sleep(0.02)
+        WORLD.Barrier()
+    alive = [t.name for t in threading.enumerate() if t.name == "r2comm-progress"]
+    check(alive, "the progress thread ended after a signal")
+    buf = np.arange(16, dtype=np.int32)
+    if r == 0:
+        reqs = [comm.Isend(buf, 1, tag=7) for _ in range(5)]
+        for q in reqs:
+            q.Wait()
+        drained = comm._engine.drain(3.0)      # rank 1 sleeps: its progress thread must ack
+        check(drained, "eager sends to rank 1 never acknowledged while it slept")
+        WORLD.Barrier()
+    elif r == 1:
+        time.sleep(1.0)
+        WORLD.Barrier()
+        out = np.empty_like(buf)
+        for _ in range(5):
+            comm.Recv(out, 0, tag=7)
+            check(np.array_equal(out, buf), "eager message after signals")
+    else:
+        WORLD.Barrier()
+    cnt = 300_000
+    x = data("sig", r, cnt, "int32", SUM)
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)
+    check(np.array_equal(y, reduce_ref("sig", n, cnt, "int32", SUM)), "allreduce after signals")
+    if r == 1:
+        check(len(got) == 4, f"SIGUSR1 handled {len(got)} times")
+    return 1
+
+
 SCENARIOS = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
              "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan,
-             "hedge": sc_hedge}
+             "hedge": sc_hedge, "signals": sc_signals}
 
 
 def comm_kwargs(args):

@@ -355,8 +355,35 @@ def sc_comms(comm, args):
     return count
 
 
+def sc_drain(comm, args):
+    """Closing waits for the acks a peer still owes, so the delayed acks of small messages
+    must leave before a rank closes: drain() sends them (a rank that closed with one queued
+    left its peer in Free() until the drain timeout, 10 s). Ranks 0 and 1, 30 rounds: rank 1
+    receives an eager message and drains at once; nothing may stay queued; Free is quick."""
+    r = comm.rank
+    buf = np.arange(16, dtype=np.int64)
+    left = 0
+    for i in range(30):
+        if r == 0:
+            comm.Send(buf + i, 1, tag=i)
+        elif r == 1:
+            out = np.empty_like(buf)
+            comm.Recv(out, 0, tag=i)
+            check(np.array_equal(out, buf + i), "eager message")
+            check(comm._engine.drain(2.0), "drained")
+            left += sum(c[3] for rails in comm._engine.debug_state()["unsent"].values()
+                        for c in rails)
+        WORLD.Barrier()
+    check(left == 0, f"{left} delayed acks still queued after drain()")
+    t0 = time.monotonic()
+    comm.Free()
+    took = WORLD.allreduce(time.monotonic() - t0, op=MPI.MAX)
+    check(took < 3.0, f"Free() took {took:.1f} s")
+    return 30
+
+
 SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_nonblocking,
-             "errors": sc_errors, "comms": sc_comms}
+             "errors": sc_errors, "comms": sc_comms, "drain": sc_drain}
 
 
 def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):

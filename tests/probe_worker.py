@@ -11,6 +11,8 @@ epoch     (R2COMM_REPLAN=1) the agreed epoch is identical on every rank after ev
 broken    (R2COMM_REPLAN=1, n >= 3) ranks 0 and 1 lose every rail between them: the next
           epoch check still agrees (flooding through rank 2), the state shows the broken pair
           and the allreduces are routed around it
+smallrates  (2 ranks) 8-byte messages whose acks a stopped peer delays leave the rails' rates
+          unmeasured; 1 MiB allreduces that follow on loopback rails send no hedge copies
 netns     (in the testbed) prints every probe rate, RATE <rank> <peer> <rail> <bytes/s>, the
           slowest rank's probe time and the agreed state's degraded ranks
 Rank 0 prints "OK <scenario> <count>" at the end."""
@@ -209,7 +211,48 @@ def sc_netns(comm, args):
     return 1
 
 
-SCENARIOS = {"probe": sc_probe, "epoch": sc_epoch, "broken": sc_broken, "netns": sc_netns}
+def sc_smallrates(comm, args):
+    """A small chunk says nothing about its rail's bandwidth, however long its ack takes:
+    rank 1 is stopped (SIGSTOP) while rank 0 sends it 8 bytes pinned to each rail, for 20 ms
+    on rail 0 and 60 ms on rail 1, as a busy host delays acks. No rail gets a measured rate
+    (before the fix: ~80 B/s), and the 1 MiB allreduces that follow on the alike loopback
+    rails send no hedge copies (in the benchmark, rates of 0.1 and 0.8 MB/s read this way
+    had the tail hedge copy 512 KiB chunks: 1.7 GB of copies, 0.75x MPI's speed at 1 MiB)."""
+    import signal
+    r = comm.rank
+    check(comm.size == 2, "two ranks")
+    pids = WORLD.allgather(os.getpid())
+    buf = np.zeros(8, np.uint8)
+    for k, stop_s in enumerate((0.02, 0.06)[:len(comm.rails)]):
+        WORLD.Barrier()
+        if r == 0:
+            os.kill(pids[1], signal.SIGSTOP)
+            try:
+                time.sleep(0.005)
+                req = comm.Isend(buf + k + 1, 1, tag=k, rail=k)
+                time.sleep(stop_s)
+            finally:
+                os.kill(pids[1], signal.SIGCONT)
+            req.Wait()
+        else:
+            comm.Recv(buf, 0, tag=k)
+            check(np.all(buf == k + 1), "pinned message")
+        WORLD.Barrier()
+        time.sleep(0.01)                       # the (delayed) ack is back at rank 0
+    rates = [row[7] for peer in rail_rows(comm).values() for row in peer[:len(comm.rails)]]
+    check(all(v == 0 for v in rates), f"rates measured from 8-byte messages: {rates}")
+    hedged0 = sum(ra.bytes_hedged for ra in comm.rails)
+    cnt = 1 << 18                              # 1 MiB of int32
+    for i in range(30):
+        allreduce_checked(comm, i, cnt)
+        WORLD.Barrier()
+    hedged = WORLD.allreduce(sum(ra.bytes_hedged for ra in comm.rails) - hedged0)
+    check(hedged == 0, f"{hedged} bytes hedged between healthy loopback rails")
+    return 1
+
+
+SCENARIOS = {"probe": sc_probe, "epoch": sc_epoch, "broken": sc_broken, "netns": sc_netns,
+             "smallrates": sc_smallrates}
 
 
 if __name__ == "__main__":

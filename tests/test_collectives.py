@@ -44,3 +44,9 @@ def test_bad_input_raises_on_every_rank(n):
 def test_dup_split_free(n):
     count, _ = run_scenario(n, "comms", timeout=30)
     assert count == 4 * n
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_drain_sends_delayed_acks_and_free_is_quick(n):
+    count, _ = run_scenario(n, "drain", timeout=30)
+    assert count == 30 * n

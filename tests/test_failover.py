@@ -45,6 +45,14 @@ def test_pair_losing_every_rail_raises_everywhere(n, mode):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_progress_survives_signals(n):
+    # regression: epoll_wait's EINTR (SIGSTOP/SIGCONT, any handled signal) read as "engine
+    # stopped" and ended the progress thread: acks then waited for the next blocking call
+    count, out = run_scenario(n, "signals", timeout=60)
+    assert count == n, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_silent_rail_is_hedged_before_its_deadline(n):
     env = {"R2COMM_RAIL_TIMEOUT_MS": "4000", "R2COMM_PROBE_MS": "30"}
     count, out = run_scenario(n, "hedge", timeout=60, env=env, rails="127.0.0.1,127.0.0.2")

@@ -332,10 +332,12 @@ cdef cppclass Rail:
     double rate              # measured throughput (bytes/s, EWMA of acknowledged bytes); 0 unknown
     double meas_t0
     uint64_t meas_bytes
+    uint64_t meas_inflight   # bytes in flight of chunks that count for the rate (bulk ones)
     __init__() noexcept nogil:
         this.rate = 0
         this.meas_t0 = 0
         this.meas_bytes = 0
+        this.meas_inflight = 0
         this.fd = -1
         this.state = R_DOWN
         this.conn_id = 0
@@ -633,8 +635,11 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
     cdef SendMsg* m = <SendMsg*>ref.m
     if r.inflight.empty() and r.ghosts == 0:
         r.last_progress = now
-        r.meas_t0 = now                      # idle time is not counted against the rate
-        r.meas_bytes = 0
+    if rate_chunk(m, ln):
+        if r.meas_inflight == 0:
+            r.meas_t0 = now                  # idle time is not counted against the rate
+            r.meas_bytes = 0
+        r.meas_inflight += ln
     r.inflight.push_back(ref)
     r.inflight_bytes += ln
     hdr_encode(&r.tx_hdr, F_DATA, m.flags | (FL_LAZY_ACK if m.owned and ln <= LAZY_ACK_MAX else 0),
@@ -1198,6 +1203,20 @@ cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
         w = e.cs
     return w if w < r.window else r.window
 
+cdef inline bint rate_chunk(SendMsg* m, uint32_t ln) noexcept nogil:
+    """Whether a chunk counts for its rail's measured rate. Small ones do not: their time is
+    latency, not bandwidth, and delayed acks keep them outstanding across the idle gaps
+    between operations, so an 8-byte allreduce loop read as a rail of a few MB/s. Rates
+    measured that way, alike on healthy rails, made the tail hedge copy 512 KiB chunks onto
+    the other rail of a 1 MiB allreduce (0.7x the time without hedging on loopback)."""
+    return ln > LAZY_ACK_MAX or (m.total > m.cs and ln == m.cs)
+
+cdef inline void untrack(Rail* r, SendMsg* m, uint32_t ln) noexcept nogil:
+    """A chunk left r's in-flight list (acknowledged, delivered elsewhere, or purged)."""
+    r.inflight_bytes -= ln
+    if rate_chunk(m, ln):
+        r.meas_inflight -= ln if r.meas_inflight >= ln else r.meas_inflight
+
 cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
     """Throughput of a busy rail: acknowledged bytes over time with data outstanding,
     sampled every >= 5 ms, smoothed (EWMA). A slow or degraded rail shows up within a few
@@ -1219,7 +1238,7 @@ cdef int drop_inflight(Rail* r, SendMsg* m, uint32_t c) noexcept nogil:
         ref = r.inflight[i]
         if ref.m == <void*>m and ref.c == c:
             erase_at(r.inflight, i)
-            r.inflight_bytes -= chunk_len(m.total, m.cs, c)
+            untrack(r, m, chunk_len(m.total, m.cs, c))
             return 1
     return 0
 
@@ -1260,7 +1279,8 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
             forget_copies(e, e.peers[m.peer], m, c, r)
         else:
             drop_inflight(pr, m, c)
-        measure_rate(pr, chunk_len(m.total, m.cs, c))
+        if rate_chunk(m, chunk_len(m.total, m.cs, c)):
+            measure_rate(pr, chunk_len(m.total, m.cs, c))
     if (st & C_RESENT) and e.awaiting_redelivery:
         e.awaiting_redelivery = 0
         add_event(e, EV_REDELIVERED, m.peer, r.index, e.me, chunk_len(m.total, m.cs, c),
@@ -1501,6 +1521,7 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     p.nhot += back.size()                # resent chunks go first
     r.inflight.clear()
     r.inflight_bytes = 0
+    r.meas_inflight = 0
     r.ghosts = 0
     r.tx_busy = 0
     if r.tx_orphan != NULL:
@@ -1603,7 +1624,7 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
             if ref.m != <void*>m:
                 keep.push_back(ref)
             else:
-                r.inflight_bytes -= chunk_len(m.total, m.cs, ref.c)
+                untrack(r, m, chunk_len(m.total, m.cs, ref.c))
         r.inflight.swap(keep)
         if r.tx_busy and r.tx_payload >= m.base and r.tx_payload < m.base + m.total + 1 \
                 and r.tx_orphan == NULL:
@@ -1778,7 +1799,8 @@ cdef void check_timers(State* e) noexcept nogil:
 cdef int progress_once(State* e, int tmo) noexcept nogil:
     """Wait up to tmo ms for socket events, then handle them under the mutex. Run by the
     progress thread in a loop and by any thread that waits for an operation, so a message
-    completes in the thread that needs it without a hand-off. Returns the number of events."""
+    completes in the thread that needs it without a hand-off. Returns the number of events,
+    or -1 once the engine is stopping."""
     cdef epoll_event evs[64]
     cdef int n, i, pi, ri
     cdef uint64_t tag, drain
@@ -1786,6 +1808,8 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
     cdef Peer* p
     cdef double now
     n = epoll_wait(e.epfd, evs, 64, tmo)
+    if n < 0:
+        n = 0        # EINTR (a signal, e.g. SIGCONT after a stop): no events; -1 means stopped
     pthread_mutex_lock(&e.mu)
     if e.stop:
         pthread_mutex_unlock(&e.mu)
@@ -2110,6 +2134,10 @@ cdef class Engine:
         with nogil:
             pthread_mutex_lock(&e.mu)
             while True:
+                if e.dack_rails > 0:
+                    # delayed acks go now: the peers' drains wait for them, and a rank that
+                    # closed with some still queued left its peer waiting out the timeout
+                    lazy_ack_timer(e, mono() + DACK_DELAY)
                 done = e.smap.empty() and txq_empty(e)
                 t = mono()
                 if done or t >= until:
@@ -2451,7 +2479,15 @@ cdef class Engine:
                    "unexpected": e.cunexp.size(), "notices": e.notices.size(),
                    "ready": {i: e.peers[i].ready.size() for i in range(e.nranks) if e.peers[i] != NULL},
                    "inflight": {i: [e.peers[i].rails[k].inflight.size() for k in range(e.peers[i].nrails)]
-                                for i in range(e.nranks) if e.peers[i] != NULL}}
+                                for i in range(e.nranks) if e.peers[i] != NULL},
+                   # per connection (rails, then control): state, unwritten frame bytes, a chunk
+                   # being written, delayed acks waiting
+                   "unsent": {i: [(e.peers[i].rails[k].state,
+                                   e.peers[i].rails[k].txq.size() - e.peers[i].rails[k].txq_pos,
+                                   e.peers[i].rails[k].tx_busy,
+                                   e.peers[i].rails[k].dackq.size() // HDR_SIZE)
+                                  for k in range(e.peers[i].nrails + 1)]
+                              for i in range(e.nranks) if e.peers[i] != NULL}}
         finally:
             pthread_mutex_unlock(&e.mu)
         return out
@@ -2479,7 +2515,7 @@ cdef int txq_empty(State* e) noexcept nogil:
             continue
         for k in range(e.peers[i].nrails + 1):
             r = e.peers[i].rails[k]
-            if r.state == R_UP and (r.tx_busy or r.txq.size() > r.txq_pos):
+            if r.state == R_UP and (r.tx_busy or r.txq.size() > r.txq_pos or not r.dackq.empty()):
                 return 0
     return 1
 
