@@ -113,6 +113,21 @@ def _spin_seconds(cfg, boot):
     return 50e-6 if local > cpus else 1e-3
 
 
+def _loopback_only(boot):
+    """Every rank's rails are loopback addresses: one device (the CPUs), not several NICs."""
+    return all(a[0].startswith("127.") for ep in boot.endpoints for a in ep["rails"])
+
+
+def _hedge_mode(cfg, boot):
+    """R2COMM_HEDGE, or by default: quiet rails and slow ones (2), but on loopback-only rails
+    quiet ones only (1). Loopback rails share the CPUs, so their measured rates differ by
+    scheduling alone (283 against 1782 MB/s in one 64 MiB run), and copies of a "slow" rail's
+    tail then cost CPU time that the original transfer needed."""
+    if cfg.hedge >= 0:
+        return cfg.hedge
+    return 1 if _loopback_only(boot) else 2
+
+
 def _is_gpu(obj):
     return hasattr(obj, "__cuda_array_interface__")
 
@@ -158,7 +173,7 @@ class Communicator:
                 engine.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
             if not boot.params["acks"]:
                 engine.set_noack(True)
-            engine.set_hedge(cfg.hedge)
+            engine.set_hedge(_hedge_mode(cfg, boot))
             engine.spin = _spin_seconds(cfg, boot)
             engine.set_window_time(cfg.window_ms * 1e-3)
         except BaseException:
@@ -176,7 +191,7 @@ class Communicator:
         # Loopback rails are one device: the probe would time the CPUs (the planner then uses
         # only the scale of the rates), and after it the loopback allreduce ran up to 2x slower
         # at 64 KiB-2 MiB for a reason not yet found. So it runs there only when asked for.
-        loop_only = all(a[0].startswith("127.") for ep in boot.endpoints for a in ep["rails"])
+        loop_only = _loopback_only(boot)
         want = cfg.bw_probe > 0 and (cfg.bw_probe_set or not loop_only)
         nbytes = mpi_comm.bcast(max(cfg.bw_probe, cfg.eager + 4096) if want else 0,
                                 root=0)        # every rank probes alike (message sizes), or none
@@ -205,7 +220,7 @@ class Communicator:
                             max_rails=max(len(self._world.boot.endpoints[x]["rails"]) for x in g))
         finally:
             if hedge is not None:
-                hedge(getattr(self._cfg, "hedge", True))
+                hedge(_hedge_mode(self._cfg, self._world.boot))
         for (p, k), rate in res.rates.items():
             if rate > 0:
                 eng.set_rail_rate(g[p], k, rate)

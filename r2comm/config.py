@@ -50,7 +50,9 @@ class Config:
     replan_every: int = 0                          # R2COMM_REPLAN=K: agree on rail state every K ops
     bw_probe: int = 1 << 20                        # R2COMM_PROBE: start-up probe message bytes, 0 off
     bw_probe_set: bool = False                     # R2COMM_PROBE given (else: off on loopback rails)
-    hedge: bool = True                             # R2COMM_HEDGE=0: no tail copies on a faster rail
+    hedge: int = -1                                # R2COMM_HEDGE: tail copies on another rail;
+                                                   #   0 never, 1 for quiet rails, 2 also slow
+                                                   #   ones; -1: 2, or 1 on loopback-only rails
     sockbuf: int = 4 << 20                         # R2COMM_SOCKBUF: SO_RCVBUF of a rail, 0 autotune
     notsent_lowat: int = 64 << 10                  # R2COMM_NOTSENT_LOWAT: unsent bytes a rail's
                                                    #   socket holds (TCP_NOTSENT_LOWAT), 0 off
@@ -86,7 +88,10 @@ class Config:
         c.replan_every = _int("R2COMM_REPLAN", 0)
         c.bw_probe = _bytes("R2COMM_PROBE", c.bw_probe)
         c.bw_probe_set = os.environ.get("R2COMM_PROBE") not in (None, "")
-        c.hedge = os.environ.get("R2COMM_HEDGE", "1") != "0"
+        c.hedge = _int("R2COMM_HEDGE", c.hedge)
+        if c.hedge not in (-1, 0, 1, 2):
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_HEDGE={c.hedge}: must be 0, 1 or 2")
         c.sockbuf = _bytes("R2COMM_SOCKBUF", c.sockbuf)
         c.spin_us = _float("R2COMM_SPIN_US", c.spin_us)
         c.notsent_lowat = _bytes("R2COMM_NOTSENT_LOWAT", c.notsent_lowat)

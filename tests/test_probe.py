@@ -40,6 +40,17 @@ def test_small_operations_do_not_measure_rails():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["", "2"])
+def test_loopback_rails_are_not_hedged_for_slowness(mode):
+    # loopback rates differ by scheduling alone; copies of a 'slow' rail's tail cost CPU the
+    # transfer needed, so by default only a quiet rail is hedged there (R2COMM_HEDGE=2 forces)
+    env = {"R2COMM_PROBE": "0", "R2COMM_HEDGE": mode}
+    rc, out = run_mpi(2, [WORKER, "slowhedge"] + (["expect=copies"] if mode else []),
+                      timeout=60, env=env)
+    assert "OK slowhedge 2" in out, out[-3000:]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("env", [{"R2COMM_PROBE": "0"}, {}])
 def test_probe_off(env):
     rc, out = run_mpi(2, ["-c", "import sys; sys.path.insert(0, %r); import r2comm\n"

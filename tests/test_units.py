@@ -153,3 +153,29 @@ def test_ops_and_fault_specs_parse():
     assert len(faults.parse("rail=0;rail=1,mode=hard,restore_ms=50")) == 2
     with pytest.raises(ValueError):
         faults.parse("rail=0,mode=fast")
+
+
+def test_hedge_mode_from_config(monkeypatch):
+    from types import SimpleNamespace
+    from r2comm.config import Config
+    from r2comm.communicator import _hedge_mode
+
+    def boot(*addrs):
+        return SimpleNamespace(endpoints=[{"rails": [(a, 0) for a in addrs]}])
+    monkeypatch.delenv("R2COMM_HEDGE", raising=False)
+    cfg = Config.from_env()
+    assert _hedge_mode(cfg, boot("127.0.0.1", "127.0.0.2")) == 1    # one device: quiet only
+    assert _hedge_mode(cfg, boot("198.18.0.1", "198.18.1.1")) == 2  # NICs: slow ones too
+    for v, want in (("0", 0), ("1", 1), ("2", 2)):
+        monkeypatch.setenv("R2COMM_HEDGE", v)
+        assert _hedge_mode(Config.from_env(), boot("127.0.0.1")) == want
+    monkeypatch.setenv("R2COMM_HEDGE", "3")
+    with pytest.raises(R2commArgumentError):
+        Config.from_env()
+    e = eng.Engine(0, 1, [0], 65536, 1.0, 1.0, 1 << 20)
+    try:
+        with pytest.raises(ValueError):
+            e.set_hedge(3)
+        e.set_hedge(1)
+    finally:
+        e.close()

@@ -165,6 +165,8 @@ cdef enum:
     INJ_NONE = 0
     INJ_HARD = 1
     INJ_SILENT = 2
+    HEDGE_LATE = 1
+    HEDGE_SLOW = 2
 
 cdef double DACK_DELAY = 0.0005   # s: longest a delayed ack waits for a frame to ride with
 
@@ -301,6 +303,7 @@ cdef cppclass Rail:
     int ghosts           # copies sent here whose chunk another rail delivered first: until an
                          # ack comes back here they keep the stall deadline running
     double last_progress
+    double gap_avg, gap_var  # time between a busy rail's acks: smoothed, and its mean deviation
     string txq
     size_t txq_pos
     string dackq         # delayed acks (FL_LAZY_ACK frames): sent with the next frame on this
@@ -345,6 +348,8 @@ cdef cppclass Rail:
         this.weight = 1.0
         this.inflight_bytes = 0
         this.ghosts = 0
+        this.gap_avg = 0
+        this.gap_var = 0
         this.txq_pos = 0
         this.dack_t = 0
         this.dack_listed = 0
@@ -424,13 +429,13 @@ cdef cppclass State:
     double last_timer
     int waiters
     int noack
-    int hedge
+    int hedge                # 0 off; 1: late rails only; 2: late, and slow ones (HEDGE_*)
     int dack_rails           # rails with delayed acks waiting
     vector[Rail*] dack_list  # those rails (and some whose acks have gone since), for the timer
     __init__() noexcept nogil:
         this.dack_rails = 0
         this.noack = 0
-        this.hedge = 1
+        this.hedge = HEDGE_SLOW
         this.waiters = 0
         this.last_timer = 0
         this.next_op = 1
@@ -761,6 +766,12 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
         rail_write(e, best)
     hedge_tail(e, p)
 
+cdef inline double quiet_limit(State* e, Rail* r, double rate) noexcept nogil:
+    """How long a rail with chunks out may go without an ack before it counts as late: 5 ms
+    plus four chunk times at its rate (20 ms if unmeasured), plus its usual gap between acks
+    and four mean deviations of it."""
+    return (0.005 + 4.0 * e.cs / rate if rate > 0 else 0.02) + r.gap_avg + 4.0 * r.gap_var
+
 cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
     """Nothing is left to queue for this peer, but another rail still holds chunks that a
     rail with room would deliver much sooner: send copies of them there, the chunk that would
@@ -792,16 +803,16 @@ cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
             if f.state != R_UP or f.tx_busy:
                 continue
             fr = f.rate if f.rate > 0 else 1e9    # not measured yet: taken as fast
-            if not f.inflight.empty() and now - f.last_progress > 0.005 + 4.0 * e.cs / fr:
+            if not f.inflight.empty() and now - f.last_progress > quiet_limit(e, f, fr):
                 continue                          # late itself: no help
             for ks in range(p.nrails):
                 sl = p.rails[ks]
                 if ks == kf or sl.state != R_UP or sl.inflight.empty():
                     continue
                 sr = sl.rate if sl.rate > 0 else 0.0
-                late = now - sl.last_progress > (0.005 + 4.0 * e.cs / sr if sr > 0 else 0.02)
-                if not late and (sr <= 0 or f.rate <= 0 or sr >= 0.5 * f.rate
-                                 or f.inflight_bytes > 0):
+                late = now - sl.last_progress > quiet_limit(e, sl, sr)
+                if not late and (e.hedge < HEDGE_SLOW or sr <= 0 or f.rate <= 0
+                                 or sr >= 0.5 * f.rate or f.inflight_bytes > 0):
                     continue
                 after = 0
                 i = <Py_ssize_t>sl.inflight.size() - 1
@@ -1181,7 +1192,19 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
 cdef void on_ack(State* e, Rail* r) noexcept nogil:
     cdef r2_hdr* h = &r.rh
     cdef Key k = mkey(r.peer, h.comm, h.flags, h.step, h.seq)
-    r.last_progress = mono()
+    cdef double now = mono(), gap
+    if not r.inflight.empty():
+        # how long a busy rail goes between acks (as TCP keeps its round-trip time): acks ride
+        # behind the peer's data on the same connection, so under load in both directions the
+        # gaps grow with the queues, and a fixed threshold took healthy rails for stalled ones
+        gap = now - r.last_progress
+        if r.gap_avg == 0:
+            r.gap_avg = gap
+            r.gap_var = gap / 2
+        else:
+            r.gap_var = 0.75 * r.gap_var + 0.25 * (gap - r.gap_avg if gap > r.gap_avg else r.gap_avg - gap)
+            r.gap_avg = 0.875 * r.gap_avg + 0.125 * gap
+    r.last_progress = now
     r.ghosts = 0
     it = e.smap.find(k)
     if it == e.smap.end():
@@ -2283,9 +2306,12 @@ cdef class Engine:
             raise ValueError(f"window time must be > 0 s, not {seconds}")
         self._live().win_s = seconds
 
-    def set_hedge(self, bint on):
-        """Copy a slower rail's tail chunks onto an idle faster rail (default on)."""
-        self._live().hedge = on
+    def set_hedge(self, int mode):
+        """Tail copies on another rail: 0 never; 1 (HEDGE_LATE) for a rail that has gone quiet;
+        2 (HEDGE_SLOW, the default) also for one measured at under half an idle rail's rate."""
+        if mode < 0 or mode > HEDGE_SLOW:
+            raise ValueError(f"hedge mode {mode}: 0, 1 or 2")
+        self._live().hedge = mode
 
     def set_weights(self, list weights):
         """Rail weights (relative bandwidth): each rail's window is scaled by its weight."""
