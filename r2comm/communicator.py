@@ -189,8 +189,9 @@ class Communicator:
         self._init(world, mpi_comm, list(range(boot.size)), 0, owner=True)
         world.probe = None
         # Loopback rails are one device: the probe would time the CPUs (the planner then uses
-        # only the scale of the rates), and after it the loopback allreduce ran up to 2x slower
-        # at 64 KiB-2 MiB for a reason not yet found. So it runs there only when asked for.
+        # only the scale of the rates), so it runs there only when asked for. (After it the
+        # loopback allreduce used to run up to 2x slower at 64 KiB-2 MiB: the unequal rates it
+        # read had the tail hedge copy chunks, which loopback rails no longer do, _hedge_mode.)
         loop_only = _loopback_only(boot)
         want = cfg.bw_probe > 0 and (cfg.bw_probe_set or not loop_only)
         nbytes = mpi_comm.bcast(max(cfg.bw_probe, cfg.eager + 4096) if want else 0,
