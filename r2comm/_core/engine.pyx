@@ -1148,10 +1148,22 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
     cdef P2PState* st
     cdef Key k
     cdef uint32_t c = h.chunk
+    cdef int kr
+    cdef Peer* p
     if not e.noack:
+        rm = <RecvMsg*>r.rmsg if (r.rkind == K_DIRECT or r.rkind == K_STAGE) else NULL
         if h.flags & FL_LAZY_ACK:
             queue_lazy_ack(e, r, h)
+        elif rm != NULL and rm.cdone[c] == 0 and rm.napplied + 1 < rm.nchunks:
+            # more of this message is still to come: its ack waits for a frame to ride with
+            # (the ring sends both ways) or DACK_DELAY, which saves a write per chunk
+            queue_lazy_ack(e, r, h)
         else:
+            # the message is complete (or this chunk is a duplicate, or unexpected): the
+            # sender's operation waits for these acks, so they all go now, on every rail
+            p = e.peers[r.peer]
+            for kr in range(p.nrails):
+                flush_lazy_acks(e, p.rails[kr])
             queue_ctrl(e, r, F_ACK, h.flags, h.comm, h.seq, h.step, c, 0, NULL, 0)
     if r.rkind == K_DIRECT or r.rkind == K_STAGE:
         rm = <RecvMsg*>r.rmsg
