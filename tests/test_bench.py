@@ -200,6 +200,7 @@ def test_parse_peers():
     assert peers.parse_peers(["mpi,gloo", "mpi"]) == ["mpi", "gloo"]
     assert peers.parse_peers(["mpi", "none"]) == []
     assert peers.parse_peers(None) == []
+    assert peers.parse_peers(["r2comm-noack"]) == ["r2comm-noack"]
     with pytest.raises(ValueError):
         peers.parse_peers(["nccl"])
 
@@ -331,6 +332,26 @@ def test_r2comm_sweep_against_mpi(kind, tmp_path):
     assert doc["libraries"][0]["name"] == "r2comm" and len(doc["libraries"][0]["rails"]) >= 1
     assert all(r["time_us"] > 0 for r in doc["results"]["r2comm"])
     assert png.stat().st_size > 0
+
+
+@needs_mpiexec
+@pytest.mark.mpi
+def test_ack_overhead_in_one_job(tmp_path):
+    """r2comm against itself without acknowledgements, interleaved; the report evaluates it."""
+    out = tmp_path / "acks.json"
+    stdout = bench(["allreduce", "--peer", "r2comm-noack", "-m", "1M:1M", "-f", "--rounds", "3",
+                    "--budget", "0.05", "--check", "--json", str(out)])
+    header = [line for line in stdout.splitlines() if line.startswith("# Size")][0]
+    assert "r2comm/r2comm-noack" in header.split()
+    doc = load(out)
+    assert set(doc["results"]) == {"r2comm", "r2comm-noack"}
+    assert doc["libraries"][1]["acks"] is False
+    md = tmp_path / "R.md"
+    proc = subprocess.run([sys.executable, "-m", "r2comm.bench", "results", str(tmp_path), "-o", str(md)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    line = [ln for ln in md.read_text().splitlines() if ln.startswith("- Ack overhead")][0]
+    assert "at 1 MiB" in line and "same job; round by round" in line and "over 3 rounds" in line
 
 
 @needs_mpiexec

@@ -39,8 +39,9 @@ def _common(p, kind):
     p.add_argument("--budget", type=float, default=0.25,
                    help="target seconds per measurement, limits iterations (0: exactly -i/-x)")
     p.add_argument("--check", action="store_true", help="validate every result against numpy")
-    p.add_argument("--peer", action="append", metavar="mpi|gloo|none",
-                   help="also run these libraries, interleaved (repeatable or comma list)")
+    p.add_argument("--peer", action="append", metavar="mpi|gloo|r2comm-noack|none",
+                   help="also run these libraries, interleaved (repeatable or comma list); "
+                        "r2comm-noack: r2comm without acknowledgements (benchmark only)")
     p.add_argument("--no-r2comm", action="store_true", help="benchmark the peers only")
     p.add_argument("--gloo-addr", default="127.0.0.1", help="Gloo rendezvous address (rank 0's)")
     p.add_argument("--dtype", choices=DTYPES if kind in COLLECTIVES else P2P_DTYPES,

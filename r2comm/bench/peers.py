@@ -35,8 +35,8 @@ def parse_peers(values):
         for name in filter(None, (v.strip().lower() for v in value.split(","))):
             if name == "none":
                 out.clear()
-            elif name not in ("mpi", "gloo"):
-                raise ValueError(f"unknown peer {name!r} (expected mpi, gloo or none)")
+            elif name not in ("mpi", "gloo", "r2comm-noack"):
+                raise ValueError(f"unknown peer {name!r} (expected mpi, gloo, r2comm-noack or none)")
             elif name not in out:
                 out.append(name)
     return out
@@ -120,6 +120,28 @@ class R2comm(_MpiStyle):
     def describe(self):
         return {"rails": [rail_record(r) for r in self.comm.rails],
                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("R2COMM_")}}
+
+
+class R2commNoAck(R2comm):
+    """A second r2comm communicator with acknowledgements off (R2COMM_ACKS=0: a chunk counts
+    as delivered once written, no loss protection; benchmark only). In the same job as the
+    normal one, interleaved, it measures what the acknowledgement machinery costs without the
+    job-to-job noise of two separate runs."""
+    name = label = "r2comm-noack"
+
+    def __init__(self, world):
+        old = os.environ.get("R2COMM_ACKS")
+        os.environ["R2COMM_ACKS"] = "0"        # read at bootstrap (rank 0's value is used)
+        try:
+            super().__init__(world)
+        finally:
+            if old is None:
+                del os.environ["R2COMM_ACKS"]
+            else:
+                os.environ["R2COMM_ACKS"] = old
+
+    def describe(self):
+        return dict(super().describe(), acks=False)
 
 
 class Mpi(_MpiStyle):
@@ -223,6 +245,9 @@ def open_libraries(world, with_r2comm, peers, gloo_addr="127.0.0.1", log=print):
     for name in peers:
         if name == "mpi":
             libs.append(Mpi(world))
+            continue
+        if name == "r2comm-noack":
+            libs.append(R2commNoAck(world))
             continue
         reason = gloo_unavailable()
         if world.allreduce(int(reason is None), op=MPI.MIN):

@@ -46,6 +46,9 @@ class Table:
 
     def __init__(self, kind, labels, full, out=None):
         self.kind, self.labels, self.full, self.out = kind, labels, full, out
+        # a peer's columns are wide enough for its longest name (r2comm-noack)
+        self.peer_w = [max(PEER_W, 2 + max(len(f"{labels[0]}/{p}"), len(f"{p}:busbw"), len(f"{p}(MB/s)")))
+                       for p in labels[1:]]
 
     def _print(self, line):
         print(line, file=self.out or sys.stdout, flush=True)
@@ -60,14 +63,14 @@ class Table:
                 cols += [("Min Latency(us)", NUM_W), ("Max Latency(us)", NUM_W), ("Iterations", ITER_W)]
         if self.kind not in ("latency", "bw"):
             cols += [("algbw(GB/s)", NUM_W), ("busbw(GB/s)", NUM_W)]
-        for p in peers:
+        for p, w in zip(peers, self.peer_w):
             if self.kind == "bw":
-                cols.append((f"{p}(MB/s)", PEER_W))
+                cols.append((f"{p}(MB/s)", w))
             else:
-                cols.append((f"{p}(us)", PEER_W))
+                cols.append((f"{p}(us)", w))
                 if self.kind != "latency":
-                    cols.append((f"{p}:busbw", PEER_W))
-            cols.append((f"{first}/{p}", PEER_W))
+                    cols.append((f"{p}:busbw", w))
+            cols.append((f"{first}/{p}", w))
         return cols
 
     def header(self, lines):
@@ -90,14 +93,14 @@ class Table:
                           f"{first['iters']:>{ITER_W}d}"]
         if self.kind not in ("latency", "bw"):
             cells += [f"{first['algbw_GBps']:>{NUM_W}.3f}", f"{first['busbw_GBps']:>{NUM_W}.3f}"]
-        for p in peers:
+        for p, w in zip(peers, self.peer_w):
             if self.kind == "bw":
-                cells.append(f"{p['MBps']:>{PEER_W}.2f}")
+                cells.append(f"{p['MBps']:>{w}.2f}")
             else:
-                cells.append(f"{p['avg_us']:>{PEER_W}.2f}")
+                cells.append(f"{p['avg_us']:>{w}.2f}")
                 if self.kind != "latency":
-                    cells.append(f"{p['busbw_GBps']:>{PEER_W}.3f}")
-            cells.append(f"{speed_ratio(first, p):>{PEER_W}.2f}")
+                    cells.append(f"{p['busbw_GBps']:>{w}.3f}")
+            cells.append(f"{speed_ratio(first, p):>{w}.2f}")
         self._print(f"{first['size']:<{SIZE_W}d}" + "".join(cells))
 
 
