@@ -50,3 +50,8 @@ def test_dup_split_free(n):
 def test_drain_sends_delayed_acks_and_free_is_quick(n):
     count, _ = run_scenario(n, "drain", timeout=30)
     assert count == 30 * n
+
+
+def test_spin_backs_off_under_cpu_contention():
+    count, out = run_scenario(2, "contended", timeout=60)
+    assert count == 2 and "CONTENDED" in out, out
