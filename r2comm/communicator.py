@@ -113,9 +113,11 @@ def _spin_seconds(cfg, boot):
     return 50e-6 if local > cpus else 1e-3
 
 
-def _loopback_only(boot):
-    """Every rank's rails are loopback addresses: one device (the CPUs), not several NICs."""
-    return all(a[0].startswith("127.") for ep in boot.endpoints for a in ep["rails"])
+def _loopback_only(endpoints):
+    """Every rail of these ranks' endpoints is a loopback address: one device (the CPUs),
+    not several NICs."""
+    import ipaddress
+    return all(ipaddress.ip_address(a).is_loopback for ep in endpoints for a, _ in ep["rails"])
 
 
 def _hedge_mode(cfg, boot):
@@ -125,7 +127,7 @@ def _hedge_mode(cfg, boot):
     tail then cost CPU time that the original transfer needed."""
     if cfg.hedge >= 0:
         return cfg.hedge
-    return 1 if _loopback_only(boot) else 2
+    return 1 if _loopback_only(boot.endpoints) else 2
 
 
 def _is_gpu(obj):
@@ -173,7 +175,8 @@ class Communicator:
                 engine.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
             if not boot.params["acks"]:
                 engine.set_noack(True)
-            engine.set_hedge(_hedge_mode(cfg, boot))
+            cfg.hedge = _hedge_mode(cfg, boot)     # resolved once: the probe restores it
+            engine.set_hedge(cfg.hedge)
             engine.spin = _spin_seconds(cfg, boot)
             engine.set_window_time(cfg.window_ms * 1e-3)
         except BaseException:
@@ -192,7 +195,7 @@ class Communicator:
         # only the scale of the rates), so it runs there only when asked for. (After it the
         # loopback allreduce used to run up to 2x slower at 64 KiB-2 MiB: the unequal rates it
         # read had the tail hedge copy chunks, which loopback rails no longer do, _hedge_mode.)
-        loop_only = _loopback_only(boot)
+        loop_only = _loopback_only(boot.endpoints)
         want = cfg.bw_probe > 0 and (cfg.bw_probe_set or not loop_only)
         nbytes = mpi_comm.bcast(max(cfg.bw_probe, cfg.eager + 4096) if want else 0,
                                 root=0)        # every rank probes alike (message sizes), or none
@@ -221,7 +224,7 @@ class Communicator:
                             max_rails=max(len(self._world.boot.endpoints[x]["rails"]) for x in g))
         finally:
             if hedge is not None:
-                hedge(_hedge_mode(self._cfg, self._world.boot))
+                hedge(self._cfg.hedge)
         for (p, k), rate in res.rates.items():
             if rate > 0:
                 eng.set_rail_rate(g[p], k, rate)
@@ -426,14 +429,12 @@ class Communicator:
         r2comm's control plane). Bandwidths are the engines' measured rates (start-up probe,
         then acknowledgements), R2COMM_RAIL_BW where a rail has no measurement yet."""
         self._check()
-        import ipaddress
         from . import control
         eps = self._world.boot.endpoints
         hosts = [eps[g]["host"] for g in self._members]
         nrails = max(len(ep["rails"]) for ep in eps)
         # loopback "rails" are one device: only the overall scale of the measurements counts
-        loop = all(ipaddress.ip_address(a).is_loopback for g in self._members
-                   for a, _ in eps[g]["rails"])
+        loop = _loopback_only(eps[g] for g in self._members)
         ctl = control.plane(self)
         return planner.RailState.gather(lambda mine: control.gather_rails(ctl, mine, nrails),
                                         self.rank, self._members, self._engine.rail_stats(),

@@ -15,6 +15,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, 
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, free, calloc
 from libc.string cimport memcpy, memset, memmove
+from libc.math cimport fabs
 from libcpp.vector cimport vector
 from libcpp.deque cimport deque
 from libcpp.map cimport map as cmap
@@ -169,7 +170,8 @@ cdef enum:
     HEDGE_SLOW = 2
 
 cdef double DACK_DELAY = 0.0005   # s: longest a delayed ack waits for a frame to ride with
-cdef double SPIN_JUDGE = 200e-6   # s: shortest spin that is judged
+cdef double SPIN_BASE = 50e-6     # s: into a wait, the spin's CPU baseline is taken
+cdef double SPIN_JUDGE = 200e-6   # s: shortest spin (after SPIN_BASE) that is judged
 cdef double SPIN_SHARE = 0.6      # a preempted spin that got less of a CPU than this lost it
 cdef double SPIN_CONTENDED = 50e-6    # s: the spin while contended
 cdef int SPIN_BACKOFF = 64        # waits to spin short after a contended spin
@@ -1175,8 +1177,9 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
     cdef uint32_t c = h.chunk
     cdef int kr
     cdef Peer* p
+    cdef bint placed = r.rkind == K_DIRECT or r.rkind == K_STAGE   # into a posted receive
+    rm = <RecvMsg*>r.rmsg if placed else NULL
     if not e.noack:
-        rm = <RecvMsg*>r.rmsg if (r.rkind == K_DIRECT or r.rkind == K_STAGE) else NULL
         if h.flags & FL_LAZY_ACK:
             queue_lazy_ack(e, r, h)
         elif rm != NULL and rm.cdone[c] == 0 and rm.napplied + 1 < rm.nchunks:
@@ -1190,8 +1193,7 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
             for kr in range(p.nrails):
                 flush_lazy_acks(e, p.rails[kr])
             queue_ctrl(e, r, F_ACK, h.flags, h.comm, h.seq, h.step, c, 0, NULL, 0)
-    if r.rkind == K_DIRECT or r.rkind == K_STAGE:
-        rm = <RecvMsg*>r.rmsg
+    if placed:
         if rm != NULL and rm.cdone[c] == 0:
             apply_chunk(e, rm, c, r.rtarget if r.rkind == K_STAGE else NULL)
     elif r.rkind == K_BUF:
@@ -1239,7 +1241,7 @@ cdef void on_ack(State* e, Rail* r) noexcept nogil:
             r.gap_avg = gap
             r.gap_var = gap / 2
         else:
-            r.gap_var = 0.75 * r.gap_var + 0.25 * (gap - r.gap_avg if gap > r.gap_avg else r.gap_avg - gap)
+            r.gap_var = 0.75 * r.gap_var + 0.25 * fabs(gap - r.gap_avg)
             r.gap_avg = 0.875 * r.gap_avg + 0.125 * gap
     r.last_progress = now
     r.ghosts = 0
@@ -2432,8 +2434,8 @@ cdef class Engine:
         cdef int state = -1, err = 0
         cdef string msg
         cdef uint64_t nrecv = 0
-        cdef double w0 = mono(), c0 = thread_cpu(), spin
-        cdef long pre0 = preemptions()
+        cdef double w0 = mono(), spin, b0 = 0, c0 = 0
+        cdef long pre0 = 0
         cdef int idle, judged = 0
         # Busy-polling pays only while this thread has a CPU to itself. Another runnable
         # thread on the same CPU (a CPU hog, more threads than cores) takes turns with the
@@ -2445,6 +2447,8 @@ cdef class Engine:
         # the full spin is tried again. Either signal alone misleads: at 4 MiB unloaded the
         # kernel's softirq thread (doing this rank's own TCP work) preempts most spins
         # briefly, and the softirq time is not charged to the thread, so its share reads low.
+        # The baseline is taken SPIN_BASE into the wait, so the short waits of small messages
+        # never make the two system calls.
         spin = self.spin
         if self.spin_short_left > 0:
             self.spin_short_left -= 1
@@ -2472,10 +2476,14 @@ cdef class Engine:
                     break
                 pthread_mutex_unlock(&e.mu)
                 t = mono()
-                if not judged and t >= spin_until and self.spin_adapt:
+                if b0 == 0 and t - w0 >= SPIN_BASE and t < spin_until and self.spin_adapt:
+                    b0 = t
+                    c0 = thread_cpu()
+                    pre0 = preemptions()
+                if not judged and b0 > 0 and t >= spin_until:
                     judged = 1
-                    if t - w0 >= SPIN_JUDGE:
-                        if preemptions() != pre0 and (thread_cpu() - c0) < SPIN_SHARE * (t - w0):
+                    if t - b0 >= SPIN_JUDGE:
+                        if preemptions() != pre0 and (thread_cpu() - c0) < SPIN_SHARE * (t - b0):
                             self.spin_preempted += 1
                             self.spin_strikes += 1
                             if self.spin_strikes >= 2:
