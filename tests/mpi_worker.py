@@ -382,6 +382,33 @@ def sc_drain(comm, args):
     return 30
 
 
+def sc_spinon(comm, args):
+    """A wait spins on while its sockets are busy (run with a tiny R2COMM_SPIN_US): 8 MiB
+    allreduces outlast the spin, so waits get extended, and exactly; with the extension off
+    no wait is, and the results are the same."""
+    r, n = comm.rank, comm.size
+    cnt = 2 << 20
+    x = data("spin", r, cnt, "int32", SUM)
+    ref = reduce_ref("spin", n, cnt, "int32", SUM)
+    y = np.empty_like(x)
+    eng = comm._engine
+    check(eng.spin < 1e-4, f"run with a short spin (R2COMM_SPIN_US), got {eng.spin}")
+    for extend in (1, 0):
+        eng.spin_extend = extend
+        before = eng.spin_extended
+        for _ in range(5):
+            y[:] = 0
+            comm.Allreduce(x, y)
+            check(np.array_equal(y, ref), f"allreduce with spin_extend={extend}")
+        got = WORLD.allreduce(eng.spin_extended - before)
+        if extend:
+            check(got > 0, "no wait was extended while 8 MiB allreduces kept the sockets busy")
+        else:
+            check(got == 0, f"{got} waits extended with spin_extend=0")
+    eng.spin_extend = 1
+    return 10
+
+
 def sc_contended(comm, args):
     """CPU hogs (one per CPU, started by rank 0, each ends by itself after 5 s) make the
     waiters' busy-polling compete: the engine notices spins it lost the CPU in and shortens
@@ -413,13 +440,15 @@ def sc_contended(comm, args):
             h.wait()
     pre = WORLD.allreduce(comm._engine.spin_preempted)
     check(pre > 0, f"no contended spin noticed in {done} allreduces next to {os.cpu_count()} hogs")
+    check(WORLD.allreduce(comm._engine.spin_yields) > 0, "spinning waiters never yielded the CPU")
     if r == 0:
         print(f"CONTENDED ops={done} preempted_spins={pre}", flush=True)
     return 1
 
 
 SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_nonblocking,
-             "errors": sc_errors, "comms": sc_comms, "drain": sc_drain, "contended": sc_contended}
+             "errors": sc_errors, "comms": sc_comms, "drain": sc_drain, "contended": sc_contended,
+             "spinon": sc_spinon}
 
 
 def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):

@@ -52,6 +52,11 @@ def test_drain_sends_delayed_acks_and_free_is_quick(n):
     assert count == 30 * n
 
 
+def test_wait_spins_on_while_sockets_are_busy():
+    count, _ = run_scenario(2, "spinon", timeout=60, env={"R2COMM_SPIN_US": "20"})
+    assert count == 2 * 10
+
+
 def test_spin_backs_off_under_cpu_contention():
     count, out = run_scenario(2, "contended", timeout=60)
     assert count == 2 and "CONTENDED" in out, out
