@@ -19,7 +19,8 @@
 #   failover_hard    4 MiB allreduce stream, rail 0 failed (connection error) at 2 s
 #   failover_silent  same, rail 0 goes silent (no error: bytes just stop)
 #   single_rail      the same stream on one healthy rail (baseline after a failure)
-#   acks             16 MiB allreduce with and without acknowledgements, interleaved in one job
+#   acks, acks_rev   16 MiB allreduce with and without acknowledgements, interleaved in one job;
+#                    acks_rev builds the two communicators in the other order
 # and, as root with iproute2 (network namespaces; traffic stays in 198.18.0.0/15):
 #   testbed_failover          2 hosts x 2 NICs at 1 Gbit/s: 1 vs 2 NICs, a real NIC down
 #   testbed_degraded_<H>hosts H = 3, 4 hosts at 500 Mbit/s, one NIC of the last host down
@@ -111,7 +112,7 @@ plot() {
 
 SWEEP=(--rounds 5 --budget 0.2 -f)  # 5: a median that one slow round of a bimodal machine cannot move
 BIG=64M; COLL_MAX=16M; P2P=(--rounds 3 --budget 0.2); FO=(--duration 6 --fail-at 2); SR=(--duration 4)
-TB_FO=(--ranks 2,4); TB_DG=(--mib 64); ACKS=(--rounds 9 --budget 0.3)
+TB_FO=(--ranks 2,4); TB_DG=(--mib 64); ACKS=(--rounds 15 --budget 0.3)
 if [[ ${QUICK:-0} == 1 ]]; then  # a smoke test of this script and the report (about 1.5 minutes)
     SWEEP=(--rounds 1 --budget 0.05 -f); BIG=4M; COLL_MAX=1M; P2P=(--rounds 1 --budget 0.05)
     FO=(--duration 2.5 --fail-at 0.8); SR=(--duration 1.5)
@@ -143,6 +144,8 @@ done
 step single_rail R2COMM_RAILS=127.0.0.1 -- failover --size 4M "${SR[@]}" --no-inject \
     --check --stall-timeout 60 --json "$OUT/single_rail.json" --plot "$OUT/single_rail.png"
 step acks -- allreduce -m 16M:16M --peer r2comm-noack "${ACKS[@]}" -f --json "$OUT/acks.json"
+step acks_rev -- allreduce -m 16M:16M --peer r2comm-noack --r2comm-last "${ACKS[@]}" -f \
+    --json "$OUT/acks_rev.json"
 
 # the netns testbed (issue 4, 5): root and iproute2 only; bounded by the budget
 TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts)

@@ -351,7 +351,23 @@ def test_ack_overhead_in_one_job(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     line = [ln for ln in md.read_text().splitlines() if ln.startswith("- Ack overhead")][0]
-    assert "at 1 MiB" in line and "same job; round by round" in line and "over 3 rounds" in line
+    assert "at 1 MiB" in line and "r2comm built first; round by round" in line and "over 3 rounds" in line
+    one = results.ack_overhead(doc)
+    # the other build order, in a second job: the figure becomes the geometric mean of both
+    rev = tmp_path / "acks_rev.json"
+    bench(["allreduce", "--peer", "r2comm-noack", "--r2comm-last", "-m", "1M:1M", "--rounds", "3",
+           "--budget", "0.05", "--json", str(rev)])
+    two = results.ack_overhead(load(rev))
+    assert set(load(rev)["results"]) == {"r2comm", "r2comm-noack"}
+    assert [lib["built"] for lib in doc["libraries"]] == [0, 1]
+    assert [(lib["name"], lib["built"]) for lib in load(rev)["libraries"]] == [("r2comm", 1), ("r2comm-noack", 0)]
+    proc = subprocess.run([sys.executable, "-m", "r2comm.bench", "results", str(tmp_path), "-o", str(md)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    line = [ln for ln in md.read_text().splitlines() if ln.startswith("- Ack overhead")][0]
+    both = 1 - ((1 - one[1]) * (1 - two[1])) ** 0.5
+    assert f"— {results.fpct(both).replace('-', '−')}" in line, line
+    assert "both build orders" in line and "over 6 rounds" in line
 
 
 @needs_mpiexec

@@ -43,6 +43,9 @@ def _common(p, kind):
                    help="also run these libraries, interleaved (repeatable or comma list); "
                         "r2comm-noack: r2comm without acknowledgements (benchmark only)")
     p.add_argument("--no-r2comm", action="store_true", help="benchmark the peers only")
+    p.add_argument("--r2comm-last", action="store_true",
+                   help="build r2comm's communicator after the peers' (for r2comm-noack: "
+                        "the first communicator built in a job runs slightly slower)")
     p.add_argument("--gloo-addr", default="127.0.0.1", help="Gloo rendezvous address (rank 0's)")
     p.add_argument("--dtype", choices=DTYPES if kind in COLLECTIVES else P2P_DTYPES,
                    default="float32" if kind in COLLECTIVES else "uint8")
@@ -125,7 +128,8 @@ def sweep_cmd(args, comm_world, argv):
     else:
         bench = osu.Stream(world, args.dtype, args.check, args.window)
 
-    libs = open_libraries(comm_world, not args.no_r2comm, parse_peers(args.peer), args.gloo_addr)
+    libs = open_libraries(comm_world, not args.no_r2comm, parse_peers(args.peer), args.gloo_addr,
+                          r2comm_last=args.r2comm_last)
     labels = [lib.label for lib in libs]
     table = None
     if world.rank == 0:
@@ -142,7 +146,8 @@ def sweep_cmd(args, comm_world, argv):
             table.row([metrics(bench, r) for r in results])
 
     raw = osu.sweep(bench, libs, sizes, settings, on_size)
-    described = [{"name": lib.name, "label": lib.label, **lib.describe()} for lib in libs]
+    described = [{"name": lib.name, "label": lib.label, "built": getattr(lib, "built", None),
+                  **lib.describe()} for lib in libs]
     for lib in libs:
         lib.close()
     if world.rank == 0:
