@@ -434,6 +434,24 @@ def test_results_target_sentences():
     assert results.fsize(8) == "8 B" and results.fsize(64 << 20) == "64 MiB"
 
 
+def test_ratio_is_per_round_median_and_disagreement_is_named():
+    """Both libraries drift between rounds: the per-round ratio stays > 1 while the ratio of the
+    medians falls below 1; the target sentence says both."""
+    M = 1 << 20
+    r2 = {"time_us": 231.0, "round_us": [242, 245, 231, 174, 178]}
+    mpi = {"time_us": 213.0, "round_us": [284, 346, 209, 213, 210]}
+    assert report.speed_ratio(r2, mpi) == pytest.approx(210 / 178)   # median of the five ratios
+    assert report.medians_ratio(r2, mpi) == pytest.approx(213 / 231)
+    assert results.speed(r2, mpi) == pytest.approx(210 / 178)
+    assert results.speed(r2, mpi, paired=False) == pytest.approx(213 / 231)
+    # rounds that do not pair (older files, or a different count): the ratio of the medians
+    assert report.speed_ratio({"time_us": 2.0}, {"time_us": 3.0}) == 1.5
+    assert report.speed_ratio({"time_us": 2.0, "round_us": [1, 2]}, {"time_us": 3.0, "round_us": [3]}) == 1.5
+    assert results.disagreement({M: r2}, {M: mpi}) == "; the ratio of the two medians is 0.92× at 1 MiB"
+    assert results.disagreement({M: r2}, {M: dict(mpi, time_us=300.0)}) == ""
+    assert results.disagreement({64 << 10: r2}, {64 << 10: mpi}) == ""   # outside the target range
+
+
 def test_results_with_nothing_measured_says_not_run(tmp_path):
     """An empty folder, a broken file and a skipped step: every section says why, nothing raises."""
     (tmp_path / "bcast.json").write_text("{not json")
@@ -471,7 +489,7 @@ def test_results_from_short_runs(runs, tmp_path):
     mpi = {r["size"]: r for r in tcp["results"]["mpi-tcp"]}
     # the 1 MiB busbw row: r2comm and MPI-TCP busbw and their ratio, from the TCP job
     row = [line for line in text.splitlines() if line.startswith("| 1 MiB |")][0].split(" | ")
-    ratio = mpi[1 << 20]["time_us"] / r2[1 << 20]["time_us"]
+    ratio = report.speed_ratio(r2[1 << 20], mpi[1 << 20])  # per round, median over rounds
     assert row[1:4] == [f"{r2[1 << 20]['busbw_GBps']:.3f}", f"{mpi[1 << 20]['busbw_GBps']:.3f}", results.fratio(ratio)]
     target = [line for line in text.splitlines() if line.startswith("- busbw ≥ 1.0× MPI over TCP")][0]
     assert ("**met**" if ratio >= 1 else "**not met**") in target and "not measured: 2, 4, 8, 16, 32, 64 MiB" in target

@@ -22,6 +22,8 @@ import os
 import shlex
 import shutil
 
+from .report import medians_ratio, speed_ratio
+
 MiB = 1 << 20
 SMALL = 64 << 10  # allreduce sizes below this are shown as time per call, from this on as busbw
 TARGET_RANGE = (1 * MiB, 64 * MiB)  # issue 6: busbw targets at 1-64 MiB
@@ -211,11 +213,25 @@ def label_of(doc, name, transport=None):
     return None
 
 
-def speed(a, b):
-    """How many times faster row a is than row b (peer time / r2comm time); None if either is absent."""
+def speed(a, b, paired=True):
+    """How many times faster row a is than row b: peer time / r2comm time in each round, median
+    over rounds (report.speed_ratio), or with paired=False the ratio of the two medians; None
+    if either is absent."""
     if not a or not b or not a.get("time_us") or not b.get("time_us"):
         return None
-    return b["time_us"] / a["time_us"]
+    return speed_ratio(a, b) if paired else medians_ratio(a, b)
+
+
+def disagreement(r2rows, peer_rows, lo=TARGET_RANGE[0], hi=TARGET_RANGE[1], threshold=1.0):
+    """'; the ratio of the medians is ... at SIZE' for the sizes in lo..hi where it falls on the
+    other side of the threshold from the per-round ratio; '' where they agree."""
+    odd = []
+    for s in sorted(peer_rows):
+        a, b = r2rows.get(s), peer_rows.get(s)
+        p, m = speed(a, b), speed(a, b, paired=False)
+        if lo <= s <= hi and p is not None and m is not None and (p >= threshold) != (m >= threshold):
+            odd.append(f"{fratio(m)}× at {fsize(s)}")
+    return f"; the ratio of the two medians is {', '.join(odd)}" if odd else ""
 
 
 def evaluate_sizes(pairs, lo, hi, threshold=1.0):
@@ -289,8 +305,13 @@ def allreduce_section(res):
                       f"allreduce_tcp {res.why_missing('allreduce_tcp')}.", ""], []
     out += ["Two jobs, each interleaving r2comm with its peers size by size (median over rounds, "
             "time of the slowest rank). A ratio is r2comm's speed ÷ the peer's, measured in the "
-            "same job: > 1 means r2comm is faster. busbw in GB/s as in nccl-tests "
-            "(algbw × 2(n−1)/n).", ""]
+            "same job: > 1 means r2comm is faster. It is taken round by round (each round runs "
+            "both libraries back to back) and the median over rounds is shown: this VM's speed "
+            "drifts between rounds for both libraries at once, which the per-round ratio cancels. "
+            "The time and busbw columns are each library's own median, so where the machine "
+            "drifted a ratio can differ from the quotient of two columns; the targets below name "
+            "the sizes where the ratio of the medians falls on the other side of 1. busbw in GB/s "
+            "as in nccl-tests (algbw × 2(n−1)/n).", ""]
     for name, doc, what in (("allreduce_tcp", tcp, "r2comm vs MPI forced onto TCP over 127.0.0.1"),
                             ("allreduce_shm", shm, "r2comm vs MPI over shared memory vs Gloo")):
         if doc:
@@ -336,6 +357,7 @@ def allreduce_section(res):
     targets.append((line, ok))
     for title, r2rows, peer_rows in (("MPI over TCP", tcp_r2, tcp_mpi), ("Gloo", shm_r2, gloo)):
         text, ok = evaluate_sizes([(s, speed(r2rows.get(s), peer_rows.get(s))) for s in peer_rows], *TARGET_RANGE)
+        text += disagreement(r2rows, peer_rows)
         head = f"busbw ≥ 1.0× {title} at {fsize(TARGET_RANGE[0])}–{fsize(TARGET_RANGE[1])}: "
         if ok is None:
             targets.append((head + text, None))
