@@ -21,6 +21,7 @@
 #   single_rail      the same stream on one healthy rail (baseline after a failure)
 #   acks, acks_rev   16 MiB allreduce with and without acknowledgements, interleaved in one job;
 #                    acks_rev builds the two communicators in the other order
+#   acks1, acks1_rev the same on one rail (the machinery's own cost: both stripe alike)
 # and, as root with iproute2 (network namespaces; traffic stays in 198.18.0.0/15):
 #   testbed_failover          2 hosts x 2 NICs at 1 Gbit/s: 1 vs 2 NICs, a real NIC down
 #   testbed_degraded_<H>hosts H = 3, 4 hosts at 500 Mbit/s, one NIC of the last host down
@@ -146,6 +147,12 @@ step single_rail R2COMM_RAILS=127.0.0.1 -- failover --size 4M "${SR[@]}" --no-in
 step acks -- allreduce -m 16M:16M --peer r2comm-noack "${ACKS[@]}" -f --json "$OUT/acks.json"
 step acks_rev -- allreduce -m 16M:16M --peer r2comm-noack --r2comm-last "${ACKS[@]}" -f \
     --json "$OUT/acks_rev.json"
+# the same on one rail: both then stripe alike (without acks no rail rate is measured, and on
+# two rails r2comm-noack puts most bytes on one), so this is the machinery's own cost
+step acks1 R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noack "${ACKS[@]}" -f \
+    --json "$OUT/acks1.json"
+step acks1_rev R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noack --r2comm-last \
+    "${ACKS[@]}" -f --json "$OUT/acks1_rev.json"
 
 # the netns testbed (issue 4, 5): root and iproute2 only; bounded by the budget
 TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts)

@@ -368,6 +368,20 @@ def test_ack_overhead_in_one_job(tmp_path):
     both = 1 - ((1 - one[1]) * (1 - two[1])) ** 0.5
     assert f"— {results.fpct(both).replace('-', '−')}" in line, line
     assert "both build orders" in line and "over 6 rounds" in line
+    # on one rail both stripe alike: that figure is the target's, the two-rail one is told next to it
+    one_rail = tmp_path / "acks1.json"
+    bench(["allreduce", "--peer", "r2comm-noack", "-m", "1M:1M", "--rounds", "3", "--budget", "0.05",
+           "--json", str(one_rail)], env={"R2COMM_RAILS": "127.0.0.1"})
+    assert [len(lib["rails"]) for lib in load(one_rail)["libraries"]] == [1, 1]
+    proc = subprocess.run([sys.executable, "-m", "r2comm.bench", "results", str(tmp_path), "-o", str(md)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    line = [ln for ln in md.read_text().splitlines() if ln.startswith("- Ack overhead")][0]
+    single = results.ack_overhead(load(one_rail))[1]
+    assert f"— on one rail {results.fpct(single).replace('-', '−')}" in line, line
+    assert f"On two loopback rails {results.fpct(both).replace('-', '−')}" in line, line
+    assert "r2comm's bytes went" in line and "r2comm-noack's" in line
+    assert ("**met**" in line) == (single <= results.ACK_OVERHEAD)
 
 
 @needs_mpiexec
