@@ -386,6 +386,31 @@ def test_ack_overhead_in_one_job(tmp_path):
 
 @needs_mpiexec
 @pytest.mark.mpi
+def test_ab_settings_pairs_variants_in_one_job(tmp_path):
+    """bench/ab_settings.py: two r2comm variants (an env setting, an engine attribute) and MPI,
+    in rounds; per-round times for each, and the paired ratio lines."""
+    out = tmp_path / "ab.json"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, os.path.join(ROOT, "bench", "ab_settings.py"), "--size", "64K",
+           "--rounds", "2", "--seconds", "0.02", "--barrier", "--order", "rev", "--json", str(out),
+           "R2COMM_CHUNK_SIZE=16K", "engine.spin_extend=0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MPIEXEC_TIMEOUT": "100"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("# 64K allreduce, 2 ranks, 2 rounds x") and "build order rev" in lines[0]
+    assert lines[1].startswith("v0 R2COMM_CHUNK_SIZE=16K") and lines[2].startswith("v1 engine.spin_extend=0")
+    assert any(ln.startswith("v0/v1 time per round: median ") for ln in lines)
+    doc = json.loads(out.read_text())
+    assert set(doc["rounds_us"]) == {"v0", "v1", "mpi"}
+    assert all(len(v) == 2 and min(v) > 0 for v in doc["rounds_us"].values())
+    bad = subprocess.run([MPIEXEC, "-n", "2", sys.executable, os.path.join(ROOT, "bench", "ab_settings.py"),
+                          "engine.no_such=1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MPIEXEC_TIMEOUT": "100"})
+    assert bad.returncode != 0 and "Engine has no attribute 'no_such'" in bad.stdout + bad.stderr
+
+
+@needs_mpiexec
+@pytest.mark.mpi
 def test_r2comm_gloo_three_way(runs):
     gloo_or_skip()
     assert set(load(shm_run(runs))["results"]) == {"r2comm", "mpi-shm", "gloo"}
