@@ -19,7 +19,6 @@ The first communicator built in a job runs 1-2% slower than a second identical o
 """
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -28,6 +27,7 @@ from mpi4py import MPI
 
 import r2comm
 from r2comm.bench.osu import polite_barrier
+from r2comm.bench.peers import temporary_env
 from r2comm.bench.sizes import parse_size
 
 
@@ -47,16 +47,8 @@ def parse_variant(text):
 
 
 def build(world, env, attrs):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with temporary_env(env):
         comm = r2comm.Communicator(world)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     for k, v in attrs.items():
         if not hasattr(comm._engine, k):
             raise SystemExit(f"Engine has no attribute {k!r}")

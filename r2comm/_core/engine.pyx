@@ -1331,6 +1331,7 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
     cdef size_t i
     cdef CRef ref
     cdef uint8_t st
+    cdef uint32_t ln
     if c >= m.nchunks:
         return
     st = m.cstate[c]
@@ -1345,8 +1346,9 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
             forget_copies(e, e.peers[m.peer], m, c, r)
         else:
             drop_inflight(pr, m, c)
-        if rate_chunk(m, chunk_len(m.total, m.cs, c)):
-            measure_rate(pr, chunk_len(m.total, m.cs, c))
+        ln = chunk_len(m.total, m.cs, c)
+        if rate_chunk(m, ln):
+            measure_rate(pr, ln)
     if (st & C_RESENT) and e.awaiting_redelivery:
         e.awaiting_redelivery = 0
         add_event(e, EV_REDELIVERED, m.peer, r.index, e.me, chunk_len(m.total, m.cs, c),
@@ -2121,16 +2123,11 @@ cdef class Engine:
         for k in range(nmax):
             e.inj_mode.push_back(INJ_NONE)
             e.inj_peer.push_back(-1)
-        self.started = 0
+        # C fields of a cdef class start at zero (started, the spin counters and strikes)
         self.spin = 50e-6
-        self.spin_short_left = 0
-        self.spin_preempted = 0
         self.spin_adapt = 1
         self.spin_extend = 1
         self.spin_yield = SPIN_YIELD
-        self.spin_yields = 0
-        self.spin_extended = 0
-        self.spin_strikes = 0
 
     def start(self):
         import threading

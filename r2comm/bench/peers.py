@@ -15,6 +15,7 @@ Libraries:
     gloo    torch.distributed with the Gloo backend, rendezvous on
             tcp://ADDR:PORT with the port picked by rank 0
 """
+import contextlib
 import os
 import socket
 
@@ -122,6 +123,22 @@ class R2comm(_MpiStyle):
                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("R2COMM_")}}
 
 
+@contextlib.contextmanager
+def temporary_env(env):
+    """Set these environment variables while a Communicator is built (r2comm reads its
+    settings at construction), then put the old values back."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class R2commNoAck(R2comm):
     """A second r2comm communicator with acknowledgements off (R2COMM_ACKS=0: a chunk counts
     as delivered once written, no loss protection; benchmark only). In the same job as the
@@ -130,15 +147,8 @@ class R2commNoAck(R2comm):
     name = label = "r2comm-noack"
 
     def __init__(self, world):
-        old = os.environ.get("R2COMM_ACKS")
-        os.environ["R2COMM_ACKS"] = "0"        # read at bootstrap (rank 0's value is used)
-        try:
+        with temporary_env({"R2COMM_ACKS": "0"}):   # read at bootstrap (rank 0's value is used)
             super().__init__(world)
-        finally:
-            if old is None:
-                del os.environ["R2COMM_ACKS"]
-            else:
-                os.environ["R2COMM_ACKS"] = old
 
     def describe(self):
         return dict(super().describe(), acks=False)
