@@ -13,10 +13,11 @@ import zlib
 import numpy as np
 
 from . import bootstrap, planner
+from . import buffers as _buffers
 from . import faults as _faults
 from .config import Config
-from .errors import (R2commArgumentError, R2commBufferError, R2commClosedError,
-                     R2commNetworkError)
+from .errors import (R2commArgumentError, R2commBufferError, R2commBuildError,
+                     R2commClosedError, R2commNetworkError)
 from .links import Links
 from .ops import SUM, U8, as_op, dtype_code
 from .rails import Rail
@@ -81,23 +82,8 @@ def _flush_events(world):
 
 
 def _as_array(obj, writable, what):
-    """A C-contiguous numpy view of a buffer (never a copy), or a clear error."""
-    if isinstance(obj, np.ndarray):
-        arr = obj
-    else:
-        try:
-            arr = np.asarray(memoryview(obj))
-        except TypeError:
-            raise R2commBufferError(f"{what}: {type(obj).__name__} does not expose a buffer; pass "
-                                    "a numpy array (lowercase methods take Python objects)") from None
-    if not arr.flags.c_contiguous:
-        raise R2commBufferError(f"{what} is not contiguous (strides {arr.strides}); use "
-                                "np.ascontiguousarray")
-    if writable and not arr.flags.writeable:
-        raise R2commBufferError(f"{what} is read-only")
-    if arr.dtype.byteorder == ">":
-        raise R2commBufferError(f"{what} has non-native byte order")
-    return arr
+    """A C-contiguous numpy view of a buffer or mpi4py buffer specification (buffers.py)."""
+    return _buffers.as_array(obj, writable, what)
 
 
 def _spin_seconds(cfg, boot):
@@ -143,8 +129,8 @@ class Communicator:
 
     def __init__(self, mpi_comm=None, *, rails=None, timeout=None, chunk_size=None,
                  rail_timeout_ms=None, peer_timeout_ms=None, ctrl_addr=None, on_event=None):
+        Engine = _engine().Engine
         from mpi4py import MPI
-        from ._core.engine import Engine
         cfg = Config.from_env()
         for name, val in (("timeout", timeout), ("chunk_size", chunk_size),
                           ("rail_timeout_ms", rail_timeout_ms), ("peer_timeout_ms", peer_timeout_ms),
@@ -738,7 +724,15 @@ def _engine():
     """The compiled engine module (imported on first use, so `import r2comm` stays light)."""
     global _ENGINE
     if _ENGINE is None:
-        from ._core import engine as _ENGINE_MOD
+        try:
+            from ._core import engine as _ENGINE_MOD
+        except ImportError as exc:
+            import r2comm
+            where = os.path.dirname(os.path.dirname(os.path.abspath(r2comm.__file__)))
+            raise R2commBuildError(
+                f"r2comm's compiled engine is not built ({exc}). From the source tree {where} run "
+                "`bash scripts/test.sh` (creates .venv and builds it) or `pip install -e .`; "
+                "after editing engine sources, `python setup.py build_ext --inplace`") from exc
         _ENGINE = _ENGINE_MOD
     return _ENGINE
 

@@ -3,20 +3,34 @@ import os
 from dataclasses import dataclass, field
 
 
-def _int(name, default):
+def _parsed(name, default, conv, kind):
+    """The variable converted by conv, default when unset; a bad value names the variable."""
     v = os.environ.get(name)
-    return int(v) if v not in (None, "") else default
+    if v in (None, ""):
+        return default
+    try:
+        return conv(v)
+    except (TypeError, ValueError):
+        from .errors import R2commArgumentError
+        raise R2commArgumentError(f"{name}={v!r}: expected {kind}") from None
+
+
+def _int(name, default):
+    return _parsed(name, default, int, "an integer")
 
 
 def _float(name, default):
-    v = os.environ.get(name)
-    return float(v) if v not in (None, "") else default
+    return _parsed(name, default, float, "a number")
 
 
 def _bytes(name, default):
     """A byte count from the environment (K/M/G suffixes), at least 0; default when unset."""
-    v = os.environ.get(name)
-    return max(_size(v), 0) if v not in (None, "") else default
+    return max(_parsed(name, default, _size, "a byte count such as 65536, 64K or 4M"), 0)
+
+
+def _floats(name):
+    return _parsed(name, [], lambda v: [float(x) for x in v.split(",") if x.strip()],
+                   "comma-separated numbers")
 
 
 def _size(text):
@@ -68,17 +82,13 @@ class Config:
         c.rails = [r.strip() for r in rails.split(",") if r.strip()]
         c.ctrl_addr = os.environ.get("R2COMM_CTRL_ADDR", c.ctrl_addr) or c.ctrl_addr
         c.timeout = _float("R2COMM_TIMEOUT", c.timeout)
-        cs = os.environ.get("R2COMM_CHUNK_SIZE")
-        c.chunk_size = _size(cs) if cs else c.chunk_size
+        c.chunk_size = _bytes("R2COMM_CHUNK_SIZE", c.chunk_size)
         c.chunk_size = max(4096, min(c.chunk_size, 64 << 20)) // 8 * 8   # whole elements of any dtype
         c.rail_timeout_ms = _float("R2COMM_RAIL_TIMEOUT_MS", c.rail_timeout_ms)
         c.peer_timeout_ms = _float("R2COMM_PEER_TIMEOUT_MS", c.peer_timeout_ms)
-        w = os.environ.get("R2COMM_WINDOW")
-        c.window = _size(w) if w else c.window
-        eg = os.environ.get("R2COMM_EAGER")
-        c.eager = _size(eg) if eg else c.eager
-        bw = os.environ.get("R2COMM_RAIL_BW", "")
-        c.rail_bw = [float(x) for x in bw.split(",") if x.strip()]
+        c.window = _bytes("R2COMM_WINDOW", c.window)
+        c.eager = _bytes("R2COMM_EAGER", c.eager)
+        c.rail_bw = _floats("R2COMM_RAIL_BW")
         c.probe_ms = _float("R2COMM_PROBE_MS", c.probe_ms)
         c.probe_max_ms = _float("R2COMM_PROBE_MAX_MS", c.probe_max_ms)
         c.fault = os.environ.get("R2COMM_FAULT", "")

@@ -38,6 +38,10 @@ class R2commProtocolError(R2commError):
     """A peer broke the protocol (e.g. a different chunk size)."""
 
 
+class R2commBuildError(R2commError, ImportError):
+    """The compiled engine (r2comm/_core/engine.pyx) is not built for this Python."""
+
+
 # engine error codes (r2comm/_core/engine.pyx, E_*)
 CODE_CLASSES = {
     1: R2commTimeout,
