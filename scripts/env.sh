@@ -10,7 +10,13 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-"$VENV/bin/python" -m pip install -q -e "$ROOT[test]" 2>&1 | grep -v "is ignored" || true
+LOG="$VENV/install.log"
+# pip's and setuptools' chatter goes to a log, shown only when the install fails
+"$VENV/bin/python" -m pip install -q --upgrade pip >"$LOG" 2>&1 || true   # a newer pip is optional
+if ! "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >>"$LOG" 2>&1; then
+    cat "$LOG" >&2
+    echo "r2comm: installing into $VENV failed (log: $LOG)" >&2
+    exit 1
+fi
 "$VENV/bin/python" -c "import r2comm._core.engine" || { echo "r2comm did not build" >&2; exit 1; }
 export PATH="$VENV/bin:$PATH"
