@@ -254,13 +254,16 @@ class Communicator:
 
     # -- mpi4py-style accessors ----------------------------------------------------------------
     def Get_rank(self):
+        """This rank's index in the communicator (0 .. size-1)."""
         return self.rank
 
     def Get_size(self):
+        """The number of ranks in the communicator."""
         return self.size
 
     @property
     def mpi_comm(self):
+        """The mpi4py communicator this one was built on (bootstrap and lowercase object calls)."""
         return self._mpi
 
     def _check(self):
@@ -269,6 +272,9 @@ class Communicator:
 
     # -- communicator management ---------------------------------------------------------------
     def Dup(self):
+        """A new communicator over the same ranks with its own sequence of operations, so
+        a library can run collectives that never match the caller's. Collective: every rank
+        calls it. Shares this one's connections; Free() it when done."""
         self._check()
         new_mpi = self._mpi.Dup()
         cid = self._mpi.allreduce(self._world.next_comm_id, op=_mpi_max())
@@ -276,6 +282,9 @@ class Communicator:
         return Communicator._child(self._world, new_mpi, list(self._members), cid)
 
     def Split(self, color=0, key=0):
+        """Collective: ranks passing the same `color` form a new communicator, ordered by
+        `key` (then by rank), as MPI_Comm_split. A rank passing `color=None`, a negative color
+        or MPI.UNDEFINED takes part but gets None back."""
         self._check()
         from mpi4py import MPI
         undefined = color is None or color == MPI.UNDEFINED or color < 0
@@ -533,6 +542,8 @@ class Communicator:
         return s, r
 
     def Iallreduce(self, sendbuf, recvbuf, op=SUM):
+        """Start an allreduce; returns a Request (see Allreduce for the arguments). Several
+        may be in flight at once; every rank must start the same collectives in the same order."""
         if _is_gpu(recvbuf):
             return _gpu_staged(self.Iallreduce, sendbuf, recvbuf, op)
         self._check()
@@ -545,9 +556,16 @@ class Communicator:
         return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre)
 
     def Allreduce(self, sendbuf, recvbuf, op=SUM):
+        """Combine `sendbuf` of every rank with `op` (SUM, PROD, MIN, MAX or mpi4py's
+        MPI.* ops) into `recvbuf` on every rank. Pass IN_PLACE as sendbuf to reduce recvbuf in
+        place. Buffers: numpy arrays, buffer-protocol objects or mpi4py specifications such as
+        [buf, MPI.FLOAT], of the same size and dtype on every rank; the result is bitwise the same
+        on every rank. Raises R2commMismatchError when ranks disagree, R2commTimeout after
+        comm.timeout, R2commNetworkError when a peer is lost; rail failures are survived."""
         self.Iallreduce(sendbuf, recvbuf, op).Wait()
 
     def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0):
+        """Start a reduce to `root`; returns a Request (see Reduce)."""
         self._check()
         op = as_op(op)
         self._check_root(root)
@@ -563,9 +581,12 @@ class Communicator:
                            root=root, extra_pre=pre)
 
     def Reduce(self, sendbuf, recvbuf, op=SUM, root=0):
+        """Combine `sendbuf` of every rank with `op` into `recvbuf` on rank `root` (recvbuf
+        is ignored elsewhere; IN_PLACE as sendbuf on the root reduces recvbuf in place)."""
         self.Ireduce(sendbuf, recvbuf, op, root).Wait()
 
     def Ibcast(self, buf, root=0):
+        """Start a broadcast from `root`; returns a Request (see Bcast)."""
         if _is_gpu(buf):
             return _gpu_staged_bcast(self, buf, root)
         self._check()
@@ -574,9 +595,12 @@ class Communicator:
         return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root)
 
     def Bcast(self, buf, root=0):
+        """Copy `buf` of rank `root` into `buf` on every other rank (same size and dtype
+        everywhere; writable except on the root)."""
         self.Ibcast(buf, root).Wait()
 
     def Iallgather(self, sendbuf, recvbuf):
+        """Start an allgather; returns a Request (see Allgather)."""
         self._check()
         r = _as_array(recvbuf, True, "Allgather recvbuf")
         if r.nbytes % self.size:
@@ -596,9 +620,13 @@ class Communicator:
                            extra_pre=pre)
 
     def Allgather(self, sendbuf, recvbuf):
+        """Gather every rank's `sendbuf` into `recvbuf` on every rank, in rank order:
+        recvbuf holds size x sendbuf. With IN_PLACE, each rank's block is already in its slot of
+        recvbuf."""
         self.Iallgather(sendbuf, recvbuf).Wait()
 
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        """Start a reduce-scatter; returns a Request (see Reduce_scatter_block)."""
         self._check()
         op = as_op(op)
         s, r = self._pair(sendbuf, recvbuf, "Reduce_scatter_block")
@@ -615,9 +643,12 @@ class Communicator:
                            op.code, r, s)
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        """Reduce `sendbuf` (size equal blocks) over all ranks with `op`; rank i receives
+        block i of the result in `recvbuf` (IN_PLACE: in the first block of recvbuf)."""
         self.Ireduce_scatter_block(sendbuf, recvbuf, op).Wait()
 
     def Ialltoall(self, sendbuf, recvbuf):
+        """Start an all-to-all exchange; returns a Request (see Alltoall)."""
         self._check()
         if sendbuf is IN_PLACE:
             raise R2commArgumentError("Alltoall: IN_PLACE is not supported")
@@ -631,13 +662,17 @@ class Communicator:
                            r, s)
 
     def Alltoall(self, sendbuf, recvbuf):
+        """Block j of `sendbuf` (size equal blocks) goes to rank j, where it lands in block
+        i (the sender's rank) of `recvbuf`. The buffers must not overlap."""
         self.Ialltoall(sendbuf, recvbuf).Wait()
 
     def Ibarrier(self):
+        """Start a barrier; returns a Request that completes once every rank entered it."""
         self._check()
         return self._start("barrier", 0, 1, U8, 0, None, None)
 
     def Barrier(self):
+        """Return once every rank of the communicator has called Barrier."""
         self.Ibarrier().Wait()
 
     # -- point to point ----------------------------------------------------------------------------
@@ -678,16 +713,25 @@ class Communicator:
         return self._p2p("send", _as_array(buf, False, "Send buf"), dest, tag, rail=rail)
 
     def Send(self, buf, dest, tag=0, rail=None):
+        """Send `buf` to rank `dest` with `tag` (>= 0); returns once the buffer may be
+        reused. Messages between a pair with the same tag arrive in order. `rail` pins the
+        message to one rail while it is up (see Isend)."""
         self.Isend(buf, dest, tag, rail).Wait()
 
     def Irecv(self, buf, source, tag=ANY_TAG, status=None):
+        """Start receiving from rank `source` into `buf` (ANY_TAG matches any tag); returns
+        a Request. A `status` (r2comm.Status) receives the source, tag and byte count."""
         return self._p2p("recv", _as_array(buf, True, "Recv buf"), source, tag, status)
 
     def Recv(self, buf, source, tag=ANY_TAG, status=None):
+        """Receive a message from rank `source` into `buf`; R2commTruncateError when the
+        message is larger than the buffer."""
         self.Irecv(buf, source, tag, status).Wait()
 
     def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=None, recvtag=ANY_TAG,
                  status=None):
+        """Send `sendbuf` to `dest` and receive into `recvbuf` from `source` (default:
+        `dest`) at the same time, without deadlock."""
         rr = self.Irecv(recvbuf, dest if source is None else source, recvtag, status)
         sr = self.Isend(sendbuf, dest, sendtag)
         Request.Waitall([sr, rr])
@@ -705,14 +749,17 @@ class Communicator:
         return self._mpi.allreduce(x, op=as_op(op).mpi())
 
     def bcast(self, obj, root=0):
+        """Any picklable object of `root`, returned on every rank (through mpi4py)."""
         self._check()
         return self._mpi.bcast(obj, root=root)
 
     def allgather(self, obj):
+        """Every rank's picklable object, as a list in rank order (through mpi4py)."""
         self._check()
         return self._mpi.allgather(obj)
 
     def barrier(self):
+        """Same as Barrier()."""
         self.Barrier()
 
     def __repr__(self):

@@ -14,16 +14,22 @@ class Status:
         self.count = 0          # bytes received
 
     def Get_count(self, datatype=None):
+        """Bytes received (the datatype argument is accepted for mpi4py compatibility)."""
         return self.count
 
     def Get_source(self):
+        """The rank the message came from."""
         return self.source
 
     def Get_tag(self):
+        """The message's tag."""
         return self.tag
 
 
 class Request:
+    """A handle on an operation in flight, returned by the I* methods (mpi4py's Request).
+    Wait() blocks until it ends and raises its error; Test() polls. Keep the buffers alive and
+    untouched until it completes."""
     __slots__ = ("_comm", "_oid", "_keep", "_post", "_done", "_error", "_result", "_status",
                  "_timeout", "_nrecv")
 

@@ -106,3 +106,20 @@ def test_unbuilt_engine_says_what_to_do(tmp_path):
 def test_buffer_specs_in_collectives_and_p2p_three_ranks():
     rc, out = run_mpi(3, [os.path.join(ROOT, "tests", "api_worker.py")], timeout=60)
     assert "OK specs 3" in out, out[-3000:]
+
+
+def test_every_public_method_has_a_docstring():
+    """help() shows a description for every public name users call (not a source comment)."""
+    import inspect
+    from r2comm.communicator import Communicator
+    from r2comm.request import Request, Status
+    missing = []
+    for cls in (Communicator, Request, Status):
+        for name, obj in vars(cls).items():
+            if name.startswith("_"):
+                continue
+            f = obj.fget if isinstance(obj, property) else getattr(obj, "__func__", obj)
+            if callable(f) and not (f.__doc__ or "").strip():
+                missing.append(f"{cls.__name__}.{name}")
+    assert not missing, f"no docstring: {missing}"
+    assert inspect.getdoc(Communicator.Dup).startswith("A new communicator")
