@@ -82,7 +82,7 @@ class Links:
         return True
 
     def _attach(self, peer, rail, fd, conn_id):
-        self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id)
+        self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *tcp.take_keys(fd))
         with self._cv:
             self._attached += 1
             self._cv.notify_all()

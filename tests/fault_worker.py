@@ -6,6 +6,8 @@ random     trials of (collective, size, faults): 1 or 2 rails failed hard or sil
 partition  one rank loses every rail: every rank must raise R2commNetworkError within a bound
 flap       a rail flaps (fail/restore every few ms) under a stream of allreduces
 signals    a rank is stopped/continued and signalled: every progress thread keeps running
+integrity  R2COMM_INTEGRITY=mac: collectives exact at several sizes; a frame altered on the
+           wire fails its rail over, the result stays exact
 slowloris  clients trickle a handshake into every listener while a rail fails and comes back
 """
 import time
@@ -421,9 +423,52 @@ def sc_slowloris(comm, args):
     return ops
 
 
+def sc_integrity(comm, args):
+    """With R2COMM_INTEGRITY=mac (set by the test): every collective exact at several sizes;
+    then rank 0 alters one payload byte of a frame to rank 1 on rail 0 after its MAC (engine
+    test hook): rank 1 reports bad_frame (MAC mismatch), the rail fails over and comes back,
+    the allreduce is exact."""
+    n, r = comm.size, comm.rank
+    mode = comm._world.cfg.integrity
+    check(mode == "mac", f"integrity mode {mode}")
+    rng = np.random.default_rng(5)
+    done = 0
+    for nbytes in (8, 4100, 1 << 20, (3 << 20) + 12):
+        for coll in COLLS:
+            done += run_collective(comm, coll, nbytes, f"mac-{coll}-{nbytes}", rng)
+    cnt = 1 << 20                                     # 4 MiB: 8 chunks, striped over 3 rails
+    x = data("corrupt", r, cnt, "float32", SUM)
+    ref = reduce_ref("corrupt", n, cnt, "float32", SUM)
+    y = np.empty_like(x)
+    hit = 0
+    for attempt in range(10):
+        if r == 0:
+            comm._engine._test_corrupt(1, 0)
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), f"allreduce with a frame altered on the wire ({attempt})")
+        done += 1
+        mine = [ev for ev in comm.events if ev["kind"] == "bad_frame"]
+        hit = WORLD.allreduce(len(mine))
+        if hit:
+            break
+    if r == 1:
+        check(any(ev["peer"] == 0 and ev["rail"] == 0 and "MAC mismatch" in ev["info"]
+                  for ev in comm.events if ev["kind"] == "bad_frame"),
+              f"bad_frame on rank 1: {comm.events}")
+    failed = WORLD.allreduce(sum(1 for ev in comm.events if ev["kind"] == "rail_failed"))
+    check(failed >= 1, "the rail with the altered frame failed")
+    check(wait_rails_up(comm, 20), "the rail came back")
+    comm.Allreduce(x, y)
+    check(np.array_equal(y, ref), "allreduce after fail-back")
+    if r == 0:
+        print(f"INTEGRITY mode={mode} bad_frame={hit} rail_failed={failed}", flush=True)
+    return done
+
+
 SCENARIOS = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
              "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan,
-             "hedge": sc_hedge, "signals": sc_signals, "slowloris": sc_slowloris}
+             "hedge": sc_hedge, "signals": sc_signals, "slowloris": sc_slowloris,
+             "integrity": sc_integrity}
 
 
 def comm_kwargs(args):

@@ -19,7 +19,7 @@ class FakeEngine:
     def __init__(self):
         self.attached = []
 
-    def attach(self, peer, rail, fd, conn_id):
+    def attach(self, peer, rail, fd, conn_id, *keys):
         self.attached.append((peer, rail, conn_id))
         os.close(fd)
 

@@ -1,0 +1,169 @@
+// BLAKE2s (RFC 7693), keyed, for per-frame MACs (R2COMM_INTEGRITY=mac). Written from the RFC:
+// 32-bit words, 64-byte blocks, 10 rounds of G over a 4x4 state, the SHA-256 IV. Only what a
+// frame MAC needs: a keyed state prepared once per connection and direction (the key block
+// compressed once), then per frame: copy it, absorb header, payload and counter, finalize.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <cstddef>
+
+namespace r2 {
+
+struct b2s_state {
+    uint32_t h[8];
+    uint32_t t[2];       // bytes compressed so far (64-bit counter)
+    uint8_t buf[64];     // the block not yet compressed (kept until more data or the end)
+    uint32_t buflen;
+    uint32_t outlen;
+};
+
+static const uint32_t B2S_IV[8] = {0x6A09E667u, 0xBB67AE85u, 0x3C6EF372u, 0xA54FF53Au,
+                                   0x510E527Fu, 0x9B05688Cu, 0x1F83D9ABu, 0x5BE0CD19u};
+
+static const uint8_t B2S_SIGMA[10][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+};
+
+static inline uint32_t b2s_rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+static inline uint32_t b2s_load32(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+#define R2_B2S_G(a, b, c, d, x, y)            \
+    do {                                      \
+        v[a] = v[a] + v[b] + (x);             \
+        v[d] = b2s_rotr(v[d] ^ v[a], 16);     \
+        v[c] = v[c] + v[d];                   \
+        v[b] = b2s_rotr(v[b] ^ v[c], 12);     \
+        v[a] = v[a] + v[b] + (y);             \
+        v[d] = b2s_rotr(v[d] ^ v[a], 8);      \
+        v[c] = v[c] + v[d];                   \
+        v[b] = b2s_rotr(v[b] ^ v[c], 7);      \
+    } while (0)
+
+// RFC 7693 section 3.2: the compression function F
+static inline void b2s_compress(b2s_state* s, const uint8_t* block, int last) {
+    uint32_t m[16], v[16];
+    for (int i = 0; i < 16; i++) m[i] = b2s_load32(block + 4 * i);
+    for (int i = 0; i < 8; i++) { v[i] = s->h[i]; v[i + 8] = B2S_IV[i]; }
+    v[12] ^= s->t[0];
+    v[13] ^= s->t[1];
+    if (last) v[14] = ~v[14];
+#pragma GCC unroll 10
+    for (int r = 0; r < 10; r++) {      // unrolled: the message schedule folds to constants
+        const uint8_t* z = B2S_SIGMA[r];
+        R2_B2S_G(0, 4, 8, 12, m[z[0]], m[z[1]]);
+        R2_B2S_G(1, 5, 9, 13, m[z[2]], m[z[3]]);
+        R2_B2S_G(2, 6, 10, 14, m[z[4]], m[z[5]]);
+        R2_B2S_G(3, 7, 11, 15, m[z[6]], m[z[7]]);
+        R2_B2S_G(0, 5, 10, 15, m[z[8]], m[z[9]]);
+        R2_B2S_G(1, 6, 11, 12, m[z[10]], m[z[11]]);
+        R2_B2S_G(2, 7, 8, 13, m[z[12]], m[z[13]]);
+        R2_B2S_G(3, 4, 9, 14, m[z[14]], m[z[15]]);
+    }
+    for (int i = 0; i < 8; i++) s->h[i] ^= v[i] ^ v[i + 8];
+}
+#undef R2_B2S_G
+
+static inline void b2s_count(b2s_state* s, uint32_t n) {
+    s->t[0] += n;
+    if (s->t[0] < n) s->t[1]++;
+}
+
+static inline void b2s_update(b2s_state* s, const void* data, size_t n) {
+    const uint8_t* p = (const uint8_t*)data;
+    while (n > 0) {
+        if (s->buflen == 64) {          // a full block, and more follows: it is not the last
+            b2s_count(s, 64);
+            b2s_compress(s, s->buf, 0);
+            s->buflen = 0;
+        }
+        if (s->buflen == 0) {           // whole blocks straight from the input, keeping the
+            while (n > 64) {            // final one (it may be the last block of the message)
+                b2s_count(s, 64);
+                b2s_compress(s, p, 0);
+                p += 64;
+                n -= 64;
+            }
+        }
+        size_t take = 64 - s->buflen;
+        if (take > n) take = n;
+        memcpy(s->buf + s->buflen, p, take);
+        s->buflen += (uint32_t)take;
+        p += take;
+        n -= take;
+    }
+}
+
+// outlen 1..32 bytes of digest, key 0..32 bytes (RFC 7693 section 3.3: parameter block word 0
+// is 0x0101kknn; a key is padded to one block and compressed as the first block)
+static inline void b2s_init(b2s_state* s, uint32_t outlen, const void* key, uint32_t keylen) {
+    for (int i = 0; i < 8; i++) s->h[i] = B2S_IV[i];
+    s->h[0] ^= 0x01010000u ^ (keylen << 8) ^ outlen;
+    s->t[0] = s->t[1] = 0;
+    s->buflen = 0;
+    s->outlen = outlen;
+    if (keylen > 0) {
+        uint8_t block[64];
+        memset(block, 0, 64);
+        memcpy(block, key, keylen);
+        b2s_update(s, block, 64);
+        memset(block, 0, 64);
+    }
+}
+
+// Compress a pending full block now: only valid when more input follows (a frame MAC always
+// absorbs a header), so a keyed state can be prepared once with its key block compressed.
+static inline void b2s_prepare_more(b2s_state* s) {
+    if (s->buflen == 64) {
+        b2s_count(s, 64);
+        b2s_compress(s, s->buf, 0);
+        s->buflen = 0;
+    }
+}
+
+static inline void b2s_final(b2s_state* s, uint8_t* out) {
+    b2s_count(s, s->buflen);
+    memset(s->buf + s->buflen, 0, 64 - s->buflen);
+    b2s_compress(s, s->buf, 1);
+    uint8_t full[32];
+    for (int i = 0; i < 8; i++) {
+        full[4 * i] = (uint8_t)s->h[i];
+        full[4 * i + 1] = (uint8_t)(s->h[i] >> 8);
+        full[4 * i + 2] = (uint8_t)(s->h[i] >> 16);
+        full[4 * i + 3] = (uint8_t)(s->h[i] >> 24);
+    }
+    memcpy(out, full, s->outlen);
+}
+
+// The tag of one frame: keyed BLAKE2s (prepared in *keyed) over header, payload and the
+// frame's counter in its direction (little-endian), truncated to taglen bytes.
+static inline void frame_mac(const b2s_state* keyed, const void* hdr, size_t hlen,
+                             const void* payload, size_t plen, uint64_t counter, uint8_t* tag) {
+    b2s_state s = *keyed;
+    uint8_t ctr[8];
+    for (int i = 0; i < 8; i++) ctr[i] = (uint8_t)(counter >> (8 * i));
+    b2s_update(&s, hdr, hlen);
+    if (plen) b2s_update(&s, payload, plen);
+    b2s_update(&s, ctr, 8);
+    b2s_final(&s, tag);
+}
+
+// constant-time comparison of two tags
+static inline int tag_equal(const uint8_t* a, const uint8_t* b, size_t n) {
+    uint8_t d = 0;
+    for (size_t i = 0; i < n; i++) d |= a[i] ^ b[i];
+    return d == 0;
+}
+
+}  // namespace r2
