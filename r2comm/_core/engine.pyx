@@ -29,13 +29,18 @@ from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_
 from r2comm._core.transport cimport iovec, Transport, T_EOF
 from r2comm._core.tcp cimport tcp_transport
 
-cdef extern from "r2_blake2s.h" namespace "r2" nogil:
+cdef extern from "r2_mac.h" namespace "r2" nogil:
     cdef struct b2s_state:
         uint32_t buflen
     void b2s_init(b2s_state* s, uint32_t outlen, const void* key, uint32_t keylen)
     void b2s_update(b2s_state* s, const void* data, size_t n)
     void b2s_final(b2s_state* s, uint8_t* out)
     void b2s_prepare_more(b2s_state* s)
+    cdef struct p1305_state:
+        uint32_t buflen
+    void p1305_init(p1305_state* st, const uint8_t* key)
+    void p1305_update(p1305_state* st, const void* data, size_t n)
+    void p1305_final(p1305_state* st, uint8_t* tag)
     void frame_mac(const b2s_state* keyed, const void* hdr, size_t hlen, const void* payload,
                    size_t plen, uint64_t counter, uint8_t* tag)
     int tag_equal(const uint8_t* a, const uint8_t* b, size_t n)
@@ -182,7 +187,7 @@ cdef enum:
     INJ_SILENT = 2
     HEDGE_LATE = 1
     HEDGE_SLOW = 2
-    MAC_LEN = 16             # R2COMM_INTEGRITY=mac: keyed BLAKE2s-128 tag after every frame
+    MAC_LEN = 16             # R2COMM_INTEGRITY=mac: a Poly1305 tag after every frame
     MAC_KEY_LEN = 32
 
 cdef double DACK_DELAY = 0.0005   # s: longest a delayed ack waits for a frame to ride with
@@ -2208,11 +2213,23 @@ def blake2s(bytes data, bytes key=b"", int digest_size=32):
     return bytes(out[:digest_size])
 
 
+def poly1305(bytes key, bytes data):
+    """The engine's Poly1305 (RFC 8439), for tests."""
+    cdef p1305_state st
+    cdef uint8_t tag[16]
+    if len(key) != 32:
+        raise ValueError("a Poly1305 key is 32 bytes")
+    p1305_init(&st, <const uint8_t*><const char*>key)
+    p1305_update(&st, <const char*>data, len(data))
+    p1305_final(&st, tag)
+    return bytes(tag[:16])
+
+
 def frame_tag(bytes key, bytes header, bytes payload, uint64_t counter):
     """The MAC the engine puts after a frame (mac mode), for tests."""
     cdef b2s_state st
     cdef uint8_t tag[16]
-    b2s_init(&st, MAC_LEN, <const char*>key, len(key))
+    b2s_init(&st, 32, <const char*>key, len(key))
     b2s_prepare_more(&st)
     frame_mac(&st, <const char*>header, len(header), <const char*>payload, len(payload), counter, tag)
     return bytes(tag[:MAC_LEN])
@@ -2417,9 +2434,9 @@ cdef class Engine:
             r.fd = fd
             r.conn_id = conn_id
             if e.mac:
-                b2s_init(&r.tx_key, MAC_LEN, tk, MAC_KEY_LEN)
+                b2s_init(&r.tx_key, 32, tk, MAC_KEY_LEN)
                 b2s_prepare_more(&r.tx_key)
-                b2s_init(&r.rx_key, MAC_LEN, rk, MAC_KEY_LEN)
+                b2s_init(&r.rx_key, 32, rk, MAC_KEY_LEN)
                 b2s_prepare_more(&r.rx_key)
             r.tx_ctr = 0
             r.rx_ctr = 0
@@ -2533,8 +2550,9 @@ cdef class Engine:
 
     def set_integrity(self, bint mac):
         """R2COMM_INTEGRITY: False, frames carry a header checksum (catches accidents in the
-        header); True, every frame carries a keyed BLAKE2s tag over header, payload and its
-        counter in that direction (catches any change, replay or reordering in the stream).
+        header); True, every frame carries a Poly1305 tag over header and payload under a
+        one-time key derived (keyed BLAKE2s) from the connection's key for that direction and
+        the frame's counter in it (catches any change, replay or reordering in the stream).
         Set before the first attach; every rank of the job must agree."""
         cdef State* e = self._live()
         cdef Peer* p

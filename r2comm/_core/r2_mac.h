@@ -1,7 +1,7 @@
-// BLAKE2s (RFC 7693), keyed, for per-frame MACs (R2COMM_INTEGRITY=mac). Written from the RFC:
-// 32-bit words, 64-byte blocks, 10 rounds of G over a 4x4 state, the SHA-256 IV. Only what a
-// frame MAC needs: a keyed state prepared once per connection and direction (the key block
-// compressed once), then per frame: copy it, absorb header, payload and counter, finalize.
+// Per-frame MACs (R2COMM_INTEGRITY=mac): BLAKE2s (RFC 7693) derives a one-time key per frame,
+// Poly1305 (RFC 8439) authenticates the frame under it. Both written from their RFCs.
+// BLAKE2s: 32-bit words, 64-byte blocks, 10 rounds of G over a 4x4 state, the SHA-256 IV; a
+// keyed state is prepared once per connection and direction (the key block compressed once).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -146,17 +146,130 @@ static inline void b2s_final(b2s_state* s, uint8_t* out) {
     memcpy(out, full, s->outlen);
 }
 
-// The tag of one frame: keyed BLAKE2s (prepared in *keyed) over header, payload and the
-// frame's counter in its direction (little-endian), truncated to taglen bytes.
+// Poly1305 (RFC 8439, section 2.5), written from the RFC: the accumulator and r in three
+// limbs of 44, 44 and 42 bits, products in 128-bit integers, arithmetic mod 2^130 - 5.
+struct p1305_state {
+    uint64_t r0, r1, r2, s1, s2;     // clamped r, and r1 * 20, r2 * 20 (2^132 = 20 mod p)
+    uint64_t h0, h1, h2;
+    uint64_t pad[2];                 // s, added at the end
+    uint8_t buf[16];
+    uint32_t buflen;
+};
+
+static const uint64_t P_M44 = 0xFFFFFFFFFFFull, P_M42 = 0x3FFFFFFFFFFull;
+
+static inline uint64_t p_load64(const uint8_t* p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+static inline void p1305_init(p1305_state* st, const uint8_t key[32]) {
+    uint64_t lo = p_load64(key) & 0x0FFFFFFC0FFFFFFFull;       // r &= 0x0ffffffc0ffffffc
+    uint64_t hi = p_load64(key + 8) & 0x0FFFFFFC0FFFFFFCull;   //      0ffffffc0fffffff
+    st->r0 = lo & P_M44;
+    st->r1 = ((lo >> 44) | (hi << 20)) & P_M44;
+    st->r2 = hi >> 24;
+    st->s1 = st->r1 * 20;
+    st->s2 = st->r2 * 20;
+    st->h0 = st->h1 = st->h2 = 0;
+    st->pad[0] = p_load64(key + 16);
+    st->pad[1] = p_load64(key + 24);
+    st->buflen = 0;
+}
+
+// h = (h + block (+ 2^128 when full)) * r mod p, for each 16-byte block
+static inline void p1305_blocks(p1305_state* st, const uint8_t* m, size_t n, uint64_t hibit) {
+    typedef unsigned __int128 u128;
+    uint64_t r0 = st->r0, r1 = st->r1, r2 = st->r2, s1 = st->s1, s2 = st->s2;
+    uint64_t h0 = st->h0, h1 = st->h1, h2 = st->h2, c;
+    while (n >= 16) {
+        uint64_t t0 = p_load64(m), t1 = p_load64(m + 8);
+        h0 += t0 & P_M44;
+        h1 += ((t0 >> 44) | (t1 << 20)) & P_M44;
+        h2 += ((t1 >> 24) & P_M42) | hibit;
+        u128 d0 = (u128)h0 * r0 + (u128)h1 * s2 + (u128)h2 * s1;
+        u128 d1 = (u128)h0 * r1 + (u128)h1 * r0 + (u128)h2 * s2;
+        u128 d2 = (u128)h0 * r2 + (u128)h1 * r1 + (u128)h2 * r0;
+        c = (uint64_t)(d0 >> 44); h0 = (uint64_t)d0 & P_M44;
+        d1 += c; c = (uint64_t)(d1 >> 44); h1 = (uint64_t)d1 & P_M44;
+        d2 += c; c = (uint64_t)(d2 >> 42); h2 = (uint64_t)d2 & P_M42;
+        h0 += c * 5; c = h0 >> 44; h0 &= P_M44;
+        h1 += c;
+        m += 16;
+        n -= 16;
+    }
+    st->h0 = h0; st->h1 = h1; st->h2 = h2;
+}
+
+static inline void p1305_update(p1305_state* st, const void* data, size_t n) {
+    const uint8_t* p = (const uint8_t*)data;
+    if (st->buflen) {
+        size_t take = 16 - st->buflen;
+        if (take > n) take = n;
+        memcpy(st->buf + st->buflen, p, take);
+        st->buflen += (uint32_t)take;
+        p += take;
+        n -= take;
+        if (st->buflen < 16) return;
+        p1305_blocks(st, st->buf, 16, 1ull << 40);
+        st->buflen = 0;
+    }
+    size_t whole = n & ~(size_t)15;
+    if (whole) p1305_blocks(st, p, whole, 1ull << 40);
+    p += whole;
+    n -= whole;
+    if (n) {
+        memcpy(st->buf, p, n);
+        st->buflen = (uint32_t)n;
+    }
+}
+
+static inline void p1305_final(p1305_state* st, uint8_t tag[16]) {
+    uint64_t h0, h1, h2, c, g0, g1, g2, mask;
+    if (st->buflen) {                   // the last partial block: a 1 byte after it, no 2^128
+        st->buf[st->buflen] = 1;
+        memset(st->buf + st->buflen + 1, 0, 15 - st->buflen);
+        p1305_blocks(st, st->buf, 16, 0);
+    }
+    h0 = st->h0; h1 = st->h1; h2 = st->h2;
+    c = h1 >> 44; h1 &= P_M44; h2 += c;
+    c = h2 >> 42; h2 &= P_M42; h0 += c * 5;
+    c = h0 >> 44; h0 &= P_M44; h1 += c;
+    c = h1 >> 44; h1 &= P_M44; h2 += c;
+    c = h2 >> 42; h2 &= P_M42; h0 += c * 5;
+    c = h0 >> 44; h0 &= P_M44; h1 += c;
+    // h - p = h + 5 - 2^130: take it when it does not go negative (h >= p)
+    g0 = h0 + 5; c = g0 >> 44; g0 &= P_M44;
+    g1 = h1 + c; c = g1 >> 44; g1 &= P_M44;
+    g2 = h2 + c - (1ull << 42);
+    mask = (g2 >> 63) - 1;              // all ones if g2 >= 0
+    h0 = (h0 & ~mask) | (g0 & mask);
+    h1 = (h1 & ~mask) | (g1 & mask);
+    h2 = (h2 & ~mask) | (g2 & mask);
+    uint64_t lo = h0 | (h1 << 44), hi = (h1 >> 20) | (h2 << 24);
+    uint64_t t = lo + st->pad[0];
+    hi = hi + st->pad[1] + (t < lo);
+    lo = t;
+    for (int i = 0; i < 8; i++) { tag[i] = (uint8_t)(lo >> (8 * i)); tag[8 + i] = (uint8_t)(hi >> (8 * i)); }
+}
+
+// The tag of one frame: Poly1305 over header and payload, with a one-time key (r, s) that is
+// keyed BLAKE2s (the connection's key for this direction, prepared in *keyed with a 32-byte
+// output) of the frame's counter in this direction. Every frame gets its own Poly1305 key, as
+// RFC 8439 requires; a replayed, reordered or foreign frame is checked under another key.
 static inline void frame_mac(const b2s_state* keyed, const void* hdr, size_t hlen,
                              const void* payload, size_t plen, uint64_t counter, uint8_t* tag) {
     b2s_state s = *keyed;
-    uint8_t ctr[8];
+    uint8_t ctr[8], otk[32];
+    p1305_state p;
     for (int i = 0; i < 8; i++) ctr[i] = (uint8_t)(counter >> (8 * i));
-    b2s_update(&s, hdr, hlen);
-    if (plen) b2s_update(&s, payload, plen);
     b2s_update(&s, ctr, 8);
-    b2s_final(&s, tag);
+    b2s_final(&s, otk);
+    p1305_init(&p, otk);
+    p1305_update(&p, hdr, hlen);
+    if (plen) p1305_update(&p, payload, plen);
+    p1305_final(&p, tag);
 }
 
 // constant-time comparison of two tags
