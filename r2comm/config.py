@@ -59,7 +59,7 @@ class Config:
     window_ms: float = 150.0                       # R2COMM_WINDOW_MS: a rail's window, in ms of
                                                    #   its measured throughput (cap: R2COMM_WINDOW)
     integrity: str = "checksum"                    # R2COMM_INTEGRITY: checksum (header FNV-1a) or
-                                                   #   mac (keyed BLAKE2s per frame); rank 0's wins
+                                                   #   mac (Poly1305 per frame); rank 0's wins
     spin_us: float = -1.0                          # R2COMM_SPIN_US: busy-poll before blocking;
                                                    #   -1: 1000, or 50 on an oversubscribed host
 
