@@ -10,6 +10,9 @@ deadline, a malformed frame, or the peer's notice) its unacknowledged chunks go 
 the pair's queue and leave on the surviving rails; the receiver drops duplicates by chunk identity,
 so nothing is written or reduced twice. All engine state is guarded by one mutex; Python threads
 post operations and wait on a condition variable, both without the GIL.
+With R2COMM_INTEGRITY=mac every frame ends in a Poly1305 tag (r2_mac.h) keyed per connection,
+direction and frame counter; a frame is acted on only once its tag verifies, and one that does
+not fails its rail like any other malformed frame.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
