@@ -25,7 +25,8 @@ def run(mpi_comm, cfg, rails=None):
     secret = mpi_comm.bcast(os.urandom(32) if rank == 0 else None, root=0)
     job = hashlib.sha256(secret).digest()[:8]
     # parameters every rank must share come from rank 0
-    params = mpi_comm.bcast(dict(chunk_size=cfg.chunk_size, acks=cfg.acks) if rank == 0 else None,
+    params = mpi_comm.bcast(dict(chunk_size=cfg.chunk_size, acks=cfg.acks,
+                                 integrity=cfg.integrity) if rank == 0 else None,
                             root=0)
     error = None
     listeners = []

@@ -140,6 +140,7 @@ class Communicator:
         mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         boot = bootstrap.run(mpi_comm, cfg, rails)
         cfg.chunk_size = boot.params["chunk_size"]
+        cfg.integrity = boot.params["integrity"]
         links = None
         engine = Engine(boot.rank, boot.size,
                         [0 if j == boot.rank else min(len(boot.rail_addrs), len(ep["rails"]))
@@ -147,6 +148,7 @@ class Communicator:
                         cfg.chunk_size, cfg.rail_timeout_ms / 1e3, cfg.peer_timeout_ms / 1e3,
                         cfg.window, cfg.probe_ms / 1e3, cfg.probe_max_ms / 1e3)
         try:
+            engine.set_integrity(cfg.integrity == "mac")
             engine.start()
             links = Links(engine, boot, cfg)
             err = None

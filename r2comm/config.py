@@ -72,6 +72,8 @@ class Config:
                                                    #   socket holds (TCP_NOTSENT_LOWAT), 0 off
     window_ms: float = 150.0                       # R2COMM_WINDOW_MS: a rail's window, in ms of
                                                    #   its measured throughput (cap: R2COMM_WINDOW)
+    integrity: str = "checksum"                    # R2COMM_INTEGRITY: checksum (header FNV-1a) or
+                                                   #   mac (Poly1305 per frame); rank 0's wins
     spin_us: float = -1.0                          # R2COMM_SPIN_US: busy-poll before blocking;
                                                    #   -1: 1000, or 50 on an oversubscribed host
 
@@ -105,6 +107,10 @@ class Config:
         c.sockbuf = _bytes("R2COMM_SOCKBUF", c.sockbuf)
         c.spin_us = _float("R2COMM_SPIN_US", c.spin_us)
         c.notsent_lowat = _bytes("R2COMM_NOTSENT_LOWAT", c.notsent_lowat)
+        c.integrity = (os.environ.get("R2COMM_INTEGRITY", "") or c.integrity).strip().lower()
+        if c.integrity not in ("checksum", "mac"):
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_INTEGRITY={c.integrity!r}: must be checksum or mac")
         c.window_ms = _float("R2COMM_WINDOW_MS", c.window_ms)
         if c.window_ms <= 0:
             from .errors import R2commArgumentError

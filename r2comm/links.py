@@ -2,10 +2,13 @@
 
 Rank i connects to every higher rank j once per common rail and once for control; the lower
 rank also re-connects a failed rail once the engine says a probe is due, so a rail whose link
-came back is re-admitted without user action. One thread accepts (and authenticates) incoming
-connections for the whole life of the engine."""
+came back is re-admitted without user action. One thread accepts incoming connections for the
+whole life of the engine and authenticates them without blocking (tcp.ServerHandshake, driven by
+a selector): a connection that never finishes its handshake holds one of MAX_PENDING slots until
+its deadline, never the thread, so fail-back probes and event delivery keep running."""
+import collections
 import logging
-import select
+import selectors
 import threading
 import time
 
@@ -13,6 +16,10 @@ from ._core import tcp
 from .errors import R2commNetworkError
 
 log = logging.getLogger("r2comm")
+HANDSHAKE_TIMEOUT = 2.0     # s: a whole incoming handshake (a rail's takes about a millisecond)
+MAX_PENDING = 64            # incoming handshakes in progress; more connections are closed at once
+REJECTED_KEEP = 256         # refused connections remembered in Links.rejected
+LOG_EVERY = 5.0             # s: at most one warning about refused connections per this
 
 
 class Links:
@@ -23,7 +30,13 @@ class Links:
         self.me = boot.rank
         self.nrails = [0 if j == self.me else min(len(boot.rail_addrs), len(ep["rails"]))
                        for j, ep in enumerate(boot.endpoints)]
-        self.rejected = []            # (time, reason) of refused connections
+        self.rejected = collections.deque(maxlen=REJECTED_KEEP)  # (time, reason), newest last
+        self.nrejected = 0            # refused connections in all (the deque keeps the last ones)
+        self.handshake_timeout = HANDSHAKE_TIMEOUT
+        self.max_pending = MAX_PENDING
+        self._pending = {}            # fd -> (ServerHandshake, listener index)
+        self._log_next = 0.0          # rate limit of the "refused a connection" warning
+        self._log_quiet = 0
         self._attached = 0
         self._cv = threading.Condition()
         self._stop = threading.Event()
@@ -69,7 +82,7 @@ class Links:
         return True
 
     def _attach(self, peer, rail, fd, conn_id):
-        self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id)
+        self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *tcp.take_keys(fd))
         with self._cv:
             self._attached += 1
             self._cv.notify_all()
@@ -77,44 +90,106 @@ class Links:
     # -- the thread -----------------------------------------------------------------------------
     def _serve(self):
         listeners = self.boot.listeners
-        next_probe = 0.0
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select(listeners, [], [], 0.02)
-            except (OSError, ValueError):
-                return
-            for lst in ready:
-                self._accept(lst, listeners.index(lst))
-            now = time.monotonic()
-            if now >= next_probe:
-                next_probe = now + 0.02
-                self._probe()
-                if self.on_tick is not None:
-                    try:
-                        self.on_tick()
-                    except RuntimeError:
-                        return
-
-    def _accept(self, lst, lindex):
-        ctrl_index = len(self.boot.listeners) - 1
-
-        def admit(peer, rail):
-            if not (0 <= peer < self.boot.size and peer != self.me):
-                return False
-            if rail == tcp.CTRL_RAIL:
-                return lindex == ctrl_index
-            # the listener must be that rail's, and an injected fault keeps the NIC dark
-            return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
+        sel = selectors.DefaultSelector()
         try:
-            peer, rail, fd, conn_id = tcp.accept(lst, self.boot.secret, self.boot.job, self.me,
-                                                 1.0, self.cfg.rail_timeout_ms, admit,
-                                                 self.cfg.sockbuf, self.cfg.notsent_lowat)
+            for i, lst in enumerate(listeners):
+                lst.setblocking(False)
+                sel.register(lst, selectors.EVENT_READ, i)
+            next_probe = 0.0
+            while not self._stop.is_set():
+                try:
+                    ready = sel.select(0.02)
+                except (OSError, ValueError):
+                    return
+                for key, _ in ready:
+                    if key.data is None:
+                        self._step(sel, key.fd)
+                    else:
+                        self._accept(sel, key.fileobj, key.data)
+                now = time.monotonic()
+                for fd in [fd for fd, v in self._pending.items() if now >= v[0].deadline]:
+                    self._step(sel, fd, now)
+                if now >= next_probe:
+                    next_probe = now + 0.02
+                    self._probe()
+                    if self.on_tick is not None:
+                        try:
+                            self.on_tick()
+                        except RuntimeError:
+                            return
+        finally:
+            for hs, _ in list(self._pending.values()):
+                hs.close()
+            self._pending.clear()
+            sel.close()
+
+    def _accept(self, sel, lst, lindex):
+        """Take the connections waiting on a listener and start their handshakes."""
+        for _ in range(self.max_pending + 1):
+            try:
+                sock, addr = lst.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._reject(f"accept failed: {exc}")
+                return
+            if len(self._pending) >= self.max_pending:
+                sock.close()
+                self._reject(f"connection from {addr[0]}:{addr[1]} closed: {self.max_pending} "
+                             "handshakes already pending")
+                continue
+            ctrl_index = len(self.boot.listeners) - 1
+
+            def admit(peer, rail, lindex=lindex):
+                if not (0 <= peer < self.boot.size and peer != self.me):
+                    return False
+                if rail == tcp.CTRL_RAIL:
+                    return lindex == ctrl_index
+                # the listener must be that rail's, and an injected fault keeps the NIC dark
+                return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
+            hs = tcp.ServerHandshake(sock, addr, self.boot.secret, self.boot.job, self.me,
+                                     time.monotonic() + self.handshake_timeout,
+                                     self.cfg.rail_timeout_ms, admit, self.cfg.sockbuf,
+                                     self.cfg.notsent_lowat)
+            fd = sock.fileno()
+            self._pending[fd] = (hs, lindex)
+            sel.register(fd, selectors.EVENT_READ, None)
+            self._step(sel, fd)
+
+    def _step(self, sel, fd, now=None):
+        """Advance the pending handshake on socket fd; past its deadline it is refused."""
+        hs, _ = self._pending[fd]
+        try:
+            res = hs.step(now)
         except (OSError, tcp.HandshakeError) as exc:
+            self._forget(sel, fd)
+            hs.close()
             if "refused (rail failed" not in str(exc):
-                self.rejected.append((time.time(), str(exc)))
-                log.warning("r2comm rank %d: refused a connection: %s", self.me, exc)
+                self._reject(str(exc))
             return
-        self._attach(peer, rail, fd, conn_id)
+        if res is not None:
+            self._forget(sel, fd)          # fd now belongs to the engine
+            self._attach(*res)
+
+    def _forget(self, sel, fd):
+        del self._pending[fd]
+        try:
+            sel.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+    def _reject(self, reason):
+        """Remember a refused connection; warn at most once per LOG_EVERY seconds."""
+        self.rejected.append((time.time(), reason))
+        self.nrejected += 1
+        now = time.monotonic()
+        if now >= self._log_next:
+            more = f" ({self._log_quiet} more not logged)" if self._log_quiet else ""
+            log.warning("r2comm rank %d: refused a connection: %s%s", self.me, reason, more)
+            self._log_next = now + LOG_EVERY
+            self._log_quiet = 0
+        else:
+            self._log_quiet += 1
 
     def _probe(self):
         try:

@@ -6,6 +6,9 @@ random     trials of (collective, size, faults): 1 or 2 rails failed hard or sil
 partition  one rank loses every rail: every rank must raise R2commNetworkError within a bound
 flap       a rail flaps (fail/restore every few ms) under a stream of allreduces
 signals    a rank is stopped/continued and signalled: every progress thread keeps running
+integrity  R2COMM_INTEGRITY=mac: collectives exact at several sizes; a frame altered on the
+           wire fails its rail over, the result stays exact
+slowloris  clients trickle a handshake into every listener while a rail fails and comes back
 """
 import time
 
@@ -334,9 +337,138 @@ def sc_signals(comm, args):
     return 1
 
 
+def sc_slowloris(comm, args):
+    """Clients (from this test, to this rank's own listening ports on 127.0.0.x) trickle one
+    byte of a plausible HELLO every half second into every listener, reconnecting whenever they
+    are cut off, while rank 1 fails rail 0 and restores it. Fail-back must still happen within
+    its normal bound and events must keep reaching on_event."""
+    import socket
+    import struct
+    import threading
+    n, r = comm.size, comm.rank
+    links = comm._world.links
+    stop = threading.Event()
+    hello = struct.pack("!4sH", b"R2CH", 1) + bytes(38)      # looks right, never completes
+
+    def trickle(addr):
+        end = time.monotonic() + 90
+        while not stop.is_set() and time.monotonic() < end:
+            try:
+                s = socket.create_connection(addr, timeout=2)
+            except OSError:
+                stop.wait(0.1)
+                continue
+            try:
+                for i in range(len(hello)):
+                    if stop.wait(0.5):
+                        break
+                    s.send(hello[i:i + 1])
+            except OSError:
+                pass                                    # cut off: connect again
+            finally:
+                s.close()
+    attackers = [threading.Thread(target=trickle, args=(lst.getsockname(),), daemon=True)
+                 for lst in comm._world.boot.listeners for _ in range(2)]
+    for t in attackers:
+        t.start()
+    delivered = []
+    comm.on_event(lambda ev: delivered.append(ev["kind"]))
+    time.sleep(1.0)                                     # the clients are inside handshakes
+    x = data("slow", r, 200_000, "float32", SUM)
+    ref = reduce_ref("slow", n, 200_000, "float32", SUM)
+    y = np.empty_like(x)
+    ops = 0
+    if r == 1:
+        comm.fail_rail(0, "hard")
+    for _ in range(5):
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), "allreduce with rail 0 failed")
+        ops += 1
+    WORLD.Barrier()
+    if r == 1:
+        comm.restore_rail(0)
+    t0 = time.monotonic()
+    took = None
+    for _ in range(2000):                               # bounded: ~20 s at most
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), "allreduce during fail-back")
+        ops += 1
+        up = WORLD.allreduce(int(comm.rails[0].state == "up"))
+        if up == n:
+            took = time.monotonic() - t0
+            break
+        if time.monotonic() - t0 > 20:
+            break
+        time.sleep(0.01)
+    for _ in range(200):                                # events reach on_event (bounded 2 s)
+        if "rail_restored" in delivered:
+            break
+        time.sleep(0.01)
+    for _ in range(400):                                # a 2 s handshake deadline cuts them
+        if len(links.rejected) >= 1:
+            break
+        time.sleep(0.01)
+    stop.set()
+    for t in attackers:
+        t.join(3)
+    cut = len(links.rejected)
+    took_max = WORLD.allreduce(took if took is not None else 1e9, op=MPI.MAX)
+    evs_ok = WORLD.allreduce(int("rail_failed" in delivered and "rail_restored" in delivered))
+    cut_min = WORLD.allreduce(cut, op=MPI.MIN)
+    if r == 0:
+        print(f"SLOWLORIS failback_s={took_max:.2f} ops={ops} rejected_min={cut_min}", flush=True)
+    check(took_max < 5.0, f"fail-back under a slowloris took {took_max} s")
+    check(evs_ok == n, f"events delivered to on_event: {delivered}")
+    check(cut_min >= 1, "the trickling connections were cut off at the handshake deadline")
+    return ops
+
+
+def sc_integrity(comm, args):
+    """With R2COMM_INTEGRITY=mac (set by the test): every collective exact at several sizes;
+    then rank 0 alters one payload byte of a frame to rank 1 on rail 0 after its MAC (engine
+    test hook): rank 1 reports bad_frame (MAC mismatch), the rail fails over and comes back,
+    the allreduce is exact."""
+    n, r = comm.size, comm.rank
+    mode = comm._world.cfg.integrity
+    check(mode == "mac", f"integrity mode {mode}")
+    rng = np.random.default_rng(5)
+    done = 0
+    for nbytes in (8, 4100, 1 << 20, (3 << 20) + 12):
+        for coll in COLLS:
+            done += run_collective(comm, coll, nbytes, f"mac-{coll}-{nbytes}", rng)
+    cnt = 1 << 20                                     # 4 MiB: 8 chunks, striped over 3 rails
+    x = data("corrupt", r, cnt, "float32", SUM)
+    ref = reduce_ref("corrupt", n, cnt, "float32", SUM)
+    y = np.empty_like(x)
+    hit = 0
+    for attempt in range(10):
+        if r == 0:
+            comm._engine._test_corrupt(1, 0)
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), f"allreduce with a frame altered on the wire ({attempt})")
+        done += 1
+        mine = [ev for ev in comm.events if ev["kind"] == "bad_frame"]
+        hit = WORLD.allreduce(len(mine))
+        if hit:
+            break
+    if r == 1:
+        check(any(ev["peer"] == 0 and ev["rail"] == 0 and "MAC mismatch" in ev["info"]
+                  for ev in comm.events if ev["kind"] == "bad_frame"),
+              f"bad_frame on rank 1: {comm.events}")
+    failed = WORLD.allreduce(sum(1 for ev in comm.events if ev["kind"] == "rail_failed"))
+    check(failed >= 1, "the rail with the altered frame failed")
+    check(wait_rails_up(comm, 20), "the rail came back")
+    comm.Allreduce(x, y)
+    check(np.array_equal(y, ref), "allreduce after fail-back")
+    if r == 0:
+        print(f"INTEGRITY mode={mode} bad_frame={hit} rail_failed={failed}", flush=True)
+    return done
+
+
 SCENARIOS = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
              "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan,
-             "hedge": sc_hedge, "signals": sc_signals}
+             "hedge": sc_hedge, "signals": sc_signals, "slowloris": sc_slowloris,
+             "integrity": sc_integrity}
 
 
 def comm_kwargs(args):

@@ -90,3 +90,13 @@ def test_automatic_replan_after_nic_loss():
                               rails="127.0.0.1,127.0.0.2")
     assert count == 48
     assert "AUTOREPLAN before=ring after=degraded" in out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_failback_and_events_survive_slow_handshakes(n):
+    """Clients that trickle a handshake into every listener (one byte every 0.5 s) no longer
+    hold the links thread: a restored rail is re-admitted within the usual bound and events
+    keep reaching on_event."""
+    count, out = run_scenario(n, "slowloris", timeout=120, env=FAST)
+    assert re.search(r"SLOWLORIS failback_s=\d", out), out[-3000:]
+    assert count >= 5 * n
