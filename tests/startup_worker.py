@@ -16,6 +16,8 @@ dead_rail  the job starts with some rails dark (R2COMM_FAULT start=1 on loopback
            (needed when a pair had no rail at all: its traffic is relayed until re-planned).
 partition  the rails cannot connect the ranks: Communicator() must raise R2commNetworkError on
            every rank within max_up s, naming the ranks.
+bad_rails  R2COMM_RAILS names an address (addr=) this machine lacks: R2commArgumentError on
+           every rank, naming the address and the variable.
 late       rank `late` waits `sleep` s before creating its Communicator: the others must wait
            for it without a busy CPU (cpu_max s of CPU time at most).
 
@@ -166,6 +168,16 @@ def main():
         comm, err = None, exc
     took, cpu = time.monotonic() - t0, time.process_time() - c0
     max_up = float(args.get("max_up", 15))
+    if name == "bad_rails":
+        msg = str(err)
+        check(isinstance(err, r2comm.R2commArgumentError) and args["addr"] in msg and
+              "R2COMM_RAILS" in msg, f"rank {WORLD.rank}: expected an R2commArgumentError "
+                                     f"naming {args['addr']} and R2COMM_RAILS, got {err!r}")
+        count = WORLD.allreduce(1)
+        if WORLD.rank == 0:
+            print(f"STARTUP {json.dumps({'error': msg})}", flush=True)
+            print(f"OK {name} {count}", flush=True)
+        return
     if name == "partition":
         check(isinstance(err, r2comm.R2commNetworkError),
               f"rank {WORLD.rank}: expected R2commNetworkError, got {err!r}")
