@@ -106,6 +106,10 @@ def sc_dead_rail(comm, args, took, cpu):
         check(ra.state == ("up" if not down_peers else
                            "down" if len(down_peers) == ra.peers else "degraded"), str(ra))
     done = collectives(comm, "start")
+    dup = comm.Dup()                    # a derived communicator plans for the start state too
+    check((dup._state is None) == (comm._state is None), "Dup follows the start-up state")
+    done += collectives(dup, "dup")
+    dup.Free()
     row = {"rank": r, "took_s": round(took, 3), "cpu_s": round(cpu, 3),
            "never_up": sorted(never), "rails": [(ra.state, ra.peers_up) for ra in rails],
            "epoch_state": None if comm._state is None else comm._state.describe(),

@@ -75,11 +75,11 @@ def test_partition_at_start_raises_on_every_rank_fast():
 
 @pytest.mark.mpi
 def test_waiting_for_a_late_rank_does_not_spin():
-    """Rank 1 creates its Communicator 3 s after the others: they wait without burning a CPU
+    """Rank 1 creates its Communicator 5 s after the others: they wait without burning a CPU
     (MPI collectives busy-poll; start-up waits in a sleeping Ibarrier loop)."""
-    rows = _job(3, "late", {}, late=1, sleep=3, cpu_max=1.0)
+    rows = _job(3, "late", {}, late=1, sleep=5, cpu_max=0.3)
     waited = [r for r in rows if r["rank"] != 1]
-    assert all(r["took_s"] > 2 for r in waited), rows      # they really waited
+    assert all(r["took_s"] > 4 for r in waited), rows      # they really waited
 
 
 @pytest.mark.mpi
@@ -197,7 +197,7 @@ def _testbed_dead_nic_at_start(fab, tmp_path, fault, heal):
     fault()
     marker = tmp_path / "ready.json"
     argv = [sys.executable, WORKER, "dead_rail", "down=0-1:1,0-2:1", "heal=1", f"marker={marker}",
-            "restore_wait=15", "max_up=15", "cpu_max=2.0"]
+            "restore_wait=15", "max_up=15", "cpu_max=0.5"]
     started = time.monotonic()
     proc = fab.mpiexec(3, argv, env=TB_ENV, timeout=TB_JOB_TIMEOUT, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
