@@ -39,8 +39,8 @@ def resolve(spec, what="R2COMM_RAILS"):
                                       "interface with one (see `ip -4 addr`)") from None
     if ipaddress.IPv4Address(addr).is_unspecified:
         via = "" if addr == spec else f" (interface {spec!r} resolves to it)"
-        warnings.warn(f"{what}: {addr}{via} is the wildcard address, not one NIC: traffic on this "
-                      "rail takes whatever route the kernel picks, and peers on other hosts cannot "
+        warnings.warn(f"{what}: {addr}{via} is the wildcard address, not one NIC: traffic through it "
+                      "takes whatever route the kernel picks, and peers on other hosts cannot "
                       "reach it; name each NIC's own address or interface", RuntimeWarning,
                       stacklevel=3)
     return addr

@@ -45,7 +45,7 @@ def test_rail_down_at_start_comes_up_and_fails_back():
     the rail is re-admitted and carries bytes without any user action."""
     env = dict(FAST, R2COMM_FAULT="rank=1,rail=1,start=1,restore_ms=1000")
     rows = _job(3, "dead_rail", env, down="0-1:1,1-2:1", heal=1, restore_wait=10, max_up=10,
-                cpu_max=1.0)
+                cpu_max=0.5)
     assert len(rows) == 3
     assert all(r["took_s"] < 10 for r in rows), rows
     assert all(r["restored_after_s"] < 8 for r in rows), rows
