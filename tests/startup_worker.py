@@ -3,7 +3,8 @@ test_testbed.py).
 
     mpiexec -n N python tests/startup_worker.py SCENARIO [key=value ...]
 
-Each rank times its own Communicator() (wall and CPU seconds) before anything else.
+Each rank times its own Communicator() (wall and CPU seconds) before anything else; with
+start_marker=PATH rank 0 writes PATH just before it creates its Communicator.
 
 dead_rail  the job starts with some rails dark (R2COMM_FAULT start=1 on loopback, a NIC down or
            blackholed in the netns testbed). down="a-b:k,..." names the (rank pair, rail)s
@@ -164,6 +165,10 @@ def main():
     faulthandler.dump_traceback_later(float(args.get("dump_after", 100)), exit=False)
     if name == "late" and WORLD.rank == int(args.get("late", 1)):
         time.sleep(float(args.get("sleep", 3)))
+    if args.get("start_marker") and WORLD.rank == 0:     # the driver times faults from here
+        with open(args["start_marker"] + ".tmp", "w") as f:
+            json.dump({"t": time.time()}, f)
+        os.replace(args["start_marker"] + ".tmp", args["start_marker"])
     t0, c0 = time.monotonic(), time.process_time()
     try:
         comm = r2comm.Communicator(MPI.COMM_WORLD, timeout=float(args.get("timeout", 30)))

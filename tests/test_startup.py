@@ -237,3 +237,35 @@ def test_testbed_blackholed_nic_at_start(fab3, tmp_path):
                                       lambda: fab3.unblackhole(0, 1))
     assert all(r["took_s"] < 15 for r in rows), rows
     assert all(r["restored_after_s"] < 10 for r in rows), rows
+
+
+@pytest.mark.netns
+@pytest.mark.mpi
+def test_testbed_nic_back_during_start_up(fab3, tmp_path):
+    """Host 0's NIC 1 is down at launch and comes back 1.5 s into the start-up: the attempts
+    are retried within the start-up window, so every rail is up from the start (no
+    rail_never_up) and the start-up ends as soon as it connected, before the deadline."""
+    from r2comm.testbed import kill_job
+    fab3.nic_down(0, 1)
+    marker = tmp_path / "starting.json"
+    argv = [sys.executable, WORKER, "dead_rail", "down=", f"start_marker={marker}", "max_up=7.5"]
+    proc = fab3.mpiexec(3, argv, env=dict(TB_ENV, R2COMM_CONNECT_TIMEOUT="8"),
+                        timeout=TB_JOB_TIMEOUT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert marker.exists(), "the job never started its Communicator"
+        time.sleep(max(0.0, json.loads(marker.read_text())["t"] + 1.5 - time.time()))
+        fab3.nic_up(0, 1)
+        out, _ = proc.communicate(timeout=TB_JOB_TIMEOUT + 15)
+    finally:
+        kill_job(proc)
+        fab3.nic_up(0, 1)
+    print("", *out.splitlines()[-5:], sep="\n")
+    assert proc.returncode == 0 and "OK dead_rail " in out, out[-6000:]
+    rows = _rows(out)
+    assert len(rows) == 3 and all(r["never_up"] == [] for r in rows), rows
+    assert all(r["rails"] == [["up", 2], ["up", 2]] for r in rows), rows
+    assert all(1.4 < r["took_s"] < 7.5 for r in rows[:1]), rows
