@@ -194,6 +194,11 @@ class Communicator:
                                   cfg.timeout + cfg.connect_timeout)
             start.check(cfg.connect_timeout)
             links.settle(start)
+            if start.down_rails() and boot.rank == 0:
+                log.warning("r2comm: started without %d rail connection(s), probed for fail-back: "
+                            "%s", len(start.down_rails()),
+                            "; ".join(f"rank {a} - rank {b} {start.describe(a, b, k)}: {why}"
+                                      for a, b, k, why in start.down_rails()))
             if cfg.rail_bw:
                 engine.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
             if not boot.params["acks"]:

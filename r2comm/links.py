@@ -58,6 +58,7 @@ class Links:
                                             "R2COMM_FAULT start=1)"
                 else:
                     todo.append((peer, rail, 0.0))
+                    outcome[(peer, rail)] = f"no attempt finished within {timeout:g} s"
         lock = threading.Lock()
 
         def work():
@@ -82,9 +83,7 @@ class Links:
             w.start()
         for w in workers:
             w.join(max(deadline - time.monotonic(), 0) + CONNECT_TRY_S + 1.0)
-        with lock:
-            for peer, rail, _ in todo:        # a worker stuck past its bound: count as down
-                outcome.setdefault((peer, rail), f"no attempt finished within {timeout:g} s")
+        with lock:                            # (an attempt still running counts as down)
             return dict(outcome)
 
     def settle(self, start, grace=2.0):
