@@ -13,6 +13,7 @@ import threading
 import time
 
 from ._core import tcp
+
 log = logging.getLogger("r2comm")
 
 CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a silent NIC)
