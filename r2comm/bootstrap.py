@@ -5,7 +5,8 @@ import socket
 from dataclasses import dataclass
 
 from . import rails as _rails
-from ._core import tcp
+from .errors import R2commArgumentError
+from .startup import quiet_barrier
 
 
 @dataclass
@@ -22,6 +23,10 @@ class Bootstrap:
 
 def run(mpi_comm, cfg, rails=None):
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    # ranks start at different times (imports, MPI start-up): wait for the others asleep, not
+    # in a busy-polling MPI collective
+    quiet_barrier(mpi_comm, cfg.timeout, "start-up (waiting for every rank to create its "
+                  "Communicator)")
     secret = mpi_comm.bcast(os.urandom(32) if rank == 0 else None, root=0)
     job = hashlib.sha256(secret).digest()[:8]
     # parameters every rank must share come from rank 0
@@ -30,16 +35,20 @@ def run(mpi_comm, cfg, rails=None):
                             root=0)
     error = None
     listeners = []
+    what = "rails=" if rails is not None else "R2COMM_RAILS"
     try:
-        addrs = _rails.resolve_all(rails if rails is not None else cfg.rails)
-        listeners = [tcp.listen(a) for a in addrs] + [tcp.listen(_rails.resolve(cfg.ctrl_addr))]
+        addrs = _rails.resolve_all(rails if rails is not None else cfg.rails, what)
+        for k, a in enumerate(addrs):
+            listeners.append(_rails.listen_on(a, what, k))
+        listeners.append(_rails.listen_on(_rails.resolve(cfg.ctrl_addr, "R2COMM_CTRL_ADDR"),
+                                          "R2COMM_CTRL_ADDR"))
     except (OSError, ValueError) as exc:
         addrs, error = [], f"rank {rank}: {exc}"
     errors = [e for e in mpi_comm.allgather(error) if e]
     if errors:
         for s in listeners:
             s.close()
-        raise ValueError("r2comm bootstrap failed: " + "; ".join(errors))
+        raise R2commArgumentError("r2comm bootstrap failed: " + "; ".join(errors))
     mine = {"rails": [s.getsockname() for s in listeners[:-1]],
             "ctrl": listeners[-1].getsockname(), "host": socket.gethostname()}
     endpoints = mpi_comm.allgather(mine)

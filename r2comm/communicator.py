@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from . import bootstrap, planner
+from . import bootstrap, planner, startup
 from . import buffers as _buffers
 from . import faults as _faults
 from .config import Config
@@ -47,6 +47,7 @@ class _World:
         self.cfg = cfg
         self.next_comm_id = 1
         self.closed = False
+        self.start_state = None      # RailState of the start-up outcome (world ranks), or None
         self.event_cursor = 0
         self.callbacks = []
         self.timers = []
@@ -116,6 +117,20 @@ def _hedge_mode(cfg, boot):
     return 1 if _loopback_only(boot.endpoints) else 2
 
 
+def _start_state(world, members):
+    """The start-up RailState (world.start_state) seen by the ranks `members` (global ranks,
+    in communicator order), or None when it is healthy for them."""
+    st = world.start_state
+    if st is None:
+        return None
+    sub = planner.RailState([st.hosts[g] for g in members], st.nrails,
+                            {(a, b, k): st.link[(ga, gb, k)]
+                             for a, ga in enumerate(members) for b, gb in enumerate(members)
+                             for k in range(st.nrails) if (ga, gb, k) in st.link},
+                            st.alpha, st.chunk, st.degraded_tol)
+    return None if sub.healthy() else sub
+
+
 def _is_gpu(obj):
     return hasattr(obj, "__cuda_array_interface__")
 
@@ -125,16 +140,23 @@ class Communicator:
 
     Communicator(mpi_comm=MPI.COMM_WORLD, *, rails=None, timeout=None, chunk_size=None, ...)
     bootstraps through mpi4py: ranks, a job secret, one listening endpoint per rail, then one
-    authenticated TCP connection per rail (plus a control connection) to every peer."""
+    authenticated TCP connection per rail (plus a control connection) to every peer.
+
+    Start-up is bounded by connect_timeout (R2COMM_CONNECT_TIMEOUT, default 5 s): a rail that
+    does not connect by then starts down for that pair (event rail_never_up, comm.rails) and
+    is probed for fail-back like a rail that failed later; the first plans route around it.
+    Only a control connection that does not come up, or rails that leave the ranks in
+    disconnected groups, raise R2commNetworkError (on every rank)."""
 
     def __init__(self, mpi_comm=None, *, rails=None, timeout=None, chunk_size=None,
-                 rail_timeout_ms=None, peer_timeout_ms=None, ctrl_addr=None, on_event=None):
+                 rail_timeout_ms=None, peer_timeout_ms=None, ctrl_addr=None, on_event=None,
+                 connect_timeout=None):
         Engine = _engine().Engine
         from mpi4py import MPI
         cfg = Config.from_env()
         for name, val in (("timeout", timeout), ("chunk_size", chunk_size),
                           ("rail_timeout_ms", rail_timeout_ms), ("peer_timeout_ms", peer_timeout_ms),
-                          ("ctrl_addr", ctrl_addr)):
+                          ("ctrl_addr", ctrl_addr), ("connect_timeout", connect_timeout)):
             if val is not None:
                 setattr(cfg, name, val)
         mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
@@ -147,18 +169,24 @@ class Communicator:
                          for j, ep in enumerate(boot.endpoints)],
                         cfg.chunk_size, cfg.rail_timeout_ms / 1e3, cfg.peer_timeout_ms / 1e3,
                         cfg.window, cfg.probe_ms / 1e3, cfg.probe_max_ms / 1e3)
+        faults = _faults.parse(cfg.fault)
         try:
             engine.set_integrity(cfg.integrity == "mac")
             engine.start()
+            for spec in faults:           # NICs dark from the start (R2COMM_FAULT start=1)
+                if spec.start and spec.rank in (-1, boot.rank):
+                    engine.inject(spec.rail, _faults.MODES[spec.mode], spec.peer)
             links = Links(engine, boot, cfg)
-            err = None
-            try:
-                links.establish(cfg.timeout)
-            except R2commNetworkError as exc:
-                err = str(exc)
-            errs = [e for e in mpi_comm.allgather(err) if e]
-            if errs:
-                raise R2commNetworkError("; ".join(errs))
+            # start on the rails that connect within R2COMM_CONNECT_TIMEOUT (startup.py)
+            start = startup.agree(mpi_comm, boot, links.establish(cfg.connect_timeout),
+                                  cfg.timeout + cfg.connect_timeout)
+            start.check(cfg.connect_timeout)
+            links.settle(start)
+            if start.down_rails() and boot.rank == 0:
+                log.warning("r2comm: started without %d rail connection(s), probed for fail-back: "
+                            "%s", len(start.down_rails()),
+                            "; ".join(f"rank {a} - rank {b} {start.describe(a, b, k)}: {why}"
+                                      for a, b, k, why in start.down_rails()))
             if cfg.rail_bw:
                 engine.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
             if not boot.params["acks"]:
@@ -173,6 +201,9 @@ class Communicator:
             engine.close()
             raise
         world = _World(engine, links, boot, cfg)
+        world.start_state = start.rail_state([ep["host"] for ep in boot.endpoints],
+                                             cfg.rail_bw, "scale" if _loopback_only(boot.endpoints)
+                                             else "nic")
         links.on_tick = lambda: _flush_events(world)
         if on_event is not None:
             world.callbacks.append(on_event)
@@ -209,7 +240,9 @@ class Communicator:
                             lambda p, k: eng.rail_stats()[g[p]][k][0] == "up",
                             lambda p: len(stats[g[p]]), self._cfg.eager, min(self.timeout, 30.0),
                             hosts=[self._world.boot.endpoints[x]["host"] for x in g],
-                            max_rails=max(len(self._world.boot.endpoints[x]["rails"]) for x in g))
+                            max_rails=max(len(self._world.boot.endpoints[x]["rails"]) for x in g),
+                            reachable=None if self._state is None else
+                            (lambda p: self._state.working(self.rank, p)))
         finally:
             if hedge is not None:
                 hedge(self._cfg.hedge)
@@ -246,6 +279,12 @@ class Communicator:
         self._ctl = None                      # control-plane twin (control.plane)
         self._is_ctl = False
         self.rank = members.index(world.boot.rank)
+        # the first plans follow the start-up outcome: rails that did not connect are down, a
+        # pair with no common rail is relayed around (startup.py)
+        state = _start_state(world, members)
+        if state is not None:
+            self._epoch_state = state
+            self._adopt(state)
         self.size = len(members)
 
     @classmethod
@@ -380,13 +419,14 @@ class Communicator:
 
             def fire(spec=spec, mode=mode, peer=peer, after=after):
                 if not self._world.closed:
-                    self.fail_rail(spec.rail, mode, peer, after)
+                    if not spec.start:        # start=1: injected before the connections
+                        self.fail_rail(spec.rail, mode, peer, after)
                     if spec.restore_ms >= 0:
                         t = threading.Timer(spec.restore_ms / 1e3, self._safe_restore, (spec.rail,))
                         t.daemon = True
                         self._world.timers.append(t)
                         t.start()
-            t = threading.Timer(spec.after_ms / 1e3, fire)
+            t = threading.Timer(0 if spec.start else spec.after_ms / 1e3, fire)
             t.daemon = True
             self._world.timers.append(t)
             t.start()

@@ -49,6 +49,9 @@ class Config:
     rails: list = field(default_factory=list)      # R2COMM_RAILS: addresses or interface names
     ctrl_addr: str = "127.0.0.1"                   # R2COMM_CTRL_ADDR: control/management address
     timeout: float = 60.0                          # R2COMM_TIMEOUT (s): every blocking wait
+    connect_timeout: float = 5.0                   # R2COMM_CONNECT_TIMEOUT (s): start-up bound on
+                                                   #   connecting the rails; a rail not up by then
+                                                   #   starts down and is probed for fail-back
     chunk_size: int = 512 << 10                    # R2COMM_CHUNK_SIZE (bytes, K/M suffixes)
     rail_timeout_ms: float = 500.0                 # R2COMM_RAIL_TIMEOUT_MS: silent-stall deadline
     peer_timeout_ms: float = 1500.0                # R2COMM_PEER_TIMEOUT_MS: all rails down -> error
@@ -84,6 +87,11 @@ class Config:
         c.rails = [r.strip() for r in rails.split(",") if r.strip()]
         c.ctrl_addr = os.environ.get("R2COMM_CTRL_ADDR", c.ctrl_addr) or c.ctrl_addr
         c.timeout = _float("R2COMM_TIMEOUT", c.timeout)
+        c.connect_timeout = _float("R2COMM_CONNECT_TIMEOUT", c.connect_timeout)
+        if not c.connect_timeout > 0:
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_CONNECT_TIMEOUT={c.connect_timeout}: must be > 0 "
+                                      "(seconds)")
         c.chunk_size = _bytes("R2COMM_CHUNK_SIZE", c.chunk_size)
         c.chunk_size = max(4096, min(c.chunk_size, 64 << 20)) // 8 * 8   # whole elements of any dtype
         c.rail_timeout_ms = _float("R2COMM_RAIL_TIMEOUT_MS", c.rail_timeout_ms)

@@ -2,10 +2,12 @@
 
 Rank i connects to every higher rank j once per common rail and once for control; the lower
 rank also re-connects a failed rail once the engine says a probe is due, so a rail whose link
-came back is re-admitted without user action. One thread accepts incoming connections for the
-whole life of the engine and authenticates them without blocking (tcp.ServerHandshake, driven by
-a selector): a connection that never finishes its handshake holds one of MAX_PENDING slots until
-its deadline, never the thread, so fail-back probes and event delivery keep running."""
+came back is re-admitted without user action. At start-up the connections are tried in
+parallel until a short deadline; one that does not come up starts down and is probed the same
+way (r2comm/startup.py). One thread accepts incoming connections for the whole life of the
+engine and authenticates them without blocking (tcp.ServerHandshake, driven by a selector): a
+connection that never finishes its handshake holds one of MAX_PENDING slots until its
+deadline, never the thread, so fail-back probes and event delivery keep running."""
 import collections
 import logging
 import selectors
@@ -13,13 +15,16 @@ import threading
 import time
 
 from ._core import tcp
-from .errors import R2commNetworkError
 
 log = logging.getLogger("r2comm")
 HANDSHAKE_TIMEOUT = 2.0     # s: a whole incoming handshake (a rail's takes about a millisecond)
 MAX_PENDING = 64            # incoming handshakes in progress; more connections are closed at once
 REJECTED_KEEP = 256         # refused connections remembered in Links.rejected
 LOG_EVERY = 5.0             # s: at most one warning about refused connections per this
+
+CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a silent NIC)
+CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
+CONNECT_THREADS = 32     # start-up connection attempts in flight at once
 
 
 class Links:
@@ -38,6 +43,7 @@ class Links:
         self._log_next = 0.0          # rate limit of the "refused a connection" warning
         self._log_quiet = 0
         self._attached = 0
+        self._seen = set()            # (peer, rail) that were attached at least once
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self.on_tick = None           # called every ~20 ms from the thread (event delivery)
@@ -48,22 +54,81 @@ class Links:
 
     # -- set-up ---------------------------------------------------------------------------------
     def establish(self, timeout):
-        expected = sum(n + 1 for j, n in enumerate(self.nrails) if j != self.me)
+        """Open this rank's connections (every data rail and the control connection to every
+        higher rank) in parallel, each retried until the start-up deadline `timeout` s from now
+        (R2COMM_CONNECT_TIMEOUT): a refused or unreachable one every CONNECT_RETRY_S, a silent
+        one (a blackholed NIC) after CONNECT_TRY_S. Never raises for a connection that stays
+        down: returns {(peer, rail): None if up, else why not}; the ranks then agree on the
+        outcome (startup.agree) and settle() marks what did not connect. Waits without a CPU."""
         self._thread.start()
         deadline = time.monotonic() + timeout
+        todo = collections.deque()
+        outcome = {}
         for peer in range(self.me + 1, self.boot.size):
             for rail in list(range(self.nrails[peer])) + [tcp.CTRL_RAIL]:
-                self._connect(peer, rail, max(deadline - time.monotonic(), 0.1), initial=True)
-        with self._cv:
-            while self._attached < expected:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise R2commNetworkError(
-                        f"rank {self.me}: only {self._attached} of {expected} rail connections "
-                        f"came up within {timeout:.0f} s")
-                self._cv.wait(min(left, 0.1))
+                if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
+                    outcome[(peer, rail)] = "the NIC is dark on this side (injected fault, " \
+                                            "R2COMM_FAULT start=1)"
+                else:
+                    todo.append((peer, rail, 0.0))
+                    outcome[(peer, rail)] = f"no attempt finished within {timeout:g} s"
+        lock = threading.Lock()
 
-    def _connect(self, peer, rail, timeout, initial=False):
+        def work():
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    peer, rail, not_before = todo.popleft()
+                nap = min(not_before, deadline) - time.monotonic()
+                if nap > 0:
+                    time.sleep(nap)
+                left = deadline - time.monotonic()
+                err = self._open(peer, rail, max(min(left, CONNECT_TRY_S), 0.05))
+                with lock:
+                    if err is not None and deadline - time.monotonic() > CONNECT_RETRY_S:
+                        todo.append((peer, rail, time.monotonic() + CONNECT_RETRY_S))
+                    else:
+                        outcome[(peer, rail)] = err
+        workers = [threading.Thread(target=work, name="r2comm-connect", daemon=True)
+                   for _ in range(min(len(todo), CONNECT_THREADS))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(max(deadline - time.monotonic(), 0) + CONNECT_TRY_S + 1.0)
+        with lock:                            # (an attempt still running counts as down)
+            return dict(outcome)
+
+    def settle(self, start, grace=2.0):
+        """Make this rank's engine match the agreed start-up table (startup.StartOutcome):
+        every data rail of this rank that did not connect starts DOWN (rail_never_up, probed
+        for fail-back from now on), also on the accepting side, which never saw the attempt.
+        A connection the opener reports up is waited for (at most `grace` s: the last message
+        of its handshake may still be on the way); one that does not arrive is marked down
+        here and fails on the opener's side when this side closes it."""
+        deadline = time.monotonic() + grace
+        for peer in range(self.boot.size):
+            if peer == self.me:
+                continue
+            lo, hi = min(self.me, peer), max(self.me, peer)
+            for rail in range(self.nrails[peer]):
+                why = start.failed.get((lo, hi, rail))
+                if why is None and peer < self.me:
+                    with self._cv:
+                        while (peer, rail) not in self._seen and time.monotonic() < deadline:
+                            self._cv.wait(0.05)
+                        if (peer, rail) not in self._seen:
+                            why = "the connection rank {peer} opened did not finish its " \
+                                  "handshake here".format(peer=peer)
+                if why is not None:
+                    who = "this rank" if lo == self.me else f"rank {lo}"
+                    self.engine.mark_unconnected(
+                        peer, rail, f"did not connect at start-up ({who} -> rank {hi}, "
+                        f"{start.describe(lo, hi, rail)}): {why}")
+
+    def _open(self, peer, rail, timeout):
+        """One attempt at connection (peer, rail); attached to the engine when it works.
+        Returns None, or why it failed."""
         ep = self.boot.endpoints[peer]
         if rail == tcp.CTRL_RAIL:
             (addr, port), local = ep["ctrl"], None
@@ -74,17 +139,18 @@ class Links:
                                       peer, rail, timeout, self.cfg.rail_timeout_ms,
                                       self.cfg.sockbuf, self.cfg.notsent_lowat)
         except (OSError, tcp.HandshakeError) as exc:
-            if initial:
-                raise R2commNetworkError(f"rank {self.me}: cannot connect rail {rail} to rank "
-                                         f"{peer} at {addr}:{port}: {exc}") from exc
-            return False
+            return str(exc) or type(exc).__name__
         self._attach(peer, rail, fd, conn_id)
-        return True
+        return None
+
+    def _connect(self, peer, rail, timeout):
+        return self._open(peer, rail, timeout) is None
 
     def _attach(self, peer, rail, fd, conn_id):
         self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *tcp.take_keys(fd))
         with self._cv:
             self._attached += 1
+            self._seen.add((peer, rail))
             self._cv.notify_all()
 
     # -- the thread -----------------------------------------------------------------------------

@@ -85,13 +85,14 @@ def slots(n, hosts=None):
 
 
 def run(comm, nbytes, rail_up, nrails, eager, timeout=30.0, reps=REPS, max_msg_s=MAX_MSG_S,
-        budget_s=BUDGET_S, hosts=None, max_rails=None):
+        budget_s=BUDGET_S, hosts=None, max_rails=None, reachable=None):
     """Probe every rail to every peer of `comm` (collective: every rank calls it).
 
     comm: a Communicator (the control plane), rail_up(peer, rail) -> bool, nrails(peer) ->
     rails towards that peer, eager: the eager limit (timed messages must be larger), hosts:
     each rank's host name (slots()), max_rails: the most rails any rank has (it sets the
-    number of barriers, so it must be the same on every rank, as must nbytes).
+    number of barriers, so it must be the same on every rank, as must nbytes), reachable(peer)
+    -> False for a pair with no common rail at start-up (not probed; the same on both ends).
     Returns a ProbeResult; the caller seeds the engine with it."""
     n, me = comm.size, comm.rank
     t_start = time.perf_counter()
@@ -108,7 +109,8 @@ def run(comm, nbytes, rail_up, nrails, eager, timeout=30.0, reps=REPS, max_msg_s
                 partner = b if me == a else a
         for k in range(maxr):
             comm.Barrier()
-            if partner is None or k >= nrails(partner):
+            if partner is None or k >= nrails(partner) or \
+                    (reachable is not None and not reachable(partner)):
                 continue
             tag = TAG0 + (k << 8)
             recvs = [comm.Irecv(rbufs[i], partner, tag + i) for i in range(1 + reps)]

@@ -3,7 +3,10 @@ import fcntl
 import ipaddress
 import socket
 import struct
+import warnings
 from dataclasses import dataclass
+
+from .errors import R2commArgumentError
 
 DEFAULT_LOOPBACK_RAILS = ["127.0.0.1", "127.0.0.2"]
 SIOCGIFADDR = 0x8915
@@ -21,23 +24,47 @@ def interface_address(name):
         s.close()
 
 
-def resolve(spec):
-    """An address stays as it is; an interface name becomes its IPv4 address."""
+def resolve(spec, what="R2COMM_RAILS"):
+    """An address stays as it is; an interface name becomes its IPv4 address. `what` names the
+    setting the spec came from, for the messages. A wildcard address (0.0.0.0, also from an
+    interface) is accepted with a warning: such a "rail" is no NIC, its traffic takes whatever
+    route the kernel picks, and a peer on another host would connect to its own machine."""
     try:
         ipaddress.IPv4Address(spec)
-        return spec
+        addr = spec
     except ValueError:
         addr = interface_address(spec)
         if addr is None:
-            raise ValueError(f"rail {spec!r} is neither an IPv4 address nor an interface with one")
-        return addr
+            raise R2commArgumentError(f"{what}: {spec!r} is neither an IPv4 address nor a network "
+                                      "interface with one (see `ip -4 addr`)") from None
+    if ipaddress.IPv4Address(addr).is_unspecified:
+        via = "" if addr == spec else f" (interface {spec!r} resolves to it)"
+        warnings.warn(f"{what}: {addr}{via} is the wildcard address, not one NIC: traffic through it "
+                      "takes whatever route the kernel picks, and peers on other hosts cannot "
+                      "reach it; name each NIC's own address or interface", RuntimeWarning,
+                      stacklevel=3)
+    return addr
 
 
-def resolve_all(specs):
-    addrs = [resolve(s) for s in (specs or DEFAULT_LOOPBACK_RAILS)]
+def resolve_all(specs, what="R2COMM_RAILS"):
+    addrs = [resolve(s, what) for s in (specs or DEFAULT_LOOPBACK_RAILS)]
     if len(set(addrs)) != len(addrs):
-        raise ValueError(f"rails must be distinct addresses, got {addrs}")
+        raise R2commArgumentError(f"{what}: rails must be distinct addresses, got {addrs}")
     return addrs
+
+
+def listen_on(addr, what, index=None):
+    """A listening socket on addr, or an R2commArgumentError naming the address, the setting
+    and what to do (typically EADDRNOTAVAIL: the address is not on this machine)."""
+    from ._core import tcp
+    try:
+        return tcp.listen(addr)
+    except OSError as exc:
+        name = f"rail {index} address {addr}" if index is not None else f"address {addr}"
+        raise R2commArgumentError(
+            f"{what}: cannot listen on {name} on host {socket.gethostname()}: {exc}; set "
+            f"{what} to addresses (or interface names) of this machine's NICs "
+            "(see `ip -4 addr`)") from exc
 
 
 @dataclass

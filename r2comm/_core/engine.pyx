@@ -167,8 +167,9 @@ cdef enum:
     EV_BAD_FRAME = 8
     EV_NOTIFIED = 9
     EV_ABORT = 10
+    EV_RAIL_NEVER_UP = 11
 
-EVENT_NAMES = {EV_RAIL_FAILED: "rail_failed", EV_NOTIFY_SENT: "notify_sent",
+EVENT_NAMES = {EV_RAIL_NEVER_UP: "rail_never_up", EV_RAIL_FAILED: "rail_failed", EV_NOTIFY_SENT: "notify_sent",
                EV_NOTIFY_ACKED: "notify_acked", EV_MIGRATED: "migrated",
                EV_REDELIVERED: "redelivered", EV_RAIL_RESTORED: "rail_restored",
                EV_PEER_LOST: "peer_lost", EV_BAD_FRAME: "bad_frame", EV_NOTIFIED: "peer_notified",
@@ -2497,6 +2498,45 @@ cdef class Engine:
             if r.backoff > e.probe_max:
                 r.backoff = e.probe_max
             r.next_probe = mono() + r.backoff
+            pthread_mutex_unlock(&e.mu)
+
+    def mark_unconnected(self, int peer, int rail, str reason):
+        """A data rail that did not connect at start-up (Links.settle): DOWN for this pair,
+        event rail_never_up with the reason, and due for fail-back probes from now on exactly
+        like a rail that failed later (reconnect_due). A connection this side has although the
+        other did not finish is failed. With no data rail up to the peer, the peer is lost
+        (peer_lost) until a rail to it comes back: the plans route around it."""
+        cdef State* e = self._live()
+        cdef bytes msg = reason.encode("utf-8", "replace")
+        cdef const char* cmsg = msg
+        cdef Peer* p
+        cdef Rail* r
+        cdef int k, up = 0
+        cdef double now
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or \
+                rail >= e.peers[peer].nrails:
+            raise ValueError(f"no such peer/data rail {peer}/{rail}")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            p = e.peers[peer]
+            r = p.rails[rail]
+            now = mono()
+            if r.state == R_UP:
+                fail_rail(e, r, cmsg, e.me, 0)
+            else:
+                r.fail_count += 1
+                r.fail_time = now
+                r.backoff = e.probe_base
+                r.next_probe = now + r.backoff
+            add_event(e, EV_RAIL_NEVER_UP, peer, rail, e.me, 0, 0, cmsg)
+            for k in range(p.nrails):
+                if p.rails[k].state == R_UP:
+                    up += 1
+            if up == 0 and not p.lost:
+                if p.all_down_since == 0:
+                    p.all_down_since = now
+                peer_lost(e, p)
+            e.signal = 1
             pthread_mutex_unlock(&e.mu)
 
     cdef int _injected(self, int rail, int peer):

@@ -1,0 +1,154 @@
+"""Start-up on the rails that connect: agreeing on which connections came up.
+
+Links.establish() tries every connection a rank opens (each rail, then the control connection,
+to every higher rank) in parallel until the start-up deadline (R2COMM_CONNECT_TIMEOUT) and
+reports, per connection, None (up) or why not. agree() exchanges those reports so that every
+rank holds the same table (the opener's word decides: it alone knows whether its handshake
+finished), and then:
+
+  * a data rail that did not connect starts DOWN for that pair on both ends (Links.settle:
+    Engine.mark_unconnected, event rail_never_up with the reason) and is probed for fail-back
+    like a rail that failed later, so bringing the NIC up re-admits it;
+  * the first plan follows the table (rail_state(): a pair with no common rail is relayed
+    around, as after a later failure);
+  * check() raises R2commNetworkError, on every rank and with the same message, when a control
+    connection did not come up (R2COMM_CTRL_ADDR is wrong or the management network is down:
+    that is configuration to fix, not a NIC to route around) or when the rails that came up
+    leave the ranks in disconnected groups (a true partition).
+
+No rank busy-polls while it waits: MPI collectives spin, so every wait for the other ranks
+here is a non-blocking barrier tested between short sleeps (quiet_barrier)."""
+import time
+
+from .errors import R2commNetworkError, R2commTimeout
+
+CTRL = "ctrl"          # the control connection's key in a report (tcp.CTRL_RAIL on the wire)
+
+
+def quiet_barrier(mpi_comm, timeout, what):
+    """MPI barrier without a busy CPU: Ibarrier, tested between sleeps (1 ms, growing to
+    10 ms). Raises R2commTimeout after `timeout` s."""
+    if mpi_comm.Get_size() == 1:
+        return
+    req = mpi_comm.Ibarrier()
+    deadline = time.monotonic() + timeout
+    nap = 0.001
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise R2commTimeout(f"rank {mpi_comm.Get_rank()}: {what}: the other ranks did not "
+                                f"arrive within {timeout:.0f} s")
+        time.sleep(nap)
+        nap = min(nap * 1.5, 0.01)
+
+
+class StartOutcome:
+    """The agreed start-up table, identical on every rank.
+
+    failed[(a, b, rail)] = why the connection between ranks a < b did not come up (rail: a data
+    rail index, or CTRL); nrails[a][b]: the data rails of that pair; addrs[r]: rank r's
+    endpoints (bootstrap)."""
+
+    def __init__(self, size, nrails, failed, endpoints, rail_addrs):
+        self.size = size
+        self.nrails = nrails
+        self.failed = failed
+        self.endpoints = endpoints
+        self.rail_addrs = rail_addrs          # per rank: its local rail addresses
+
+    def rail_up(self, a, b, k):
+        lo, hi = min(a, b), max(a, b)
+        return (lo, hi, k) not in self.failed
+
+    def down_rails(self):
+        """[(a, b, rail, reason)] of data rails that did not connect (a < b)."""
+        return sorted((a, b, k, why) for (a, b, k), why in self.failed.items() if k != CTRL)
+
+    def healthy(self):
+        return not self.failed
+
+    def describe(self, a, b, k):
+        """'rail 1 (198.18.1.1 -> 198.18.1.2:4711)' or 'control connection (...)'."""
+        if k == CTRL:
+            addr, port = self.endpoints[b]["ctrl"]
+            return f"control connection (R2COMM_CTRL_ADDR, to {addr}:{port})"
+        addr, port = self.endpoints[b]["rails"][k]
+        return f"rail {k} ({self.rail_addrs[a][k]} -> {addr}:{port})"
+
+    def _lines(self, keys):
+        return "; ".join(f"rank {a} - rank {b}: {self.describe(a, b, k)}: {self.failed[(a, b, k)]}"
+                         for (a, b, k) in keys)
+
+    def connected_groups(self):
+        """Groups of ranks connected by working pairs (a pair works with one common rail)."""
+        seen, comps = set(), []
+        for s in range(self.size):
+            if s in seen:
+                continue
+            comp, todo = [], [s]
+            seen.add(s)
+            while todo:
+                a = todo.pop()
+                comp.append(a)
+                for b in range(self.size):
+                    if b not in seen and b != a and self.pair_ok(a, b):
+                        seen.add(b)
+                        todo.append(b)
+            comps.append(sorted(comp))
+        return comps
+
+    def pair_ok(self, a, b):
+        lo, hi = min(a, b), max(a, b)
+        return any(self.rail_up(lo, hi, k) for k in range(self.nrails[lo][hi]))
+
+    def check(self, connect_timeout):
+        """Raise R2commNetworkError (every rank computes the same) when a control connection
+        failed or the working rails do not connect every rank."""
+        ctrl = sorted(key for key in self.failed if key[2] == CTRL)
+        if ctrl:
+            raise R2commNetworkError(
+                f"r2comm start-up: control connections did not come up within "
+                f"{connect_timeout:g} s (R2COMM_CONNECT_TIMEOUT); each pair of ranks needs one on "
+                f"the management network (R2COMM_CTRL_ADDR): {self._lines(ctrl)}")
+        groups = self.connected_groups()
+        if len(groups) > 1:
+            broken = [(a, b) for a in range(self.size) for b in range(a + 1, self.size)
+                      if not self.pair_ok(a, b)]
+            keys = sorted(key for key in self.failed if (key[0], key[1]) in broken)
+            raise R2commNetworkError(
+                f"r2comm start-up: the rails that connected within {connect_timeout:g} s leave the "
+                f"ranks in disconnected groups {groups} (no path between ranks "
+                f"{', '.join(f'{a} and {b}' for a, b in broken)}): {self._lines(keys)}")
+
+    def rail_state(self, hosts, rail_bw=None, rates="nic"):
+        """The planner's RailState of this table (world ranks), or None when every rail is up
+        (the static plans are right then)."""
+        if self.healthy():
+            return None
+        from .planner import RailState
+        stats = []
+        for r in range(self.size):
+            stats.append({p: [("up" if self.rail_up(r, p, k) else "down", 1.0, 0.0)
+                              for k in range(self.nrails[min(r, p)][max(r, p)])]
+                          for p in range(self.size) if p != r})
+        hosts = list(hosts) if len(set(hosts)) > 1 else list(range(self.size))
+        return RailState.from_rail_stats(hosts, stats, rail_bw or None, rates=rates)
+
+
+def agree(mpi_comm, boot, outcome, timeout):
+    """Exchange every rank's Links.establish() report (quietly) -> the same StartOutcome on
+    every rank. outcome: {(peer, rail): None or reason} for the connections this rank opened,
+    rail tcp.CTRL_RAIL for the control connection."""
+    from ._core import tcp
+    quiet_barrier(mpi_comm, timeout, "start-up (waiting for the other ranks' connections)")
+    mine = {(p, CTRL if k == tcp.CTRL_RAIL else k): why
+            for (p, k), why in outcome.items() if why is not None}
+    reports = mpi_comm.allgather(mine)
+    failed = {}
+    for a, rep in enumerate(reports):
+        for (b, k), why in rep.items():
+            failed[(a, b, k)] = why
+    eps = boot.endpoints
+    size = len(eps)
+    nrails = [[0 if a == b else min(len(eps[a]["rails"]), len(eps[b]["rails"])) for b in range(size)]
+              for a in range(size)]
+    return StartOutcome(size, nrails, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps])
