@@ -173,6 +173,9 @@ cdef enum:
     HEDGE_SLOW = 2
 
 cdef double DACK_DELAY = 0.0005   # s: longest a delayed ack waits for a frame to ride with
+# Largest message a frame may announce (1 TiB). A peer's `total` sizes the unexpected-message
+# table before any receive vouches for it: beyond this the frame is refused as malformed.
+cdef uint64_t MAX_MESSAGE = (<uint64_t>1) << 40
 cdef double SPIN_BASE = 50e-6     # s: into a wait, the spin's CPU baseline is taken
 cdef double SPIN_JUDGE = 200e-6   # s: shortest spin (after SPIN_BASE) that is judged
 cdef double SPIN_SHARE = 0.6      # a preempted spin that got less of a CPU than this lost it
@@ -998,19 +1001,43 @@ cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil:
     return st
 
 
-cdef void alloc_recv_arrays(RecvMsg* rm) noexcept nogil:
+cdef int alloc_recv_arrays(RecvMsg* rm) noexcept nogil:
+    """Per-chunk arrays of a receive; -1 (and none of them) if memory ran out."""
     rm.nchunks = nchunks_of(rm.total, rm.cs)
     rm.cdone = <uint8_t*>calloc(rm.nchunks, 1)
     rm.held = <char**>calloc(rm.nchunks, sizeof(char*))
     if rm.gate == NULL:
         rm.gate = <int32_t*>calloc(rm.nchunks, sizeof(int32_t))
+    if rm.cdone == NULL or rm.held == NULL or rm.gate == NULL:
+        free(rm.cdone)
+        free(rm.held)
+        free(rm.gate)
+        rm.cdone = NULL
+        rm.held = NULL
+        rm.gate = NULL
+        rm.nchunks = 0
+        return -1
+    return 0
 
 cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
     """Hand the chunks that arrived before the receive was posted to the receive."""
     cdef uint32_t c
-    if rm.nchunks == 0:
-        alloc_recv_arrays(rm)
-    if check_match(e, rm, u.sig, u.total, u.dtype, peer) == 0:
+    if check_match(e, rm, u.sig, u.total, u.dtype, peer) != 0:
+        free_unexp(u)
+        return
+    if u.cs != rm.cs and rm.op != NULL:
+        # the buffered chunks were cut at another size than this receive's: never copy them
+        fail_op(e, rm.op, E_PROTOCOL, "chunk boundaries differ between ranks (R2COMM_CHUNK_SIZE "
+                "must be the same on every rank)", 1)
+        free_unexp(u)
+        return
+    if rm.nchunks == 0 and alloc_recv_arrays(rm) != 0:
+        if rm.op != NULL:
+            fail_op(e, rm.op, E_PROTOCOL, "out of memory for the chunk table of a received "
+                    "message", 1)
+        free_unexp(u)
+        return
+    if u.cs == rm.cs and (rm.op == NULL or rm.op.state == ST_ACTIVE):
         for c in range(u.nchunks):
             if u.chunks[c] != NULL:
                 deliver_chunk(e, rm, c, u.chunks[c])
@@ -1037,6 +1064,9 @@ cdef Unexp* new_unexp(r2_hdr* h, uint32_t cs) noexcept nogil:
     u.cs = cs
     u.nchunks = nchunks_of(h.total, cs)
     u.chunks = <char**>calloc(u.nchunks, sizeof(char*))
+    if u.chunks == NULL:
+        del u
+        return NULL
     return u
 
 cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept nogil:
@@ -1089,6 +1119,30 @@ cdef inline int p2p_seen(P2PState* st, uint32_t seq) noexcept nogil:
 # ---------------------------------------------------------------------------------------------
 # Receiving
 
+cdef void rx_refuse(State* e, Rail* r, const char* why) noexcept nogil:
+    """A frame that passed the header check but cannot be taken in (it contradicts the message
+    layout, or memory for it ran out): report it and close the connection, like a malformed
+    header. Nothing of it is acknowledged, so the sender re-sends on another rail."""
+    add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, r.rh.len, 0, why)
+    fail_rail(e, r, "malformed frame", e.me, 1)
+
+cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
+    """Buffer a DATA payload for an unexpected message: only a chunk that fits the message the
+    first frame announced (same total, in range, exactly its length), so a buffered chunk is
+    never shorter than what is later copied out of it. -1 if the frame was refused."""
+    cdef r2_hdr* h = &r.rh
+    if h.total != u.total or h.chunk >= u.nchunks or h.len != chunk_len(u.total, u.cs, h.chunk):
+        rx_refuse(e, r, "DATA frame does not fit the message its first chunk announced "
+                  "(total, chunk index or length): connection closed")
+        return -1
+    if u.chunks[h.chunk] == NULL:
+        r.rtarget = <char*>malloc(h.len if h.len else 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for an unexpected chunk: connection closed")
+            return -1
+        r.rkind = K_BUF
+    return 0
+
 cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
     """Decide where the payload of a DATA frame goes before reading it."""
     cdef r2_hdr* h = &r.rh
@@ -1101,6 +1155,9 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
     r.rmsg = NULL
     r.rkind = K_TRASH
     r.rtarget = NULL
+    if h.total > MAX_MESSAGE:
+        rx_refuse(e, r, "DATA frame announces a message over 1 TiB: connection closed")
+        return
     if h.flags & FL_P2P:
         st = p2p_state(p, h.comm)
         itb = st.bound.find(h.seq)
@@ -1111,7 +1168,11 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         elif p2p_seen(st, h.seq):
             return                      # stale: that message completed already
         else:
-            st.unexp[h.seq] = new_unexp(h, e.cs)
+            u = new_unexp(h, e.cs)
+            if u == NULL:
+                rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
+                return
+            st.unexp[h.seq] = u
             p2p_mark_seen(st, h.seq)
             p2p_try_match(e, p, st, h.comm)
             itb = st.bound.find(h.seq)
@@ -1134,12 +1195,14 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
                 return                  # stale (completed or failed operation)
             itu = e.cunexp.find(k)
             if itu == e.cunexp.end():
-                e.cunexp[k] = new_unexp(h, e.cs)
-                itu = e.cunexp.find(k)
-            u = deref(itu).second
-            if c < u.nchunks and u.chunks[c] == NULL and h.total == u.total:
-                r.rkind = K_BUF
-                r.rtarget = <char*>malloc(h.len if h.len else 1)
+                u = new_unexp(h, e.cs)
+                if u == NULL:
+                    rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
+                    return
+                e.cunexp[k] = u
+            else:
+                u = deref(itu).second
+            rx_unexp_target(e, r, u)
             return
     if rm == NULL:
         # p2p message that nobody has asked for yet, or whose match just failed (truncation,
@@ -1147,10 +1210,7 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         itu3 = st.unexp.find(h.seq)
         if itu3 == st.unexp.end():
             return
-        u = deref(itu3).second
-        if c < u.nchunks and u.chunks[c] == NULL and h.total == u.total:
-            r.rkind = K_BUF
-            r.rtarget = <char*>malloc(h.len if h.len else 1)
+        rx_unexp_target(e, r, deref(itu3).second)
         return
     if rm.op == NULL or rm.op.state != ST_ACTIVE:
         return
@@ -1162,8 +1222,11 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         return                          # duplicate: already delivered
     r.rmsg = <void*>rm
     if rm.gate[c] > 0:
-        r.rkind = K_BUF
         r.rtarget = <char*>malloc(h.len if h.len else 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for a gated chunk: connection closed")
+            return
+        r.rkind = K_BUF
     elif rm.mode == M_COPY:
         r.rkind = K_DIRECT
         r.rtarget = rm.base + <uint64_t>c * rm.cs
@@ -1221,7 +1284,8 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
                 itu = e.cunexp.find(k)
                 if itu != e.cunexp.end():
                     u = deref(itu).second
-        if rm != NULL and rm.op != NULL and rm.op.state == ST_ACTIVE and rm.cdone != NULL:
+        if rm != NULL and rm.op != NULL and rm.op.state == ST_ACTIVE and rm.cdone != NULL \
+                and h.len == chunk_len(rm.total, rm.cs, c):
             deliver_chunk(e, rm, c, r.rtarget)
         elif u != NULL and c < u.nchunks and u.chunks[c] == NULL:
             u.chunks[c] = r.rtarget
@@ -1335,9 +1399,13 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
     if c >= m.nchunks:
         return
     st = m.cstate[c]
-    if (st & C_STATE) == C_ACKED:
+    if (st & C_STATE) != C_INFLIGHT:
+        # acked already, or never sent (gated, or queued: the ready queue still holds it, and
+        # counting this ack could complete and free the message under that queue entry)
         return
-    if (st & C_STATE) == C_INFLIGHT and m.crail[c] >= 0:
+    if r.tx_busy and r.tx_ref.m == <void*>m and r.tx_ref.c == c and r.tx_orphan == NULL:
+        return                          # this rail is still writing that chunk: not received
+    if m.crail[c] >= 0:
         pr = e.peers[m.peer].rails[m.crail[c]]
         if st & C_HEDGED:
             # the first copy through wins: credit the rail that delivered it, forget both
@@ -1422,6 +1490,8 @@ cdef int rx_header(State* e, Rail* r) noexcept nogil:
             fail_rail(e, r, "data frame on control connection", e.me, 1)
             return -1
         rx_data_header(e, r)
+        if r.state != R_UP:
+            return -1
         r.rstate = 1
         if r.rh.len == 0:
             rx_data_done(e, r)
@@ -1433,8 +1503,11 @@ cdef int rx_header(State* e, Rail* r) noexcept nogil:
     elif r.rh.type == F_RAIL_DOWN_ACK:
         on_rail_down_ack(e, r)
     elif r.rh.type == F_ABORT:
-        r.rkind = K_CTRL
         r.rtarget = <char*>malloc(r.rh.len + 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for an abort message: connection closed")
+            return -1
+        r.rkind = K_CTRL
         r.rstate = 1
         if r.rh.len == 0:
             on_abort(e, r, r.rtarget, 0)
@@ -1973,6 +2046,9 @@ cdef class Plan:
             if buf < 0 or buf > 2 or mode < M_COPY or mode > M_REDUCE_SEND_REV:
                 raise ValueError(f"message {m!r}: buffer index or receive mode out of range")
             owned = 1 if m[7] else 0
+            if nbytes > MAX_MESSAGE:
+                raise ValueError(f"message of {nbytes} bytes: the engine moves at most 1 TiB "
+                                 "per message (peers refuse larger ones)")
             if step < 0 or step >= (1 << 24):
                 raise ValueError(f"message step {step} out of range: steps are 0 .. 2**24 - 1 "
                                  "(they share a 64-bit key with the sequence number)")
