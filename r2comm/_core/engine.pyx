@@ -288,9 +288,9 @@ cdef cppclass Unexp:
     uint32_t sig, aux, cs, nchunks, nrecv
     uint8_t flags, dtype, redop
     uint64_t total
-    char** chunks
+    cmap[uint32_t, char*] chunks     # the chunks that arrived (sparse: a peer's `total` alone
+                                     # never sizes an allocation)
     __init__() noexcept nogil:
-        this.chunks = NULL
         this.nrecv = 0
 
 cdef cppclass P2PState:
@@ -1038,19 +1038,18 @@ cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
         free_unexp(u)
         return
     if u.cs == rm.cs and (rm.op == NULL or rm.op.state == ST_ACTIVE):
-        for c in range(u.nchunks):
-            if u.chunks[c] != NULL:
-                deliver_chunk(e, rm, c, u.chunks[c])
-                u.chunks[c] = NULL
+        it = u.chunks.begin()
+        while it != u.chunks.end():
+            deliver_chunk(e, rm, deref(it).first, deref(it).second)
+            inc(it)
+        u.chunks.clear()
     free_unexp(u)
 
 cdef void free_unexp(Unexp* u) noexcept nogil:
-    cdef uint32_t c
-    if u.chunks != NULL:
-        for c in range(u.nchunks):
-            if u.chunks[c] != NULL:
-                free(u.chunks[c])
-        free(u.chunks)
+    it = u.chunks.begin()
+    while it != u.chunks.end():
+        free(deref(it).second)
+        inc(it)
     del u
 
 cdef Unexp* new_unexp(r2_hdr* h, uint32_t cs) noexcept nogil:
@@ -1063,10 +1062,6 @@ cdef Unexp* new_unexp(r2_hdr* h, uint32_t cs) noexcept nogil:
     u.total = h.total
     u.cs = cs
     u.nchunks = nchunks_of(h.total, cs)
-    u.chunks = <char**>calloc(u.nchunks, sizeof(char*))
-    if u.chunks == NULL:
-        del u
-        return NULL
     return u
 
 cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept nogil:
@@ -1135,7 +1130,7 @@ cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
         rx_refuse(e, r, "DATA frame does not fit the message its first chunk announced "
                   "(total, chunk index or length): connection closed")
         return -1
-    if u.chunks[h.chunk] == NULL:
+    if u.chunks.count(h.chunk) == 0:
         r.rtarget = <char*>malloc(h.len if h.len else 1)
         if r.rtarget == NULL:
             rx_refuse(e, r, "out of memory for an unexpected chunk: connection closed")
@@ -1287,7 +1282,7 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
         if rm != NULL and rm.op != NULL and rm.op.state == ST_ACTIVE and rm.cdone != NULL \
                 and h.len == chunk_len(rm.total, rm.cs, c):
             deliver_chunk(e, rm, c, r.rtarget)
-        elif u != NULL and c < u.nchunks and u.chunks[c] == NULL:
+        elif u != NULL and c < u.nchunks and u.chunks.count(c) == 0:
             u.chunks[c] = r.rtarget
             u.nrecv += 1
         else:
@@ -1487,7 +1482,7 @@ cdef int rx_header(State* e, Rail* r) noexcept nogil:
     r.rgot = 0
     if r.rh.type == F_DATA:
         if r.index >= e.peers[r.peer].nrails:
-            fail_rail(e, r, "data frame on control connection", e.me, 1)
+            rx_refuse(e, r, "DATA frame on the control connection: connection closed")
             return -1
         rx_data_header(e, r)
         if r.state != R_UP:
@@ -2712,6 +2707,60 @@ cdef class Engine:
         cdef State* e = self._live()
         return e.peers[peer] != NULL and not e.peers[peer].lost
 
+    # -- wire fuzzing (tests/fuzz_wire.py) -------------------------------------------------------
+    def fuzz_attach(self, int peer, int rail, uint32_t conn_id):
+        """Testing only: switch this engine to the in-memory fuzz transport and bring up
+        (peer, rail) on it. What fuzz_feed() gives is then what the rail reads; what the engine
+        writes is accepted (and counted) or, with block_send, left unwritten."""
+        cdef State* e = self._live()
+        if self.started:
+            raise RuntimeError("fuzz transport: the engine must not have a progress thread")
+        e.tp.name = "fuzz"
+        e.tp.post_send = fz_post_send
+        e.tp.post_recv = fz_post_recv
+        e.tp.shutdown = fz_shutdown
+        e.tp.close = fz_close
+        self.attach(peer, rail, -1, conn_id)
+
+    def fuzz_feed(self, int peer, int rail, const unsigned char[:] data, uint32_t step=0,
+                  bint block_send=False):
+        """Testing only: the rail reads `data` (in reads of at most `step` bytes; 0: as much as
+        it asks for), then the engine sends what it has to (acks, chunks, notices) as its
+        progress loop would. Returns (bytes consumed, rail still up, bytes the engine wrote)."""
+        cdef State* e = self._live()
+        cdef Rail* r
+        cdef size_t before
+        cdef int i, guard = 0
+        cdef uint64_t sent0
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
+            raise ValueError(f"no such peer/rail {peer}/{rail}")
+        if e.tp.post_recv != fz_post_recv:
+            raise RuntimeError("fuzz_feed needs fuzz_attach first")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            r = e.peers[peer].rails[rail]
+            fz.src = <const char*>&data[0] if data.shape[0] > 0 else NULL
+            fz.n = data.shape[0]
+            fz.pos = 0
+            fz.step = step
+            fz.block = block_send
+            sent0 = fz.sent
+            # each round consumes input or stops: bounded by the input size
+            while r.state == R_UP and fz.pos < fz.n and guard <= <int>fz.n + 2:
+                guard += 1
+                before = fz.pos
+                rail_read(e, r)
+                if fz.pos == before:
+                    break
+            for i in range(e.nranks):
+                if e.peers[i] != NULL:
+                    pump_peer(e, e.peers[i])
+            if e.dack_rails > 0:
+                lazy_ack_timer(e, mono() + DACK_DELAY)
+            fz.src = NULL
+            pthread_mutex_unlock(&e.mu)
+        return fz.pos, r.state == R_UP, fz.sent - sent0
+
     cdef State* _live(self) except NULL:
         if self.e == NULL:
             raise RuntimeError("engine is closed")
@@ -2722,6 +2771,44 @@ cdef class Engine:
         write(self.e.evfd, &one, 8)
 
 
+
+cdef struct FuzzFeed:
+    const char* src
+    size_t n, pos
+    uint32_t step
+    int block
+    uint64_t sent
+
+cdef FuzzFeed fz      # the in-memory transport of Engine.fuzz_attach / fuzz_feed (one at a time)
+
+cdef int64_t fz_post_send(int fd, iovec* iov, int niov) noexcept nogil:
+    cdef int64_t total = 0
+    cdef int i
+    if fz.block:
+        return 0
+    for i in range(niov):
+        total += iov[i].iov_len
+    fz.sent += total
+    return total
+
+cdef int64_t fz_post_recv(int fd, void* buf, size_t n) noexcept nogil:
+    cdef size_t k
+    if fz.src == NULL or fz.pos >= fz.n or n == 0:
+        return 0
+    k = fz.n - fz.pos
+    if k > n:
+        k = n
+    if fz.step > 0 and k > fz.step:
+        k = fz.step
+    memcpy(buf, fz.src + fz.pos, k)
+    fz.pos += k
+    return <int64_t>k
+
+cdef void fz_shutdown(int fd) noexcept nogil:
+    pass
+
+cdef void fz_close(int fd) noexcept nogil:
+    pass
 
 cdef int txq_empty(State* e) noexcept nogil:
     cdef int i, k
