@@ -292,7 +292,7 @@ def fuzz_frames(data):
             stream = bytearray()
             framed = True
             must_refuse = False
-            for _ in range(1 + pv.byte() % 8):
+            for _ in range(1 + pv.byte() % 16):
                 info = {}
                 fr = build_frame(pv, w, info)
                 nframes += 1
@@ -546,31 +546,27 @@ def random_run(kind, budget_s=None, count=None, seed=0):
 
 
 def main():
-    import atexit
+    """python tests/fuzz_wire.py frames|handshake [--until=N] [libFuzzer flags] [corpus dir]:
+    coverage-guided (atheris); with --until, prints FUZZSTATS and exits 0 once N frames (or
+    handshakes) have been fed without a finding. A finding prints its traceback, leaves the
+    input in crash-*, and exits non-zero."""
     import json
     import atheris
     kind = sys.argv[1]
     fn = fuzz_frames if kind == "frames" else fuzz_handshake
+    key = "frames" if kind == "frames" else "handshakes"
     t0 = time.monotonic()
+    until = [a for a in sys.argv[2:] if a.startswith("--until=")]
+    args = [a for a in sys.argv[2:] if not a.startswith("--until=")]
+    want = int(until[0].split("=")[1]) if until else None
 
-    def report():
-        d = dict(STATS, kind=kind, seconds=round(time.monotonic() - t0, 1))
-        print("FUZZSTATS " + json.dumps(d), flush=True)
-    atexit.register(report)
-    target = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2].startswith("--until=") else None
-    args = [a for a in sys.argv[1:] if not a.startswith("--until=")]
-    if target:                                    # stop (exit 0) once this many units are done
-        want = int(target.split("=")[1])
-        key = "frames" if kind == "frames" else "handshakes"
-
-        def one(data):
-            fn(data)
-            if STATS[key] >= want:
-                sys.exit(0)
-    else:
-        def one(data):
-            fn(data)
-    atheris.Setup([sys.argv[0]] + args[1:], one)
+    def one(data):
+        fn(data)
+        if want is not None and STATS[key] >= want:
+            d = dict(STATS, kind=kind, seconds=round(time.monotonic() - t0, 1))
+            print("FUZZSTATS " + json.dumps(d), flush=True)
+            os._exit(0)
+    atheris.Setup([sys.argv[0]] + args, one)
     atheris.Fuzz()
 
 
