@@ -223,6 +223,36 @@ def build_frame(pv, w, info):
     return bytes(head) + payload
 
 
+def _outcome(kinds, all_read, wrote, ds):
+    n = 0
+    for k in kinds:
+        if k == "bad_frame":
+            n += 1
+        elif k == "rail_failed":
+            n += 2
+        elif k == "abort":
+            n += 4
+        elif k == "peer_notified":
+            n += 8
+        elif k == "notify_acked":
+            n += 16
+        elif k == "migrated":
+            n += 32
+        elif k == "redelivered":
+            n += 64
+    if all_read:
+        n += 128
+    if wrote:
+        n += 256
+    if ds["unexpected"]:
+        n += 512
+    if ds["sends"] < 4:
+        n += 1024
+    if ds["ready"][1]:
+        n += 2048
+    return n
+
+
 def rail_up(e, rail):
     """State of a connection to rank 1 (rails 0, 1 and the control connection, 2)."""
     return e.debug_state()["unsent"][1][rail][0] == 1
@@ -319,13 +349,13 @@ def fuzz_frames(data):
             evs = e.events_since(nev)
             kinds = [ev["kind"] for ev in evs]
             STATS["segments"] += 1
-            # outcome feedback for the coverage-guided run: one branch per outcome
+            # outcome feedback for the coverage-guided run: a branch per engine outcome, so an
+            # input that makes the engine do something new is new coverage to the fuzzer
             if not up:
                 STATS["refused"] += 1
             if "bad_frame" in kinds:
                 STATS["bad_frames"] += 1
-            if wrote:
-                pass
+            _outcome(kinds, consumed == len(stream), wrote, e.debug_state())
             if must_refuse and up_before:
                 # (a valid rail-down notice for this very rail may close it first)
                 assert not up and ("bad_frame" in kinds or "peer_notified" in kinds), \
@@ -580,4 +610,5 @@ if __name__ == "__main__":
     atheris.instrument_func(_fuzz_connect)
     atheris.instrument_func(check_buffers)
     atheris.instrument_func(note_valid)
+    atheris.instrument_func(_outcome)
     main()

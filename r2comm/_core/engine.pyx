@@ -920,7 +920,8 @@ cdef void send_chunk_ready(State* e, SendMsg* sm, uint32_t c, int hot) noexcept 
     ref.c = c
     ready_push(e.peers[sm.peer], ref, hot)
     if sm.owned:
-        memcpy(sm.base + off, sm.src + off, chunk_len(sm.total, sm.cs, c))
+        if sm.total:                    # (an empty message may have no buffer: memcpy(NULL) is UB)
+            memcpy(sm.base + off, sm.src + off, chunk_len(sm.total, sm.cs, c))
         for i in range(sm.succ.size()):
             gate_release(e, sm.succ[i], c)
 
@@ -1380,7 +1381,8 @@ cdef void forget_copies(State* e, Peer* p, SendMsg* m, uint32_t c, Rail* via) no
             t.ghosts += 1
         if t.tx_busy and t.tx_ref.m == <void*>m and t.tx_ref.c == c and t.tx_orphan == NULL:
             t.tx_orphan = <char*>malloc(t.tx_plen if t.tx_plen else 1)
-            memcpy(t.tx_orphan, t.tx_payload, t.tx_plen)
+            if t.tx_plen:
+                memcpy(t.tx_orphan, t.tx_payload, t.tx_plen)
             t.tx_payload = t.tx_orphan
 
 cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
@@ -1766,7 +1768,8 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
                 and r.tx_orphan == NULL:
             # the frame on the wire must complete: keep its bytes in a private copy
             r.tx_orphan = <char*>malloc(r.tx_plen if r.tx_plen else 1)
-            memcpy(r.tx_orphan, r.tx_payload, r.tx_plen)
+            if r.tx_plen:
+                memcpy(r.tx_orphan, r.tx_payload, r.tx_plen)
             r.tx_payload = r.tx_orphan
     for i in range(m.nchunks):
         if (m.cstate[i] & C_STATE) != C_ACKED:
@@ -2114,6 +2117,8 @@ def encode_header(int type, int flags, int dtype, int redop, uint32_t comm, uint
 
 def memcopy(uint64_t dst, uint64_t src, uint64_t n):
     """memcpy between two buffer addresses without the GIL (local copies of a schedule)."""
+    if n == 0:
+        return
     with nogil:
         memcpy(<void*>dst, <const void*>src, n)
 
