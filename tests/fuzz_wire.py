@@ -608,7 +608,7 @@ if __name__ == "__main__":
     atheris.instrument_func(build_frame)
     atheris.instrument_func(fuzz_handshake)
     atheris.instrument_func(_fuzz_connect)
-    atheris.instrument_func(check_buffers)
-    atheris.instrument_func(note_valid)
+    # (not the oracle: atheris's comparison tracing keeps the numpy arrays it compares alive,
+    # ~120 KB per input, and libFuzzer stops at its 2 GB RSS limit)
     atheris.instrument_func(_outcome)
     main()
