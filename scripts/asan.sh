@@ -5,7 +5,8 @@
 #   scripts/asan.sh [pytest args...]      default: the tests below, slow ones included
 #
 # Environment: R2COMM_VENV (the project's venv, default .venv), ASAN_DIR (build tree, default
-# build/asan), R2COMM_SANITIZE (default address,undefined). The source tree's own build is not
+# build/asan), R2COMM_SANITIZE (default address,undefined), R2COMM_ASAN_FRAMES (fuzzed frames
+# after the tests, default 200000; 0: none). The source tree's own build is not
 # touched. Any sanitizer report fails the run: ASan and UBSan abort the process on the first
 # error (-fno-sanitize-recover), and the log is searched for reports as well.
 set -euo pipefail
@@ -43,6 +44,16 @@ set +e
 "$PY" -m pytest -p no:cacheprovider -q -x "$@" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
+# then the wire fuzzer's frames, many more than the CI batch, under the sanitizers (random
+# inputs: libFuzzer gets no coverage from atheris next to libasan; guided runs use the normal
+# build, tests/test_fuzz.py)
+FRAMES="${R2COMM_ASAN_FRAMES:-200000}"
+if [ "$rc" = 0 ] && [ "$FRAMES" -gt 0 ]; then
+    set +e
+    "$PY" tests/fuzz_wire.py random frames "$FRAMES" 2>&1 | tee -a "$LOG" | tail -40
+    rc=${PIPESTATUS[0]}
+    set -e
+fi
 if grep -qE "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer" "$LOG"; then
     echo "asan.sh: sanitizer report(s) in $LOG" >&2
     exit 1

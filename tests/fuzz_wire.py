@@ -600,7 +600,33 @@ def main():
     atheris.Fuzz()
 
 
-if __name__ == "__main__":
+def random_main():
+    """python tests/fuzz_wire.py random frames|handshake N [corpus dir...]: replay the corpus
+    (e.g. one a guided run saved), then random inputs until N frames (or handshakes): for the
+    sanitized build, where atheris gets no coverage from libFuzzer (libasan's coverage hooks
+    take precedence over atheris's), so guided fuzzing is done on the normal build."""
+    import json
+    kind, want = sys.argv[2], int(sys.argv[3])
+    fn = fuzz_frames if kind == "frames" else fuzz_handshake
+    key = "frames" if kind == "frames" else "handshakes"
+    t0 = time.monotonic()
+    replayed = 0
+    for d in sys.argv[4:]:
+        for name in sorted(os.listdir(d)):
+            with open(os.path.join(d, name), "rb") as f:
+                fn(f.read())
+            replayed += 1
+    seed = 0
+    while STATS[key] < want:
+        random_run(kind, count=500, seed=seed)
+        seed += 1
+    print("FUZZSTATS " + json.dumps(dict(STATS, kind=kind, replayed=replayed,
+                                         seconds=round(time.monotonic() - t0, 1))), flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1] == "random":
+    random_main()
+elif __name__ == "__main__":
     import atheris
     with atheris.instrument_imports():
         pass
