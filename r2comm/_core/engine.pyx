@@ -195,6 +195,9 @@ cdef enum:
     MAC_KEY_LEN = 32
 
 cdef double DACK_DELAY = 0.0005   # s: longest a delayed ack waits for a frame to ride with
+# Largest message a frame may announce (1 TiB). A peer's `total` sizes the unexpected-message
+# table before any receive vouches for it: beyond this the frame is refused as malformed.
+cdef uint64_t MAX_MESSAGE = (<uint64_t>1) << 40
 cdef double SPIN_BASE = 50e-6     # s: into a wait, the spin's CPU baseline is taken
 cdef double SPIN_JUDGE = 200e-6   # s: shortest spin (after SPIN_BASE) that is judged
 cdef double SPIN_SHARE = 0.6      # a preempted spin that got less of a CPU than this lost it
@@ -307,9 +310,9 @@ cdef cppclass Unexp:
     uint32_t sig, aux, cs, nchunks, nrecv
     uint8_t flags, dtype, redop
     uint64_t total
-    char** chunks
+    cmap[uint32_t, char*] chunks     # the chunks that arrived (sparse: a peer's `total` alone
+                                     # never sizes an allocation)
     __init__() noexcept nogil:
-        this.chunks = NULL
         this.nrecv = 0
 
 cdef cppclass P2PState:
@@ -1010,7 +1013,8 @@ cdef void send_chunk_ready(State* e, SendMsg* sm, uint32_t c, int hot) noexcept 
     ref.c = c
     ready_push(e.peers[sm.peer], ref, hot)
     if sm.owned:
-        memcpy(sm.base + off, sm.src + off, chunk_len(sm.total, sm.cs, c))
+        if sm.total:                    # (an empty message may have no buffer: memcpy(NULL) is UB)
+            memcpy(sm.base + off, sm.src + off, chunk_len(sm.total, sm.cs, c))
         for i in range(sm.succ.size()):
             gate_release(e, sm.succ[i], c)
 
@@ -1091,32 +1095,55 @@ cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil:
     return st
 
 
-cdef void alloc_recv_arrays(RecvMsg* rm) noexcept nogil:
+cdef int alloc_recv_arrays(RecvMsg* rm) noexcept nogil:
+    """Per-chunk arrays of a receive; -1 (and none of them) if memory ran out."""
     rm.nchunks = nchunks_of(rm.total, rm.cs)
     rm.cdone = <uint8_t*>calloc(rm.nchunks, 1)
     rm.held = <char**>calloc(rm.nchunks, sizeof(char*))
     if rm.gate == NULL:
         rm.gate = <int32_t*>calloc(rm.nchunks, sizeof(int32_t))
+    if rm.cdone == NULL or rm.held == NULL or rm.gate == NULL:
+        free(rm.cdone)
+        free(rm.held)
+        free(rm.gate)
+        rm.cdone = NULL
+        rm.held = NULL
+        rm.gate = NULL
+        rm.nchunks = 0
+        return -1
+    return 0
 
 cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
     """Hand the chunks that arrived before the receive was posted to the receive."""
     cdef uint32_t c
-    if rm.nchunks == 0:
-        alloc_recv_arrays(rm)
-    if check_match(e, rm, u.sig, u.total, u.dtype, peer) == 0:
-        for c in range(u.nchunks):
-            if u.chunks[c] != NULL:
-                deliver_chunk(e, rm, c, u.chunks[c])
-                u.chunks[c] = NULL
+    if check_match(e, rm, u.sig, u.total, u.dtype, peer) != 0:
+        free_unexp(u)
+        return
+    if u.cs != rm.cs and rm.op != NULL:
+        # the buffered chunks were cut at another size than this receive's: never copy them
+        fail_op(e, rm.op, E_PROTOCOL, "chunk boundaries differ between ranks (R2COMM_CHUNK_SIZE "
+                "must be the same on every rank)", 1)
+        free_unexp(u)
+        return
+    if rm.nchunks == 0 and alloc_recv_arrays(rm) != 0:
+        if rm.op != NULL:
+            fail_op(e, rm.op, E_PROTOCOL, "out of memory for the chunk table of a received "
+                    "message", 1)
+        free_unexp(u)
+        return
+    if u.cs == rm.cs and (rm.op == NULL or rm.op.state == ST_ACTIVE):
+        it = u.chunks.begin()
+        while it != u.chunks.end():
+            deliver_chunk(e, rm, deref(it).first, deref(it).second)
+            inc(it)
+        u.chunks.clear()
     free_unexp(u)
 
 cdef void free_unexp(Unexp* u) noexcept nogil:
-    cdef uint32_t c
-    if u.chunks != NULL:
-        for c in range(u.nchunks):
-            if u.chunks[c] != NULL:
-                free(u.chunks[c])
-        free(u.chunks)
+    it = u.chunks.begin()
+    while it != u.chunks.end():
+        free(deref(it).second)
+        inc(it)
     del u
 
 cdef Unexp* new_unexp(r2_hdr* h, uint32_t cs) noexcept nogil:
@@ -1129,7 +1156,6 @@ cdef Unexp* new_unexp(r2_hdr* h, uint32_t cs) noexcept nogil:
     u.total = h.total
     u.cs = cs
     u.nchunks = nchunks_of(h.total, cs)
-    u.chunks = <char**>calloc(u.nchunks, sizeof(char*))
     return u
 
 cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept nogil:
@@ -1182,6 +1208,30 @@ cdef inline int p2p_seen(P2PState* st, uint32_t seq) noexcept nogil:
 # ---------------------------------------------------------------------------------------------
 # Receiving
 
+cdef void rx_refuse(State* e, Rail* r, const char* why) noexcept nogil:
+    """A frame that passed the header check but cannot be taken in (it contradicts the message
+    layout, or memory for it ran out): report it and close the connection, like a malformed
+    header. Nothing of it is acknowledged, so the sender re-sends on another rail."""
+    add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, r.rh.len, 0, why)
+    fail_rail(e, r, "malformed frame", e.me, 1)
+
+cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
+    """Buffer a DATA payload for an unexpected message: only a chunk that fits the message the
+    first frame announced (same total, in range, exactly its length), so a buffered chunk is
+    never shorter than what is later copied out of it. -1 if the frame was refused."""
+    cdef r2_hdr* h = &r.rh
+    if h.total != u.total or h.chunk >= u.nchunks or h.len != chunk_len(u.total, u.cs, h.chunk):
+        rx_refuse(e, r, "DATA frame does not fit the message its first chunk announced "
+                  "(total, chunk index or length): connection closed")
+        return -1
+    if u.chunks.count(h.chunk) == 0:
+        r.rtarget = <char*>malloc(h.len if h.len else 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for an unexpected chunk: connection closed")
+            return -1
+        r.rkind = K_BUF
+    return 0
+
 cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
     """Decide where the payload of a DATA frame goes before reading it."""
     cdef r2_hdr* h = &r.rh
@@ -1194,6 +1244,9 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
     r.rmsg = NULL
     r.rkind = K_TRASH
     r.rtarget = NULL
+    if h.total > MAX_MESSAGE:
+        rx_refuse(e, r, "DATA frame announces a message over 1 TiB: connection closed")
+        return
     if h.flags & FL_P2P:
         st = p2p_state(p, h.comm)
         itb = st.bound.find(h.seq)
@@ -1204,7 +1257,11 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         elif p2p_seen(st, h.seq):
             return                      # stale: that message completed already
         else:
-            st.unexp[h.seq] = new_unexp(h, e.cs)
+            u = new_unexp(h, e.cs)
+            if u == NULL:
+                rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
+                return
+            st.unexp[h.seq] = u
             p2p_mark_seen(st, h.seq)
             p2p_try_match(e, p, st, h.comm)
             itb = st.bound.find(h.seq)
@@ -1227,12 +1284,14 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
                 return                  # stale (completed or failed operation)
             itu = e.cunexp.find(k)
             if itu == e.cunexp.end():
-                e.cunexp[k] = new_unexp(h, e.cs)
-                itu = e.cunexp.find(k)
-            u = deref(itu).second
-            if c < u.nchunks and u.chunks[c] == NULL and h.total == u.total:
-                r.rkind = K_BUF
-                r.rtarget = <char*>malloc(h.len if h.len else 1)
+                u = new_unexp(h, e.cs)
+                if u == NULL:
+                    rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
+                    return
+                e.cunexp[k] = u
+            else:
+                u = deref(itu).second
+            rx_unexp_target(e, r, u)
             return
     if rm == NULL:
         # p2p message that nobody has asked for yet, or whose match just failed (truncation,
@@ -1240,10 +1299,7 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         itu3 = st.unexp.find(h.seq)
         if itu3 == st.unexp.end():
             return
-        u = deref(itu3).second
-        if c < u.nchunks and u.chunks[c] == NULL and h.total == u.total:
-            r.rkind = K_BUF
-            r.rtarget = <char*>malloc(h.len if h.len else 1)
+        rx_unexp_target(e, r, deref(itu3).second)
         return
     if rm.op == NULL or rm.op.state != ST_ACTIVE:
         return
@@ -1255,8 +1311,11 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         return                          # duplicate: already delivered
     r.rmsg = <void*>rm
     if rm.gate[c] > 0:
-        r.rkind = K_BUF
         r.rtarget = <char*>malloc(h.len if h.len else 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for a gated chunk: connection closed")
+            return
+        r.rkind = K_BUF
     elif rm.mode == M_COPY:
         r.rkind = K_DIRECT
         r.rtarget = rm.base + <uint64_t>c * rm.cs
@@ -1314,9 +1373,10 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
                 itu = e.cunexp.find(k)
                 if itu != e.cunexp.end():
                     u = deref(itu).second
-        if rm != NULL and rm.op != NULL and rm.op.state == ST_ACTIVE and rm.cdone != NULL:
+        if rm != NULL and rm.op != NULL and rm.op.state == ST_ACTIVE and rm.cdone != NULL \
+                and h.len == chunk_len(rm.total, rm.cs, c):
             deliver_chunk(e, rm, c, r.rtarget)
-        elif u != NULL and c < u.nchunks and u.chunks[c] == NULL:
+        elif u != NULL and c < u.nchunks and u.chunks.count(c) == 0:
             u.chunks[c] = r.rtarget
             u.nrecv += 1
         else:
@@ -1414,7 +1474,8 @@ cdef void forget_copies(State* e, Peer* p, SendMsg* m, uint32_t c, Rail* via) no
             t.ghosts += 1
         if t.tx_busy and t.tx_ref.m == <void*>m and t.tx_ref.c == c and t.tx_orphan == NULL:
             t.tx_orphan = <char*>malloc(t.tx_plen if t.tx_plen else 1)
-            memcpy(t.tx_orphan, t.tx_payload, t.tx_plen)
+            if t.tx_plen:
+                memcpy(t.tx_orphan, t.tx_payload, t.tx_plen)
             t.tx_payload = t.tx_orphan
 
 cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
@@ -1428,9 +1489,13 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
     if c >= m.nchunks:
         return
     st = m.cstate[c]
-    if (st & C_STATE) == C_ACKED:
+    if (st & C_STATE) != C_INFLIGHT:
+        # acked already, or never sent (gated, or queued: the ready queue still holds it, and
+        # counting this ack could complete and free the message under that queue entry)
         return
-    if (st & C_STATE) == C_INFLIGHT and m.crail[c] >= 0:
+    if r.tx_busy and r.tx_ref.m == <void*>m and r.tx_ref.c == c and r.tx_orphan == NULL:
+        return                          # this rail is still writing that chunk: not received
+    if m.crail[c] >= 0:
         pr = e.peers[m.peer].rails[m.crail[c]]
         if st & C_HEDGED:
             # the first copy through wins: credit the rail that delivered it, forget both
@@ -1512,9 +1577,11 @@ cdef int rx_header(State* e, Rail* r) noexcept nogil:
     r.rgot = 0
     if r.rh.type == F_DATA:
         if r.index >= e.peers[r.peer].nrails:
-            fail_rail(e, r, "data frame on control connection", e.me, 1)
+            rx_refuse(e, r, "DATA frame on the control connection: connection closed")
             return -1
         rx_data_header(e, r)
+        if r.state != R_UP:
+            return -1
         r.rstate = 1
         if r.rh.len == 0:
             rx_data_done(e, r)
@@ -1526,8 +1593,11 @@ cdef int rx_header(State* e, Rail* r) noexcept nogil:
     elif r.rh.type == F_RAIL_DOWN_ACK:
         on_rail_down_ack(e, r)
     elif r.rh.type == F_ABORT:
-        r.rkind = K_CTRL
         r.rtarget = <char*>malloc(r.rh.len + 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for an abort message: connection closed")
+            return -1
+        r.rkind = K_CTRL
         r.rstate = 1
         if r.rh.len == 0:
             on_abort(e, r, r.rtarget, 0)
@@ -1847,7 +1917,8 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
                 and r.tx_orphan == NULL:
             # the frame on the wire must complete: keep its bytes in a private copy
             r.tx_orphan = <char*>malloc(r.tx_plen if r.tx_plen else 1)
-            memcpy(r.tx_orphan, r.tx_payload, r.tx_plen)
+            if r.tx_plen:
+                memcpy(r.tx_orphan, r.tx_payload, r.tx_plen)
             r.tx_payload = r.tx_orphan
     for i in range(m.nchunks):
         if (m.cstate[i] & C_STATE) != C_ACKED:
@@ -2122,6 +2193,9 @@ cdef class Plan:
             if buf < 0 or buf > 2 or mode < M_COPY or mode > M_REDUCE_SEND_REV:
                 raise ValueError(f"message {m!r}: buffer index or receive mode out of range")
             owned = 1 if m[7] else 0
+            if nbytes > MAX_MESSAGE:
+                raise ValueError(f"message of {nbytes} bytes: the engine moves at most 1 TiB "
+                                 "per message (peers refuse larger ones)")
             if step < 0 or step >= (1 << 24):
                 raise ValueError(f"message step {step} out of range: steps are 0 .. 2**24 - 1 "
                                  "(they share a 64-bit key with the sequence number)")
@@ -2192,6 +2266,8 @@ def encode_header(int type, int flags, int dtype, int redop, uint32_t comm, uint
 
 def memcopy(uint64_t dst, uint64_t src, uint64_t n):
     """memcpy between two buffer addresses without the GIL (local copies of a schedule)."""
+    if n == 0:
+        return
     with nogil:
         memcpy(<void*>dst, <const void*>src, n)
 
@@ -2913,6 +2989,60 @@ cdef class Engine:
         cdef State* e = self._live()
         return e.peers[peer] != NULL and not e.peers[peer].lost
 
+    # -- wire fuzzing (tests/fuzz_wire.py) -------------------------------------------------------
+    def fuzz_attach(self, int peer, int rail, uint32_t conn_id):
+        """Testing only: switch this engine to the in-memory fuzz transport and bring up
+        (peer, rail) on it. What fuzz_feed() gives is then what the rail reads; what the engine
+        writes is accepted (and counted) or, with block_send, left unwritten."""
+        cdef State* e = self._live()
+        if self.started:
+            raise RuntimeError("fuzz transport: the engine must not have a progress thread")
+        e.tp.name = "fuzz"
+        e.tp.post_send = fz_post_send
+        e.tp.post_recv = fz_post_recv
+        e.tp.shutdown = fz_shutdown
+        e.tp.close = fz_close
+        self.attach(peer, rail, -1, conn_id)
+
+    def fuzz_feed(self, int peer, int rail, const unsigned char[:] data, uint32_t step=0,
+                  bint block_send=False):
+        """Testing only: the rail reads `data` (in reads of at most `step` bytes; 0: as much as
+        it asks for), then the engine sends what it has to (acks, chunks, notices) as its
+        progress loop would. Returns (bytes consumed, rail still up, bytes the engine wrote)."""
+        cdef State* e = self._live()
+        cdef Rail* r
+        cdef size_t before
+        cdef int i, guard = 0
+        cdef uint64_t sent0
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
+            raise ValueError(f"no such peer/rail {peer}/{rail}")
+        if e.tp.post_recv != fz_post_recv:
+            raise RuntimeError("fuzz_feed needs fuzz_attach first")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            r = e.peers[peer].rails[rail]
+            fz.src = <const char*>&data[0] if data.shape[0] > 0 else NULL
+            fz.n = data.shape[0]
+            fz.pos = 0
+            fz.step = step
+            fz.block = block_send
+            sent0 = fz.sent
+            # each round consumes input or stops: bounded by the input size
+            while r.state == R_UP and fz.pos < fz.n and guard <= <int>fz.n + 2:
+                guard += 1
+                before = fz.pos
+                rail_read(e, r)
+                if fz.pos == before:
+                    break
+            for i in range(e.nranks):
+                if e.peers[i] != NULL:
+                    pump_peer(e, e.peers[i])
+            if e.dack_rails > 0:
+                lazy_ack_timer(e, mono() + DACK_DELAY)
+            fz.src = NULL
+            pthread_mutex_unlock(&e.mu)
+        return fz.pos, r.state == R_UP, fz.sent - sent0
+
     cdef State* _live(self) except NULL:
         if self.e == NULL:
             raise RuntimeError("engine is closed")
@@ -2923,6 +3053,44 @@ cdef class Engine:
         write(self.e.evfd, &one, 8)
 
 
+
+cdef struct FuzzFeed:
+    const char* src
+    size_t n, pos
+    uint32_t step
+    int block
+    uint64_t sent
+
+cdef FuzzFeed fz      # the in-memory transport of Engine.fuzz_attach / fuzz_feed (one at a time)
+
+cdef int64_t fz_post_send(int fd, iovec* iov, int niov) noexcept nogil:
+    cdef int64_t total = 0
+    cdef int i
+    if fz.block:
+        return 0
+    for i in range(niov):
+        total += iov[i].iov_len
+    fz.sent += total
+    return total
+
+cdef int64_t fz_post_recv(int fd, void* buf, size_t n) noexcept nogil:
+    cdef size_t k
+    if fz.src == NULL or fz.pos >= fz.n or n == 0:
+        return 0
+    k = fz.n - fz.pos
+    if k > n:
+        k = n
+    if fz.step > 0 and k > fz.step:
+        k = fz.step
+    memcpy(buf, fz.src + fz.pos, k)
+    fz.pos += k
+    return <int64_t>k
+
+cdef void fz_shutdown(int fd) noexcept nogil:
+    pass
+
+cdef void fz_close(int fd) noexcept nogil:
+    pass
 
 cdef int txq_empty(State* e) noexcept nogil:
     cdef int i, k
