@@ -1,0 +1,138 @@
+"""The torch.distributed backend "r2comm" (r2comm/torch) against Gloo, in real multi-rank jobs
+launched by torchrun (env:// rendezvous, TCPStore) and by mpiexec (FileStore, no MPI_Init).
+The scenarios are in tests/torch_worker.py."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import torch  # noqa: F401
+    import torch.distributed as _dist
+    _TORCH = _dist.is_available()
+    _WHY = "torch.distributed is not available in this torch build"
+except ImportError as exc:
+    _TORCH, _WHY = False, f"torch is not installed ({exc}); pip install -e '.[torch]'"
+
+from conftest import ROOT, mpiexec_path
+
+pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
+WORKER = os.path.join(ROOT, "tests", "torch_worker.py")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra):
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.setdefault("R2T_TIMEOUT", "60")
+    e.update(extra or {})
+    return e
+
+
+def _run(cmd, env, timeout, what):
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                           timeout=timeout, text=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{what} did not finish in {timeout} s:\n{(exc.output or '')[-4000:]}")
+    return p.returncode, p.stdout
+
+
+def run_torchrun(n, scenario, env=None, timeout=180):
+    """torchrun (torch.distributed.run) on one node, static rendezvous on loopback."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+           str(n), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--monitor-interval", "0.2", WORKER, scenario]
+    return _check(n, scenario, *_run(cmd, _env(env), timeout, f"torchrun {scenario}"))
+
+
+def run_mpiexec(n, scenario, tmp_path, env=None, timeout=180):
+    extra = {"R2T_STORE": str(tmp_path / f"store-{scenario}-{n}"),
+             "MPIEXEC_TIMEOUT": str(timeout - 10)}
+    extra.update(env or {})
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, WORKER, scenario]
+    return _check(n, scenario, *_run(cmd, _env(extra), timeout, f"mpiexec {scenario}"))
+
+
+def _check(n, scenario, rc, out):
+    assert rc == 0, f"{scenario} with {n} ranks failed (rc {rc}):\n{out[-6000:]}"
+    lines = [ln for ln in out.splitlines() if ln.startswith(f"OK {scenario} ")]
+    assert lines, f"{scenario}: no OK line:\n{out[-4000:]}"
+    return int(lines[-1].split()[2]), out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives_match_gloo_torchrun(n):
+    """allreduce (SUM, PRODUCT, MIN, MAX, AVG), broadcast, reduce, all_gather(_into_tensor),
+    reduce_scatter(_tensor), all_to_all(_single, even and uneven), send/recv, barrier and a
+    new_group, over 10 dtypes, non-contiguous tensors: equal to Gloo (bitwise on exact data)."""
+    count, out = run_torchrun(n, "collectives")
+    assert count >= 190, out[-3000:]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives_match_gloo_mpiexec(n, tmp_path):
+    count, out = run_mpiexec(n, "collectives", tmp_path)
+    assert count >= 190, out[-3000:]
+
+
+def test_async_any_order_torchrun():
+    count, _ = run_torchrun(3, "async")
+    assert count == 11
+
+
+def test_async_any_order_mpiexec(tmp_path):
+    count, _ = run_mpiexec(2, "async", tmp_path)
+    assert count == 11
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_errors_through_work_wait(launcher, tmp_path):
+    """Unsupported ops/dtypes: R2commArgumentError at the call; an unanswered receive:
+    R2commTimeout from Work.wait(); ranks with different sizes: an r2comm error from wait()."""
+    if launcher == "torchrun":
+        count, out = run_torchrun(2, "errors")
+    else:
+        count, out = run_mpiexec(3, "errors", tmp_path)
+    assert count >= 4, out[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_ddp_matches_gloo(launcher, tmp_path):
+    """DDP, a few steps of a tiny MLP in small gradient buckets: parameters equal Gloo's."""
+    if launcher == "torchrun":
+        count, out = run_torchrun(2, "ddp")
+    else:
+        count, out = run_mpiexec(3, "ddp", tmp_path)
+    assert count == 6, out[-3000:]
+
+
+def _losses(out):
+    lines = [ln for ln in out.splitlines() if ln.startswith("LOSSES ")]
+    assert lines, out[-3000:]
+    return lines[-1].split()[1:]
+
+
+def _failures(out):
+    return sum(int(ln.split()[3]) for ln in out.splitlines() if ln.startswith("EVENTS rank "))
+
+
+def test_ddp_losses_bitwise_through_nic_failure():
+    """Two rails; rank 1's rail 0 fails (hard) mid-training: the losses are bitwise those of
+    the fault-free run, and the failure really happened (engine events)."""
+    env = {"R2COMM_RAILS": "127.0.0.1,127.0.0.2", "R2T_STEPS": "20", "R2T_NO_GLOO": "1"}
+    _, clean = run_torchrun(3, "ddp", env=env)
+    assert _failures(clean) == 0, clean[-2000:]
+    env["R2COMM_FAULT"] = "rank=1,rail=0,after_bytes=30000,mode=hard"
+    _, faulty = run_torchrun(3, "ddp", env=env)
+    assert _failures(faulty) > 0, faulty[-2000:]
+    assert len(_losses(clean)) == 20
+    assert _losses(faulty) == _losses(clean)
