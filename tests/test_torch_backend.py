@@ -125,14 +125,28 @@ def _failures(out):
     return sum(int(ln.split()[3]) for ln in out.splitlines() if ln.startswith("EVENTS rank "))
 
 
-def test_ddp_losses_bitwise_through_nic_failure():
-    """Two rails; rank 1's rail 0 fails (hard) mid-training: the losses are bitwise those of
-    the fault-free run, and the failure really happened (engine events)."""
-    env = {"R2COMM_RAILS": "127.0.0.1,127.0.0.2", "R2T_STEPS": "20", "R2T_NO_GLOO": "1"}
-    _, clean = run_torchrun(3, "ddp", env=env)
-    assert _failures(clean) == 0, clean[-2000:]
-    env["R2COMM_FAULT"] = "rank=1,rail=0,after_bytes=30000,mode=hard"
+_TWO_RAILS = {"R2COMM_RAILS": "127.0.0.1,127.0.0.2", "R2T_STEPS": "20", "R2T_NO_GLOO": "1"}
+
+
+@pytest.fixture(scope="module")
+def clean_run():
+    """20 DDP steps on two rails, no failure: the reference losses."""
+    _, out = run_torchrun(3, "ddp", env=_TWO_RAILS)
+    assert _failures(out) == 0, out[-2000:]
+    assert len(_losses(out)) == 20
+    return out
+
+
+@pytest.mark.parametrize("how", ["R2COMM_FAULT", "fail_rail"])
+def test_ddp_losses_bitwise_through_nic_failure(how, clean_run):
+    """Two rails; rank 1's rail 0 fails (hard) mid-training: by R2COMM_FAULT (after a byte
+    count) or by fail_rail() before step 5 and restore_rail() before step 12. The losses are
+    bitwise those of the fault-free run, and the failure really happened (engine events)."""
+    env = dict(_TWO_RAILS)
+    if how == "R2COMM_FAULT":
+        env["R2COMM_FAULT"] = "rank=1,rail=0,after_bytes=1000,mode=hard"
+    else:
+        env["R2T_FAIL"] = "5:12"
     _, faulty = run_torchrun(3, "ddp", env=env)
     assert _failures(faulty) > 0, faulty[-2000:]
-    assert len(_losses(clean)) == 20
-    assert _losses(faulty) == _losses(clean)
+    assert _losses(faulty) == _losses(clean_run)

@@ -342,7 +342,14 @@ def train(group, steps, rank, size):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(100 + rank)
     losses = []
-    for _ in range(steps):
+    # R2T_FAIL="a:b": rank 1 fails its rail 0 for real (hard) before step a, restores it before b
+    fail = [int(v) for v in os.environ.get("R2T_FAIL", "-1:-1").split(":")]
+    comm = dist.distributed_c10d._get_default_group().comm if group is None else None
+    for step in range(steps):
+        if comm is not None and rank == 1 and step == fail[0]:
+            comm.fail_rail(0, "hard")
+        if comm is not None and rank == 1 and step == fail[1]:
+            comm.restore_rail(0)
         x = torch.randn(8, 16, generator=g)
         y = torch.randn(8, 4, generator=g)
         opt.zero_grad()
