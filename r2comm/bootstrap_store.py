@@ -29,7 +29,7 @@ import pickle
 import tempfile
 import time
 
-from .errors import R2commArgumentError, R2commError, R2commTimeout
+from .errors import R2commArgumentError, R2commTimeout
 
 UNDEFINED = -32766          # Split color "not a member" (the value MPICH gives MPI.UNDEFINED)
 
@@ -169,8 +169,6 @@ class StoreComm:
     def _wait(self, keys):
         try:
             self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        except R2commError:
-            raise
         except Exception as exc:       # torch: DistStoreError / RuntimeError on a timeout
             raise R2commTimeout(f"r2comm store bootstrap (rank {self.rank}/{self.size}): "
                                 f"waiting for {keys[:4]}{'...' if len(keys) > 4 else ''} "
