@@ -150,3 +150,60 @@ def test_ddp_losses_bitwise_through_nic_failure(how, clean_run):
     _, faulty = run_torchrun(3, "ddp", env=env)
     assert _failures(faulty) > 0, faulty[-2000:]
     assert _losses(faulty) == _losses(clean_run)
+
+
+def _testbed_or_skip():
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) to create network namespaces")
+    from r2comm.testbed import _iproute as iproute
+    try:
+        iproute.tool("ip")
+        iproute.tool("tc")
+    except iproute.TestbedError as exc:
+        pytest.skip(str(exc))
+
+
+def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
+    """torch_worker ddp on the fabric through `testbed torchrun` (2 hosts x 1 rank); between
+    steps fail_at and restore_at, host 1's nic0 is down for real (ip link set down)."""
+    env = _env({"R2T_STEPS": "20", "R2T_NO_GLOO": "1", "R2T_PRINT_STEPS": "1",
+                "R2T_STEP_SLEEP": "0.1", "R2COMM_TESTBED_FABRIC": fabric.tag})
+    cmd = [sys.executable, "-m", "r2comm.testbed", "torchrun", "--tag", fabric.tag,
+           "--nproc-per-node", "1", "--port", str(_free_port()), "--timeout", str(timeout - 20),
+           "--", WORKER, "ddp"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, cwd=ROOT)
+    lines = []
+    try:
+        for line in p.stdout:                 # bounded: the launcher ends the job at --timeout
+            lines.append(line)
+            if fail_at is not None and line.startswith(f"STEP {fail_at}\n"):
+                fabric.nic_down(1, 0)
+            if restore_at is not None and line.startswith(f"STEP {restore_at}\n"):
+                fabric.nic_up(1, 0)
+        rc = p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = "".join(lines)
+    assert rc == 0 and "OK ddp" in out, out[-4000:]
+    return out
+
+
+@pytest.mark.netns
+def test_testbed_torchrun_ddp_through_real_nic_failure():
+    """`python -m r2comm.testbed torchrun`: one torchrun per host namespace, rendezvous over
+    the management network. Host 1's nic0 goes down for real mid-training and comes back:
+    the losses equal the healthy run's bitwise."""
+    _testbed_or_skip()
+    from r2comm.testbed.fabric import Fabric
+    fabric = Fabric(hosts=2, nics=2, rate="1gbit", tag=f"t18{os.getpid() % 1000}").up()
+    try:
+        healthy = _testbed_ddp(fabric)
+        assert _failures(healthy) == 0, healthy[-2000:]
+        faulty = _testbed_ddp(fabric, fail_at=4, restore_at=12)
+    finally:
+        fabric.down()
+    assert _failures(faulty) > 0, faulty[-2000:]
+    assert len(_losses(healthy)) == 20
+    assert _losses(faulty) == _losses(healthy)

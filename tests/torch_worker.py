@@ -359,6 +359,9 @@ def train(group, steps, rank, size):
         reduced = loss.detach().clone()
         dist.all_reduce(reduced, group=group)
         losses.append(reduced.item())
+        if os.environ.get("R2T_PRINT_STEPS") and rank == 0:
+            print(f"STEP {step}", flush=True)       # the test injects failures between steps
+        time.sleep(float(os.environ.get("R2T_STEP_SLEEP", "0")))
     return model.module, losses
 
 
@@ -379,7 +382,8 @@ def scenario_ddp(rank, size, ck):
 def main():
     scenario = sys.argv[1]
     rank, size = init()
-    ck = Checker(rank, dist.new_group(backend="gloo"))
+    no_gloo = os.environ.get("R2T_NO_GLOO") == "1"
+    ck = Checker(rank, None if no_gloo else dist.new_group(backend="gloo"))
     globals()["scenario_" + scenario](rank, size, ck)
     counts = torch.tensor([ck.count])
     dist.all_reduce(counts, op=R.MIN, group=ck.gloo)
