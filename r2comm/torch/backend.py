@@ -26,8 +26,9 @@ other dtypes (complex reductions other than SUM, ...) raise R2commArgumentError 
 
 Completion. Each call returns at once with a Work. Work.wait() waits for that operation (any
 order) and raises r2comm's exception (R2commTimeout, R2commNetworkError, R2commMismatchError...)
-when it failed; Work.get_future() is completed by a per-group completion thread, which is what
-DDP's reducer waits on. Every wait is bounded by R2COMM_TIMEOUT when it is set, else by the
+when it failed; once Work.get_future() was called, a per-group completion thread completes the
+operation and sets the future (DDP's reducer waits on futures, never calls wait()). Results of
+staged tensors (non-contiguous, CUDA, bfloat16 reductions) are copied back at completion. Every wait is bounded by R2COMM_TIMEOUT when it is set, else by the
 init_process_group / new_group timeout."""
 import datetime
 import os
@@ -134,8 +135,10 @@ class Work(dist._Work):
     """One operation in flight: wait() blocks for it alone and raises r2comm's error;
     get_future() is set by the group's completion thread (what DDP waits on)."""
 
-    def __init__(self, reqs, finish=None, result=()):
+    def __init__(self, reqs, finish=None, result=(), completer=None):
         super().__init__()
+        self._completer = completer   # queue of the group's completion thread
+        self._queued = False
         self._reqs = list(reqs)
         self._finish = finish
         self._result = list(result)
@@ -170,12 +173,20 @@ class Work(dist._Work):
         return True
 
     def is_completed(self):
+        """Polls without blocking; a finished operation is completed here (results copied)."""
         if self._done:
             return True
+        if not self._lock.acquire(blocking=False):     # the completion thread is on it
+            return False
         try:
-            return all(r.Test() for r in self._reqs)
+            ready = all(r.Test() for r in self._reqs)
         except R2commError:
-            return True
+            ready = True
+        finally:
+            self._lock.release()
+        if ready:
+            self._complete()
+        return self._done
 
     def is_success(self):
         return self._done and self._error is None
@@ -184,6 +195,13 @@ class Work(dist._Work):
         return self._error
 
     def get_future(self):
+        """A torch Future set when the operation completes (by the group's completion thread,
+        so nobody has to wait() for it: what DDP's reducer relies on)."""
+        with self._lock:
+            queue_it = not self._queued and not self._done and self._completer is not None
+            self._queued = True
+        if queue_it:
+            self._completer.put(self)
         return self._fut
 
     def result(self):
@@ -246,9 +264,10 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             w._complete()
 
     def _submit(self, reqs, finish=None, result=()):
-        w = Work(reqs, finish, result)
-        self._queue.put(w)
-        return w
+        """A Work for these requests. Only works whose future is asked for go to the
+        completion thread: a plain wait() completes its operation itself, without a thread
+        hand-over (measured: 1 KiB allreduce 511 us with every work queued, see the report)."""
+        return Work(reqs, finish, result, self._queue)
 
     def getBackendName(self):
         return BACKEND_NAME
@@ -378,13 +397,8 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         s, o = _Staged(flat_input, reduce=True, out=False), _Staged(output, reduce=True)
         if o.arr.size == 0:
             return _done_work([output])
-        req = self._comm.Ireduce_scatter_block(s.arr, o.arr, op)
-        keep = s                                  # the send buffer lives until completion
-
-        def finish():
-            keep.arr                               # noqa: B018 (hold the input)
-            self._reduce_finish([o], avg)()
-        return self._submit([req], finish, [output])
+        req = self._comm.Ireduce_scatter_block(s.arr, o.arr, op)   # holds s.arr until done
+        return self._submit([req], self._reduce_finish([o], avg), [output])
 
     def alltoall(self, outputs, inputs, opts=None):
         n = self.size()
