@@ -122,7 +122,9 @@ def _losses(out):
 
 
 def _failures(out):
-    return sum(int(ln.split()[3]) for ln in out.splitlines() if ln.startswith("EVENTS rank "))
+    lines = [ln for ln in out.splitlines() if ln.startswith("EVENTS ")]
+    assert lines, out[-3000:]
+    return int(lines[-1].split()[1])
 
 
 _TWO_RAILS = {"R2COMM_RAILS": "127.0.0.1,127.0.0.2", "R2T_STEPS": "20", "R2T_NO_GLOO": "1"}

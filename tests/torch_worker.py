@@ -372,11 +372,14 @@ def scenario_ddp(rank, size, ck):
         m_gl, _ = train(ck.gloo, steps, rank, size)
         for (n, p), q in zip(m_r2.named_parameters(), m_gl.parameters()):
             ck.equal(p.detach(), q.detach(), f"DDP parameter {n}", exact=False)
-    if rank == 0:
-        print("LOSSES " + " ".join(v.hex() for v in losses), flush=True)
     events = [e for e in dist.distributed_c10d._get_default_group().comm.events
               if e["kind"] != "up"]
-    print(f"EVENTS rank {rank} {len(events)}", flush=True)
+    total = torch.tensor([len(events)])
+    dist.all_reduce(total)                    # failover events of every rank
+    if rank == 0:                             # one write: lines of other ranks cannot split it
+        sys.stdout.write("LOSSES " + " ".join(v.hex() for v in losses) +
+                         f"\nEVENTS {int(total.item())}\n")
+        sys.stdout.flush()
 
 
 def main():
