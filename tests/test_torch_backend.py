@@ -78,6 +78,7 @@ def test_collectives_match_gloo_torchrun(n):
     assert count >= 190, out[-3000:]
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_collectives_match_gloo_mpiexec(n, tmp_path):
     count, out = run_mpiexec(n, "collectives", tmp_path)
@@ -89,6 +90,7 @@ def test_async_any_order_torchrun():
     assert count == 11
 
 
+@pytest.mark.mpi
 def test_async_any_order_mpiexec(tmp_path):
     count, _ = run_mpiexec(2, "async", tmp_path)
     assert count == 11
