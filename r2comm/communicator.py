@@ -152,14 +152,15 @@ class Communicator:
                  rail_timeout_ms=None, peer_timeout_ms=None, ctrl_addr=None, on_event=None,
                  connect_timeout=None):
         Engine = _engine().Engine
-        from mpi4py import MPI
         cfg = Config.from_env()
         for name, val in (("timeout", timeout), ("chunk_size", chunk_size),
                           ("rail_timeout_ms", rail_timeout_ms), ("peer_timeout_ms", peer_timeout_ms),
                           ("ctrl_addr", ctrl_addr), ("connect_timeout", connect_timeout)):
             if val is not None:
                 setattr(cfg, name, val)
-        mpi_comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if mpi_comm is None:
+            from mpi4py import MPI
+            mpi_comm = MPI.COMM_WORLD
         boot = bootstrap.run(mpi_comm, cfg, rails)
         cfg.chunk_size = boot.params["chunk_size"]
         cfg.integrity = boot.params["integrity"]
@@ -226,6 +227,17 @@ class Communicator:
                 raise
         self._arm_faults(cfg.fault)
         mpi_comm.Barrier()
+
+    @classmethod
+    def from_store(cls, store, rank, size, *, prefix="r2comm", store_timeout=300.0, **kwargs):
+        """Bootstrap through a key-value store instead of MPI (torchrun's TCPStore, torch's
+        FileStore, or r2comm.bootstrap_store.DirStore without torch): every rank calls it with
+        the same store, size and prefix and its own rank; the other keyword arguments are the
+        constructor's. store_timeout (s) bounds each wait for the other ranks' keys. The job
+        secret and endpoints travel through the store (keep it private to the job); no MPI."""
+        from .bootstrap_store import StoreComm, instance_prefix
+        comm = StoreComm(store, rank, size, instance_prefix(store, prefix), store_timeout)
+        return cls(comm, **kwargs)
 
     def _bandwidth_probe(self, nbytes):
         """Time every rail to every peer (probe.py) and seed the engine's measured rates."""
@@ -318,7 +330,7 @@ class Communicator:
         calls it. Shares this one's connections; Free() it when done."""
         self._check()
         new_mpi = self._mpi.Dup()
-        cid = self._mpi.allreduce(self._world.next_comm_id, op=_mpi_max())
+        cid = self._mpi.allreduce(self._world.next_comm_id, op=_bootstrap_consts(self._mpi)[0])
         self._world.next_comm_id = cid + 1
         return Communicator._child(self._world, new_mpi, list(self._members), cid)
 
@@ -327,13 +339,13 @@ class Communicator:
         `key` (then by rank), as MPI_Comm_split. A rank passing `color=None`, a negative color
         or MPI.UNDEFINED takes part but gets None back."""
         self._check()
-        from mpi4py import MPI
-        undefined = color is None or color == MPI.UNDEFINED or color < 0
+        MAX, UNDEFINED = _bootstrap_consts(self._mpi)
+        undefined = color is None or color == UNDEFINED or color < 0
         colors = self._mpi.allgather(None if undefined else color)
-        base = self._mpi.allreduce(self._world.next_comm_id, op=_mpi_max())
+        base = self._mpi.allreduce(self._world.next_comm_id, op=MAX)
         distinct = sorted({c for c in colors if c is not None})
         self._world.next_comm_id = base + len(distinct) + 1
-        new_mpi = self._mpi.Split(MPI.UNDEFINED if undefined else color, key)
+        new_mpi = self._mpi.Split(UNDEFINED if undefined else color, key)
         if undefined:
             return None
         members = new_mpi.allgather(self._world.boot.rank)
@@ -788,7 +800,8 @@ class Communicator:
             out = np.empty_like(src)
             self.Allreduce(src, out, op)
             return out
-        return self._mpi.allreduce(x, op=as_op(op).mpi())
+        op = as_op(op)
+        return self._mpi.allreduce(x, op=op if _bootstrap_consts(self._mpi, False) else op.mpi())
 
     def bcast(self, obj, root=0):
         """Any picklable object of `root`, returned on every rank (through mpi4py)."""
@@ -829,9 +842,16 @@ def _engine():
 _ENGINE = None
 
 
-def _mpi_max():
+def _bootstrap_consts(comm, mpi=True):
+    """(MAX op, UNDEFINED color) of the bootstrap comm: a StoreComm's own, else mpi4py's
+    (None when mpi is False)."""
+    from .bootstrap_store import StoreComm, MAX, UNDEFINED
+    if isinstance(comm, StoreComm):
+        return MAX, UNDEFINED
+    if not mpi:
+        return None
     from mpi4py import MPI
-    return MPI.MAX
+    return MPI.MAX, MPI.UNDEFINED
 
 
 def _gpu_staged(fn, sendbuf, recvbuf, op):

@@ -1,5 +1,5 @@
 """Command line: ``python -m r2comm.testbed {up,down,status,degrade,nic-down,nic-up,flap,
-blackhole,unblackhole,exec}``.
+blackhole,unblackhole,exec,torchrun}``.
 
 Each command is a short-lived process working on the fabric named by
 --tag/--fabric (default: $R2COMM_TESTBED_FABRIC, else the only fabric up),
@@ -75,6 +75,15 @@ def _parser():
     _add_tag(exe)
     exe.add_argument("--host", type=int, help="place on this host instead of by rank")
     exe.add_argument("argv", nargs=argparse.REMAINDER, help="-- command ...")
+
+    tr = sub.add_parser("torchrun", help="one torchrun per host (node rank = host)",
+                        description="Runs `python -m torch.distributed.run` in every host "
+                                    "namespace, rendezvous at host 0's management address.")
+    _add_tag(tr)
+    tr.add_argument("--nproc-per-node", type=int, default=1)
+    tr.add_argument("--port", type=int, help="rendezvous port (default: derived from the pid)")
+    tr.add_argument("--timeout", type=float, help="end the job after this many seconds")
+    tr.add_argument("argv", nargs=argparse.REMAINDER, help="-- script.py args ...")
     return top
 
 
@@ -129,16 +138,20 @@ def _run(args):
     elif args.command == "exec":
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         exec_in_fabric(fab, argv, host=args.host)
+    elif args.command == "torchrun":
+        from .launch import torchrun
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        return torchrun(fab, argv, args.nproc_per_node, args.port, args.timeout)
 
 
 def main(argv=None):
     args = _parser().parse_args(argv)
     try:
-        _run(args)
+        rc = _run(args)
     except TestbedError as exc:
         print(f"r2comm.testbed: error: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

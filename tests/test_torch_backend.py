@@ -1,0 +1,213 @@
+"""The torch.distributed backend "r2comm" (r2comm/torch) against Gloo, in real multi-rank jobs
+launched by torchrun (env:// rendezvous, TCPStore) and by mpiexec (FileStore, no MPI_Init).
+The scenarios are in tests/torch_worker.py."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import torch  # noqa: F401
+    import torch.distributed as _dist
+    _TORCH = _dist.is_available()
+    _WHY = "torch.distributed is not available in this torch build"
+except ImportError as exc:
+    _TORCH, _WHY = False, f"torch is not installed ({exc}); pip install -e '.[torch]'"
+
+from conftest import ROOT, mpiexec_path
+
+pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
+WORKER = os.path.join(ROOT, "tests", "torch_worker.py")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra):
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.setdefault("R2T_TIMEOUT", "60")
+    e.update(extra or {})
+    return e
+
+
+def _run(cmd, env, timeout, what):
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                           timeout=timeout, text=True)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{what} did not finish in {timeout} s:\n{(exc.output or '')[-4000:]}")
+    return p.returncode, p.stdout
+
+
+def run_torchrun(n, scenario, env=None, timeout=180):
+    """torchrun (torch.distributed.run) on one node, static rendezvous on loopback."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+           str(n), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--monitor-interval", "0.2", WORKER, scenario]
+    return _check(n, scenario, *_run(cmd, _env(env), timeout, f"torchrun {scenario}"))
+
+
+def run_mpiexec(n, scenario, tmp_path, env=None, timeout=180):
+    extra = {"R2T_STORE": str(tmp_path / f"store-{scenario}-{n}"),
+             "MPIEXEC_TIMEOUT": str(timeout - 10)}
+    extra.update(env or {})
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, WORKER, scenario]
+    return _check(n, scenario, *_run(cmd, _env(extra), timeout, f"mpiexec {scenario}"))
+
+
+def _check(n, scenario, rc, out):
+    assert rc == 0, f"{scenario} with {n} ranks failed (rc {rc}):\n{out[-6000:]}"
+    lines = [ln for ln in out.splitlines() if ln.startswith(f"OK {scenario} ")]
+    assert lines, f"{scenario}: no OK line:\n{out[-4000:]}"
+    return int(lines[-1].split()[2]), out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives_match_gloo_torchrun(n):
+    """allreduce (SUM, PRODUCT, MIN, MAX, AVG), broadcast, reduce, all_gather(_into_tensor),
+    reduce_scatter(_tensor), all_to_all(_single, even and uneven), send/recv, barrier and a
+    new_group, over 10 dtypes, non-contiguous tensors: equal to Gloo (bitwise on exact data)."""
+    count, out = run_torchrun(n, "collectives")
+    assert count >= 190, out[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives_match_gloo_mpiexec(n, tmp_path):
+    count, out = run_mpiexec(n, "collectives", tmp_path)
+    assert count >= 190, out[-3000:]
+
+
+def test_async_any_order_torchrun():
+    count, _ = run_torchrun(3, "async")
+    assert count == 11
+
+
+@pytest.mark.mpi
+def test_async_any_order_mpiexec(tmp_path):
+    count, _ = run_mpiexec(2, "async", tmp_path)
+    assert count == 11
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_errors_through_work_wait(launcher, tmp_path):
+    """Unsupported ops/dtypes: R2commArgumentError at the call; an unanswered receive:
+    R2commTimeout from Work.wait(); ranks with different sizes: an r2comm error from wait()."""
+    if launcher == "torchrun":
+        count, out = run_torchrun(2, "errors")
+    else:
+        count, out = run_mpiexec(3, "errors", tmp_path)
+    assert count >= 4, out[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_ddp_matches_gloo(launcher, tmp_path):
+    """DDP, a few steps of a tiny MLP in small gradient buckets: parameters equal Gloo's."""
+    if launcher == "torchrun":
+        count, out = run_torchrun(2, "ddp")
+    else:
+        count, out = run_mpiexec(3, "ddp", tmp_path)
+    assert count == 6, out[-3000:]
+
+
+def _losses(out):
+    lines = [ln for ln in out.splitlines() if ln.startswith("LOSSES ")]
+    assert lines, out[-3000:]
+    return lines[-1].split()[1:]
+
+
+def _failures(out):
+    lines = [ln for ln in out.splitlines() if ln.startswith("EVENTS ")]
+    assert lines, out[-3000:]
+    return int(lines[-1].split()[1])
+
+
+_TWO_RAILS = {"R2COMM_RAILS": "127.0.0.1,127.0.0.2", "R2T_STEPS": "20", "R2T_NO_GLOO": "1"}
+
+
+@pytest.fixture(scope="module")
+def clean_run():
+    """20 DDP steps on two rails, no failure: the reference losses."""
+    _, out = run_torchrun(3, "ddp", env=_TWO_RAILS)
+    assert _failures(out) == 0, out[-2000:]
+    assert len(_losses(out)) == 20
+    return out
+
+
+@pytest.mark.parametrize("how", ["R2COMM_FAULT", "fail_rail"])
+def test_ddp_losses_bitwise_through_nic_failure(how, clean_run):
+    """Two rails; rank 1's rail 0 fails (hard) mid-training: by R2COMM_FAULT (after a byte
+    count) or by fail_rail() before step 5 and restore_rail() before step 12. The losses are
+    bitwise those of the fault-free run, and the failure really happened (engine events)."""
+    env = dict(_TWO_RAILS)
+    if how == "R2COMM_FAULT":
+        env["R2COMM_FAULT"] = "rank=1,rail=0,after_bytes=1000,mode=hard"
+    else:
+        env["R2T_FAIL"] = "5:12"
+    _, faulty = run_torchrun(3, "ddp", env=env)
+    assert _failures(faulty) > 0, faulty[-2000:]
+    assert _losses(faulty) == _losses(clean_run)
+
+
+def _testbed_or_skip():
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) to create network namespaces")
+    from r2comm.testbed import _iproute as iproute
+    try:
+        iproute.tool("ip")
+        iproute.tool("tc")
+    except iproute.TestbedError as exc:
+        pytest.skip(str(exc))
+
+
+def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
+    """torch_worker ddp on the fabric through `testbed torchrun` (2 hosts x 1 rank); between
+    steps fail_at and restore_at, host 1's nic0 is down for real (ip link set down)."""
+    env = _env({"R2T_STEPS": "20", "R2T_NO_GLOO": "1", "R2T_PRINT_STEPS": "1",
+                "R2T_STEP_SLEEP": "0.1", "R2COMM_TESTBED_FABRIC": fabric.tag})
+    cmd = [sys.executable, "-m", "r2comm.testbed", "torchrun", "--tag", fabric.tag,
+           "--nproc-per-node", "1", "--port", str(_free_port()), "--timeout", str(timeout - 20),
+           "--", WORKER, "ddp"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, cwd=ROOT)
+    lines = []
+    try:
+        for line in p.stdout:                 # bounded: the launcher ends the job at --timeout
+            lines.append(line)
+            if fail_at is not None and line.startswith(f"STEP {fail_at}\n"):
+                fabric.nic_down(1, 0)
+            if restore_at is not None and line.startswith(f"STEP {restore_at}\n"):
+                fabric.nic_up(1, 0)
+        rc = p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = "".join(lines)
+    assert rc == 0 and "OK ddp" in out, out[-4000:]
+    return out
+
+
+@pytest.mark.netns
+def test_testbed_torchrun_ddp_through_real_nic_failure():
+    """`python -m r2comm.testbed torchrun`: one torchrun per host namespace, rendezvous over
+    the management network. Host 1's nic0 goes down for real mid-training and comes back:
+    the losses equal the healthy run's bitwise."""
+    _testbed_or_skip()
+    from r2comm.testbed.fabric import Fabric
+    fabric = Fabric(hosts=2, nics=2, rate="1gbit", tag=f"t18{os.getpid() % 1000}").up()
+    try:
+        healthy = _testbed_ddp(fabric)
+        assert _failures(healthy) == 0, healthy[-2000:]
+        faulty = _testbed_ddp(fabric, fail_at=4, restore_at=12)
+    finally:
+        fabric.down()
+    assert _failures(faulty) > 0, faulty[-2000:]
+    assert len(_losses(healthy)) == 20
+    assert _losses(faulty) == _losses(healthy)
