@@ -30,6 +30,9 @@ def quiet_barrier(mpi_comm, timeout, what):
     10 ms). Raises R2commTimeout after `timeout` s."""
     if mpi_comm.Get_size() == 1:
         return
+    if not hasattr(mpi_comm, "Ibarrier"):    # a store bootstrap (StoreComm) waits quietly itself
+        mpi_comm.Barrier()
+        return
     req = mpi_comm.Ibarrier()
     deadline = time.monotonic() + timeout
     nap = 0.001
