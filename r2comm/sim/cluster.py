@@ -91,6 +91,11 @@ class Cluster:
         self.queue = {}             # (a, b) -> [(transfer, nbytes)] waiting behind them
         self._pending = 0           # NICs down whose failure the engines have not reacted to
         self._cache = {}            # (a, b) -> (rails, path row) while nothing is pending
+        for h in range(fabric.H):   # NICs already down: found at start-up (the engines' probe)
+            for k in range(fabric.K):
+                if not fabric.up[h][k]:
+                    self.view.avoid[h][k] = self.view.failed[h][k] = True
+        self._changed()
 
     # -- topology ---------------------------------------------------------------------------------
     def host(self, r):

@@ -27,17 +27,20 @@ def maxmin_rates(links, coefs, cap):
     rate = np.zeros(A)
     if A == 0:
         return rate
-    L = cap.shape[0]
-    valid = links >= 0
-    li = np.where(valid, links, 0)
-    cf = np.where(valid, coefs, 0.0)
-    resid = np.maximum(cap.astype(float), 0.0)
-    active = valid.any(1)
+    valid = (links >= 0) & (coefs > 0)
+    rows = np.nonzero(valid)[0]
+    used_links, cols = np.unique(links[valid], return_inverse=True)   # only the links in use
+    cf = coefs[valid]
+    L = len(used_links)
+    resid = np.maximum(cap[used_links].astype(float), 0.0)
+    active = np.zeros(A, bool)
+    active[rows] = True
     rate[~active] = INF
+    mask = np.ones(len(rows), bool)
     for _ in range(L + 1):
-        if not active.any():
+        if not mask.any():
             break
-        w = np.bincount(li[active].ravel(), cf[active].ravel(), minlength=L)
+        w = np.bincount(cols[mask], cf[mask], minlength=L)
         used = w > 0
         lvl = np.full(L, INF)
         lvl[used] = resid[used] / w[used]
@@ -47,8 +50,8 @@ def maxmin_rates(links, coefs, cap):
         rate[active] += delta
         resid = np.maximum(resid - delta * w, 0.0)
         sat = used & (lvl <= delta * (1 + 1e-9))
-        hit = (sat[li] & valid & (cf > 0)).any(1)
-        active &= ~hit
+        active[rows[mask & sat[cols]]] = False
+        mask = active[rows]
     return rate
 
 
@@ -77,6 +80,7 @@ class FlowSim:
         self.events = 0
         self.recomputes = 0
         self.stop = False                             # set by a callback: run() returns
+        self._moved = None                            # bytes moved per active flow since
 
     # -- events ---------------------------------------------------------------------------------
     def at(self, t, fn, *args):
@@ -134,6 +138,10 @@ class FlowSim:
 
     def repath(self, f, path, nbytes=None):
         """Move flow f onto another path (and optionally change its remaining bytes)."""
+        self._active()
+        self._flush()
+        if self._moved is not None:
+            self._moved[:] = 0.0
         self._links[f], self._coef[f] = self.row(path)
         if nbytes is not None:
             self._size[f] += nbytes - self._rem[f]
@@ -166,12 +174,26 @@ class FlowSim:
 
     def _active(self):
         if self._dirty:
+            self._flush()
+            self._moved = None
             self._idx = np.flatnonzero(self._alive[:self._n])
         return self._idx
+
+    def _flush(self):
+        """Add the bytes moved since the last recompute to link_bytes."""
+        idx = self._idx
+        if len(idx) and self._moved is not None:
+            m = self._moved[:len(idx)]
+            if m.any():
+                lk = self._links[idx]
+                ok = lk >= 0
+                self.link_bytes += np.bincount(lk[ok], (self._coef[idx] * m[:, None])[ok],
+                                               minlength=len(self.cap))
 
     def _recompute(self):
         idx = self._active()
         self._rate[idx] = maxmin_rates(self._links[idx], self._coef[idx], self.cap)
+        self._moved = np.zeros(len(idx))
         self._dirty = False
         self.recomputes += 1
 
@@ -205,10 +227,7 @@ class FlowSim:
                 moved = self._rate[idx] * dt
                 moved = np.minimum(moved, self._rem[idx])
                 self._rem[idx] -= moved
-                ok = self._links[idx] >= 0
-                self.link_bytes += np.bincount(self._links[idx][ok],
-                                               (self._coef[idx] * moved[:, None])[ok],
-                                               minlength=len(self.cap))
+                self._moved[:len(idx)] += moved          # per-link bytes: summed lazily
             self.now = t
             if t >= until and t_ev > until and t_done > until:
                 break
@@ -239,6 +258,12 @@ class FlowSim:
         if len(self._active()) or self.next_event() < t:
             raise RuntimeError("skip_to over live flows or events")
         self.now = max(self.now, t)
+
+    def bytes_on_links(self):
+        """link_bytes including the flows still moving."""
+        self._flush()
+        self._moved = np.zeros(len(self._idx)) if self._moved is not None else None
+        return self.link_bytes
 
     def busy(self):
         return bool(len(self._active())) or bool(self._ev)
