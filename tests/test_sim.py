@@ -245,17 +245,22 @@ def test_ring_order_shortcut_gives_the_searched_answer(monkeypatch):
 
 
 # -- scale and the command line ------------------------------------------------------------------
-def test_256_hosts_plan_and_replay_in_seconds():
+def test_256_hosts_with_a_failure_mid_collective_in_seconds():
+    """256 hosts x 8 GPUs x 8 NICs (2048 GPUs): the planner's recursive doubling of 4 MiB,
+    replayed chunk by chunk while NIC 3 of host 17 fails silently half way through."""
     fab = Fabric(256, 8, 50e9, ranks_per_host=8, alpha=5e-6)
-    fab.down(17, 3)
     t = time.perf_counter()
-    st = fab.state()
-    sc = planner.build_all("allreduce", 256, 4 * MB, 2, state=st)
-    res = Cluster(fab).run_schedules(sc)
+    sc = planner.build_all("allreduce", 256, 4 * MB, 2, algo="recursive_doubling",
+                           state=fab.state())
+    healthy = Cluster(Fabric(256, 8, 50e9, ranks_per_host=8, alpha=5e-6)).run_schedules(sc)
+    cl = Cluster(fab)
+    cl.fault_at(healthy["time_s"] / 2, "down", 17, 3)
+    res = cl.run_schedules(sc)
     took = time.perf_counter() - t
-    assert res["messages"] >= 256 * 8
-    assert 0 < res["time_s"] < 0.01
-    assert took < 120                              # see bench/SIM.md for idle-core timings
+    assert res["messages"] == 256 * 8
+    assert res["time_s"] > healthy["time_s"] and cl.resent > 0
+    assert res["time_s"] < healthy["time_s"] + 0.1          # hedged: far below the deadline
+    assert took < 60                       # ~3 s on an idle core; this machine is shared
 
 
 def test_predict_cli_prints_time_and_schedule():
