@@ -275,3 +275,19 @@ def test_predict_cli_prints_time_and_schedule():
                           "--nics", "2", "--rate", "1gbit", "--down", "9:0", "--bytes", "1M"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "9:0" in bad.stderr
+
+
+def test_workload_with_flapping_nic_and_mtbf_trace():
+    from r2comm.sim import workloads as wl
+    tr = wl.mtbf_trace(4, 2, 100.0, mtbf_s=50.0, mttr_s=5.0, seed=3)
+    assert tr == wl.mtbf_trace(4, 2, 100.0, mtbf_s=50.0, mttr_s=5.0, seed=3)
+    assert tr and all(0 <= t < 105 and k in ("down", "up") for t, k, h, n, v in tr)
+    args = dict(hosts=4, nics=2, rate=125e6, efficiency=1.0, alpha=25e-6)
+    steps = wl.training_steps(8 * MB, 2, 0.05)
+    free = wl.Runner(Fabric(**args)).run(steps, 30)
+    r = wl.Runner(Fabric(**args))
+    its = r.run(steps, 30, wl.flapping(2, 1, 0.2, 1.5, 4, down_frac=0.6))
+    assert len(its) == 30 and sum(its) > sum(free)
+    back = [v for t, w, h, k, v in r.cl.log if w == "rail_failed"]
+    assert len(back) >= 2 and back[1] > back[0]            # flapping: the probe waits longer
+    assert r.replays < 30 * 2                              # unchanged ops reuse their time

@@ -62,6 +62,13 @@ def main(argv=None):
     w.add_argument("--out", default="bench/out/sim")
     w.add_argument("--figures", default="bench/figures")
     w.add_argument("--quick", action="store_true")
+    w.add_argument("--trace", default=None, help="JSON [[t, kind, host, nic, value], ...]: "
+                   "replay this fault trace on the training workload instead of the sweeps")
+    w.add_argument("--mtbf", type=float, default=None,
+                   help="random NIC failures, mean time between failures per NIC (s)")
+    w.add_argument("--mttr", type=float, default=60.0, help="repair time with --mtbf (s)")
+    w.add_argument("--iterations", type=int, default=40)
+    w.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("scale", help="time the simulator itself at growing host counts")
     s.add_argument("--hosts", default="16,64,256")
     s.add_argument("--bytes", default="1G")

@@ -225,6 +225,21 @@ def main(a):
     os.makedirs(a.figures, exist_ok=True)
     quick = a.quick
     H, K = (8, 4) if quick else (16, 8)
+    if getattr(a, "trace", None) or getattr(a, "mtbf", None):
+        fa = dict(hosts=H, nics=K, rate=50e9, ranks_per_host=8, efficiency=EFFICIENCY,
+                  alpha=ALPHA)
+        steps = training_steps(1 << 30, 4, 0.25)
+        horizon = a.iterations * 0.3
+        faults = load_trace(a.trace) if a.trace else \
+            mtbf_trace(H, K, horizon, a.mtbf, a.mttr, a.seed)
+        c = compare(fa, steps, a.iterations, faults)
+        c["faults"] = faults
+        path = os.path.join(a.out, "sim_trace.json")
+        with open(path, "w") as f:
+            json.dump(c, f, indent=1)
+        print(json.dumps({p: round(v["overhead"] * 100, 4) for p, v in c["policies"].items()}),
+              f"({c['failures']} failures; {path})")
+        return 0
     job_s, mttr_s, restart_s, ckpt_s = 24 * 3600.0, 3600.0, 600.0, 3600.0
     results = {"params": {"job_s": job_s, "mttr_s": mttr_s, "restart_s": restart_s,
                           "ckpt_interval_s": ckpt_s, "efficiency": EFFICIENCY, "alpha": ALPHA}}
