@@ -326,11 +326,14 @@ class Cluster:
     # -- faults -------------------------------------------------------------------------------------
     def fault_at(self, t, kind, h, k, value=None):
         """Schedule a fault: kind 'down' (silent), 'hard' (socket error), 'up', 'degrade'
-        (value: fraction of the line rate), 'restore_rate'."""
+        (value: fraction of the line rate; 1 restores it)."""
         if not (0 <= h < self.fab.H and 0 <= k < self.fab.K):
             raise ValueError(f"no NIC {h}:{k} on {self.fab.H} hosts x {self.fab.K} NICs")
         if kind not in ("down", "hard", "up", "degrade"):
             raise ValueError(f"fault kind {kind!r}")
+        if kind == "degrade" and not (value is not None and 0 < float(value) <= 1):
+            raise ValueError(f"degrade {h}:{k} needs a fraction of the line rate in (0, 1], "
+                             f"not {value!r}")
         self.sim.at(t, self._fault, kind, h, k, value)
 
     def _changed(self):
@@ -434,7 +437,7 @@ class Cluster:
             self._changed()
             v.restore_time[h][k] = now
             self.log.append((now, "rail_restored", h, k, None))
-            self._release(("any",), same_rail=False)   # stalled pairs may have a rail again
+            self._release(("pairs",), same_rail=False)  # stalled pairs may have a rail again
             self._rebalance_host(h)
             return
         v.backoff[h][k] = min(v.backoff[h][k] * 2, self.cfg.probe_max_ms / 1e3)
@@ -442,8 +445,7 @@ class Cluster:
 
     def _release(self, key, same_rail):
         """Re-send stuck parts (on the same rail if it came back, else striped anew)."""
-        keys = [x for x in self.stuck if key == ("any",) or x == key or
-                (x[0] == "pair")]
+        keys = [x for x in self.stuck if x == key or x[0] == "pair"]
         for x in keys:
             parts = self.stuck.pop(x)
             for p in parts:
