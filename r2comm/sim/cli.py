@@ -72,6 +72,8 @@ def main(argv=None):
     s = sub.add_parser("scale", help="time the simulator itself at growing host counts")
     s.add_argument("--hosts", default="16,64,256")
     s.add_argument("--bytes", default="1G")
+    s.add_argument("--algo", default="", help="force an allreduce algorithm ('' = planner)")
+    s.add_argument("--segments", type=int, default=None)
     s.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     try:

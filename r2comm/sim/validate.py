@@ -175,20 +175,26 @@ def main(a):
 
 
 def scale_main(a):
+    """H hosts x 8 GPUs x 8 NICs (400 Gbit/s), NIC 3 of host H/2 down; one allreduce of
+    a.bytes with a.algo ('' = the planner's choice), replayed with a.segments."""
     from .predict import parse_size
     out = []
     for H in [int(x) for x in a.hosts.split(",")]:
         fab = Fabric(H, 8, 50e9, 8, EFFICIENCY, 5e-6)
         fab.down(H // 2, 3)
         t0 = time.perf_counter()
-        sc, _ = schedules(fab, "allreduce", parse_size(a.bytes), 2, algo="ring")
+        c0 = time.process_time()
+        sc, _ = schedules(fab, "allreduce", parse_size(a.bytes), 2, algo=a.algo)
         t1 = time.perf_counter()
-        cl = Cluster(fab)
+        c1 = time.process_time()
+        cl = Cluster(fab, segments=a.segments)
         r = cl.run_schedules(sc)
         t2 = time.perf_counter()
+        c2 = time.process_time()
         row = {"hosts": H, "ranks": H * 8, "bytes": parse_size(a.bytes), "algo": sc[0].algo,
-               "messages": r["messages"], "sim_time_s": r["time_s"], "plan_wall_s": t1 - t0,
-               "replay_wall_s": t2 - t1, "flow_events": cl.sim.events,
+               "segments": a.segments, "messages": r["messages"], "sim_time_s": r["time_s"],
+               "plan_wall_s": t1 - t0, "plan_cpu_s": c1 - c0, "replay_wall_s": t2 - t1,
+               "replay_cpu_s": c2 - c1, "flow_events": cl.sim.events,
                "rate_recomputes": cl.sim.recomputes}
         print(json.dumps(row), flush=True)
         out.append(row)
