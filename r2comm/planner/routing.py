@@ -140,6 +140,8 @@ def ring_order(state, members=None, budget=SEARCH_BUDGET):
         return _ham_cycle(members, lambda a, b: bw[(a, b)] >= levels[i], budget)
     if not levels:
         return None
+    if _identity_is_best(members, bw, levels, budget):
+        return list(members)
     best = at(len(levels) - 1)                  # every working pair allowed
     if best is None:
         return None
@@ -152,6 +154,27 @@ def ring_order(state, members=None, budget=SEARCH_BUDGET):
         else:
             lo = mid + 1
     return best
+
+
+def _identity_is_best(members, bw, levels, budget):
+    """True when the search in ring_order() is sure to return `members` in their own order, so
+    it can be skipped (it costs O(n^3) on a healthy ring of n ranks, which a simulation of
+    hundreds of hosts cannot afford): the identity cycle uses only working pairs, and at the
+    next level faster than its slowest link some member has fewer than two neighbours, so no
+    Hamiltonian cycle exists there or at any faster level. At every level the identity reaches,
+    _ham_cycle() returns the identity: it tries the next rank up first, and the identity's
+    path is never pruned (each unvisited rank keeps its two ring neighbours free)."""
+    n = len(members)
+    if n < 3 or n > budget:
+        return False
+    worst = min(bw[(members[i], members[(i + 1) % n])] for i in range(n))
+    if worst <= 0:
+        return False
+    j = levels.index(worst)
+    if j == 0:
+        return True
+    faster = levels[j - 1]
+    return any(sum(1 for b in members if b != a and bw[(a, b)] >= faster) < 2 for a in members)
 
 
 def best_ring_order(state, members=None):
