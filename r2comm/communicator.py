@@ -16,12 +16,12 @@ from . import bootstrap, planner
 from . import faults as _faults
 from .config import Config
 from .errors import (R2commArgumentError, R2commBufferError, R2commClosedError,
-                     R2commNetworkError)
+                     R2commNetworkError, PEER_ARGUMENT_CODE)
 from .links import Links
 from .ops import SUM, U8, as_op, dtype_code
 from .rails import Rail
 from .request import Request, Status
-from .planner.schedule import WORK, SEND, SCRATCH
+from .planner.schedule import WORK, SEND, SCRATCH, COPY
 
 log = logging.getLogger("r2comm")
 
@@ -132,6 +132,77 @@ def _hedge_mode(cfg, boot):
 
 def _is_gpu(obj):
     return hasattr(obj, "__cuda_array_interface__")
+
+
+# Collective descriptor: every DATA frame of a collective carries, besides the comm id and the
+# sequence number, what its sender called, so that the first frame that disagrees is caught by an
+# integer compare in the engine (check_match) and both sides can be named in the error:
+#   header.aux = kind (bits 0-2) | non-blocking (bit 3) | root (bits 4-19, 0xFFFF: >= 65535)
+#                | 12-bit hash of the rest of the plan (bits 20-31: algorithm, size, sizes)
+#   header.sig = element count (low 32 bits)     header.dtype, header.redop as before
+_KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "reduce_scatter_block": 5,
+          "alltoall": 6, "barrier": 7}
+_KIND_NAMES = {1: "Allreduce", 2: "Reduce", 3: "Bcast", 4: "Allgather",
+               5: "Reduce_scatter_block", 6: "Alltoall", 7: "Barrier"}
+_NONBLOCKING = 8
+# Rooted collectives (Bcast, Reduce) leave ranks that hear from nobody (a Bcast root, a Reduce
+# leaf): their data alone cannot tell them that the others called the same thing. They get an
+# agreement: a dissemination exchange of header-only frames (ceil(log2 n) rounds, each round's
+# send gated on the previous round's receive) that carries the descriptor, so every rank hears,
+# directly or through a checked chain, from every other rank before its call returns. The other
+# collectives need none: every rank's result already depends on a frame from every rank.
+_AGREE_STEP = 0xFFF000
+_AGREED = ("bcast", "reduce")
+
+
+def _agreement(rank, n, base):
+    """The agreement's messages (schedule tuples, global indices from `base`) and deps."""
+    msgs, deps, prev, k, d = [], [], None, 0, 1
+    while d < n:
+        msgs.append(("send", (rank + d) % n, _AGREE_STEP + k, WORK, 0, 0, COPY, True))
+        if prev is not None:
+            deps.append((prev, base + len(msgs) - 1))
+        msgs.append(("recv", (rank - d) % n, _AGREE_STEP + k, WORK, 0, 0, COPY, False))
+        prev = base + len(msgs) - 1
+        k, d = k + 1, d * 2
+    return msgs, deps
+
+
+def describe_call(kind, nonblocking, count, dtype, op=None, root=None):
+    """The call as the engine names it in mismatch errors, e.g. 'Bcast(float32 x 2, root=1)'."""
+    name = _KIND_NAMES[_KINDS[kind]]
+    if nonblocking:
+        name = "I" + name[0].lower() + name[1:]
+    if kind == "barrier":
+        return name + "()"
+    parts = [f"{np.dtype(dtype).name} x {count}" + (" per rank" if kind in (
+        "allgather", "alltoall", "reduce_scatter_block") else "")]
+    if op is not None and kind in ("allreduce", "reduce", "reduce_scatter_block"):
+        parts.append(as_op(op).name)
+    if root is not None and kind in ("bcast", "reduce"):
+        parts.append(f"root={root}")
+    return f"{name}({', '.join(parts)})"
+
+
+def _collective(kind):
+    """Decorate an I* collective: a local argument error (R2commArgumentError) still takes
+    this call's sequence number and tells every peer (an 'error' stand-in, engine.post_error),
+    so the peers' matching call raises too, naming this rank and its error, and the next
+    collective on the communicator lines up on every rank."""
+    def deco(fn):
+        def wrapper(self, *args, **kw):
+            try:
+                return fn(self, *args, **kw)
+            except R2commArgumentError as exc:
+                if not getattr(exc, "_r2comm_told", False):
+                    exc._r2comm_told = True
+                    self._post_error(kind, kw.get("_blocking", False), exc)
+                raise
+        wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = (
+            fn.__name__, fn.__qualname__, fn.__doc__)
+        wrapper.__wrapped__ = fn
+        return wrapper
+    return deco
 
 
 class Communicator:
@@ -409,10 +480,22 @@ class Communicator:
                                   self._cfg.eager, self._cfg.algo if coll == "allreduce" else "",
                                   state=self._state, separate_send=separate)
             sched.validate()
+            msgs, deps, algo = list(sched.msgs), list(sched.deps), sched.algo
+            if coll in _AGREED and self.size > 1 and (self._state is None or all(
+                    self._state.working(i, (i + d) % self.size) for i in range(self.size)
+                    for d in (1 << b for b in range((self.size - 1).bit_length())))):
+                more, mdeps = _agreement(self.rank, self.size, len(msgs))
+                msgs += more
+                deps += mdeps
+                algo += "+agree"
             msgs = [(k, self._members[p], st, b, off, n, mode, own)
-                    for (k, p, st, b, off, n, mode, own) in sched.msgs]
-            sig = zlib.crc32(f"{coll}|{nbytes}|{dtc}|{redop}|{root}|{sched.algo}|{self.size}".encode())
-            hit = (_engine().Plan(msgs, sched.deps, sched.algo), sched, sig)
+                    for (k, p, st, b, off, n, mode, own) in msgs]
+            count = nbytes // itemsize if itemsize else nbytes
+            h = zlib.crc32(f"{coll}|{nbytes}|{itemsize}|{dtc}|{redop}|{root}|{algo}|{self.size}|"
+                           f"{count >> 32}".encode())
+            desc = (_KINDS[coll] | (min(root, 0xFFFF) << 4) | ((h & 0xFFF) << 20)) \
+                if coll in _KINDS else 0
+            hit = (_engine().Plan(msgs, deps, algo), sched, count & 0xFFFFFFFF, desc)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = hit
@@ -422,6 +505,24 @@ class Communicator:
         """The schedule this rank would run for (op, nbytes): its algorithm (.algo), messages
         and, once the plans follow a rail state (replan()), the predicted seconds (.cost)."""
         return self._schedule(op, nbytes, itemsize, root, separate=not in_place)[1]
+
+    def _post_error(self, kind, blocking, exc):
+        """A local argument error in a collective: take its sequence number and send every
+        peer an ABORT with the error (engine.post_error), so their call of this collective
+        raises R2commPeerError naming this rank, and the next collective lines up."""
+        if self._engine is None or self._world.closed or self.size == 1:
+            return
+        seq = self._seq
+        self._seq += 1
+        name = _KIND_NAMES[_KINDS[kind]]
+        if not blocking:
+            name = "I" + name[0].lower() + name[1:]
+        msg = (f"rank {self._world.boot.rank} could not start its {name} (call #{seq} on "
+               f"communicator {self._id}): {type(exc).__name__}: {exc}")
+        try:
+            self._engine.post_error(self._id, seq, self._members, PEER_ARGUMENT_CODE, msg)
+        except Exception:                   # never hide the caller's own error
+            log.exception("r2comm: could not tell the peers about a local argument error")
 
     # -- re-planning ---------------------------------------------------------------------------
     def rail_state(self):
@@ -497,13 +598,13 @@ class Communicator:
             self._adopt(state)
 
     def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
-               result=None, extra_pre=()):
+               result=None, extra_pre=(), blocking=False):
         """Build/fetch the schedule, do the local pre-copies, post it to the engine."""
         self._check()
         if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
             self._maybe_replan()
         separate = send is not None and send is not work
-        plan, sched, sig = self._schedule(coll, nbytes, itemsize, root, dtc, redop, separate)
+        plan, sched, sig, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop, separate)
         if sched.fills_work:
             extra_pre = ()      # the schedule reads the input from SEND itself
         scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
@@ -525,7 +626,7 @@ class Communicator:
             members = [g for i, g in enumerate(self._members)
                        if i == self.rank or self._state.working(self.rank, i)]
         oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, sig,
-                                self.timeout, members)
+                                self.timeout, members, 0, desc if blocking else desc | _NONBLOCKING)
         posts = [(db, do, sb, so, n) for (db, do, sb, so, n) in sched.post if n]
 
         def finish():
@@ -546,9 +647,10 @@ class Communicator:
             raise R2commArgumentError(f"{what}: sendbuf dtype {s.dtype} != recvbuf dtype {r.dtype}")
         return s, r
 
-    def Iallreduce(self, sendbuf, recvbuf, op=SUM):
+    @_collective("allreduce")
+    def Iallreduce(self, sendbuf, recvbuf, op=SUM, *, _blocking=False):
         if _is_gpu(recvbuf):
-            return _gpu_staged(self.Iallreduce, sendbuf, recvbuf, op)
+            return _gpu_staged(self.Iallreduce, sendbuf, recvbuf, op, _blocking)
         self._check()
         op = as_op(op)
         s, r = self._pair(sendbuf, recvbuf, "Allreduce")
@@ -556,12 +658,14 @@ class Communicator:
             raise R2commBufferError(f"Allreduce: sendbuf has {s.nbytes} bytes, recvbuf {r.nbytes}")
         dtc = dtype_code(r.dtype)
         pre = [] if s is r else [(WORK, 0, SEND, 0, r.nbytes)]
-        return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre)
+        return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre,
+                           blocking=_blocking)
 
     def Allreduce(self, sendbuf, recvbuf, op=SUM):
-        self.Iallreduce(sendbuf, recvbuf, op).Wait()
+        self.Iallreduce(sendbuf, recvbuf, op, _blocking=True).Wait()
 
-    def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0):
+    @_collective("reduce")
+    def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0, *, _blocking=False):
         self._check()
         op = as_op(op)
         self._check_root(root)
@@ -574,23 +678,26 @@ class Communicator:
             s = _as_array(sendbuf, False, "Reduce sendbuf")
             r, pre = None, []
         return self._start("reduce", s.nbytes, s.itemsize, dtype_code(s.dtype), op.code, r, s,
-                           root=root, extra_pre=pre)
+                           root=root, extra_pre=pre, blocking=_blocking)
 
     def Reduce(self, sendbuf, recvbuf, op=SUM, root=0):
-        self.Ireduce(sendbuf, recvbuf, op, root).Wait()
+        self.Ireduce(sendbuf, recvbuf, op, root, _blocking=True).Wait()
 
-    def Ibcast(self, buf, root=0):
+    @_collective("bcast")
+    def Ibcast(self, buf, root=0, *, _blocking=False):
         if _is_gpu(buf):
-            return _gpu_staged_bcast(self, buf, root)
+            return _gpu_staged_bcast(self, buf, root, _blocking)
         self._check()
         self._check_root(root)
         b = _as_array(buf, self.rank != root, "Bcast buf")
-        return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root)
+        return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root,
+                           blocking=_blocking)
 
     def Bcast(self, buf, root=0):
-        self.Ibcast(buf, root).Wait()
+        self.Ibcast(buf, root, _blocking=True).Wait()
 
-    def Iallgather(self, sendbuf, recvbuf):
+    @_collective("allgather")
+    def Iallgather(self, sendbuf, recvbuf, *, _blocking=False):
         self._check()
         r = _as_array(recvbuf, True, "Allgather recvbuf")
         if r.nbytes % self.size:
@@ -607,12 +714,13 @@ class Communicator:
             pre = [(WORK, self.rank * block, SEND, 0, block)]
         send = None if sendbuf is IN_PLACE else s
         return self._start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
-                           extra_pre=pre)
+                           extra_pre=pre, blocking=_blocking)
 
     def Allgather(self, sendbuf, recvbuf):
-        self.Iallgather(sendbuf, recvbuf).Wait()
+        self.Iallgather(sendbuf, recvbuf, _blocking=True).Wait()
 
-    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+    @_collective("reduce_scatter_block")
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, *, _blocking=False):
         self._check()
         op = as_op(op)
         s, r = self._pair(sendbuf, recvbuf, "Reduce_scatter_block")
@@ -626,12 +734,13 @@ class Communicator:
         if block % s.itemsize:
             raise R2commBufferError("Reduce_scatter_block: blocks must be whole elements")
         return self._start("reduce_scatter_block", block, s.itemsize, dtype_code(s.dtype),
-                           op.code, r, s)
+                           op.code, r, s, blocking=_blocking)
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
-        self.Ireduce_scatter_block(sendbuf, recvbuf, op).Wait()
+        self.Ireduce_scatter_block(sendbuf, recvbuf, op, _blocking=True).Wait()
 
-    def Ialltoall(self, sendbuf, recvbuf):
+    @_collective("alltoall")
+    def Ialltoall(self, sendbuf, recvbuf, *, _blocking=False):
         self._check()
         if sendbuf is IN_PLACE:
             raise R2commArgumentError("Alltoall: IN_PLACE is not supported")
@@ -642,17 +751,17 @@ class Communicator:
         if np.shares_memory(s, r):
             raise R2commBufferError("Alltoall: sendbuf and recvbuf overlap")
         return self._start("alltoall", s.nbytes // self.size, s.itemsize, dtype_code(s.dtype), 0,
-                           r, s)
+                           r, s, blocking=_blocking)
 
     def Alltoall(self, sendbuf, recvbuf):
-        self.Ialltoall(sendbuf, recvbuf).Wait()
+        self.Ialltoall(sendbuf, recvbuf, _blocking=True).Wait()
 
-    def Ibarrier(self):
+    def Ibarrier(self, *, _blocking=False):
         self._check()
-        return self._start("barrier", 0, 1, U8, 0, None, None)
+        return self._start("barrier", 0, 1, U8, 0, None, None, blocking=_blocking)
 
     def Barrier(self):
-        self.Ibarrier().Wait()
+        self.Ibarrier(_blocking=True).Wait()
 
     # -- point to point ----------------------------------------------------------------------------
     def _check_root(self, root):
@@ -751,20 +860,20 @@ def _mpi_max():
     return MPI.MAX
 
 
-def _gpu_staged(fn, sendbuf, recvbuf, op):
+def _gpu_staged(fn, sendbuf, recvbuf, op, blocking=False):
     """cupy buffers: staged through host memory (no GPUDirect path yet)."""
     import cupy
     host_r = cupy.asnumpy(recvbuf)
     host_s = IN_PLACE if sendbuf is IN_PLACE else cupy.asnumpy(sendbuf)
-    fn(host_s, host_r, op).Wait()
+    fn(host_s, host_r, op, _blocking=blocking).Wait()
     cupy.copyto(recvbuf, cupy.asarray(host_r))
     return _Done()
 
 
-def _gpu_staged_bcast(comm, buf, root):
+def _gpu_staged_bcast(comm, buf, root, blocking=False):
     import cupy
     host = cupy.asnumpy(buf)
-    comm.Ibcast(host, root).Wait()
+    comm.Ibcast(host, root, _blocking=blocking).Wait()
     cupy.copyto(buf, cupy.asarray(host))
     return _Done()
 
