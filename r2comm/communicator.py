@@ -168,43 +168,6 @@ def _agreement(rank, n, base):
     return msgs, deps
 
 
-def describe_call(kind, nonblocking, count, dtype, op=None, root=None):
-    """The call as the engine names it in mismatch errors, e.g. 'Bcast(float32 x 2, root=1)'."""
-    name = _KIND_NAMES[_KINDS[kind]]
-    if nonblocking:
-        name = "I" + name[0].lower() + name[1:]
-    if kind == "barrier":
-        return name + "()"
-    parts = [f"{np.dtype(dtype).name} x {count}" + (" per rank" if kind in (
-        "allgather", "alltoall", "reduce_scatter_block") else "")]
-    if op is not None and kind in ("allreduce", "reduce", "reduce_scatter_block"):
-        parts.append(as_op(op).name)
-    if root is not None and kind in ("bcast", "reduce"):
-        parts.append(f"root={root}")
-    return f"{name}({', '.join(parts)})"
-
-
-def _collective(kind):
-    """Decorate an I* collective: a local argument error (R2commArgumentError) still takes
-    this call's sequence number and tells every peer (an 'error' stand-in, engine.post_error),
-    so the peers' matching call raises too, naming this rank and its error, and the next
-    collective on the communicator lines up on every rank."""
-    def deco(fn):
-        def wrapper(self, *args, **kw):
-            try:
-                return fn(self, *args, **kw)
-            except R2commArgumentError as exc:
-                if not getattr(exc, "_r2comm_told", False):
-                    exc._r2comm_told = True
-                    self._post_error(kind, kw.get("_blocking", False), exc)
-                raise
-        wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = (
-            fn.__name__, fn.__qualname__, fn.__doc__)
-        wrapper.__wrapped__ = fn
-        return wrapper
-    return deco
-
-
 class Communicator:
     """A group of ranks that run collectives over every rail between each pair.
 
@@ -506,12 +469,15 @@ class Communicator:
         and, once the plans follow a rail state (replan()), the predicted seconds (.cost)."""
         return self._schedule(op, nbytes, itemsize, root, separate=not in_place)[1]
 
-    def _post_error(self, kind, blocking, exc):
-        """A local argument error in a collective: take its sequence number and send every
-        peer an ABORT with the error (engine.post_error), so their call of this collective
-        raises R2commPeerError naming this rank, and the next collective lines up."""
-        if self._engine is None or self._world.closed or self.size == 1:
+    def _tell_peers(self, exc, kind, blocking):
+        """A local argument error in a collective (the caller raises it): take the call's
+        sequence number and send every peer an ABORT with the error (engine.post_error), so
+        their call of this collective raises R2commPeerError naming this rank, and the next
+        collective lines up on every rank."""
+        if getattr(exc, "_r2comm_told", False) or self._engine is None or self._world.closed \
+                or self.size == 1:
             return
+        exc._r2comm_told = True
         seq = self._seq
         self._seq += 1
         name = _KIND_NAMES[_KINDS[kind]]
@@ -647,10 +613,24 @@ class Communicator:
             raise R2commArgumentError(f"{what}: sendbuf dtype {s.dtype} != recvbuf dtype {r.dtype}")
         return s, r
 
-    @_collective("allreduce")
-    def Iallreduce(self, sendbuf, recvbuf, op=SUM, *, _blocking=False):
+    def Iallreduce(self, sendbuf, recvbuf, op=SUM):
+        try:
+            return self._iallreduce(sendbuf, recvbuf, op, False)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "allreduce", False)
+            raise
+
+    def Allreduce(self, sendbuf, recvbuf, op=SUM):
+        try:
+            req = self._iallreduce(sendbuf, recvbuf, op, True)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "allreduce", True)
+            raise
+        req.Wait()
+
+    def _iallreduce(self, sendbuf, recvbuf, op=SUM, _blocking=False):
         if _is_gpu(recvbuf):
-            return _gpu_staged(self.Iallreduce, sendbuf, recvbuf, op, _blocking)
+            return _gpu_staged(self._iallreduce, sendbuf, recvbuf, op, _blocking)
         self._check()
         op = as_op(op)
         s, r = self._pair(sendbuf, recvbuf, "Allreduce")
@@ -661,11 +641,22 @@ class Communicator:
         return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre,
                            blocking=_blocking)
 
-    def Allreduce(self, sendbuf, recvbuf, op=SUM):
-        self.Iallreduce(sendbuf, recvbuf, op, _blocking=True).Wait()
+    def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0):
+        try:
+            return self._ireduce(sendbuf, recvbuf, op, root, False)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "reduce", False)
+            raise
 
-    @_collective("reduce")
-    def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0, *, _blocking=False):
+    def Reduce(self, sendbuf, recvbuf, op=SUM, root=0):
+        try:
+            req = self._ireduce(sendbuf, recvbuf, op, root, True)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "reduce", True)
+            raise
+        req.Wait()
+
+    def _ireduce(self, sendbuf, recvbuf, op=SUM, root=0, _blocking=False):
         self._check()
         op = as_op(op)
         self._check_root(root)
@@ -680,11 +671,22 @@ class Communicator:
         return self._start("reduce", s.nbytes, s.itemsize, dtype_code(s.dtype), op.code, r, s,
                            root=root, extra_pre=pre, blocking=_blocking)
 
-    def Reduce(self, sendbuf, recvbuf, op=SUM, root=0):
-        self.Ireduce(sendbuf, recvbuf, op, root, _blocking=True).Wait()
+    def Ibcast(self, buf, root=0):
+        try:
+            return self._ibcast(buf, root, False)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "bcast", False)
+            raise
 
-    @_collective("bcast")
-    def Ibcast(self, buf, root=0, *, _blocking=False):
+    def Bcast(self, buf, root=0):
+        try:
+            req = self._ibcast(buf, root, True)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "bcast", True)
+            raise
+        req.Wait()
+
+    def _ibcast(self, buf, root=0, _blocking=False):
         if _is_gpu(buf):
             return _gpu_staged_bcast(self, buf, root, _blocking)
         self._check()
@@ -693,11 +695,22 @@ class Communicator:
         return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root,
                            blocking=_blocking)
 
-    def Bcast(self, buf, root=0):
-        self.Ibcast(buf, root, _blocking=True).Wait()
+    def Iallgather(self, sendbuf, recvbuf):
+        try:
+            return self._iallgather(sendbuf, recvbuf, False)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "allgather", False)
+            raise
 
-    @_collective("allgather")
-    def Iallgather(self, sendbuf, recvbuf, *, _blocking=False):
+    def Allgather(self, sendbuf, recvbuf):
+        try:
+            req = self._iallgather(sendbuf, recvbuf, True)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "allgather", True)
+            raise
+        req.Wait()
+
+    def _iallgather(self, sendbuf, recvbuf, _blocking=False):
         self._check()
         r = _as_array(recvbuf, True, "Allgather recvbuf")
         if r.nbytes % self.size:
@@ -716,11 +729,22 @@ class Communicator:
         return self._start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
                            extra_pre=pre, blocking=_blocking)
 
-    def Allgather(self, sendbuf, recvbuf):
-        self.Iallgather(sendbuf, recvbuf, _blocking=True).Wait()
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        try:
+            return self._ireduce_scatter_block(sendbuf, recvbuf, op, False)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "reduce_scatter_block", False)
+            raise
 
-    @_collective("reduce_scatter_block")
-    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, *, _blocking=False):
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        try:
+            req = self._ireduce_scatter_block(sendbuf, recvbuf, op, True)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "reduce_scatter_block", True)
+            raise
+        req.Wait()
+
+    def _ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, _blocking=False):
         self._check()
         op = as_op(op)
         s, r = self._pair(sendbuf, recvbuf, "Reduce_scatter_block")
@@ -736,11 +760,22 @@ class Communicator:
         return self._start("reduce_scatter_block", block, s.itemsize, dtype_code(s.dtype),
                            op.code, r, s, blocking=_blocking)
 
-    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
-        self.Ireduce_scatter_block(sendbuf, recvbuf, op, _blocking=True).Wait()
+    def Ialltoall(self, sendbuf, recvbuf):
+        try:
+            return self._ialltoall(sendbuf, recvbuf, False)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "alltoall", False)
+            raise
 
-    @_collective("alltoall")
-    def Ialltoall(self, sendbuf, recvbuf, *, _blocking=False):
+    def Alltoall(self, sendbuf, recvbuf):
+        try:
+            req = self._ialltoall(sendbuf, recvbuf, True)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, "alltoall", True)
+            raise
+        req.Wait()
+
+    def _ialltoall(self, sendbuf, recvbuf, _blocking=False):
         self._check()
         if sendbuf is IN_PLACE:
             raise R2commArgumentError("Alltoall: IN_PLACE is not supported")
@@ -753,15 +788,13 @@ class Communicator:
         return self._start("alltoall", s.nbytes // self.size, s.itemsize, dtype_code(s.dtype), 0,
                            r, s, blocking=_blocking)
 
-    def Alltoall(self, sendbuf, recvbuf):
-        self.Ialltoall(sendbuf, recvbuf, _blocking=True).Wait()
-
-    def Ibarrier(self, *, _blocking=False):
+    def Ibarrier(self):
         self._check()
-        return self._start("barrier", 0, 1, U8, 0, None, None, blocking=_blocking)
+        return self._start("barrier", 0, 1, U8, 0, None, None)
 
     def Barrier(self):
-        self.Ibarrier(_blocking=True).Wait()
+        self._check()
+        self._start("barrier", 0, 1, U8, 0, None, None, blocking=True).Wait()
 
     # -- point to point ----------------------------------------------------------------------------
     def _check_root(self, root):
@@ -865,7 +898,7 @@ def _gpu_staged(fn, sendbuf, recvbuf, op, blocking=False):
     import cupy
     host_r = cupy.asnumpy(recvbuf)
     host_s = IN_PLACE if sendbuf is IN_PLACE else cupy.asnumpy(sendbuf)
-    fn(host_s, host_r, op, _blocking=blocking).Wait()
+    fn(host_s, host_r, op, blocking).Wait()
     cupy.copyto(recvbuf, cupy.asarray(host_r))
     return _Done()
 
@@ -873,7 +906,7 @@ def _gpu_staged(fn, sendbuf, recvbuf, op, blocking=False):
 def _gpu_staged_bcast(comm, buf, root, blocking=False):
     import cupy
     host = cupy.asnumpy(buf)
-    comm.Ibcast(host, root, _blocking=blocking).Wait()
+    comm._ibcast(host, root, blocking).Wait()
     cupy.copyto(buf, cupy.asarray(host))
     return _Done()
 
