@@ -444,9 +444,10 @@ class Communicator:
                                   state=self._state, separate_send=separate)
             sched.validate()
             msgs, deps, algo = list(sched.msgs), list(sched.deps), sched.algo
-            if coll in _AGREED and self.size > 1 and (self._state is None or all(
-                    self._state.working(i, (i + d) % self.size) for i in range(self.size)
-                    for d in (1 << b for b in range((self.size - 1).bit_length())))):
+            if coll in _AGREED and self._cfg.agree and self.size > 1 and (
+                    self._state is None or all(
+                        self._state.working(i, (i + d) % self.size) for i in range(self.size)
+                        for d in (1 << b for b in range((self.size - 1).bit_length())))):
                 more, mdeps = _agreement(self.rank, self.size, len(msgs))
                 msgs += more
                 deps += mdeps
