@@ -54,3 +54,9 @@ def test_other_mismatched_pairs():
 def test_two_ranks_all_roots_and_order():
     run("all_roots", n=2, sizes="8,1048576")
     run("order", n=2, sizes="8,1048576")
+
+
+def test_four_ranks():
+    """Two agreement rounds, and recursive doubling on a power of two."""
+    run("all_roots", n=4, sizes="8,1048576")
+    run("small_buffer", n=4, sizes="8,1048576")
