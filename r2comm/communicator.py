@@ -479,6 +479,11 @@ class Communicator:
                 or self.size == 1:
             return
         exc._r2comm_told = True
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            try:                            # the peers' call runs the epoch check here too
+                self._maybe_replan()
+            except Exception:
+                log.exception("r2comm: epoch check before a failed call")
         seq = self._seq
         self._seq += 1
         name = _KIND_NAMES[_KINDS[kind]]

@@ -3003,10 +3003,12 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
         if ita != e.aborted.end():
             fail_op(e, op, deref(ita).second.first, deref(ita).second.second.c_str(), 0)
             e.aborted.erase(ita)
+            take_unexpected(e, NULL, comm, seq, members)
             return op.id
         itm = e.mismatched.find(comm)
         if itm != e.mismatched.end() and deref(itm).second.first < seq:
             poison_op(e, op, deref(itm).second.first, deref(itm).second.second)
+            take_unexpected(e, NULL, comm, seq, members)
             return op.id
     for i in range(members.size()):
         if members[i] != e.me and e.peers[members[i]] != NULL and e.peers[members[i]].lost:
