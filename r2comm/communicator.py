@@ -17,12 +17,12 @@ from . import buffers as _buffers
 from . import faults as _faults
 from .config import Config
 from .errors import (R2commArgumentError, R2commBufferError, R2commBuildError,
-                     R2commClosedError, R2commNetworkError)
+                     R2commClosedError, PEER_ARGUMENT_CODE)
 from .links import Links
 from .ops import SUM, U8, as_op, dtype_code
 from .rails import Rail
 from .request import Request, Status
-from .planner.schedule import WORK, SEND, SCRATCH
+from .planner.schedule import WORK, SEND, SCRATCH, COPY
 
 log = logging.getLogger("r2comm")
 
@@ -133,6 +133,40 @@ def _start_state(world, members):
 
 def _is_gpu(obj):
     return hasattr(obj, "__cuda_array_interface__")
+
+
+# Collective descriptor: every DATA frame of a collective carries, besides the comm id and the
+# sequence number, what its sender called, so that the first frame that disagrees is caught by an
+# integer compare in the engine (check_match) and both sides can be named in the error:
+#   header.aux = kind (bits 0-2) | non-blocking (bit 3) | root (bits 4-19, 0xFFFF: >= 65535)
+#                | 12-bit hash of the rest of the plan (bits 20-31: algorithm, size, sizes)
+#   header.sig = element count (low 32 bits)     header.dtype, header.redop as before
+_KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "reduce_scatter_block": 5,
+          "alltoall": 6, "barrier": 7}
+_KIND_NAMES = {1: "Allreduce", 2: "Reduce", 3: "Bcast", 4: "Allgather",
+               5: "Reduce_scatter_block", 6: "Alltoall", 7: "Barrier"}
+_NONBLOCKING = 8
+# Rooted collectives (Bcast, Reduce) leave ranks that hear from nobody (a Bcast root, a Reduce
+# leaf): their data alone cannot tell them that the others called the same thing. They get an
+# agreement: a dissemination exchange of header-only frames (ceil(log2 n) rounds, each round's
+# send gated on the previous round's receive) that carries the descriptor, so every rank hears,
+# directly or through a checked chain, from every other rank before its call returns. The other
+# collectives need none: every rank's result already depends on a frame from every rank.
+_AGREE_STEP = 0xFFF000
+_AGREED = ("bcast", "reduce")
+
+
+def _agreement(rank, n, base):
+    """The agreement's messages (schedule tuples, global indices from `base`) and deps."""
+    msgs, deps, prev, k, d = [], [], None, 0, 1
+    while d < n:
+        msgs.append(("send", (rank + d) % n, _AGREE_STEP + k, WORK, 0, 0, COPY, True))
+        if prev is not None:
+            deps.append((prev, base + len(msgs) - 1))
+        msgs.append(("recv", (rank - d) % n, _AGREE_STEP + k, WORK, 0, 0, COPY, False))
+        prev = base + len(msgs) - 1
+        k, d = k + 1, d * 2
+    return msgs, deps
 
 
 class Communicator:
@@ -458,10 +492,23 @@ class Communicator:
                                   self._cfg.eager, self._cfg.algo if coll == "allreduce" else "",
                                   state=self._state, separate_send=separate)
             sched.validate()
+            msgs, deps, algo = list(sched.msgs), list(sched.deps), sched.algo
+            if coll in _AGREED and self._cfg.agree and self.size > 1 and (
+                    self._state is None or all(
+                        self._state.working(i, (i + d) % self.size) for i in range(self.size)
+                        for d in (1 << b for b in range((self.size - 1).bit_length())))):
+                more, mdeps = _agreement(self.rank, self.size, len(msgs))
+                msgs += more
+                deps += mdeps
+                algo += "+agree"
             msgs = [(k, self._members[p], st, b, off, n, mode, own)
-                    for (k, p, st, b, off, n, mode, own) in sched.msgs]
-            sig = zlib.crc32(f"{coll}|{nbytes}|{dtc}|{redop}|{root}|{sched.algo}|{self.size}".encode())
-            hit = (_engine().Plan(msgs, sched.deps, sched.algo), sched, sig)
+                    for (k, p, st, b, off, n, mode, own) in msgs]
+            count = nbytes // itemsize if itemsize else nbytes
+            h = zlib.crc32(f"{coll}|{nbytes}|{itemsize}|{dtc}|{redop}|{root}|{algo}|{self.size}|"
+                           f"{count >> 32}".encode())
+            desc = (_KINDS[coll] | (min(root, 0xFFFF) << 4) | ((h & 0xFFF) << 20)) \
+                if coll in _KINDS else 0
+            hit = (_engine().Plan(msgs, deps, algo), sched, count & 0xFFFFFFFF, desc)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = hit
@@ -471,6 +518,32 @@ class Communicator:
         """The schedule this rank would run for (op, nbytes): its algorithm (.algo), messages
         and, once the plans follow a rail state (replan()), the predicted seconds (.cost)."""
         return self._schedule(op, nbytes, itemsize, root, separate=not in_place)[1]
+
+    def _tell_peers(self, exc, kind, blocking):
+        """A local argument error in a collective (the caller raises it): take the call's
+        sequence number and send every peer an ABORT with the error (engine.post_error), so
+        their call of this collective raises R2commPeerError naming this rank, and the next
+        collective lines up on every rank."""
+        if getattr(exc, "_r2comm_told", False) or self._engine is None or self._world.closed \
+                or self.size == 1:
+            return
+        exc._r2comm_told = True
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            try:                            # the peers' call runs the epoch check here too
+                self._maybe_replan()
+            except Exception:
+                log.exception("r2comm: epoch check before a failed call")
+        seq = self._seq
+        self._seq += 1
+        name = _KIND_NAMES[_KINDS[kind]]
+        if not blocking:
+            name = "I" + name[0].lower() + name[1:]
+        msg = (f"rank {self._world.boot.rank} could not start its {name} (call #{seq} on "
+               f"communicator {self._id}): {type(exc).__name__}: {exc}")
+        try:
+            self._engine.post_error(self._id, seq, self._members, PEER_ARGUMENT_CODE, msg)
+        except Exception:                   # never hide the caller's own error
+            log.exception("r2comm: could not tell the peers about a local argument error")
 
     # -- re-planning ---------------------------------------------------------------------------
     def rail_state(self):
@@ -546,13 +619,13 @@ class Communicator:
             self._adopt(state)
 
     def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
-               result=None, extra_pre=()):
+               result=None, extra_pre=(), blocking=False):
         """Build/fetch the schedule, do the local pre-copies, post it to the engine."""
         self._check()
         if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
             self._maybe_replan()
         separate = send is not None and send is not work
-        plan, sched, sig = self._schedule(coll, nbytes, itemsize, root, dtc, redop, separate)
+        plan, sched, sig, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop, separate)
         if sched.fills_work:
             extra_pre = ()      # the schedule reads the input from SEND itself
         scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
@@ -574,7 +647,7 @@ class Communicator:
             members = [g for i, g in enumerate(self._members)
                        if i == self.rank or self._state.working(self.rank, i)]
         oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, sig,
-                                self.timeout, members)
+                                self.timeout, members, 0, desc if blocking else desc | _NONBLOCKING)
         posts = [(db, do, sb, so, n) for (db, do, sb, so, n) in sched.post if n]
 
         def finish():
@@ -598,16 +671,7 @@ class Communicator:
     def Iallreduce(self, sendbuf, recvbuf, op=SUM):
         """Start an allreduce; returns a Request (see Allreduce for the arguments). Several
         may be in flight at once; every rank must start the same collectives in the same order."""
-        if _is_gpu(recvbuf):
-            return _gpu_staged(self.Iallreduce, sendbuf, recvbuf, op)
-        self._check()
-        op = as_op(op)
-        s, r = self._pair(sendbuf, recvbuf, "Allreduce")
-        if s.nbytes != r.nbytes:
-            raise R2commBufferError(f"Allreduce: sendbuf has {s.nbytes} bytes, recvbuf {r.nbytes}")
-        dtc = dtype_code(r.dtype)
-        pre = [] if s is r else [(WORK, 0, SEND, 0, r.nbytes)]
-        return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre)
+        return self._call("allreduce", False, self._iallreduce, sendbuf, recvbuf, op)
 
     def Allreduce(self, sendbuf, recvbuf, op=SUM):
         """Combine `sendbuf` of every rank with `op` (SUM, PROD, MIN, MAX or mpi4py's
@@ -616,10 +680,44 @@ class Communicator:
         [buf, MPI.FLOAT], of the same size and dtype on every rank; the result is bitwise the same
         on every rank. Raises R2commMismatchError when ranks disagree, R2commTimeout after
         comm.timeout, R2commNetworkError when a peer is lost; rail failures are survived."""
-        self.Iallreduce(sendbuf, recvbuf, op).Wait()
+        self._call("allreduce", True, self._iallreduce, sendbuf, recvbuf, op)
+
+    def _call(self, kind, blocking, start, *args):
+        """Run a collective's start function; a bad argument on this rank is told to the peers
+        (they raise R2commPeerError and the call still counts, so the sequence stays in step).
+        Blocking calls wait here: MPI never matches them with non-blocking ones."""
+        try:
+            req = start(*args, blocking)
+        except R2commArgumentError as exc:
+            self._tell_peers(exc, kind, blocking)
+            raise
+        if not blocking:
+            return req
+        req.Wait()
+
+    def _iallreduce(self, sendbuf, recvbuf, op=SUM, _blocking=False):
+        if _is_gpu(recvbuf):
+            return _gpu_staged(self._iallreduce, sendbuf, recvbuf, op, _blocking)
+        self._check()
+        op = as_op(op)
+        s, r = self._pair(sendbuf, recvbuf, "Allreduce")
+        if s.nbytes != r.nbytes:
+            raise R2commBufferError(f"Allreduce: sendbuf has {s.nbytes} bytes, recvbuf {r.nbytes}")
+        dtc = dtype_code(r.dtype)
+        pre = [] if s is r else [(WORK, 0, SEND, 0, r.nbytes)]
+        return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre,
+                           blocking=_blocking)
 
     def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0):
         """Start a reduce to `root`; returns a Request (see Reduce)."""
+        return self._call("reduce", False, self._ireduce, sendbuf, recvbuf, op, root)
+
+    def Reduce(self, sendbuf, recvbuf, op=SUM, root=0):
+        """Combine `sendbuf` of every rank with `op` into `recvbuf` on rank `root` (recvbuf
+        is ignored elsewhere; IN_PLACE as sendbuf on the root reduces recvbuf in place)."""
+        self._call("reduce", True, self._ireduce, sendbuf, recvbuf, op, root)
+
+    def _ireduce(self, sendbuf, recvbuf, op=SUM, root=0, _blocking=False):
         self._check()
         op = as_op(op)
         self._check_root(root)
@@ -632,29 +730,37 @@ class Communicator:
             s = _as_array(sendbuf, False, "Reduce sendbuf")
             r, pre = None, []
         return self._start("reduce", s.nbytes, s.itemsize, dtype_code(s.dtype), op.code, r, s,
-                           root=root, extra_pre=pre)
-
-    def Reduce(self, sendbuf, recvbuf, op=SUM, root=0):
-        """Combine `sendbuf` of every rank with `op` into `recvbuf` on rank `root` (recvbuf
-        is ignored elsewhere; IN_PLACE as sendbuf on the root reduces recvbuf in place)."""
-        self.Ireduce(sendbuf, recvbuf, op, root).Wait()
+                           root=root, extra_pre=pre, blocking=_blocking)
 
     def Ibcast(self, buf, root=0):
         """Start a broadcast from `root`; returns a Request (see Bcast)."""
-        if _is_gpu(buf):
-            return _gpu_staged_bcast(self, buf, root)
-        self._check()
-        self._check_root(root)
-        b = _as_array(buf, self.rank != root, "Bcast buf")
-        return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root)
+        return self._call("bcast", False, self._ibcast, buf, root)
 
     def Bcast(self, buf, root=0):
         """Copy `buf` of rank `root` into `buf` on every other rank (same size and dtype
         everywhere; writable except on the root)."""
-        self.Ibcast(buf, root).Wait()
+        self._call("bcast", True, self._ibcast, buf, root)
+
+    def _ibcast(self, buf, root=0, _blocking=False):
+        if _is_gpu(buf):
+            return _gpu_staged_bcast(self, buf, root, _blocking)
+        self._check()
+        self._check_root(root)
+        b = _as_array(buf, self.rank != root, "Bcast buf")
+        return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root,
+                           blocking=_blocking)
 
     def Iallgather(self, sendbuf, recvbuf):
         """Start an allgather; returns a Request (see Allgather)."""
+        return self._call("allgather", False, self._iallgather, sendbuf, recvbuf)
+
+    def Allgather(self, sendbuf, recvbuf):
+        """Gather every rank's `sendbuf` into `recvbuf` on every rank, in rank order:
+        recvbuf holds size x sendbuf. With IN_PLACE, each rank's block is already in its slot of
+        recvbuf."""
+        self._call("allgather", True, self._iallgather, sendbuf, recvbuf)
+
+    def _iallgather(self, sendbuf, recvbuf, _blocking=False):
         self._check()
         r = _as_array(recvbuf, True, "Allgather recvbuf")
         if r.nbytes % self.size:
@@ -671,16 +777,18 @@ class Communicator:
             pre = [(WORK, self.rank * block, SEND, 0, block)]
         send = None if sendbuf is IN_PLACE else s
         return self._start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
-                           extra_pre=pre)
-
-    def Allgather(self, sendbuf, recvbuf):
-        """Gather every rank's `sendbuf` into `recvbuf` on every rank, in rank order:
-        recvbuf holds size x sendbuf. With IN_PLACE, each rank's block is already in its slot of
-        recvbuf."""
-        self.Iallgather(sendbuf, recvbuf).Wait()
+                           extra_pre=pre, blocking=_blocking)
 
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
         """Start a reduce-scatter; returns a Request (see Reduce_scatter_block)."""
+        return self._call("reduce_scatter_block", False, self._ireduce_scatter_block, sendbuf, recvbuf, op)
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+        """Reduce `sendbuf` (size equal blocks) over all ranks with `op`; rank i receives
+        block i of the result in `recvbuf` (IN_PLACE: in the first block of recvbuf)."""
+        self._call("reduce_scatter_block", True, self._ireduce_scatter_block, sendbuf, recvbuf, op)
+
+    def _ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, _blocking=False):
         self._check()
         op = as_op(op)
         s, r = self._pair(sendbuf, recvbuf, "Reduce_scatter_block")
@@ -694,15 +802,18 @@ class Communicator:
         if block % s.itemsize:
             raise R2commBufferError("Reduce_scatter_block: blocks must be whole elements")
         return self._start("reduce_scatter_block", block, s.itemsize, dtype_code(s.dtype),
-                           op.code, r, s)
-
-    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
-        """Reduce `sendbuf` (size equal blocks) over all ranks with `op`; rank i receives
-        block i of the result in `recvbuf` (IN_PLACE: in the first block of recvbuf)."""
-        self.Ireduce_scatter_block(sendbuf, recvbuf, op).Wait()
+                           op.code, r, s, blocking=_blocking)
 
     def Ialltoall(self, sendbuf, recvbuf):
         """Start an all-to-all exchange; returns a Request (see Alltoall)."""
+        return self._call("alltoall", False, self._ialltoall, sendbuf, recvbuf)
+
+    def Alltoall(self, sendbuf, recvbuf):
+        """Block j of `sendbuf` (size equal blocks) goes to rank j, where it lands in block
+        i (the sender's rank) of `recvbuf`. The buffers must not overlap."""
+        self._call("alltoall", True, self._ialltoall, sendbuf, recvbuf)
+
+    def _ialltoall(self, sendbuf, recvbuf, _blocking=False):
         self._check()
         if sendbuf is IN_PLACE:
             raise R2commArgumentError("Alltoall: IN_PLACE is not supported")
@@ -713,12 +824,7 @@ class Communicator:
         if np.shares_memory(s, r):
             raise R2commBufferError("Alltoall: sendbuf and recvbuf overlap")
         return self._start("alltoall", s.nbytes // self.size, s.itemsize, dtype_code(s.dtype), 0,
-                           r, s)
-
-    def Alltoall(self, sendbuf, recvbuf):
-        """Block j of `sendbuf` (size equal blocks) goes to rank j, where it lands in block
-        i (the sender's rank) of `recvbuf`. The buffers must not overlap."""
-        self.Ialltoall(sendbuf, recvbuf).Wait()
+                           r, s, blocking=_blocking)
 
     def Ibarrier(self):
         """Start a barrier; returns a Request that completes once every rank entered it."""
@@ -727,7 +833,8 @@ class Communicator:
 
     def Barrier(self):
         """Return once every rank of the communicator has called Barrier."""
-        self.Ibarrier().Wait()
+        self._check()
+        self._start("barrier", 0, 1, U8, 0, None, None, blocking=True).Wait()
 
     # -- point to point ----------------------------------------------------------------------------
     def _check_root(self, root):
@@ -854,20 +961,20 @@ def _bootstrap_consts(comm, mpi=True):
     return MPI.MAX, MPI.UNDEFINED
 
 
-def _gpu_staged(fn, sendbuf, recvbuf, op):
+def _gpu_staged(fn, sendbuf, recvbuf, op, blocking=False):
     """cupy buffers: staged through host memory (no GPUDirect path yet)."""
     import cupy
     host_r = cupy.asnumpy(recvbuf)
     host_s = IN_PLACE if sendbuf is IN_PLACE else cupy.asnumpy(sendbuf)
-    fn(host_s, host_r, op).Wait()
+    fn(host_s, host_r, op, blocking).Wait()
     cupy.copyto(recvbuf, cupy.asarray(host_r))
     return _Done()
 
 
-def _gpu_staged_bcast(comm, buf, root):
+def _gpu_staged_bcast(comm, buf, root, blocking=False):
     import cupy
     host = cupy.asnumpy(buf)
-    comm.Ibcast(host, root).Wait()
+    comm._ibcast(host, root, blocking).Wait()
     cupy.copyto(buf, cupy.asarray(host))
     return _Done()
 

@@ -79,6 +79,10 @@ class Config:
                                                    #   mac (Poly1305 per frame); rank 0's wins
     spin_us: float = -1.0                          # R2COMM_SPIN_US: busy-poll before blocking;
                                                    #   -1: 1000, or 50 on an oversubscribed host
+    agree: bool = True                             # R2COMM_AGREE=0: no agreement exchange in
+                                                   #   Bcast/Reduce (faster; a root or leaf may
+                                                   #   return before a mismatch is seen); the same
+                                                   #   on every rank
 
     @classmethod
     def from_env(cls):
@@ -120,6 +124,7 @@ class Config:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_INTEGRITY={c.integrity!r}: must be checksum or mac")
         c.window_ms = _float("R2COMM_WINDOW_MS", c.window_ms)
+        c.agree = os.environ.get("R2COMM_AGREE", "1") != "0"
         if c.window_ms <= 0:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_WINDOW_MS={c.window_ms}: must be > 0")

@@ -30,6 +30,12 @@ class R2commMismatchError(R2commError):
     """Ranks called a collective with arguments that do not match (sizes, dtypes, ops, roots)."""
 
 
+class R2commPeerError(R2commMismatchError):
+    """Another rank's call of the same collective failed its own argument checks (it raised an
+    R2commArgumentError there): the message names that rank and its error. The call still took
+    its sequence number on every rank, so the next collective on the communicator works."""
+
+
 class R2commTruncateError(R2commMismatchError):
     """A point-to-point message was larger than the receive buffer."""
 
@@ -50,7 +56,9 @@ CODE_CLASSES = {
     4: R2commTruncateError,
     5: R2commProtocolError,
     6: R2commClosedError,
+    7: R2commPeerError,
 }
+PEER_ARGUMENT_CODE = 7      # engine code of an ABORT sent by a rank whose own arguments were bad
 
 
 def from_code(code, message):

@@ -127,6 +127,7 @@ cdef enum:
     E_TRUNCATE = 4
     E_PROTOCOL = 5
     E_CLOSED = 6
+    E_PEER_ARG = 7      # a peer's own arguments were bad (its 'error' stand-in's ABORT)
 
 cdef enum:
     C_GATED = 0
@@ -241,6 +242,8 @@ cdef cppclass Op:
     double deadline
     uint32_t comm
     uint32_t seq
+    uint32_t sig, desc       # a collective's descriptor (count, kind/root/plan hash), as in
+    uint8_t dtype, redop     # its frames' headers: names this rank's call in mismatch errors
     int p2p
     vector[void*] sends
     vector[void*] recvs
@@ -463,6 +466,9 @@ cdef cppclass State:
     cmap[uint32_t, uint32_t] next_seq
     cmap[CS, Op*] active
     cmap[CS, pair[int, string]] aborted
+    cmap[uint32_t, pair[uint32_t, string]] mismatched  # comm -> (seq, error) of a collective that
+                             # failed with a mismatch and that no wait has reported yet
+    int poisoning
     cmap[uint64_t, Op*] ops
     uint64_t next_op
     vector[Event] events
@@ -499,6 +505,7 @@ cdef cppclass State:
         this.trash = NULL
         this.fault_time = 0
         this.awaiting_redelivery = 0
+        this.poisoning = 0
 
 # ---------------------------------------------------------------------------------------------
 # Small helpers
@@ -1049,9 +1056,96 @@ cdef void deliver_chunk(State* e, RecvMsg* rm, uint32_t c, char* data) noexcept 
     apply_chunk(e, rm, c, data)
     free(data)
 
+# -- naming a collective call from its descriptor (the header's sig, aux, dtype, redop; the
+# encoding is communicator.py's: aux = kind | non-blocking << 3 | root << 4 | plan hash << 20,
+# sig = element count) -------------------------------------------------------------------------
+cdef extern from "<string.h>" nogil:
+    int strcmp(const char*, const char*)
+
+cdef const char* dtype_name(uint8_t d) noexcept nogil:
+    if d == 0: return "int8"
+    if d == 1: return "int16"
+    if d == 2: return "int32"
+    if d == 3: return "int64"
+    if d == 4: return "uint8"
+    if d == 5: return "uint16"
+    if d == 6: return "uint32"
+    if d == 7: return "uint64"
+    if d == 8: return "float16"
+    if d == 9: return "float32"
+    if d == 10: return "float64"
+    return "unknown dtype"
+
+cdef const char* op_name(uint8_t o) noexcept nogil:
+    if o == 0: return "SUM"
+    if o == 1: return "PROD"
+    if o == 2: return "MIN"
+    if o == 3: return "MAX"
+    return "unknown op"
+
+cdef const char* kind_name(uint32_t k, uint32_t nb) noexcept nogil:
+    if k == 1: return "Iallreduce" if nb else "Allreduce"
+    if k == 2: return "Ireduce" if nb else "Reduce"
+    if k == 3: return "Ibcast" if nb else "Bcast"
+    if k == 4: return "Iallgather" if nb else "Allgather"
+    if k == 5: return "Ireduce_scatter_block" if nb else "Reduce_scatter_block"
+    if k == 6: return "Ialltoall" if nb else "Alltoall"
+    if k == 7: return "Ibarrier" if nb else "Barrier"
+    return "a collective"
+
+cdef void describe_call(char* out, size_t n, uint32_t desc, uint32_t count, uint8_t dtype,
+                        uint8_t redop) noexcept nogil:
+    """e.g. "Allreduce(float32 x 2, SUM)", "Ibcast(int32 x 100, root=1)"."""
+    cdef uint32_t k = desc & 7, nb = (desc >> 3) & 1, root = (desc >> 4) & 0xFFFF
+    cdef char rs[24]
+    if root == 0xFFFF:
+        snprintf(rs, 24, ">=65535")
+    else:
+        snprintf(rs, 24, "%u", root)
+    if k == 7:
+        snprintf(out, n, "%s()", kind_name(k, nb))
+    elif k == 1:
+        snprintf(out, n, "%s(%s x %u, %s)", kind_name(k, nb), dtype_name(dtype), count,
+                 op_name(redop))
+    elif k == 2:
+        snprintf(out, n, "%s(%s x %u, %s, root=%s)", kind_name(k, nb), dtype_name(dtype), count,
+                 op_name(redop), rs)
+    elif k == 3:
+        snprintf(out, n, "%s(%s x %u, root=%s)", kind_name(k, nb), dtype_name(dtype), count, rs)
+    elif k == 5:
+        snprintf(out, n, "%s(%s x %u per rank, %s)", kind_name(k, nb), dtype_name(dtype), count,
+                 op_name(redop))
+    elif k == 4 or k == 6:
+        snprintf(out, n, "%s(%s x %u per rank)", kind_name(k, nb), dtype_name(dtype), count)
+    else:
+        snprintf(out, n, "a collective (%s, signature %08x/%08x)", dtype_name(dtype), desc, count)
+
+cdef void fail_mismatch(State* e, Op* op, int peer, uint32_t desc, uint32_t count, uint8_t dtype,
+                        uint8_t redop) noexcept nogil:
+    """Fail this rank's collective `op` because `peer` sent a frame of another call (its
+    descriptor from the frame's header), naming both calls; every peer is told."""
+    cdef char mine[200]
+    cdef char theirs[200]
+    cdef char buf[700]
+    cdef const char* first = mine
+    cdef const char* second = theirs
+    cdef int r1 = e.me, r2 = peer
+    describe_call(mine, 200, op.desc, op.sig, op.dtype, op.redop)
+    describe_call(theirs, 200, desc, count, dtype, redop)
+    if peer < e.me:                      # lower rank first
+        first, second, r1, r2 = theirs, mine, peer, e.me
+    snprintf(buf, 700, "collective calls differ between ranks (call #%u on communicator %u): "
+             "rank %d called %s, rank %d called %s%s", op.seq, op.comm, r1, first, r2, second,
+             "; the same arguments, but different schedules (R2COMM_ALGO, R2COMM_EAGER, "
+             "R2COMM_CHUNK_SIZE or the rail state differ between ranks)"
+             if strcmp(mine, theirs) == 0 else "")
+    fail_op(e, op, E_MISMATCH, buf, 1)
+
 cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_t dtype,
-                     int peer) noexcept nogil:
-    """Compare an arriving message with what this rank posted; fail the op on a mismatch."""
+                     int peer, uint32_t aux, uint8_t redop) noexcept nogil:
+    """Compare an arriving message with what this rank posted; fail the op on a mismatch.
+    A collective's frame carries its sender's whole call (count, kind, blocking or not, root,
+    dtype, op, plan hash): integer compares here, and a mismatch names both calls."""
     cdef char buf[400]
     if rm.op == NULL or rm.op.state != ST_ACTIVE:
         return 0
@@ -1063,18 +1157,14 @@ cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_
             fail_op(e, rm.op, E_TRUNCATE, buf, 1)
             return -1
         if dtype != rm.dtype:
-            snprintf(buf, 400, "datatype mismatch: rank %d sent dtype code %d, rank %d receives "
-                     "dtype code %d", peer, dtype, e.me, rm.dtype)
+            snprintf(buf, 400, "datatype mismatch: rank %d sent %s, rank %d receives %s", peer,
+                     dtype_name(dtype), e.me, dtype_name(rm.dtype))
             fail_op(e, rm.op, E_MISMATCH, buf, 1)
             return -1
         return 0
-    if sig != rm.sig or total != rm.total:
-        snprintf(buf, 400, "collective arguments differ between ranks: rank %d sent a %llu-byte "
-                 "message (signature %08x, dtype code %d) where rank %d expected %llu bytes "
-                 "(signature %08x, dtype code %d): sizes, dtypes, ops or roots do not match",
-                 peer, <unsigned long long>total, sig, dtype, e.me,
-                 <unsigned long long>rm.total, rm.sig, rm.dtype)
-        fail_op(e, rm.op, E_MISMATCH, buf, 1)
+    if sig != rm.sig or aux != rm.aux or dtype != rm.dtype or redop != rm.redop or \
+            total != rm.total:
+        fail_mismatch(e, rm.op, peer, aux, sig, dtype, redop)
         return -1
     return 0
 
@@ -1116,7 +1206,7 @@ cdef int alloc_recv_arrays(RecvMsg* rm) noexcept nogil:
 cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
     """Hand the chunks that arrived before the receive was posted to the receive."""
     cdef uint32_t c
-    if check_match(e, rm, u.sig, u.total, u.dtype, peer) != 0:
+    if check_match(e, rm, u.sig, u.total, u.dtype, peer, u.aux, u.redop) != 0:
         free_unexp(u)
         return
     if u.cs != rm.cs and rm.op != NULL:
@@ -1272,15 +1362,14 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         itr = e.rmap.find(k)
         if itr != e.rmap.end():
             rm = <RecvMsg*>deref(itr).second
-            if check_match(e, rm, h.sig, h.total, h.dtype, r.peer) != 0:
+            if check_match(e, rm, h.sig, h.total, h.dtype, r.peer, h.aux, h.redop) != 0:
                 return
         else:
             if h.seq < e.next_seq[h.comm]:
                 ita = e.active.find(CS(h.comm, h.seq))
                 if ita != e.active.end() and deref(ita).second.state == ST_ACTIVE:
-                    fail_op(e, deref(ita).second, E_MISMATCH,
-                            "collective arguments differ between ranks: a peer sent a message this "
-                            "rank's schedule does not contain (different sizes, roots or algorithms)", 1)
+                    # a frame this rank's schedule does not contain: another call
+                    fail_mismatch(e, deref(ita).second, r.peer, h.aux, h.sig, h.dtype, h.redop)
                 return                  # stale (completed or failed operation)
             itu = e.cunexp.find(k)
             if itu == e.cunexp.end():
@@ -1997,6 +2086,8 @@ cdef void fail_op(State* e, Op* op, int code, const char* msg, int propagate) no
             for i in range(op.members.size()):
                 if op.members[i] != e.me:
                     send_abort(e, op.members[i], 0, op.comm, op.seq, code, buf)
+    if code == E_MISMATCH:
+        note_mismatch(e, op)
     e.signal = 1
 
 cdef void peer_lost(State* e, Peer* p) noexcept nogil:
@@ -2761,7 +2852,7 @@ cdef class Engine:
     # -- operations ----------------------------------------------------------------------------
     def post(self, Plan plan, uint64_t b0, uint64_t b1, uint64_t b2, int dtype, int redop,
              uint32_t comm, uint32_t seq, uint32_t sig, double timeout, members,
-             int p2p=0, int tag=0, uint64_t cap=0, int rail=-1):
+             int p2p=0, int64_t tag=0, uint64_t cap=0, int rail=-1):
         """Start one operation; returns its id. For p2p (a single send or receive), seq is
         assigned here and tag/cap describe the message. rail >= 0 pins every send of the
         operation to that rail while it is up (a bandwidth probe); if it fails, the chunks
@@ -2781,10 +2872,37 @@ cdef class Engine:
         bufs[2] = b2
         with nogil:
             pthread_mutex_lock(&e.mu)
-            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, p2p, tag, cap,
+            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, p2p, <int><uint32_t>tag, cap,
                           isz, rail)
             pthread_mutex_unlock(&e.mu)
         return oid
+
+    def post_error(self, uint32_t comm, uint32_t seq, members, int code, str message):
+        """An 'error' stand-in for collective (comm, seq): this rank's own arguments were bad
+        (it raises locally). It takes the sequence number and sends every other member an
+        ABORT carrying `message` with error `code`, so their call of (comm, seq) fails too,
+        and the next collective on the communicator lines up on every rank."""
+        cdef State* e = self._live()
+        cdef vector[int] mem
+        cdef bytes b = message.encode()[:MAX_CTRL_PAYLOAD - 64]
+        cdef const char* m = b
+        cdef size_t i
+        for x in members:
+            mem.push_back(x)
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            if seq + 1 > e.next_seq[comm]:
+                e.next_seq[comm] = seq + 1
+            ita = e.aborted.find(CS(comm, seq))
+            if ita != e.aborted.end():
+                e.aborted.erase(ita)
+            take_unexpected(e, NULL, comm, seq, mem)
+            for i in range(mem.size()):
+                if mem[i] != e.me and mem[i] >= 0 and mem[i] < e.nranks and \
+                        e.peers[mem[i]] != NULL and not e.peers[mem[i]].lost:
+                    send_abort(e, mem[i], 0, comm, seq, code, m)
+            pthread_mutex_unlock(&e.mu)
+        self._wake()
 
     def wait(self, uint64_t oid, double timeout):
         """Block (without the GIL) until the operation ends or `timeout` seconds pass.
@@ -2846,6 +2964,8 @@ cdef class Engine:
                     err = op.err
                     msg = op.msg
                     nrecv = op.nbytes_recv
+                    if err == E_MISMATCH and not op.p2p:
+                        clear_mismatch(e, op)
                     pthread_mutex_unlock(&e.mu)
                     break
                 pthread_mutex_unlock(&e.mu)
@@ -3134,6 +3254,63 @@ cdef void free_op(State* e, Op* op, int unlink) noexcept nogil:
             e.active.erase(ita)
     del op
 
+cdef void take_unexpected(State* e, Op* op, uint32_t comm, uint32_t seq,
+                         vector[int]& members) noexcept nogil:
+    """Drop the early frames of collective (comm, seq) that no receive bound; with an op, the
+    first of them fails it as a mismatch naming the sender's call (a stand-in passes NULL)."""
+    cdef size_t i
+    cdef Key lo
+    cdef Unexp* u
+    cdef int peer
+    for i in range(members.size()):
+        peer = members[i]
+        if peer == e.me:
+            continue
+        lo = mkey(peer, comm, 0, 0, 0)
+        it = e.cunexp.lower_bound(lo)
+        while it != e.cunexp.end() and deref(it).first.first == lo.first:
+            if <uint32_t>(deref(it).first.second & <uint64_t>0xFFFFFFFF) != seq:
+                inc(it)
+                continue
+            u = deref(it).second
+            if op != NULL and op.state == ST_ACTIVE:
+                fail_mismatch(e, op, peer, u.aux, u.sig, u.dtype, u.redop)
+            free_unexp(u)
+            it = e.cunexp.erase(it)
+
+cdef void poison_op(State* e, Op* op, uint32_t bad_seq, string& why) noexcept nogil:
+    cdef char buf[1000]
+    cdef int was = e.poisoning
+    snprintf(buf, 1000, "an earlier collective on this communicator (call #%u) did not match, "
+             "so this call (#%u) cannot line up: %s", bad_seq, op.seq, why.c_str())
+    e.poisoning = 1
+    fail_op(e, op, E_MISMATCH, buf, 0)
+    e.poisoning = was
+
+cdef void note_mismatch(State* e, Op* op) noexcept nogil:
+    """A collective failed with a mismatch: ranks may now disagree on which call is which
+    (e.g. one issued Iallreduce then Allreduce, the others the other way round), so this
+    rank's later collectives on the communicator fail at once instead of waiting for frames
+    that never come, until a wait has reported the mismatch (Engine.wait clears it)."""
+    cdef vector[Op*] later
+    cdef size_t i
+    if e.poisoning or op.p2p:
+        return
+    e.mismatched[op.comm] = pair[uint32_t, string](op.seq, op.msg)
+    it = e.active.lower_bound(CS(op.comm, op.seq + 1))
+    while it != e.active.end() and deref(it).first.first == op.comm:
+        if deref(it).second.state == ST_ACTIVE:
+            later.push_back(deref(it).second)
+        inc(it)
+    for i in range(later.size()):
+        poison_op(e, later[i], op.seq, op.msg)
+
+cdef void clear_mismatch(State* e, Op* op) noexcept nogil:
+    """A wait reported op's mismatch to the caller: later calls may line up again."""
+    itm = e.mismatched.find(op.comm)
+    if itm != e.mismatched.end() and deref(itm).second.first <= op.seq:
+        e.mismatched.erase(itm)
+
 cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
                       uint32_t seq, uint32_t sig, double timeout, vector[int]& members, int p2p,
                       int tag, uint64_t cap, int isz, int pin) noexcept nogil:
@@ -3160,6 +3337,10 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     op.seq = seq
     op.p2p = p2p
     op.members = members
+    op.sig = sig
+    op.desc = 0 if p2p else <uint32_t>tag
+    op.dtype = dtype
+    op.redop = redop
     e.ops[op.id] = op
     for i in range(n):
         if bufs[1] == 0 and (plan.mode[i] == M_REDUCE_SEND or plan.mode[i] == M_REDUCE_SEND_REV):
@@ -3193,7 +3374,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
                 op.seq = sm.seq
             else:
                 sm.flags = 0
-                sm.aux = 0
+                sm.aux = <uint32_t>tag     # the collective's descriptor (check_match)
                 sm.seq = seq
             sm.src = <char*>bufs[plan.buf[i]] + plan.off[i]
             sm.base = <char*>malloc(sm.total if sm.total else 1) if sm.owned else sm.src
@@ -3228,6 +3409,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
                 rm.aux = <uint32_t>tag
             else:
                 rm.flags = 0
+                rm.aux = <uint32_t>tag
                 rm.seq = seq
                 alloc_recv_arrays(rm)
                 e.rmap[mkey(rm.peer, comm, 0, rm.step, seq)] = <void*>rm
@@ -3266,6 +3448,12 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
         if ita != e.aborted.end():
             fail_op(e, op, deref(ita).second.first, deref(ita).second.second.c_str(), 0)
             e.aborted.erase(ita)
+            take_unexpected(e, NULL, comm, seq, members)
+            return op.id
+        itm = e.mismatched.find(comm)
+        if itm != e.mismatched.end() and deref(itm).second.first < seq:
+            poison_op(e, op, deref(itm).second.first, deref(itm).second.second)
+            take_unexpected(e, NULL, comm, seq, members)
             return op.id
     for i in range(members.size()):
         if members[i] != e.me and e.peers[members[i]] != NULL and e.peers[members[i]].lost:
@@ -3285,6 +3473,12 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
                 u = deref(itu).second
                 e.cunexp.erase(itu)
                 bind_unexp(e, rm, u, rm.peer)
+        if op.state == ST_ERROR:
+            return op.id
+    if not p2p and not e.cunexp.empty():
+        # frames of this sequence number that arrived early and that no receive took: a peer
+        # made another call (e.g. every rank a Bcast root, or a Bcast against an Allreduce)
+        take_unexpected(e, op, comm, seq, members)
         if op.state == ST_ERROR:
             return op.id
     # sends: queue every chunk that waits on nothing

@@ -12,11 +12,14 @@ struct r2_hdr {
     uint32_t comm;    // communicator id (agreed at Dup/Split)
     uint32_t seq;     // collective sequence in comm, or p2p sequence of the pair
     uint32_t step;    // message index within one operation between one pair
-    uint32_t sig;     // signature of the operation's arguments (mismatch detection)
+    uint32_t sig;     // collective DATA: the call's element count (low 32 bits); with aux, dtype
+                      // and redop the whole call, compared per frame (check_match)
     uint32_t chunk;   // chunk index within the message
     uint32_t len;     // payload bytes that follow the header
     uint64_t total;   // total bytes of the message
-    uint32_t aux;     // tag (p2p), error code (ABORT), rail index (control frames)
+    uint32_t aux;     // tag (p2p), error code (ABORT), rail index (control frames); collective
+                      // DATA: kind | non-blocking << 3 | root << 4 | plan hash << 20
+                      // (r2comm/communicator.py), named in mismatch errors (describe_call)
     uint32_t check;   // FNV-1a of the 44 bytes above
 };
 #pragma pack(pop)

@@ -1,0 +1,62 @@
+"""Mismatched collective calls fail at once, on every rank, naming both calls; a rank whose own
+arguments are bad raises locally and its peers raise too; the sequence stays in step (issue 17
+item 3). 3 ranks under mpiexec, 8 B, 4 KiB, 128 KiB and 1 MiB; every rank must raise within
+BOUND seconds while the operation timeout is 30 s (tests/mismatch_worker.py)."""
+import os
+
+import pytest
+
+from conftest import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mismatch_worker.py")
+BOUND = 5          # seconds; measured 0.001-0.02 s on loopback (generous for shared CPUs)
+
+
+def run(scenario, n=3, **kw):
+    args = [f"{k}={v}" for k, v in {"bound": BOUND, **kw}.items()]
+    _, out = run_mpi(n, [WORKER, scenario] + args, timeout=180)
+    lines = [ln for ln in out.splitlines() if ln.startswith(f"OK {scenario} ")]
+    assert lines, out[-4000:]
+    return int(lines[-1].split()[2]), out
+
+
+def test_every_rank_its_own_bcast_root():
+    """Used to return without error at 8 B, every rank keeping its own data."""
+    count, _ = run("all_roots")
+    assert count == 3 * 4
+
+
+def test_allreduce_against_bcast():
+    """Used to wait for the full operation timeout at 8 B and 4 KiB (root 0)."""
+    count, _ = run("allreduce_vs_bcast")
+    assert count == 3 * 8
+
+
+def test_receive_buffer_too_small_on_one_rank():
+    """Used to let the other ranks' Allreduce return, and the next collective to mismatch."""
+    count, _ = run("small_buffer")
+    assert count == 3 * 4
+
+
+def test_iallreduce_and_allreduce_in_different_orders():
+    """Used to complete, with different results on different ranks."""
+    count, _ = run("order")
+    assert count == 3 * 4
+
+
+def test_other_mismatched_pairs():
+    count, _ = run("other_kinds")
+    assert count == 3 * 4
+
+
+def test_two_ranks_all_roots_and_order():
+    run("all_roots", n=2, sizes="8,1048576")
+    run("order", n=2, sizes="8,1048576")
+
+
+def test_four_ranks():
+    """Two agreement rounds, and recursive doubling on a power of two."""
+    run("all_roots", n=4, sizes="8,1048576")
+    run("small_buffer", n=4, sizes="8,1048576")
