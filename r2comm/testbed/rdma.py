@@ -113,13 +113,22 @@ def preflight():
     return find_vng(), find_kernel()
 
 
-def free_udp_ports(count):
-    """COUNT distinct free UDP ports on 127.0.0.1 (bound, then released for QEMU to take)."""
+def free_ports(count):
+    """COUNT distinct ports on 127.0.0.1 free for both TCP and UDP (bound, then released for
+    QEMU to take)."""
     socks = []
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        while len(socks) < count:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind(("127.0.0.1", 0))
+            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                u.bind(("127.0.0.1", s.getsockname()[1]))
+            except OSError:
+                s.close()
+                continue
+            finally:
+                u.close()
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -232,7 +241,7 @@ class RdmaFabric:
         """The wiring: each host's NICs (MAC, address, rxe) and each segment's UDP ports."""
         tag_byte = uuid.uuid4().int & 0xfe  # locally administered, unicast, differs per fabric
         segments = list(range(self.nics)) + [MGMT]
-        ports = iter(free_udp_ports(len(segments) * self.hosts * (2 if self.hosts > 2 else 1)))
+        ports = iter(free_ports(len(segments) * self.hosts * (2 if self.hosts > 2 else 1)))
         wiring = {}
         for seg in segments:
             guest_ports = [next(ports) for _ in range(self.hosts)]
@@ -252,18 +261,27 @@ class RdmaFabric:
                 "rates": [[None] * self.nics for _ in range(self.hosts)], "pids": []}
 
     def _qemu_opts(self, desc, host):
+        """QEMU options wiring HOST's NICs.
+
+        Two hosts: a Unix stream socket per segment (host 0 listens): lossless with
+        back-pressure.  UDP datagrams to a slow TCG guest overflow the socket buffer (a fifth
+        of the frames were lost, and rxe's retransmit timer cut pingpong to ~10 Mbit/s), and a
+        TCP stream (QEMU sets no TCP_NODELAY) added ~40 ms Nagle delays to every round trip.
+        More hosts: UDP datagrams on 127.0.0.1 through the hub."""
         opts = []
         for nic in desc["hosts"][host]["nics"]:
             seg = nic["segment"]
             wire = desc["wiring"][str(seg)]
-            local = wire["guest"][host]
-            remote = wire["hub"][host] if wire["hub"] else wire["guest"][1 - host]
-            if self.hosts == 1:
-                remote = local  # a lone host: its frames come back to nobody (port is its own)
-            opts += ["-netdev", f"dgram,id={_netdev_id(seg)},local.type=inet,local.host=127.0.0.1,"
-                     f"local.port={local},remote.type=inet,remote.host=127.0.0.1,"
-                     f"remote.port={remote}",
-                     "-device", f"virtio-net-pci,netdev={_netdev_id(seg)},mac={nic['mac']}"]
+            netdev = _netdev_id(seg)
+            if self.hosts <= 2:
+                server = "on" if host == 0 else "off"
+                opts += ["-netdev", f"stream,id={netdev},server={server},addr.type=unix,"
+                         f"addr.path={self._wire_path(seg)}"]
+            else:
+                opts += ["-netdev", f"dgram,id={netdev},local.type=inet,local.host=127.0.0.1,"
+                         f"local.port={wire['guest'][host]},remote.type=inet,"
+                         f"remote.host=127.0.0.1,remote.port={wire['hub'][host]}"]
+            opts += ["-device", f"virtio-net-pci,netdev={netdev},mac={nic['mac']},rx_queue_size=1024"]
         opts += ["-monitor", f"unix:{self.dir / f'h{host}.mon'},server=on,wait=off"]
         return " ".join(opts)
 
@@ -285,6 +303,9 @@ class RdmaFabric:
                 self._start_hub(desc)
             for host in range(self.hosts):
                 self._start_guest(desc, host, vng, kernel)
+                if host == 0 and self.hosts == 2:
+                    # host 1's QEMU connects at start: host 0's must listen by then
+                    self._wait_listening([self._wire_path(seg) for seg in desc["wiring"]])
             self._wait_ready(boot_timeout)
         except BaseException:
             self.down()
@@ -316,6 +337,19 @@ class RdmaFabric:
                 "--cpus", "1", "--rwdir", str(self.dir), f"--qemu-opts={self._qemu_opts(desc, host)}",
                 "--exec", agent]
         self._spawn(argv, self.dir / f"h{host}.console")
+
+    def _wire_path(self, segment):
+        return self.dir / f"wire-{segment}.sock"
+
+    def _wait_listening(self, paths, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while not all(p.exists() for p in paths):
+            if any(p.poll() is not None for p in self._procs):
+                raise TestbedError("guest 0 exited at start; console: "
+                                   f"{self._tail(self.dir / 'h0.console')}")
+            if time.monotonic() > deadline:
+                raise TestbedError(f"guest 0's QEMU did not listen on {paths} in {timeout:.0f} s")
+            time.sleep(0.1)
 
     def _wait_ready(self, timeout):
         deadline = time.monotonic() + timeout
