@@ -587,3 +587,60 @@ def remove_all_rdma():
         remove_rdma_fabric(tag, grace=2.0)
         removed.append(tag)
     return removed
+
+
+# --- rdma-run: N ranks on the guests, without MPI ------------------------------------------------
+def run_job(fabric, nranks, argv, timeout=600.0, out=None, env=None):
+    """Run ARGV as NRANKS ranks on FABRIC (rank r on host r*H//N), relaying their output line by
+    line as ``[r] ...``.  Returns the exit status: 0 if every rank exited 0, else the status of
+    the lowest failing rank; 124 if the job was still running after TIMEOUT s (then killed)."""
+    out = out or sys.stdout
+    if not 1 <= nranks <= 64 * fabric.hosts:
+        raise TestbedError(f"-n {nranks}: need 1..{64 * fabric.hosts} ranks")
+    if not argv:
+        raise TestbedError("rdma-run needs a command after --")
+    procs, tails = [], []
+    try:
+        for rank in range(nranks):
+            log = fabric.dir / "out" / f"rank{rank}.log"
+            procs.append(fabric.spawn(fabric.host_of_rank(rank, nranks), argv, output=log,
+                                      env={**fabric.rank_env(rank, nranks), **(env or {})}))
+            tails.append([log, 0, b""])
+        deadline = time.monotonic() + timeout
+        while True:
+            running = [p for p in procs if p.poll() is None]
+            _relay(tails, out, final=not running)
+            if not running:
+                break
+            if time.monotonic() > deadline:
+                print(f"r2comm.testbed: rdma-run: ranks {[procs.index(p) for p in running]} "
+                      f"still running after {timeout:.0f} s; killing the job", file=sys.stderr)
+                return 124
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [p.returncode for p in procs if p.returncode != 0]
+    return failed[0] if failed else 0
+
+
+def _relay(tails, out, final=False):
+    for rank, tail in enumerate(tails):
+        path, pos, partial = tail
+        try:
+            with open(path, "rb") as f:
+                f.seek(pos)
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        tail[1] = pos + len(data)
+        data = partial + data
+        lines = data.split(b"\n")
+        tail[2] = lines.pop()  # an unfinished line waits for its end
+        if final and tail[2]:
+            lines.append(tail[2])
+            tail[2] = b""
+        for line in lines:
+            out.write(f"[{rank}] {line.decode(errors='replace')}\n")
+    out.flush()

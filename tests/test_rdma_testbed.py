@@ -1,0 +1,260 @@
+"""r2comm.testbed.rdma: real soft-RoCE (rxe) rails between QEMU guests, and faults on them.
+
+The `rdma` tests boot TCG guests (virtme-ng + Debian's stock kernel); where
+QEMU, the kernel with rdma_rxe, rdma-core or virtme-ng are missing they skip
+and say which and how to install them (scripts/rdma-deps.sh).  Each boot costs
+~1 minute of two vCPUs, so one fabric (2 guests x 2 rails) is shared by the
+module's tests and torn down at the end, and rdma-run boots one more.  Every
+command in a guest is bounded (coreutils `timeout` inside, a wait bound outside).
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from r2comm.testbed import TestbedError
+from r2comm.testbed import rdma
+from r2comm.testbed.rdma import RdmaFabric
+from r2comm.testbed.rdma_hub import serve as hub_serve
+
+HELPERS = Path(__file__).parent / "testbed_helpers"
+REPO = str(Path(__file__).resolve().parents[1])
+TAG = f"t{os.getpid()}"
+PINGPONG = ["ibv_rc_pingpong", "-s", "65536", "-n", "20", "-m", "4096"]
+
+
+# --- without guests ----------------------------------------------------------------------
+def test_rank_env_placement_and_rendezvous_variables(tmp_path, monkeypatch):
+    monkeypatch.setattr(rdma, "STATE_ROOT", tmp_path)
+    fab = RdmaFabric(hosts=2, nics=2, tag="never")
+    assert [fab.host_of_rank(r, 4) for r in range(4)] == [0, 0, 1, 1]
+    env = fab.rank_env(3, 4)
+    assert env["R2COMM_RAILS"] == "198.18.0.2,198.18.1.2"
+    assert env["R2COMM_CTRL_ADDR"] == "198.19.0.2"
+    assert env["R2COMM_TESTBED_HOST"] == "1" and env["R2COMM_TRANSPORT"] == "verbs"
+    assert (env["R2COMM_RANK"], env["R2COMM_SIZE"]) == ("3", "4")
+    assert env["R2COMM_STORE_DIR"] == str(tmp_path / "never" / "store")
+    assert env["R2COMM_RDMA_DEVICES"] == "rxe0,rxe1"
+    with pytest.raises(TestbedError, match="outside"):
+        fab.host_of_rank(4, 4)
+
+
+def test_wiring_is_unique_and_on_loopback():
+    desc = RdmaFabric(hosts=3, nics=2, tag="never")._describe()
+    macs = [nic["mac"] for host in desc["hosts"] for nic in host["nics"]]
+    assert len(set(macs)) == len(macs) == 3 * 3
+    ports = [p for w in desc["wiring"].values() for p in w["guest"] + w["hub"]]
+    assert len(set(ports)) == len(ports)
+    addrs = [nic["addr"] for nic in desc["hosts"][2]["nics"]]
+    assert addrs == ["198.18.0.3", "198.18.1.3", "198.19.0.3"]
+    opts = RdmaFabric(hosts=3, nics=2, tag="never")._qemu_opts(desc, 1)
+    assert "host=127.0.0.1" in opts and "0.0.0.0" not in opts
+    two = RdmaFabric(hosts=2, nics=1, tag="never")
+    opts2 = two._qemu_opts(two._describe(), 1)
+    assert "stream" in opts2 and "server=off" in opts2 and "addr.type=unix" in opts2
+
+
+def test_bad_shapes_and_missing_tools_are_clear_errors(monkeypatch):
+    with pytest.raises(TestbedError, match="hosts"):
+        RdmaFabric(hosts=0)
+    with pytest.raises(TestbedError, match="tag"):
+        RdmaFabric(tag="a-b")
+    monkeypatch.setattr(rdma.shutil, "which", lambda *a, **k: None)
+    with pytest.raises(TestbedError, match="qemu-system-x86_64.*rdma-deps.sh"):
+        RdmaFabric(tag="never").up()
+
+
+def test_hub_floods_frames_to_the_other_members_only(tmp_path):
+    ports = rdma.free_ports(6)
+    guests = []
+    for port in ports[:3]:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", port))
+        s.settimeout(5)
+        guests.append(s)
+    path = tmp_path / "fabric.json"
+    path.write_text(json.dumps({"wiring": {"0": {"guest": ports[:3], "hub": ports[3:]}}}))
+    hub = threading.Thread(target=hub_serve, args=(str(path), 0.1), daemon=True)
+    hub.start()
+    try:
+        time.sleep(0.3)
+        guests[0].sendto(b"frame-from-0", ("127.0.0.1", ports[3]))
+        assert guests[1].recvfrom(100) == (b"frame-from-0", ("127.0.0.1", ports[4]))
+        assert guests[2].recvfrom(100) == (b"frame-from-0", ("127.0.0.1", ports[5]))
+        guests[0].settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            guests[0].recvfrom(100)
+    finally:
+        path.unlink()
+        hub.join(timeout=5)
+        for s in guests:
+            s.close()
+    assert not hub.is_alive()
+
+
+def test_rdma_run_without_a_command_is_an_error():
+    out = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "-n", "2"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 1 and "needs a command" in out.stderr
+
+
+# --- with guests -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rdma_ok():
+    """Skip, saying what is missing and how to get it, where guests cannot be booted."""
+    try:
+        rdma.preflight()
+    except TestbedError as exc:
+        pytest.skip(f"cannot boot soft-RoCE guests here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def rfab(rdma_ok):
+    fab = RdmaFabric(hosts=2, nics=2, tag=TAG)
+    started = time.monotonic()
+    fab.up()
+    print(f"\nboot of 2 guests: {time.monotonic() - started:.1f} s")
+    try:
+        yield fab
+    finally:
+        fab.down()
+        assert not fab.dir.exists()
+
+
+def _pingpong(fab, nic, port, server_host=0, client_host=1, timeout=60):
+    """ibv_rc_pingpong over rail NIC; the TCP exchange of QP numbers goes over the management
+    network, so a dead rail fails the RDMA traffic itself.  Returns (ok, Mbit/s, outputs)."""
+    gi = str(fab.ready_info(server_host)["gid_index"])
+    args = PINGPONG + ["-d", f"rxe{nic}", "-g", gi, "-p", str(port)]
+    server = fab.spawn(server_host, ["timeout", str(timeout), *args])
+    rc = 1
+    for _ in range(20):  # until the server listens (bounded)
+        time.sleep(1)
+        rc, out = fab.run(client_host, ["timeout", str(timeout), *args,
+                                        fab.mgmt_addr(server_host)], timeout=timeout + 30)
+        if "Couldn't connect" not in out:
+            break
+    server.wait(timeout + 30)
+    speed = re.search(r"= ([\d.]+) Mbit/sec", out)
+    return (rc == 0 and server.returncode == 0, float(speed.group(1)) if speed else None,
+            out + server.output())
+
+
+def _port_state(fab, host, nic):
+    rc, out = fab.run(host, ["cat", f"/sys/class/infiniband/rxe{nic}/ports/1/state"])
+    return out.strip()
+
+
+def _wait_port(fab, host, nic, word, seconds=60):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if word in _port_state(fab, host, nic):
+            return True
+        time.sleep(1)
+    return False
+
+
+@pytest.mark.rdma
+def test_devices_and_gids_seen_by_ibv_devinfo_and_pyverbs(rfab):
+    for host in range(2):
+        rc, out = rfab.run(host, ["ibv_devinfo", "-v"], timeout=60)
+        assert rc == 0, out
+        for k in range(2):
+            assert f"hca_id:\trxe{k}" in out
+            assert f"GID[  1]:\t\t::ffff:198.18.{k}.{host + 1}, RoCE v2" in out, out
+        assert out.count("PORT_ACTIVE") == 2 and out.count("link_layer:\t\tEthernet") == 2
+        # pyverbs from the project's virtualenv Python (sys.path gets the system's dist-packages)
+        rc, out = rfab.run(host, [sys.executable, str(HELPERS / "rdma_devices.py")], timeout=120)
+        assert rc == 0, out
+        found = json.loads(out.strip().splitlines()[-1])
+        assert sorted(found) == ["rxe0", "rxe1"]
+        for k in range(2):
+            assert found[f"rxe{k}"]["state"] == 4  # IBV_PORT_ACTIVE
+            assert f"::ffff:198.18.{k}.{host + 1}" in found[f"rxe{k}"]["gids"]
+        assert rfab.ready_info(host)["gid_index"] == 1
+
+
+@pytest.mark.rdma
+def test_pingpong_on_each_rail_then_nic_down_and_up(rfab):
+    for nic in range(2):
+        ok, speed, out = _pingpong(rfab, nic, 18600 + nic)
+        assert ok, out
+        print(f"rail {nic}: ibv_rc_pingpong 20 x 64 KiB, {speed} Mbit/s")
+    rfab.nic_down(1, 0)
+    try:
+        assert _wait_port(rfab, 1, 0, "DOWN"), "rxe0 of host 1 did not go DOWN on set_link off"
+        assert rfab.status()[2]["state"] == "down"
+        started = time.monotonic()
+        ok, _, out = _pingpong(rfab, 0, 18610, timeout=40)
+        assert not ok, f"pingpong over a cut rail succeeded:\n{out}"
+        assert time.monotonic() - started < 120
+        ok, _, out = _pingpong(rfab, 1, 18611)
+        assert ok, f"rail 1 stopped working while rail 0 was down:\n{out}"
+    finally:
+        rfab.nic_up(1, 0)
+    assert _wait_port(rfab, 1, 0, "ACTIVE"), "rxe0 of host 1 did not come back ACTIVE"
+    ok, _, out = _pingpong(rfab, 0, 18620)
+    assert ok, f"rail 0 did not work again after nic-up:\n{out}"
+
+
+@pytest.mark.rdma
+def test_degrade_shapes_a_rail_and_unlimited_restores_it(rfab):
+    rfab.degrade(0, 1, "400kbit")
+    try:
+        rc, out = rfab.run(0, ["tc", "qdisc", "show", "dev", "nic1"])
+        assert "tbf" in out and "400Kbit" in out, out
+        ok, slow, out = _pingpong(rfab, 1, 18630, timeout=120)
+        assert ok, out
+        # 20 x 64 KiB each way through a 400 kbit/s bucket (192 KiB burst) takes > 20 s
+        assert slow < 0.6, f"degraded rail ran at {slow} Mbit/s"
+    finally:
+        rfab.degrade(0, 1, "unlimited")
+    rc, out = rfab.run(0, ["tc", "qdisc", "show", "dev", "nic1"])
+    assert "tbf" not in out
+    assert rfab.status()[1]["rate"] == "unlimited"
+
+
+@pytest.mark.rdma
+def test_cli_faults_reach_a_running_rdma_fabric(rfab):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    cli = [sys.executable, "-m", "r2comm.testbed"]
+    out = subprocess.run(cli + ["nic-down", "0", "1", "--fabric", rfab.tag], env=env,
+                         capture_output=True, text=True, timeout=60)
+    try:
+        assert out.returncode == 0, out.stderr
+        assert _wait_port(rfab, 0, 1, "DOWN")
+    finally:
+        subprocess.run(cli + ["nic-up", "0", "1", "--fabric", rfab.tag], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert _wait_port(rfab, 0, 1, "ACTIVE")
+    status = subprocess.run(cli + ["status", "--json", "--fabric", rfab.tag], env=env,
+                            capture_output=True, text=True, timeout=60)
+    rows = json.loads(status.stdout)
+    assert [r["state"] for r in rows] == ["up"] * 4 and rows[3]["device"] == "rxe1"
+
+
+@pytest.mark.rdma
+def test_rdma_run_pingpong_between_ranks_on_both_rails(rdma_ok):
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "2",
+                           "--nics", "2", "-n", "2", "--timeout", "400", "--tag", f"r{TAG}", "--",
+                           "sh", str(HELPERS / "rdma_pingpong.sh"), "3"],
+                          capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out  # rank 1's deliberate status, passed on
+    assert "[0] rank 0/2 host 0 rails 198.18.0.1,198.18.1.1 ctrl 198.19.0.1 transport verbs" in out
+    assert "[1] rank 1/2 host 1 rails 198.18.0.2,198.18.1.2 ctrl 198.19.0.2 transport verbs" in out
+    for rank in range(2):
+        for k in range(2):
+            assert f"[{rank}] rail {k} (rxe{k}) ok" in out, out
+    assert len(re.findall(r"\[\d\] .*bytes in .* Mbit/sec", out)) == 4, out
+    assert not (rdma.STATE_ROOT / f"r{TAG}").exists()
+    print(f"\nrdma-run (boot + 2 rails x pingpong): {time.monotonic() - started:.1f} s")
