@@ -1,10 +1,12 @@
 """Print, as JSON, the RDMA devices pyverbs sees: per device its port 1 state, link layer,
-active MTU, speed and width, and its GID table (non-zero entries).
+active MTU, speed and width, and its GID table (non-zero entries, with the IPv4 address of
+each IPv4-mapped GID).
 
 pyverbs comes from Debian's python3-pyverbs, installed for the system Python
 (/usr/lib/python3/dist-packages); a virtualenv does not see it, so that
 directory is appended to sys.path when the import fails (same ABI: CPython 3.11).
 """
+import ipaddress
 import json
 import sys
 
@@ -26,7 +28,8 @@ for d in dev.get_device_list():
             except Exception:
                 continue
             if gid.strip("0:"):
-                gids.append(gid)
+                mapped = ipaddress.IPv6Address(gid).ipv4_mapped  # RoCE: GID of an IPv4 address
+                gids.append({"index": index, "gid": gid, "ipv4": str(mapped) if mapped else None})
         found[name] = {"state": int(port.state), "link_layer": int(port.link_layer),
                        "active_mtu": int(port.active_mtu), "active_speed": int(port.active_speed),
                        "active_width": int(port.active_width), "gids": gids}
