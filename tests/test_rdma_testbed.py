@@ -10,6 +10,7 @@ command in a guest is bounded (coreutils `timeout` inside, a wait bound outside)
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -286,3 +287,61 @@ def test_rdma_run_pingpong_between_ranks_on_both_rails(rdma_ok):
     assert len(re.findall(r"\[\d\] .*bytes in .* Mbit/sec", out)) == 4, out
     assert not (rdma.STATE_ROOT / f"r{TAG}").exists()
     print(f"\nrdma-run (boot + 2 rails x pingpong): {time.monotonic() - started:.1f} s")
+
+
+def _guest_qemus(tag):
+    """QEMU processes of fabric TAG still running (their -name carries the tag)."""
+    out = subprocess.run(["pgrep", "-f", f"qemu-system.*r2rdma-{tag}-h"], capture_output=True,
+                         text=True, timeout=10)
+    return out.stdout.split()
+
+
+@pytest.mark.rdma
+def test_rdma_run_ctrl_c_during_boot_tears_everything_down(rdma_ok):
+    tag = f"c{TAG}"
+    proc = subprocess.Popen([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "2",
+                             "--nics", "1", "-n", "2", "--tag", tag, "--", "sleep", "300"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _guest_qemus(tag):  # both guests are being started
+            assert time.monotonic() < deadline and proc.poll() is None, "no guest started"
+            time.sleep(0.5)
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    assert _guest_qemus(tag) == []
+    assert not (rdma.STATE_ROOT / tag).exists()
+
+
+@pytest.mark.rdma
+def test_rdma_run_timeout_kills_the_ranks_and_tears_down(rdma_ok):
+    tag = f"o{TAG}"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "1",
+                           "--nics", "1", "-n", "1", "--timeout", "5", "--tag", tag, "--",
+                           "sh", "-c", "echo started; sleep 300"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    assert "[0] started" in proc.stdout and "still running after 5 s" in proc.stderr
+    assert _guest_qemus(tag) == [] and not (rdma.STATE_ROOT / tag).exists()
+    assert time.monotonic() - started < 400
+
+
+@pytest.mark.rdma
+@pytest.mark.slow
+def test_three_guests_share_a_rail_through_the_hub(rdma_ok):
+    """More than two hosts: the rails go through the UDP hub; host 0 reaches hosts 1 and 2."""
+    with RdmaFabric(hosts=3, nics=1, tag=f"h{TAG}", memory_mb=512) as fab:
+        for peer in (1, 2):
+            ok, speed, out = _pingpong(fab, 0, 18800 + peer, server_host=peer, client_host=0)
+            assert ok, out
+            print(f"\nhub: host 0 -> host {peer} over rail 0: {speed} Mbit/s")
