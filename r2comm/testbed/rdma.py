@@ -27,6 +27,7 @@ description, QEMU monitor sockets, console logs, the command queue of each
 guest's agent (`_rdma_guest`), rank output and the ranks' rendezvous store.
 """
 import contextlib
+import fcntl
 import glob
 import json
 import os
@@ -238,15 +239,16 @@ class RdmaFabric:
 
     # --- life cycle -----------------------------------------------------------------------
     def _describe(self):
-        """The wiring: each host's NICs (MAC, address, rxe) and each segment's UDP ports."""
+        """The wiring: each host's NICs (MAC, address, rxe) and, with a hub, each segment's UDP
+        ports."""
         tag_byte = uuid.uuid4().int & 0xfe  # locally administered, unicast, differs per fabric
         segments = list(range(self.nics)) + [MGMT]
-        ports = iter(free_ports(len(segments) * self.hosts * (2 if self.hosts > 2 else 1)))
-        wiring = {}
-        for seg in segments:
-            guest_ports = [next(ports) for _ in range(self.hosts)]
-            hub_ports = [next(ports) for _ in range(self.hosts)] if self.hosts > 2 else None
-            wiring[str(seg)] = {"guest": guest_ports, "hub": hub_ports}
+        wiring = {str(seg): {"guest": None, "hub": None} for seg in segments}
+        if self.hosts > 2:  # UDP ports of the guests and of the hub (two hosts: Unix sockets)
+            ports = iter(free_ports(2 * len(segments) * self.hosts))
+            for seg in segments:
+                wiring[str(seg)] = {"guest": [next(ports) for _ in range(self.hosts)],
+                                    "hub": [next(ports) for _ in range(self.hosts)]}
         hosts = []
         for h in range(self.hosts):
             nics = [{"ifname": f"nic{k}", "segment": k, "mac": _mac(tag_byte, k, h),
@@ -312,6 +314,23 @@ class RdmaFabric:
             raise
         return self
 
+    @contextlib.contextmanager
+    def _locked_desc(self):
+        """fabric.json for a read-modify-write, serialised between processes (CLI, tests)."""
+        with open(self.dir / "fabric.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            desc = self._load_desc(self.tag)
+            yield desc
+            self._save(desc)
+
+    def check_alive(self):
+        """Raise if a guest this process started has exited (QEMU crashed, or was killed)."""
+        for proc in self._procs:
+            if proc.poll() is not None:
+                raise TestbedError(f"a process of RDMA fabric {self.tag!r} exited "
+                                   f"(rc {proc.returncode}): {' '.join(proc.args[:3])} ...; see "
+                                   f"the consoles in {self.dir}")
+
     def _spawn(self, argv, log, desc_key="pids"):
         # vng runs its helpers (virtme-run) from PATH: those beside this Python first
         env = {**os.environ, "PATH": os.pathsep.join([str(Path(argv[0]).parent),
@@ -321,9 +340,8 @@ class RdmaFabric:
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=PACKAGE_ROOT, env=env)
         self._procs.append(proc)
-        desc = self._load_desc(self.tag)
-        desc[desc_key].append(proc.pid)
-        self._save(desc)
+        with self._locked_desc() as desc:
+            desc[desc_key].append(proc.pid)
         return proc
 
     def _start_hub(self, desc):
@@ -453,9 +471,8 @@ class RdmaFabric:
         reply = self.monitor(host, f"set_link {_netdev_id(nic)} {'on' if up else 'off'}")
         if reply:
             raise TestbedError(f"set_link on guest {host} NIC {nic}: {reply}")
-        desc = self._load_desc(self.tag)
-        desc["links"][host][nic] = up
-        self._save(desc)
+        with self._locked_desc() as desc:
+            desc["links"][host][nic] = up
 
     def nic_down(self, host, nic):
         """Cut rail NIC of HOST (QEMU set_link off: carrier lost, rxe port goes DOWN)."""
@@ -476,9 +493,8 @@ class RdmaFabric:
         rc, out = self.run(host, argv, timeout=timeout)
         if rc != 0:
             raise TestbedError(f"degrade guest {host} {dev}: {out.strip()}")
-        desc = self._load_desc(self.tag)
-        desc["rates"][host][nic] = bps
-        self._save(desc)
+        with self._locked_desc() as desc:
+            desc["rates"][host][nic] = bps
 
     def status(self):
         desc = self._load_desc(self.tag)
@@ -612,6 +628,7 @@ def run_job(fabric, nranks, argv, timeout=600.0, out=None, env=None):
             _relay(tails, out, final=not running)
             if not running:
                 break
+            fabric.check_alive()
             if time.monotonic() > deadline:
                 print(f"r2comm.testbed: rdma-run: ranks {[procs.index(p) for p in running]} "
                       f"still running after {timeout:.0f} s; killing the job", file=sys.stderr)
