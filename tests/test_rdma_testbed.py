@@ -4,8 +4,10 @@ The `rdma` tests boot TCG guests (virtme-ng + Debian's stock kernel); where
 QEMU, the kernel with rdma_rxe, rdma-core or virtme-ng are missing they skip
 and say which and how to install them (scripts/rdma-deps.sh).  Each boot costs
 ~1 minute of two vCPUs, so one fabric (2 guests x 2 rails) is shared by the
-module's tests and torn down at the end, and rdma-run boots one more.  Every
+module's tests and torn down at the end; rdma-run's own boot and teardown are
+tested with one guest (timeout) and an interrupted boot (Ctrl-C).  Every
 command in a guest is bounded (coreutils `timeout` inside, a wait bound outside).
+While developing, R2COMM_TEST_RDMA_FABRIC=T reuses a 2 x 2 fabric from `rdma-up --tag T`.
 """
 import json
 import os
@@ -114,6 +116,54 @@ def rdma_ok():
         rdma.preflight()
     except TestbedError as exc:
         pytest.skip(f"cannot boot soft-RoCE guests here: {exc}")
+
+
+# rdma-run's own boots come first: the shared fabric (rfab) is not up yet, fewer vCPUs compete
+def _guest_qemus(tag):
+    """QEMU processes of fabric TAG still running (their -name carries the tag)."""
+    out = subprocess.run(["pgrep", "-f", f"qemu-system.*r2rdma-{tag}-h"], capture_output=True,
+                         text=True, timeout=10)
+    return out.stdout.split()
+
+
+@pytest.mark.rdma
+def test_rdma_run_ctrl_c_during_boot_tears_everything_down(rdma_ok):
+    tag = f"c{TAG}"
+    proc = subprocess.Popen([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "2",
+                             "--nics", "1", "-n", "2", "--tag", tag, "--", "sleep", "300"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _guest_qemus(tag):  # both guests are being started
+            assert time.monotonic() < deadline and proc.poll() is None, "no guest started"
+            time.sleep(0.5)
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    assert _guest_qemus(tag) == []
+    assert not (rdma.STATE_ROOT / tag).exists()
+
+
+@pytest.mark.rdma
+def test_rdma_run_timeout_kills_the_ranks_and_tears_down(rdma_ok):
+    tag = f"o{TAG}"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "1",
+                           "--nics", "1", "-n", "1", "--timeout", "5", "--tag", tag, "--",
+                           "sh", "-c", "echo started; sleep 300"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 124, proc.stdout + proc.stderr
+    assert "[0] started" in proc.stdout and "still running after 5 s" in proc.stderr
+    assert _guest_qemus(tag) == [] and not (rdma.STATE_ROOT / tag).exists()
+    assert time.monotonic() - started < 400
 
 
 @pytest.fixture(scope="module")
@@ -270,12 +320,14 @@ def test_cli_faults_reach_a_running_rdma_fabric(rfab):
 
 
 @pytest.mark.rdma
-def test_rdma_run_pingpong_between_ranks_on_both_rails(rdma_ok):
+def test_rdma_run_pingpong_between_ranks_on_both_rails(rfab):
+    """rdma-run's job part on the module's fabric (--keep: boot and teardown are the other
+    rdma-run tests'), so CI boots guests three times, not four."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "2",
-                           "--nics", "2", "-n", "2", "--timeout", "400", "--tag", f"r{TAG}", "--",
+    proc = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--keep",
+                           "--fabric", rfab.tag, "-n", "2", "--timeout", "400", "--",
                            "sh", str(HELPERS / "rdma_pingpong.sh"), "3"],
-                          capture_output=True, text=True, timeout=900, cwd=REPO,
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out  # rank 1's deliberate status, passed on
@@ -285,55 +337,9 @@ def test_rdma_run_pingpong_between_ranks_on_both_rails(rdma_ok):
         for k in range(2):
             assert f"[{rank}] rail {k} (rxe{k}) ok" in out, out
     assert len(re.findall(r"\[\d\] .*bytes in .* Mbit/sec", out)) == 4, out
-    assert not (rdma.STATE_ROOT / f"r{TAG}").exists()
-    print(f"\nrdma-run (boot + 2 rails x pingpong): {time.monotonic() - started:.1f} s")
-
-
-def _guest_qemus(tag):
-    """QEMU processes of fabric TAG still running (their -name carries the tag)."""
-    out = subprocess.run(["pgrep", "-f", f"qemu-system.*r2rdma-{tag}-h"], capture_output=True,
-                         text=True, timeout=10)
-    return out.stdout.split()
-
-
-@pytest.mark.rdma
-def test_rdma_run_ctrl_c_during_boot_tears_everything_down(rdma_ok):
-    tag = f"c{TAG}"
-    proc = subprocess.Popen([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "2",
-                             "--nics", "1", "-n", "2", "--tag", tag, "--", "sleep", "300"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not _guest_qemus(tag):  # both guests are being started
-            assert time.monotonic() < deadline and proc.poll() is None, "no guest started"
-            time.sleep(0.5)
-        time.sleep(3)
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
-        out, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    assert proc.returncode == 130, out
-    assert "interrupted" in out
-    assert _guest_qemus(tag) == []
-    assert not (rdma.STATE_ROOT / tag).exists()
-
-
-@pytest.mark.rdma
-def test_rdma_run_timeout_kills_the_ranks_and_tears_down(rdma_ok):
-    tag = f"o{TAG}"
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "1",
-                           "--nics", "1", "-n", "1", "--timeout", "5", "--tag", tag, "--",
-                           "sh", "-c", "echo started; sleep 300"],
-                          capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO})
-    assert proc.returncode == 124, proc.stdout + proc.stderr
-    assert "[0] started" in proc.stdout and "still running after 5 s" in proc.stderr
-    assert _guest_qemus(tag) == [] and not (rdma.STATE_ROOT / tag).exists()
-    assert time.monotonic() - started < 400
+    assert rfab.dir.exists()  # --keep leaves the fabric up
+    assert list(rfab.store_dir.glob("job-*/rails.0")), "rank 0's key not in a per-job store"
+    print(f"\nrdma-run (2 rails x pingpong): {time.monotonic() - started:.1f} s")
 
 
 @pytest.mark.rdma

@@ -616,11 +616,16 @@ def run_job(fabric, nranks, argv, timeout=600.0, out=None, env=None):
     if not argv:
         raise TestbedError("rdma-run needs a command after --")
     procs, tails = [], []
+    job = f"job-{uuid.uuid4().hex[:8]}"  # each job its own rendezvous store and logs
+    store = fabric.store_dir / job
+    store.mkdir(parents=True)
+    (fabric.dir / "out" / job).mkdir(parents=True)
     try:
         for rank in range(nranks):
-            log = fabric.dir / "out" / f"rank{rank}.log"
+            log = fabric.dir / "out" / job / f"rank{rank}.log"
+            rank_env = {**fabric.rank_env(rank, nranks), "R2COMM_STORE_DIR": str(store)}
             procs.append(fabric.spawn(fabric.host_of_rank(rank, nranks), argv, output=log,
-                                      env={**fabric.rank_env(rank, nranks), **(env or {})}))
+                                      env={**rank_env, **(env or {})}))
             tails.append([log, 0, b""])
         deadline = time.monotonic() + timeout
         while True:
