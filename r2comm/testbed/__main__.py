@@ -59,7 +59,9 @@ def _parser():
     _add_nic(degrade)
     degrade.add_argument("rate", help="e.g. 200mbit, or unlimited")
 
-    nic_down = sub.add_parser("nic-down", help="take a rail link down")
+    nic_down = sub.add_parser("nic-down", help="take a rail link down",
+                              description="On an RDMA fabric: QEMU set_link off (the guest loses "
+                                          "carrier; --side does not apply).")
     _add_nic(nic_down)
     nic_down.add_argument("--side", choices=SIDES, default="host",
                           help="host: NIC set down; switch: port down (host sees no carrier)")
