@@ -7,6 +7,10 @@ if [ "$(id -u)" = 0 ] && { ! command -v ip >/dev/null || ! command -v tc >/dev/n
     # the netns testbed needs ip and tc (iproute2)
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2) >/dev/null
 fi
+if [ "${R2COMM_RDMA:-0}" = 1 ]; then
+    # the soft-RoCE testbed (QEMU guests with rxe rails); without it the rdma tests skip
+    bash "$ROOT/scripts/rdma-deps.sh"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
