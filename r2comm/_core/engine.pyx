@@ -374,11 +374,13 @@ cdef cppclass Rail:
     double meas_t0
     uint64_t meas_bytes
     uint64_t meas_inflight   # bytes in flight of chunks that count for the rate (bulk ones)
+    double last_ack          # when the peer's process last acknowledged a chunk here
     double hc_t              # acks late: when the current health-check round began (0: none)
     uint64_t hc_acked        # the kernel's bytes acknowledged by the peer's kernel then
     int stalled              # held: acks late but the peer's kernel alive (process stalled)
     int fail_cause           # CAUSE_* of the failure being recorded
     __init__() noexcept nogil:
+        this.last_ack = 0
         this.hc_t = 0
         this.hc_acked = 0
         this.stalled = 0
@@ -1297,6 +1299,7 @@ cdef void on_ack(State* e, Rail* r) noexcept nogil:
             r.gap_var = 0.75 * r.gap_var + 0.25 * fabs(gap - r.gap_avg)
             r.gap_avg = 0.875 * r.gap_avg + 0.125 * gap
     r.last_progress = now
+    r.last_ack = now
     r.ghosts = 0
     it = e.smap.find(k)
     if it == e.smap.end():
@@ -1944,7 +1947,7 @@ cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlat
     cdef char buf[400]
     cdef char why[600]
     cdef char ifname[64]
-    cdef int alive = 0, nic
+    cdef int alive = 0, nic, k, other = -1
     cdef double quiet = now - r.last_progress
     if r.hc_t > 0 and now - r.hc_t > 3 * rnd:
         r.hc_t = 0        # the timer itself was held up (this process was stopped): start over
@@ -1989,6 +1992,19 @@ cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlat
                          "unacknowledged, %u retransmissions, %u window probes): its NIC or the "
                          "path to it is down", r.peer, s.last_ack_ms, s.unacked,
                          s.total_retrans, s.probes)
+    if alive:
+        for k in range(p.nrails):
+            if k != r.index and p.rails[k].state == R_UP and p.rails[k].last_ack > r.hc_t:
+                other = k
+        if other >= 0:
+            # the process is not stalled: it acknowledged on another rail during the round.
+            # This connection loses frames above TCP (an application-level black hole)
+            alive = 0
+            r.fail_cause = CAUSE_REMOTE_NIC
+            snprintf(why, sizeof(why), "no acknowledgement within the rail deadline although %s; "
+                     "rank %d's process acknowledges on rail %d: frames are lost on this rail's "
+                     "path", buf, r.peer, other)
+            snprintf(buf, sizeof(buf), "%s", why)
     if not alive:
         fail_rail(e, r, buf, e.me, 1)
         return 1
