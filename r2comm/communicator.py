@@ -71,9 +71,9 @@ def _flush_events(world):
     world.event_cursor += len(new)
     for ev in new:
         if world.cfg.debug in ("INFO", "DEBUG"):
-            log.warning("r2comm rank %d: %s peer=%s rail=%s detector=%s bytes=%s %s", ev["rank"],
-                        ev["kind"], ev["peer"], ev["rail"], ev["detector"], ev["nbytes"],
-                        ev["info"])
+            log.warning("r2comm rank %d: %s peer=%s rail=%s detector=%s bytes=%s cause=%s %s",
+                        ev["rank"], ev["kind"], ev["peer"], ev["rail"], ev["detector"],
+                        ev["nbytes"], ev.get("cause"), ev["info"])
         for cb in world.callbacks:
             try:
                 cb(ev)

@@ -19,13 +19,14 @@ def mpiexec_path():
     return path
 
 
-def run_mpi(n, argv, timeout=240, env=None, expect_ok=True, mpiexec_args=()):
-    """Run `mpiexec -n n python argv...`, bounded in time; return (returncode, output)."""
+def run_mpi(n, argv, timeout=240, env=None, expect_ok=True, mpiexec_args=(), executable=None):
+    """Run `mpiexec -n n python argv...` (or `executable argv...`), bounded in time; return
+    (returncode, output)."""
     e = dict(os.environ)
     e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
     e["MPIEXEC_TIMEOUT"] = str(int(timeout))
     e.update(env or {})
-    cmd = [mpiexec_path(), *mpiexec_args, "-n", str(n), sys.executable] + list(argv)
+    cmd = [mpiexec_path(), *mpiexec_args, "-n", str(n), executable or sys.executable] + list(argv)
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e,
                            timeout=timeout + 30, text=True)

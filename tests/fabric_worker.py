@@ -137,6 +137,8 @@ def sc_stream(comm, args):
     pause = float(np.max(np.diff(marks))) if len(done) else None
     row = {"rank": r, "ops": ops, "kinds": dict(kinds),
            "failed_rails": sorted({e["rail"] for e in failed_here}),
+           # where this rank located the failures it detected itself (local/remote NIC)
+           "causes": sorted({e.get("cause") for e in failed_here if e["detector"] == r}, key=str),
            "first_fail_s": None if first_fail is None else round(first_fail - t0, 3),
            "longest_gap_s": None if pause is None else round(pause, 3),
            "restored": restored,

@@ -9,6 +9,9 @@ signals    a rank is stopped/continued and signalled: every progress thread keep
 integrity  R2COMM_INTEGRITY=mac: collectives exact at several sizes; a frame altered on the
            wire fails its rail over, the result stays exact
 slowloris  clients trickle a handshake into every listener while a rail fails and comes back
+stall      a rank is stopped (SIGSTOP) for seconds mid-stream, then continued: no rail fails,
+           results stay exact, the others record peer_stalled / peer_resumed for it
+sigkill    a rank is killed (SIGKILL) mid-stream: every survivor raises, within a bound
 """
 import time
 
@@ -463,12 +466,160 @@ def sc_integrity(comm, args):
     if r == 0:
         print(f"INTEGRITY mode={mode} bad_frame={hit} rail_failed={failed}", flush=True)
     return done
+def _stream_until(comm, stop_flag, cases, refs, xs, limit_ops=200_000):
+    """Allreduces, checked bit for bit, until rank 0 sets stop_flag (agreed through r2comm
+    itself, so every rank runs the same ops). Returns (ops, longest op in s, end times)."""
+    r = comm.rank
+    y = np.empty_like(xs[0])
+    flag, more = np.zeros(1, "int32"), np.zeros(1, "int32")
+    ops, longest, ends = 0, 0.0, []
+    while ops < limit_ops:
+        t = time.monotonic()
+        flag[0] = 1 if (r == 0 and stop_flag.is_set()) else 0
+        comm.Allreduce(flag, more, MAX)
+        if more[0]:
+            break
+        k = ops % len(xs)
+        y.fill(np.float32(-1.0))                # poison: a missing chunk cannot look right
+        comm.Allreduce(xs[k], y, SUM)
+        longest = max(longest, time.monotonic() - t)
+        ends.append(time.monotonic())
+        check(np.array_equal(y, refs[k]), f"rank {r}: stream op {ops} bit-identical")
+        ops += 1
+    return ops, longest, ends
+
+
+def sc_stall(comm, args):
+    """Rank 1 is stopped (SIGSTOP) for `stop` s while a stream of allreduces runs, then
+    continued (SIGCONT). Its kernel keeps acknowledging TCP, so no rail may be failed: every
+    result stays exact, and the others record peer_stalled (cause peer_process) and then
+    peer_resumed for rank 1."""
+    import os
+    import signal
+    import threading
+    n, r = comm.size, comm.rank
+    stop = float(args.get("stop", 3))
+    cnt = int(args.get("count", 250_000))
+    pids = WORLD.allgather(os.getpid())
+    cases = [f"stall-{k}" for k in range(3)]
+    xs = [data(c, r, cnt, "float32", SUM) for c in cases]
+    refs = [reduce_ref(c, n, cnt, "float32", SUM) for c in cases]
+    y = np.empty_like(xs[0])
+    comm.Allreduce(xs[0], y)                    # warm-up
+    WORLD.Barrier()
+    finished = threading.Event()
+    marks = {}
+    if r == 0:
+        def stopper():
+            time.sleep(0.4)
+            os.kill(pids[1], signal.SIGSTOP)
+            marks["stop"] = time.monotonic()
+            time.sleep(stop)
+            os.kill(pids[1], signal.SIGCONT)
+            marks["cont"] = time.monotonic()
+            time.sleep(0.6)                     # the stream goes on after the stall
+            finished.set()
+        th = threading.Thread(target=stopper, daemon=True)
+        th.start()
+    ops, longest, ends = _stream_until(comm, finished, cases, refs, xs)
+    if r == 0:
+        th.join(5)
+        after = sum(1 for t in ends if t > marks["cont"])
+        check(after >= 1, "the stream went on after SIGCONT")
+        check(longest >= 0.8 * stop, f"the stop struck mid-stream (longest op {longest:.2f} s)")
+    evs = comm.events
+    rows = WORLD.gather({"rank": r, "ops": ops, "longest": round(longest, 3),
+                         "kinds": sorted({e["kind"] for e in evs}),
+                         "stalled": [(e["peer"], e["rail"], e.get("cause"), round(e["dt"], 3), e["info"])
+                                     for e in evs if e["kind"] == "peer_stalled"],
+                         "resumed": [(e["peer"], round(e["dt"], 2)) for e in evs
+                                     if e["kind"] == "peer_resumed"],
+                         "failed": [(e["peer"], e["rail"], e.get("cause"), e["info"]) for e in evs
+                                    if e["kind"] == "rail_failed"]})
+    if r == 0:
+        for row in rows:
+            print(f"STALL stop={stop} {row}", flush=True)
+        check(all(not row["failed"] for row in rows), f"no rail failed: {rows}")
+        check(len({row["ops"] for row in rows}) == 1, "every rank ran the same ops")
+        # a survivor that waits on rank 1 without data out to it has nothing to judge; one
+        # that sends to it must have seen the stall, and only rank 1 may be called stalled
+        seen = [row for row in rows if row["stalled"]]
+        check(seen, f"a survivor recorded peer_stalled: {rows}")
+        check(all(p == 1 and c == "peer_process" for row in seen for p, _, c, _, _ in row["stalled"]),
+              f"only rank 1's process is called stalled: {rows}")
+        check(all(any(p == 1 and dt >= 0.5 * stop for p, dt in row["resumed"]) for row in seen),
+              f"and every one of them recorded peer_resumed for it: {rows}")
+        if args.get("evidence"):                # which kernel evidence told the stall apart
+            check(any(args["evidence"] in info for row in seen for *_, info in row["stalled"]),
+                  f"peer_stalled cites '{args['evidence']}': {rows}")
+    return 1
+
+
+def sc_sigkill(comm, args):
+    """Rank 1 is killed (SIGKILL) mid-stream: every survivor raises R2commNetworkError, and
+    records that rank 1's process is gone (peer_lost, cause peer_process). Each survivor writes
+    its wall-clock raise time to `out`/rank<r>.txt, rank 0 the kill time to `out`/killed.txt
+    (the test takes the difference). Survivors then exit, since MPI cannot finalize with a
+    dead rank."""
+    import os
+    import signal
+    import sys
+    import threading
+    n, r = comm.size, comm.rank
+    # hydra, once it notices a rank killed by a signal, sends SIGUSR1 and then SIGKILL to the
+    # session of every other rank, even with -disable-auto-cleanup: the test starts each rank
+    # under a shell that outlives it (see test_killed_process_raises_on_every_survivor)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    pids = WORLD.allgather(os.getpid())
+    cnt = 250_000
+    x = data("kill", r, cnt, "float32", SUM)
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)
+    WORLD.Barrier()
+    if r == 0:
+        def killer():
+            time.sleep(0.4)
+            t = time.time()
+            os.kill(pids[1], signal.SIGKILL)
+            with open(os.path.join(args["out"], "killed.txt"), "w") as f:
+                f.write(f"{t:.6f}\n")
+        threading.Thread(target=killer, daemon=True).start()
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            comm.Allreduce(x, y)
+        exc = None
+    except r2comm.R2commNetworkError as e:
+        exc = e
+    t_raise = time.time()
+    check(exc is not None, "the stream ran 30 s without an error after the kill")
+    lost = []
+    until = time.monotonic() + 3
+    while time.monotonic() < until and not lost:
+        lost = [e for e in comm.events if e["kind"] == "peer_lost" and e["peer"] == 1]
+        time.sleep(0.02)
+    cause = lost[0].get("cause") if lost else None
+    line = f"OK sigkill rank={r} raised_at={t_raise:.6f} cause={cause} {type(exc).__name__}: {exc}\n"
+    # hydra kills the survivors (SIGUSR1, then SIGKILL to their process groups) as soon as it
+    # notices the death, which is when its loop next wakes up, e.g. for output: each survivor
+    # writes its line to a file, and nobody writes to stdout until every survivor has (bounded)
+    out = args["out"]
+    with open(os.path.join(out, f"rank{r}.tmp"), "w") as f:
+        f.write(line)
+    os.replace(os.path.join(out, f"rank{r}.tmp"), os.path.join(out, f"rank{r}.txt"))
+    until = time.monotonic() + 15
+    while time.monotonic() < until and not all(
+            os.path.exists(os.path.join(out, f"rank{k}.txt")) for k in range(n) if k != 1):
+        time.sleep(0.02)
+    sys.stdout.flush()
+    os.write(1, line.encode())
+    os._exit(0)
 
 
 SCENARIOS = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
              "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan,
              "hedge": sc_hedge, "signals": sc_signals, "slowloris": sc_slowloris,
-             "integrity": sc_integrity}
+             "integrity": sc_integrity, "stall": sc_stall, "sigkill": sc_sigkill}
 
 
 def comm_kwargs(args):

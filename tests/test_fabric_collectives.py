@@ -133,6 +133,10 @@ def test_nic_down_mid_stream(fab, tmp_path):
         assert row["rails"][1][0] == "up", row
         assert row["rails"][0][0] == "degraded", row    # down to the other host, up within
     assert all(r["first_fail_s"] is not None and r["first_fail_s"] >= 0.9 for r in rows), rows
+    # localised: host 1's ranks blame their own NIC (its link is down), host 0's ranks the
+    # remote NIC or path (their NIC is up, host 1's kernel acknowledges nothing); nobody calls
+    # it a stalled process
+    _assert_localised(rows, host1={"local_nic"}, host0={"remote_nic"})
 
 
 def test_blackhole_mid_stream(fab, tmp_path):
@@ -144,6 +148,19 @@ def test_blackhole_mid_stream(fab, tmp_path):
     # a silent fault is only seen by timeout: detection after the fault, within a bound
     firsts = [r["first_fail_s"] for r in rows if r["first_fail_s"] is not None]
     assert firsts and 0.9 <= min(firsts) <= 1.0 + 3.0, rows
+    # a blackhole (link UP, every packet dropped) leaves no local trace: both ends blame the
+    # remote NIC or the path, and nobody calls it a stalled process
+    _assert_localised(rows, host1={"remote_nic"}, host0={"remote_nic"})
+
+
+def _assert_localised(rows, host1, host0):
+    """Every rail failure a rank detected itself carries the cause the engine concluded; each
+    host's ranks name the expected one, and at least one rank per host detected one."""
+    for want, ranks in ((host0, (0, 1)), (host1, (2, 3))):
+        mine = [r for r in rows if r["rank"] in ranks]
+        assert any(r["causes"] for r in mine), rows
+        assert all(set(r["causes"]) <= want for r in mine), rows
+    assert not any(r["kinds"].get("peer_stalled") for r in rows), rows
 
 
 def test_flapping_nic_under_stream(fab, tmp_path):

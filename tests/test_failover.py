@@ -100,3 +100,53 @@ def test_failback_and_events_survive_slow_handshakes(n):
     count, out = run_scenario(n, "slowloris", timeout=120, env=FAST)
     assert re.search(r"SLOWLORIS failback_s=\d", out), out[-3000:]
     assert count >= 5 * n
+# --- a stalled process is not a dead NIC (SIGSTOP), a dead one still raises (SIGKILL) ---------
+# default deadlines (500 ms per rail, 1.5 s for a peer): the stops outlast both many times over
+
+@pytest.mark.parametrize("stop", [1, 3])
+def test_stopped_process_is_not_a_dead_nic(stop):
+    """Rank 1 stopped mid-stream: its kernel keeps acknowledging TCP, so no rail fails, the
+    stream resumes with exact results, and peer_stalled / peer_resumed name rank 1."""
+    count, out = run_scenario(3, "stall", timeout=60, stop=stop)
+    assert count == 3
+    rows = [ln for ln in out.splitlines() if ln.startswith("STALL ")]
+    assert len(rows) == 3 and "'failed': []" in rows[0], out[-3000:]
+
+
+@pytest.mark.slow
+def test_stopped_process_10s():
+    # fault scenarios run with a 60 s operation timeout (mpi_worker.main): waited out, not raised
+    count, out = run_scenario(3, "stall", timeout=120, stop=10)
+    assert count == 3
+
+
+def test_stopped_process_with_full_receive_window():
+    """Large messages into a small receive buffer: the stopped rank's kernel shuts its window,
+    so nothing more is acknowledged, but it answers the window probes; that is told apart from
+    a black hole (no answer at all) and the rail is held. One rail, so the evidence is that."""
+    count, out = run_scenario(3, "stall", timeout=60, env={"R2COMM_SOCKBUF": "65536"}, stop=3,
+                              count=4_000_000, rails="127.0.0.1", evidence="receive window shut")
+    assert count == 3
+
+
+def test_killed_process_raises_on_every_survivor(tmp_path):
+    """SIGKILL of rank 1 mid-stream: both survivors raise R2commNetworkError within 5 s of the
+    kill, and record that rank 1's process is gone (peer_lost, cause peer_process)."""
+    import sys
+    from conftest import run_mpi, WORKER
+    # each rank runs under a shell; the killed rank's shell waits (bounded) for the survivors'
+    # reports, so hydra does not see a rank die by a signal and kill the survivors itself
+    keep = ('"$@"; [ $? -eq 137 ] && for i in $(seq 150); do [ -e "$0/rank0.txt" ] && '
+            '[ -e "$0/rank2.txt" ] && break; sleep 0.1; done; exit 0')
+    _, out = run_mpi(3, ["-c", keep, str(tmp_path), sys.executable, WORKER, "sigkill",
+                         f"out={tmp_path}"], timeout=60, expect_ok=False,
+                     mpiexec_args=["-disable-auto-cleanup"], executable="sh")
+    files = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert {"killed.txt", "rank0.txt", "rank2.txt"} <= set(files), out[-4000:]
+    killed = float(files["killed.txt"])
+    for r in (0, 2):
+        line = files[f"rank{r}.txt"]
+        took = float(re.search(r"raised_at=([\d.]+)", line).group(1)) - killed
+        print(f"SIGKILL rank 1: rank {r} raised after {took:.2f} s")     # pytest -s
+        assert 0 < took < 5, line
+        assert "R2commNetworkError" in line and "cause=peer_process" in line, line

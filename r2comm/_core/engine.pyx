@@ -8,11 +8,13 @@ the pair has room in its window (rails that drain faster take more), acknowledge
 and kept by the sender until acknowledged. When a rail fails (socket error, missing acks past the
 deadline, a malformed frame, or the peer's notice) its unacknowledged chunks go back to the front of
 the pair's queue and leave on the surviving rails; the receiver drops duplicates by chunk identity,
-so nothing is written or reduced twice. All engine state is guarded by one mutex; Python threads
-post operations and wait on a condition variable, both without the GIL.
-With R2COMM_INTEGRITY=mac every frame ends in a Poly1305 tag (r2_mac.h) keyed per connection,
-direction and frame counter; a frame is acted on only once its tag verifies, and one that does
-not fails its rail like any other malformed frame.
+so nothing is written or reduced twice. Missing acks are judged from the kernel's view of the
+connection first (TCP_INFO, see judge_rail): a peer whose kernel still acknowledges is a stalled
+process, not a dead NIC, and its rails are held until it resumes. All engine state is guarded
+by one mutex; Python threads post operations and wait on a condition variable, both without the
+GIL. With R2COMM_INTEGRITY=mac every frame ends in a Poly1305 tag (r2_mac.h) keyed per
+connection, direction and frame counter; a frame is acted on only once its tag verifies, and one
+that does not fails its rail like any other malformed frame.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -52,6 +54,16 @@ cdef extern from "r2_reduce.h" namespace "r2" nogil:
     int reduce_into(void* d, const void* s, size_t nbytes, int dt, int op, int rev)
     int reduce3(void* d, const void* a, const void* b, size_t nbytes, int dt, int op)
     int itemsize(int dt)
+
+cdef extern from "r2_health.h" nogil:
+    cdef struct r2_tcpsnap:
+        int ok, has_acked, has_wnd
+        unsigned state, unacked, probes, backoff, retransmits, total_retrans, snd_mss
+        unsigned last_ack_ms, notsent
+        unsigned long long bytes_acked, snd_wnd
+    int r2_tcp_snap(int fd, r2_tcpsnap* s)
+    int r2_local_nic(int fd, char* name, size_t n)
+    int r2_drop_input(int fd)
 
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
@@ -169,12 +181,26 @@ cdef enum:
     EV_NOTIFIED = 9
     EV_ABORT = 10
     EV_RAIL_NEVER_UP = 11
+    EV_PEER_STALLED = 12
+    EV_PEER_RESUMED = 13
+
+cdef enum:
+    # where the engine located a failure (the events' 'cause')
+    CAUSE_NONE = 0
+    CAUSE_LOCAL_NIC = 1       # this rank's NIC: down, no carrier, or an injected silent fault
+    CAUSE_REMOTE_NIC = 2      # the peer's NIC or the path to it: its kernel acknowledges nothing
+    CAUSE_PEER_PROCESS = 3    # the peer's process: stalled (its kernel still acknowledges TCP),
+                              # or gone (every connection to it closed or reset)
+    CAUSE_CLOSED = 4          # the connection was closed or reset by its other end
+
+CAUSE_NAMES = {CAUSE_LOCAL_NIC: "local_nic", CAUSE_REMOTE_NIC: "remote_nic",
+               CAUSE_PEER_PROCESS: "peer_process", CAUSE_CLOSED: "connection_closed"}
 
 EVENT_NAMES = {EV_RAIL_NEVER_UP: "rail_never_up", EV_RAIL_FAILED: "rail_failed", EV_NOTIFY_SENT: "notify_sent",
                EV_NOTIFY_ACKED: "notify_acked", EV_MIGRATED: "migrated",
                EV_REDELIVERED: "redelivered", EV_RAIL_RESTORED: "rail_restored",
                EV_PEER_LOST: "peer_lost", EV_BAD_FRAME: "bad_frame", EV_NOTIFIED: "peer_notified",
-               EV_ABORT: "abort"}
+               EV_ABORT: "abort", EV_PEER_STALLED: "peer_stalled", EV_PEER_RESUMED: "peer_resumed"}
 ERR_TIMEOUT, ERR_NETWORK, ERR_MISMATCH, ERR_TRUNCATE, ERR_PROTOCOL, ERR_CLOSED = (
     E_TIMEOUT, E_NETWORK, E_MISMATCH, E_TRUNCATE, E_PROTOCOL, E_CLOSED)
 MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV = (
@@ -225,6 +251,7 @@ cdef struct Event:
     int detector
     uint64_t nbytes
     double dt
+    int cause
 
 cdef struct Notice:
     int peer
@@ -385,6 +412,11 @@ cdef cppclass Rail:
     char* mbuf               # mac mode: a frame's payload waits here until its tag verifies
     uint32_t mbuf_cap
     int corrupt_next         # test hook: flip a payload byte of the next DATA frame on the wire
+    double last_ack          # when the peer's process last acknowledged a chunk here
+    double hc_t              # acks late: when the current health-check round began (0: none)
+    uint64_t hc_acked        # the kernel's bytes acknowledged by the peer's kernel then
+    int stalled              # held: acks late but the peer's kernel alive (process stalled)
+    int fail_cause           # CAUSE_* of the failure being recorded
     __init__() noexcept nogil:
         this.tx_ctr = 0
         this.rx_ctr = 0
@@ -393,6 +425,11 @@ cdef cppclass Rail:
         this.mbuf = NULL
         this.mbuf_cap = 0
         this.corrupt_next = 0
+        this.last_ack = 0
+        this.hc_t = 0
+        this.hc_acked = 0
+        this.stalled = 0
+        this.fail_cause = CAUSE_NONE
         this.rate = 0
         this.meas_t0 = 0
         this.meas_bytes = 0
@@ -441,11 +478,15 @@ cdef cppclass Peer:
     size_t nhot                  # (resent, or released by a dependency), the rest bulk
     double all_down_since
     int lost
+    int stalled                  # its process looks stalled (peer_stalled recorded)
+    double stall_t               # since when (its rails' last acknowledgement)
     cmap[uint32_t, uint32_t] p2p_send_seq
     cmap[uint32_t, P2PState*] p2p
     __init__() noexcept nogil:
         this.all_down_since = 0
         this.lost = 0
+        this.stalled = 0
+        this.stall_t = 0
 
 ctypedef pair[uint64_t, uint64_t] Key
 ctypedef pair[uint32_t, uint32_t] CS
@@ -563,6 +604,10 @@ cdef inline uint32_t nchunks_of(uint64_t total, uint32_t cs) noexcept nogil:
 
 cdef void add_event(State* e, int kind, int peer, int rail, int detector, uint64_t nbytes,
                     double dt, const char* info) noexcept nogil:
+    add_event_c(e, kind, peer, rail, detector, nbytes, dt, info, CAUSE_NONE)
+
+cdef void add_event_c(State* e, int kind, int peer, int rail, int detector, uint64_t nbytes,
+                      double dt, const char* info, int cause) noexcept nogil:
     cdef Event ev
     ev.t = wall()
     ev.kind = kind
@@ -571,6 +616,7 @@ cdef void add_event(State* e, int kind, int peer, int rail, int detector, uint64
     ev.detector = detector
     ev.nbytes = nbytes
     ev.dt = dt
+    ev.cause = cause
     e.events.push_back(ev)
     e.event_info.push_back(string(info))
 
@@ -692,7 +738,11 @@ cdef void inject_now(State* e, Rail* r, int mode) noexcept nogil:
     r.fault_at = -1
     if mode == INJ_SILENT:
         r.blackhole = 1
+        # a dead NIC stops the kernel's acknowledgements too: drop every incoming segment
+        # before TCP sees it, so neither end's TCP_INFO shows progress (see judge_rail)
+        r2_drop_input(r.fd)
     else:
+        r.fail_cause = CAUSE_LOCAL_NIC
         e.tp.shutdown(r.fd)   # a real hard failure: both ends see the connection die
     if e.fault_time == 0:
         e.fault_time = wall()
@@ -818,7 +868,7 @@ cdef void rail_write(State* e, Rail* r) noexcept nogil:
             return
         n = rail_send(e, r, iov, niov)
         if n < 0:
-            fail_rail(e, r, "send error", e.me, 1)
+            fail_io(e, r, n, "send")
             return
         if n == 0:
             set_out(e, r, 1)
@@ -1490,6 +1540,7 @@ cdef void on_ack(State* e, Rail* r) noexcept nogil:
             r.gap_var = 0.75 * r.gap_var + 0.25 * fabs(gap - r.gap_avg)
             r.gap_avg = 0.875 * r.gap_avg + 0.125 * gap
     r.last_progress = now
+    r.last_ack = now
     r.ghosts = 0
     it = e.smap.find(k)
     if it == e.smap.end():
@@ -1764,7 +1815,7 @@ cdef void rail_read(State* e, Rail* r) noexcept nogil:
             if n == 0:
                 return
             if n < 0:
-                fail_rail(e, r, "connection closed" if n == T_EOF else "receive error", e.me, 1)
+                fail_io(e, r, n, "receive")
                 return
             continue
         if r.rstate == 1 and r.rpos == r.rlen and need >= DIRECT_MIN and r.rtarget != NULL:
@@ -1772,7 +1823,7 @@ cdef void rail_read(State* e, Rail* r) noexcept nogil:
             if n == 0:
                 return
             if n < 0:
-                fail_rail(e, r, "connection closed" if n == T_EOF else "receive error", e.me, 1)
+                fail_io(e, r, n, "receive")
                 return
             r.bytes_recv += n
             r.rgot += <uint32_t>n
@@ -1792,7 +1843,7 @@ cdef void rail_read(State* e, Rail* r) noexcept nogil:
         if n == 0:
             return
         if n < 0:
-            fail_rail(e, r, "connection closed" if n == T_EOF else "receive error", e.me, 1)
+            fail_io(e, r, n, "receive")
             return
         r.bytes_recv += n
         r.rlen += <uint32_t>n
@@ -1844,6 +1895,34 @@ cdef void notify_peer(State* e, Peer* p, int rail, uint32_t conn_id) noexcept no
                 break
     return
 
+cdef extern from "<string.h>" nogil:
+    char* strerror(int errnum)
+
+cdef extern from "<errno.h>" nogil:
+    enum: ECONNRESET, EPIPE, ETIMEDOUT, EHOSTUNREACH, ENETUNREACH, ENETDOWN
+
+cdef void fail_io(State* e, Rail* r, int64_t n, const char* what) noexcept nogil:
+    """A rail's socket reported end of stream or an error: fail it, saying which end is to
+    blame. A close or reset comes from the other end (its process exited, or its engine
+    failed the rail); the kernel's own time-outs and unreachable routes point at the path."""
+    cdef char buf[160]
+    cdef int err = <int>(-n) if n != T_EOF else 0
+    if r.fail_cause == CAUSE_LOCAL_NIC:     # set by an injected hard fault
+        snprintf(buf, sizeof(buf), "%s: connection shut down (injected hard fault on rank %d's "
+                 "NIC)", what, e.me)
+    elif n == T_EOF:
+        r.fail_cause = CAUSE_CLOSED
+        snprintf(buf, sizeof(buf), "connection closed by rank %d's end", r.peer)
+    else:
+        if err == ECONNRESET or err == EPIPE:
+            r.fail_cause = CAUSE_CLOSED
+        elif err == ENETDOWN:
+            r.fail_cause = CAUSE_LOCAL_NIC
+        elif err == ETIMEDOUT or err == EHOSTUNREACH or err == ENETUNREACH:
+            r.fail_cause = CAUSE_REMOTE_NIC
+        snprintf(buf, sizeof(buf), "%s error: %s", what, strerror(err))
+    fail_rail(e, r, buf, e.me, 1)
+
 cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int notify) noexcept nogil:
     cdef Peer* p = e.peers[r.peer]
     cdef vector[CRef] back
@@ -1866,6 +1945,8 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     r.want_out = 0
     r.blackhole = 0
     r.fault_at = -1
+    r.hc_t = 0
+    r.stalled = 0
     for i in range(r.inflight.size()):
         ref = r.inflight[i]
         m = <SendMsg*>ref.m
@@ -1930,7 +2011,7 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     if r.index < p.nrails:
         if e.fault_time == 0:
             e.fault_time = wall()
-        add_event(e, EV_RAIL_FAILED, r.peer, r.index, detector, nbytes, 0, reason)
+        add_event_c(e, EV_RAIL_FAILED, r.peer, r.index, detector, nbytes, 0, reason, r.fail_cause)
         if nbytes:
             e.awaiting_redelivery = 1
             add_event(e, EV_MIGRATED, r.peer, r.index, e.me, nbytes, 0,
@@ -2095,11 +2176,28 @@ cdef void peer_lost(State* e, Peer* p) noexcept nogil:
     cdef vector[Op*] victims
     cdef Op* op
     cdef size_t i
-    cdef int involved
+    cdef int involved, k, closed = 0, local = 0, cause
     p.lost = 1
-    snprintf(buf, 300, "lost every rail to rank %d (no working NIC path between ranks %d and %d)",
-             p.rank, e.me, p.rank)
-    add_event(e, EV_PEER_LOST, p.rank, -1, e.me, 0, 0, buf)
+    for k in range(p.nrails):
+        if p.rails[k].fail_cause == CAUSE_CLOSED:
+            closed += 1
+        elif p.rails[k].fail_cause == CAUSE_LOCAL_NIC:
+            local += 1
+    if closed > 0:
+        # a connection is only closed or reset by a live kernel at the other end: the
+        # process there exited, was killed, or closed its rails
+        cause = CAUSE_PEER_PROCESS
+        snprintf(buf, 300, "lost every rail to rank %d: its end closed or reset the connections "
+                 "(its process exited or was killed, or its engine failed its rails)", p.rank)
+    elif local == p.nrails:
+        cause = CAUSE_LOCAL_NIC
+        snprintf(buf, 300, "lost every rail to rank %d: every NIC of rank %d is down",
+                 p.rank, e.me)
+    else:
+        cause = CAUSE_REMOTE_NIC
+        snprintf(buf, 300, "lost every rail to rank %d (no working NIC path between ranks %d "
+                 "and %d: its kernel acknowledges nothing on any rail)", p.rank, e.me, p.rank)
+    add_event_c(e, EV_PEER_LOST, p.rank, -1, e.me, 0, 0, buf, cause)
     it = e.ops.begin()
     while it != e.ops.end():
         op = deref(it).second
@@ -2122,11 +2220,123 @@ cdef void peer_lost(State* e, Peer* p) noexcept nogil:
         fail_op(e, victims[i], E_NETWORK, buf, 1)
 
 
+cdef inline double hc_round(State* e) noexcept nogil:
+    """A health-check round: long enough for the peer's kernel to acknowledge a segment
+    (delayed acks wait 40 ms, at most 200 ms), at most half the rail deadline."""
+    cdef double v = 0.5 * e.rail_timeout
+    return 0.25 if v > 0.25 else v
+
+cdef inline int rail_late(State* e, Rail* r, double now, double rnd) noexcept nogil:
+    """The rail has chunks out and its acks are near (within a round) or past its deadline."""
+    return not e.noack and (not r.inflight.empty() or r.ghosts > 0) and \
+        now - r.last_progress > e.rail_timeout - rnd
+
+cdef void hc_begin(State* e, Rail* r, r2_tcpsnap* s, double now) noexcept nogil:
+    """Start a round: remember what the peer's kernel has acknowledged so far, and if the
+    connection has nothing outstanding for it to acknowledge, give it something: a frame the
+    peer ignores (a rail-down ack that names no notice; no wire change), which its kernel
+    acknowledges even while its process is stopped. Not on a rail whose window is shut."""
+    r.hc_t = now
+    r.hc_acked = s.bytes_acked
+    if s.ok and s.unacked == 0 and s.notsent == 0 and not r.tx_busy and \
+            r.txq.size() == r.txq_pos and not r.blackhole:
+        queue_ctrl(e, r, F_RAIL_DOWN_ACK, 0, 0, 0, 0, 0, 0xFFFFFFFF, NULL, 0)
+        rail_write(e, r)
+
+cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlate) noexcept nogil:
+    """A rail's acks are late: its deadline is a round away or has passed. Before failing it,
+    ask its TCP connection (TCP_INFO, only now, never per chunk) who is to blame. The round
+    that ends at the deadline tells: if the peer's kernel acknowledged bytes during it, or
+    keeps a closed receive window and answers the window probes, the NICs and the path work
+    and the peer's *process* is not reading (stopped, paused, swapping): the rail is held
+    (peer_stalled) and checked again every round, up to the operation timeout. If nothing
+    was acknowledged while something was outstanding, the NIC or the path is dead: the rail
+    fails at the deadline as before, blaming this rank's NIC if its interface is down, else
+    the peer's NIC or the path. Returns 1 if the rail was failed."""
+    cdef r2_tcpsnap s
+    cdef char buf[400]
+    cdef char why[600]
+    cdef char ifname[64]
+    cdef int alive = 0, nic, k, other = -1
+    cdef double quiet = now - r.last_progress
+    if r.hc_t > 0 and now - r.hc_t > 3 * rnd:
+        r.hc_t = 0        # the timer itself was held up (this process was stopped): start over
+    if r.hc_t > 0 and (now - r.hc_t < rnd or quiet <= e.rail_timeout):
+        return 0          # the round runs on
+    r2_tcp_snap(r.fd, &s)
+    if r.hc_t == 0:
+        hc_begin(e, r, &s, now)
+        return 0
+    if r.blackhole:
+        r.fail_cause = CAUSE_LOCAL_NIC
+        snprintf(buf, sizeof(buf), "no acknowledgement within the rail deadline: injected silent "
+                 "fault on this rank's NIC (it drops everything)")
+    elif not s.ok:
+        alive = p.stalled     # no kernel view: trust the peer's other rails, if they showed one
+        snprintf(buf, sizeof(buf), "no progress within the rail deadline (silent failure; no "
+                 "TCP_INFO)")
+    else:
+        if s.has_acked and s.bytes_acked > r.hc_acked:
+            alive = 1
+            snprintf(buf, sizeof(buf), "its kernel acknowledged %llu bytes in the last %.0f ms",
+                     s.bytes_acked - r.hc_acked, (now - r.hc_t) * 1e3)
+        elif s.unacked == 0 and s.probes < 2 and (
+                (s.has_wnd and s.snd_wnd < s.snd_mss) or (not s.has_wnd and s.notsent > 0)):
+            alive = 1
+            snprintf(buf, sizeof(buf), "its kernel keeps its receive window shut and answers "
+                     "window probes (%u bytes wait to be sent)", s.notsent)
+        elif not s.has_acked and s.unacked == 0 and s.last_ack_ms < rnd * 1e3:
+            alive = 1
+            snprintf(buf, sizeof(buf), "its kernel acknowledged a segment %u ms ago",
+                     s.last_ack_ms)
+        if not alive:
+            nic = r2_local_nic(r.fd, ifname, sizeof(ifname))
+            if nic == 0:
+                r.fail_cause = CAUSE_LOCAL_NIC
+                snprintf(buf, sizeof(buf), "no acknowledgement within the rail deadline: local "
+                         "NIC %s is down or has no carrier", ifname)
+            else:
+                r.fail_cause = CAUSE_REMOTE_NIC
+                snprintf(buf, sizeof(buf), "no acknowledgement within the rail deadline, and no "
+                         "TCP acknowledgement from rank %d's kernel for %u ms (%u segments "
+                         "unacknowledged, %u retransmissions, %u window probes): its NIC or the "
+                         "path to it is down", r.peer, s.last_ack_ms, s.unacked,
+                         s.total_retrans, s.probes)
+    if alive:
+        for k in range(p.nrails):
+            if k != r.index and p.rails[k].state == R_UP and p.rails[k].last_ack > r.hc_t:
+                other = k
+        if other >= 0:
+            # the process is not stalled: it acknowledged on another rail during the round.
+            # This connection loses frames above TCP (an application-level black hole)
+            alive = 0
+            r.fail_cause = CAUSE_REMOTE_NIC
+            snprintf(why, sizeof(why), "no acknowledgement within the rail deadline although %s; "
+                     "rank %d's process acknowledges on rail %d: frames are lost on this rail's "
+                     "path", buf, r.peer, other)
+            snprintf(buf, sizeof(buf), "%s", why)
+    if not alive:
+        fail_rail(e, r, buf, e.me, 1)
+        return 1
+    r.stalled = 1
+    if not p.stalled:
+        p.stalled = 1
+        p.stall_t = r.last_progress
+        snprintf(why, sizeof(why), "rank %d sent no acknowledgement for %.0f ms (late on %d of "
+                 "%d rails), but on rail %d %s: its process is stalled, not a NIC; waiting (up to "
+                 "the operation timeout)", r.peer, quiet * 1e3, nlate, p.nrails, r.index, buf)
+        add_event_c(e, EV_PEER_STALLED, r.peer, r.index, e.me, 0, quiet, why, CAUSE_PEER_PROCESS)
+        e.signal = 1
+    hc_begin(e, r, &s, now)
+    return 0
+
 cdef void check_timers(State* e) noexcept nogil:
     cdef double now = mono()
+    cdef double rnd = hc_round(e)
     cdef Peer* p
     cdef Rail* r
-    cdef int i, k, up
+    cdef int i, k, up, nlate, nstalled, fine
+    cdef char info[160]
     cdef size_t j
     cdef vector[Op*] late
     cdef Op* op
@@ -2136,15 +2346,34 @@ cdef void check_timers(State* e) noexcept nogil:
         if p == NULL:
             continue
         up = 0
+        nlate = 0
+        for k in range(p.nrails):
+            r = p.rails[k]
+            if r.state == R_UP and rail_late(e, r, now, rnd):
+                nlate += 1
+        nstalled = 0
+        fine = 0
         for k in range(p.nrails):
             r = p.rails[k]
             if r.state != R_UP:
                 continue
             up += 1
-            if not e.noack and (not r.inflight.empty() or r.ghosts > 0) and \
-                    now - r.last_progress > e.rail_timeout:
-                fail_rail(e, r, "no progress within the rail deadline (silent failure)", e.me, 1)
-                up -= 1
+            if rail_late(e, r, now, rnd):
+                if judge_rail(e, p, r, now, rnd, nlate):
+                    up -= 1
+                    continue
+            else:
+                r.hc_t = 0            # acks came (or nothing is out): no round, not stalled
+                r.stalled = 0
+                fine += 1
+            nstalled += r.stalled
+        if p.stalled and nstalled == 0:
+            p.stalled = 0
+            if fine > 0:
+                snprintf(info, sizeof(info), "rank %d acknowledges again after %.2f s", p.rank,
+                         now - p.stall_t)
+                add_event_c(e, EV_PEER_RESUMED, p.rank, -1, e.me, 0, now - p.stall_t, info,
+                            CAUSE_PEER_PROCESS)
         if up > 0:
             hedge_tail(e, p)                # a rail gone quiet gets its tail copied elsewhere
         if up == 0 and p.nrails > 0:
@@ -2621,6 +2850,9 @@ cdef class Engine:
             r.rlen = 0
             r.restore_time = mono()
             r.last_progress = r.restore_time
+            r.fail_cause = CAUSE_NONE
+            r.hc_t = 0
+            r.stalled = 0
             ev.events = EPOLLIN
             ev.data.u64 = (<uint64_t>r.gen << 32) | (<uint64_t>peer << 8) | <uint64_t>rail
             epoll_ctl(e.epfd, EPOLL_CTL_ADD, fd, &ev)
@@ -3052,6 +3284,7 @@ cdef class Engine:
                 out.append({"t": ev.t, "kind": EVENT_NAMES.get(ev.kind, str(ev.kind)),
                             "rank": e.me, "peer": ev.peer, "rail": ev.rail,
                             "detector": ev.detector, "nbytes": ev.nbytes, "dt": ev.dt,
+                            "cause": CAUSE_NAMES.get(ev.cause),
                             "info": info.decode("utf-8", "replace")})
         finally:
             pthread_mutex_unlock(&e.mu)

@@ -85,8 +85,10 @@ def tune(sock, rail_timeout_ms, sockbuf=0, lowat=0):
     for opt, val in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
-    # unacknowledged data older than this kills the connection in the kernel too
-    sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, max(int(rail_timeout_ms * 4), 1000))
+    # no TCP_USER_TIMEOUT: the engine judges a quiet rail itself at its deadline (from
+    # TCP_INFO), and since Linux 5.11 the user timeout also aborts a connection whose peer
+    # keeps its receive window shut that long, i.e. a peer process that is merely stopped
+    sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, 0)
     if sockbuf > 0:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
     if lowat > 0:
