@@ -83,21 +83,8 @@ class StartOutcome:
 
     def connected_groups(self):
         """Groups of ranks connected by working pairs (a pair works with one common rail)."""
-        seen, comps = set(), []
-        for s in range(self.size):
-            if s in seen:
-                continue
-            comp, todo = [], [s]
-            seen.add(s)
-            while todo:
-                a = todo.pop()
-                comp.append(a)
-                for b in range(self.size):
-                    if b not in seen and b != a and self.pair_ok(a, b):
-                        seen.add(b)
-                        todo.append(b)
-            comps.append(sorted(comp))
-        return comps
+        from .planner.state import connected_components
+        return connected_components(self.size, self.pair_ok)
 
     def pair_ok(self, a, b):
         lo, hi = min(a, b), max(a, b)

@@ -41,6 +41,26 @@ bandwidth (R2COMM_RAIL_BW, else its engine weight) times the median measured rat
 declared bandwidth, or times nominal_bw when nothing was measured at all."""
 from dataclasses import dataclass, field
 
+
+def connected_components(n, linked):
+    """Components of the graph on ranks 0..n-1 whose edges are the pairs with linked(a, b),
+    as sorted lists of ranks, in order of their lowest rank."""
+    seen, comps = set(), []
+    for s in range(n):
+        if s in seen:
+            continue
+        comp, todo = [], [s]
+        seen.add(s)
+        while todo:
+            a = todo.pop()
+            comp.append(a)
+            for b in range(n):
+                if b not in seen and b != a and linked(a, b):
+                    seen.add(b)
+                    todo.append(b)
+        comps.append(sorted(comp))
+    return comps
+
 DEFAULT_BW = 1.25e9          # bytes/s of one rail (10 Gbit/s) when nothing better is known
 DEFAULT_ALPHA = 25e-6        # seconds of latency per message (TCP round trip / 2 + engine)
 DEFAULT_CHUNK = 512 << 10    # the engine's chunk size (R2COMM_CHUNK_SIZE default)
@@ -265,21 +285,7 @@ class RailState:
 
     def components(self):
         """Connected components of the graph of working pairs (sorted lists of ranks)."""
-        seen, comps = set(), []
-        for s in range(self.n):
-            if s in seen:
-                continue
-            comp, todo = [], [s]
-            seen.add(s)
-            while todo:
-                a = todo.pop()
-                comp.append(a)
-                for b in self.neighbours(a):
-                    if b not in seen:
-                        seen.add(b)
-                        todo.append(b)
-            comps.append(sorted(comp))
-        return comps
+        return connected_components(self.n, self.working)
 
     def partitioned(self):
         return len(self.components()) > 1
