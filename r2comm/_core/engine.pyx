@@ -2990,10 +2990,12 @@ cdef class Engine:
         return e.peers[peer] != NULL and not e.peers[peer].lost
 
     # -- wire fuzzing (tests/fuzz_wire.py) -------------------------------------------------------
-    def fuzz_attach(self, int peer, int rail, uint32_t conn_id):
+    def fuzz_attach(self, int peer, int rail, uint32_t conn_id, bytes tx_key=b"",
+                    bytes rx_key=b""):
         """Testing only: switch this engine to the in-memory fuzz transport and bring up
-        (peer, rail) on it. What fuzz_feed() gives is then what the rail reads; what the engine
-        writes is accepted (and counted) or, with block_send, left unwritten."""
+        (peer, rail) on it (in mac mode with the connection's frame keys, as attach). What
+        fuzz_feed() gives is then what the rail reads; what the engine writes is accepted (and
+        counted) or, with block_send, left unwritten."""
         cdef State* e = self._live()
         if self.started:
             raise RuntimeError("fuzz transport: the engine must not have a progress thread")
@@ -3002,7 +3004,7 @@ cdef class Engine:
         e.tp.post_recv = fz_post_recv
         e.tp.shutdown = fz_shutdown
         e.tp.close = fz_close
-        self.attach(peer, rail, -1, conn_id)
+        self.attach(peer, rail, -1, conn_id, tx_key, rx_key)
 
     def fuzz_feed(self, int peer, int rail, const unsigned char[:] data, uint32_t step=0,
                   bint block_send=False):
