@@ -59,7 +59,8 @@ HDR = struct.Struct("<IBBBBIIIIIIQII")
 MAC_LEN = 16
 STATS = {"inputs": 0, "frames": 0, "segments": 0, "refused": 0, "bad_frames": 0,
          "delivered_ops": 0, "handshakes": 0, "hs_accepted": 0, "hs_refused": 0,
-         "mac_inputs": 0, "mac_frames": 0, "mac_verified": 0, "mac_refused": 0}
+         "mac_inputs": 0, "mac_frames": 0, "mac_verified": 0, "mac_refused": 0,
+         "mac_bad_tags": 0}
 
 
 class Provider:
@@ -492,8 +493,10 @@ def fuzz_frames(data, mac=None):
                     f"a correctly sealed stream refused for its MAC: {verdict} {evs}"
                 assert not up or consumed == len(stream), \
                     f"rail up but {consumed} of {len(stream)} bytes read"
-                if must_refuse:
+                if must_refuse and up_before:
                     STATS["mac_refused"] += 1
+                    if macbad:
+                        STATS["mac_bad_tags"] += 1
             # outcome feedback for the coverage-guided run: a branch per engine outcome, so an
             # input that makes the engine do something new is new coverage to the fuzzer
             if not up:

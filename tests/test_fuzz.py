@@ -20,11 +20,26 @@ def test_fuzz_frames_random_batch():
     """~10,000 frames from 1,000 random inputs: no crash or hang, every malformed header
     refused with bad_frame, no user buffer byte from outside a well-formed frame's payload."""
     before = dict(fuzz_wire.STATS)
-    n, dt = fuzz_wire.random_run("frames", count=1000, seed=17)
+    n, dt = fuzz_wire.random_run("frames", count=1000, seed=17, mac=False)
     got = {k: fuzz_wire.STATS[k] - before[k] for k in before}
     assert n == 1000 and got["frames"] > 5000
     # the batch reaches past the checksum: refusals, and operations completed with delivered data
     assert got["bad_frames"] > 100 and got["delivered_ops"] > 10, got
+
+
+def test_fuzz_frames_mac_random_batch():
+    """R2COMM_INTEGRITY=mac: ~10,000 frames from 600 random inputs (about a second), sealed
+    with the connection's key and counter or with wrong, truncated, replayed or foreign tags and
+    edits after sealing. No crash or hang; every malformed header or tag that does not verify
+    closes the rail with bad_frame; a correctly sealed stream is never refused for its MAC; no
+    user buffer byte from a frame whose tag did not verify."""
+    before = dict(fuzz_wire.STATS)
+    n, dt = fuzz_wire.random_run("frames", count=600, seed=29, mac=True)
+    got = {k: fuzz_wire.STATS[k] - before[k] for k in before}
+    assert n == 600 and got["mac_inputs"] == 600 and got["mac_frames"] > 5000, got
+    # past verification into the DATA / ack / abort paths, and refusals for bad tags
+    assert got["mac_verified"] > 1500 and got["delivered_ops"] > 10, got
+    assert got["mac_refused"] > 200 and got["mac_bad_tags"] > 50, got
 
 
 def test_fuzz_handshake_random_batch():
@@ -68,6 +83,9 @@ def _atheris(kind, until, timeout, tmp_path):
 def test_fuzz_frames_atheris_million(tmp_path):
     s = _atheris("frames", 1_000_000, 3000, tmp_path)
     assert s["frames"] >= 1_000_000 and s["bad_frames"] > 1000 and s["delivered_ops"] > 100, s
+    # about half the inputs run in mac mode (the input's first byte)
+    assert s["mac_inputs"] > s["inputs"] // 5 and s["mac_verified"] > 10_000, s
+    assert s["mac_bad_tags"] > 1000, s
 
 
 @pytest.mark.slow
