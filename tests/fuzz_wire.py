@@ -23,6 +23,8 @@ Checked after every input:
     frame's payload, no heap bytes, nothing from a refused frame's layout lie); in mac mode
     only frames whose tag verifies count (the harness parses the stream as a correct receiver
     would: header form, then the tag at the connection's counter);
+  - what the engine writes parses as well-formed frames (read back per rail, partial writes
+    included), in mac mode each with the right tag for its connection's send counter;
   - mac mode: a segment that reaches a malformed header or a tag that does not verify closes
     the rail with a bad_frame; a "MAC mismatch" is reported only for a tag that does not
     verify (never for a correctly sealed frame).
@@ -60,7 +62,7 @@ MAC_LEN = 16
 STATS = {"inputs": 0, "frames": 0, "segments": 0, "refused": 0, "bad_frames": 0,
          "delivered_ops": 0, "handshakes": 0, "hs_accepted": 0, "hs_refused": 0,
          "mac_inputs": 0, "mac_frames": 0, "mac_verified": 0, "mac_refused": 0,
-         "mac_bad_tags": 0}
+         "mac_bad_tags": 0, "tx_frames": 0}
 
 
 class Provider:
@@ -125,6 +127,8 @@ class World:
         self.ctr = {}                  # rail -> frames the engine has verified on it
         self.history = {}              # rail -> sealed frames sent on the current connection
         self.prev_keys = {}            # rail -> keys of its previous connection
+        self.tx = {}                   # rail -> what the engine wrote on it, not yet parsed
+        self.txctr = {}                # rail -> frames the engine wrote on its connection
         for k in (0, 1, 2):
             self.attach(k)
         self.keep = []
@@ -182,6 +186,8 @@ class World:
             self.e.fuzz_attach(1, rail, cid)
         self.ctr[rail] = 0
         self.history[rail] = []
+        self.tx[rail] = bytearray()
+        self.txctr[rail] = 0
 
     def target(self, name, n):
         t = Target(name, n)
@@ -388,6 +394,33 @@ def note_valid(w, head, payload, complete):
         t.valid.setdefault(chunk, []).append(np.frombuffer(payload, np.uint8))
 
 
+def check_sent(w):
+    """What the engine wrote on each connection parses as well-formed frames, and in mac mode
+    each carries the tag of the connection's send key at its counter (lazy acks, control
+    frames and chunks interleaved, partial writes)."""
+    for rail in (0, 1, 2):
+        buf = w.tx[rail]
+        buf += w.e.fuzz_sent(rail)
+        pos = 0
+        while len(buf) - pos >= 48:
+            head = bytes(buf[pos:pos + 48])
+            assert eng.validate_header(head, CS) == 0, \
+                f"the engine wrote a malformed header on rail {rail}: {HDR.unpack(head)}"
+            ln = HDR.unpack(head)[10]
+            end = pos + 48 + ln + (MAC_LEN if w.mac else 0)
+            if end > len(buf):
+                break
+            if w.mac:
+                want = eng.frame_tag(w.keys[rail][0], head, bytes(buf[pos + 48:pos + 48 + ln]),
+                                     w.txctr[rail])
+                assert want == bytes(buf[end - MAC_LEN:end]), \
+                    f"the engine's frame {w.txctr[rail]} on rail {rail} has a wrong tag"
+                w.txctr[rail] += 1
+            STATS["tx_frames"] += 1
+            pos = end
+        del buf[:pos]
+
+
 def check_buffers(w):
     for t in w.targets.values():
         buf = t.buf
@@ -479,7 +512,9 @@ def fuzz_frames(data, mac=None):
                 STATS["mac_frames"] += nframes - nframes_before
                 STATS["mac_verified"] += len(good)
                 w.history[rail] = (w.history[rail] + sealed)[-8:]
-            consumed, up, wrote = e.fuzz_feed(1, rail, bytes(stream), step, block)
+            sstep = pv.pick((0, 0, 0, 0, 1, 5, 48, 64, 1000))
+            consumed, up, wrote = e.fuzz_feed(1, rail, bytes(stream), step, block, sstep)
+            check_sent(w)
             dirty[rail] = not framed or cut < 25
             evs = e.events_since(nev)
             kinds = [ev["kind"] for ev in evs]
@@ -517,6 +552,7 @@ def fuzz_frames(data, mac=None):
             if st == 1:
                 STATS["delivered_ops"] += 1
         check_buffers(w)
+        check_sent(w)
     finally:
         w.close()
     STATS["inputs"] += 1
