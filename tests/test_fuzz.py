@@ -25,12 +25,14 @@ def test_fuzz_frames_random_batch():
     assert n == 1000 and got["frames"] > 5000
     # the batch reaches past the checksum: refusals, and operations completed with delivered data
     assert got["bad_frames"] > 100 and got["delivered_ops"] > 10, got
+    # and what the engine wrote back (acks, chunks, notices) parsed as well-formed frames
+    assert got["tx_frames"] > 3000, got
 
 
 def test_fuzz_frames_mac_random_batch():
     """R2COMM_INTEGRITY=mac: ~10,000 frames from 600 random inputs (about a second), sealed
     with the connection's key and counter or with wrong, truncated, replayed or foreign tags and
-    edits after sealing. No crash or hang; every malformed header or tag that does not verify
+    edits after sealing, read back with partial writes. No crash or hang; every malformed header or tag that does not verify
     closes the rail with bad_frame; a correctly sealed stream is never refused for its MAC; no
     user buffer byte from a frame whose tag did not verify."""
     before = dict(fuzz_wire.STATS)
@@ -40,6 +42,8 @@ def test_fuzz_frames_mac_random_batch():
     # past verification into the DATA / ack / abort paths, and refusals for bad tags
     assert got["mac_verified"] > 1500 and got["delivered_ops"] > 10, got
     assert got["mac_refused"] > 200 and got["mac_bad_tags"] > 50, got
+    # every frame the engine wrote carried the right tag for its connection's counter
+    assert got["tx_frames"] > 2000, got
 
 
 def test_fuzz_handshake_random_batch():
@@ -85,7 +89,7 @@ def test_fuzz_frames_atheris_million(tmp_path):
     assert s["frames"] >= 1_000_000 and s["bad_frames"] > 1000 and s["delivered_ops"] > 100, s
     # about half the inputs run in mac mode (the input's first byte)
     assert s["mac_inputs"] > s["inputs"] // 5 and s["mac_verified"] > 10_000, s
-    assert s["mac_bad_tags"] > 1000, s
+    assert s["mac_bad_tags"] > 1000 and s["tx_frames"] > 100_000, s
 
 
 @pytest.mark.slow
