@@ -821,6 +821,7 @@ elif __name__ == "__main__":
         pass
     atheris.instrument_func(fuzz_frames)
     atheris.instrument_func(build_frame)
+    atheris.instrument_func(seal)
     atheris.instrument_func(fuzz_handshake)
     atheris.instrument_func(_fuzz_connect)
     # (not the oracle: atheris's comparison tracing keeps the numpy arrays it compares alive,
