@@ -1495,6 +1495,10 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
         return
     if r.tx_busy and r.tx_ref.m == <void*>m and r.tx_ref.c == c and r.tx_orphan == NULL:
         return                          # this rail is still writing that chunk: not received
+    if m.crail[c] >= 0 and not (st & C_HEDGED):
+        pr = e.peers[m.peer].rails[m.crail[c]]
+        if pr.tx_busy and pr.tx_ref.m == <void*>m and pr.tx_ref.c == c and pr.tx_orphan == NULL:
+            return                      # nor is its only copy, still written on another rail
     if m.crail[c] >= 0:
         pr = e.peers[m.peer].rails[m.crail[c]]
         if st & C_HEDGED:
