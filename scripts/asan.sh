@@ -37,16 +37,17 @@ export R2COMM_ASAN_BUILD=1
 
 LOG="$DIR/asan-pytest.log"
 if [ $# -eq 0 ]; then
-    set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_units.py \
-        tests/test_failover.py -k "not test_random_faults_many_seeds and not atheris"
+    set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_integrity.py \
+        tests/test_units.py tests/test_failover.py \
+        -k "not test_random_faults_many_seeds and not atheris"
 fi
 set +e
 "$PY" -m pytest -p no:cacheprovider -q -x "$@" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
-# then the wire fuzzer's frames, many more than the CI batch, under the sanitizers (random
-# inputs: libFuzzer gets no coverage from atheris next to libasan; guided runs use the normal
-# build, tests/test_fuzz.py)
+# then the wire fuzzer's frames (half of the inputs in mac mode), many more than the CI batch,
+# under the sanitizers (random inputs: libFuzzer gets no coverage from atheris next to libasan;
+# guided runs use the normal build, tests/test_fuzz.py)
 FRAMES="${R2COMM_ASAN_FRAMES:-200000}"
 if [ "$rc" = 0 ] && [ "$FRAMES" -gt 0 ]; then
     set +e

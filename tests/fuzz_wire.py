@@ -8,13 +8,26 @@ plain Isend), then feeds it segments of frames built from the input: mostly vali
 (fields drawn from the posted operations, checksum recomputed, so the fuzzer gets past hdr_check
 into the DATA, ack, abort and rail-down paths), some with one field or the checksum broken,
 truncated payloads, huge totals, short chunks, raw bytes, and read sizes from 1 byte up.
+Half the inputs run the engine in mac mode (R2COMM_INTEGRITY=mac): the harness holds each
+connection's frame keys and seals its frames (eng.frame_tag with the connection's receive key
+and frame counter), so most frames verify and reach the DATA, ack and abort paths, and some get
+a wrong, truncated, missing or doubled tag, a tag for another counter (replayed, reordered) or
+key (reflected, an earlier connection), a header or payload changed after sealing (checksum
+fixed up), or are an earlier frame replayed whole.
 Checked after every input:
   - nothing crashed or hung (each input has a time bound);
   - a segment whose frames reach a malformed header closes that rail with a bad_frame event;
   - a rail only goes down with a reason recorded (bad_frame, or the peer's rail-down notice);
   - every byte of every user receive buffer is either untouched (0xEE) or the byte at that
     offset of the payload of a well-formed DATA frame for that chunk (nothing from outside a
-    frame's payload, no heap bytes, nothing from a refused frame's layout lie).
+    frame's payload, no heap bytes, nothing from a refused frame's layout lie); in mac mode
+    only frames whose tag verifies count (the harness parses the stream as a correct receiver
+    would: header form, then the tag at the connection's counter);
+  - what the engine writes parses as well-formed frames (read back per rail, partial writes
+    included), in mac mode each with the right tag for its connection's send counter;
+  - mac mode: a segment that reaches a malformed header or a tag that does not verify closes
+    the rail with a bad_frame; a "MAC mismatch" is reported only for a tag that does not
+    verify (never for a correctly sealed frame).
 Handshake: tcp.accept on one end of a socketpair, fed raw bytes or a HELLO built from the input
 with a correct or wrong MAC (the other side played in a thread); tcp.connect against a loopback
 listener that answers with fuzzed or correct replies. Every outcome must be exactly the expected
@@ -45,8 +58,11 @@ FL_P2P, FL_LAZY = 1, 2
 U8 = 4
 SENT = 0xEE
 HDR = struct.Struct("<IBBBBIIIIIIQII")
+MAC_LEN = 16
 STATS = {"inputs": 0, "frames": 0, "segments": 0, "refused": 0, "bad_frames": 0,
-         "delivered_ops": 0, "handshakes": 0, "hs_accepted": 0, "hs_refused": 0}
+         "delivered_ops": 0, "handshakes": 0, "hs_accepted": 0, "hs_refused": 0,
+         "mac_inputs": 0, "mac_frames": 0, "mac_verified": 0, "mac_refused": 0,
+         "mac_bad_tags": 0, "tx_frames": 0}
 
 
 class Provider:
@@ -101,11 +117,20 @@ class World:
     A_TOTAL, C_TOTAL, B_TOTAL = 2 * CS + 100, CS + 33, CS
     P_CAP, Q_CAP = 2 * CS + 7, CS
 
-    def __init__(self, window):
+    def __init__(self, window, mac=False):
         e = self.e = eng.Engine(0, 2, [0, 2], CS, 5.0, 10.0, window)
-        for k, cid in ((0, 7), (1, 8), (2, 9)):
-            e.fuzz_attach(1, k, cid)
-        self.conn = {0: 7, 1: 8, 2: 9}
+        self.mac = mac
+        if mac:
+            e.set_integrity(True)
+        self.conn = {0: 6, 1: 7, 2: 8}
+        self.keys = {}                 # rail -> (tx key, rx key) of its current connection
+        self.ctr = {}                  # rail -> frames the engine has verified on it
+        self.history = {}              # rail -> sealed frames sent on the current connection
+        self.prev_keys = {}            # rail -> keys of its previous connection
+        self.tx = {}                   # rail -> what the engine wrote on it, not yet parsed
+        self.txctr = {}                # rail -> frames the engine wrote on its connection
+        for k in (0, 1, 2):
+            self.attach(k)
         self.keep = []
         self.targets = {}
         A, C, B = self.A_TOTAL, self.C_TOTAL, self.B_TOTAL
@@ -145,6 +170,24 @@ class World:
                           (0, 2, 0, 0, 0x11, 10, 0)]
         # acks the engine waits for: (flags, comm, seq, step, nchunks)
         self.acks = [(0, 1, 0, 1, 3), (0, 1, 2, 0, 2), (FL_P2P, 1, 0, 0, 3), (FL_P2P, 1, 1, 0, 2)]
+
+    def attach(self, rail):
+        """A new connection for `rail` (in mac mode with fresh frame keys)."""
+        self.conn[rail] += 1
+        cid = self.conn[rail]
+        if self.mac:
+            old = self.keys.get(rail)
+            tk = hashlib.blake2s(b"tx%d/%d" % (rail, cid)).digest()
+            rk = hashlib.blake2s(b"rx%d/%d" % (rail, cid)).digest()
+            self.keys[rail] = (tk, rk)
+            self.prev_keys[rail] = old or (tk, rk)
+            self.e.fuzz_attach(1, rail, cid, tk, rk)
+        else:
+            self.e.fuzz_attach(1, rail, cid)
+        self.ctr[rail] = 0
+        self.history[rail] = []
+        self.tx[rail] = bytearray()
+        self.txctr[rail] = 0
 
     def target(self, name, n):
         t = Target(name, n)
@@ -223,6 +266,79 @@ def build_frame(pv, w, info):
     return bytes(head) + payload
 
 
+def seal(pv, w, rail, info, ctr):
+    """mac mode: the frame of `info` as it goes on the wire, tag included: mostly sealed right
+    (the connection's receive key, the frame's counter), else a wrong, truncated, missing or
+    doubled tag, a tag for another counter or key, or a header / payload / length changed after
+    sealing (the header checksum fixed up: only the MAC can tell)."""
+    head, payload = info["head"], info["payload"]
+    tk, rk = w.keys[rail]
+    c = pv.byte()
+    if c >= 24:
+        return head + payload + eng.frame_tag(rk, head, payload, ctr)
+    how = c % 11
+    if how == 1:                                      # a replayed position / a reordered one
+        return head + payload + eng.frame_tag(rk, head, payload, ctr - 1 if ctr else ctr + 2)
+    if how == 2:
+        return head + payload + eng.frame_tag(rk, head, payload, ctr + 1 + pv.byte())
+    if how == 3:                                      # reflected: sealed with the tx key
+        return head + payload + eng.frame_tag(tk, head, payload, ctr)
+    if how == 4:                                      # from the previous connection
+        return head + payload + eng.frame_tag(w.prev_keys[rail][1], head, payload, ctr)
+    tag = eng.frame_tag(rk, head, payload, ctr)
+    if how == 0:
+        t = bytearray(tag)
+        t[pv.byte() % MAC_LEN] ^= pv.byte() | 1
+        return head + payload + bytes(t)
+    if how == 5:                                      # truncated tag
+        return head + payload + tag[:pv.byte() % MAC_LEN]
+    if how == 6:
+        return head + payload
+    if how == 7:
+        return head + payload + tag + tag
+    if how == 8:                                      # a header field rewritten, checksum fixed
+        f = list(HDR.unpack(head)[1:13])
+        i = pv.pick((1, 4, 5, 6, 7, 8, 10, 11))        # flags comm seq step sig chunk total aux
+        f[i] = (f[i] ^ (1 << (pv.byte() % (8 if i == 1 else 32)))) & \
+            (0xFF if i == 1 else (1 << 64) - 1)
+        return eng.encode_header(*f) + payload + tag
+    if how == 9 and payload:                          # a payload byte changed after sealing
+        pl = bytearray(payload)
+        pl[pv.int(2) % len(pl)] ^= pv.byte() | 1
+        return head + bytes(pl) + tag
+    # a payload shorter or longer than the header (and the tag) says
+    k = 1 + pv.byte() % 64
+    return head + (payload[:-k] if pv.byte() & 1 else payload + pv.bytes(k)) + tag
+
+
+def mac_parse(stream, key, ctr):
+    """What a correct mac-mode receiver makes of `stream` from frame counter `ctr`: (verdict,
+    [(header, payload) of the frames that verify], counter after them). verdict: "clean" (ends
+    at a frame boundary), "partial" (ends inside a frame), "bad" (reaches a malformed header),
+    "badtag" (reaches a tag that does not verify). The engine's payload bound in mac mode
+    (mbuf_cap: CS on a rail, MAX_CTRL_PAYLOAD on the control connection) is CS = 4096 for both
+    here, the bound hdr_validate puts on DATA and ABORT."""
+    pos, frames = 0, []
+    while True:
+        if pos == len(stream):
+            return "clean", frames, ctr
+        if pos + 48 > len(stream):
+            return "partial", frames, ctr
+        head = stream[pos:pos + 48]
+        if eng.validate_header(head, CS) < 0:
+            return "bad", frames, ctr
+        ln = HDR.unpack(head)[10]
+        end = pos + 48 + ln + MAC_LEN
+        if end > len(stream):
+            return "partial", frames, ctr
+        payload = stream[pos + 48:pos + 48 + ln]
+        if eng.frame_tag(key, head, payload, ctr) != stream[end - MAC_LEN:end]:
+            return "badtag", frames, ctr
+        frames.append((head, payload))
+        ctr += 1
+        pos = end
+
+
 def _outcome(kinds, all_read, wrote, ds):
     n = 0
     for k in kinds:
@@ -278,6 +394,33 @@ def note_valid(w, head, payload, complete):
         t.valid.setdefault(chunk, []).append(np.frombuffer(payload, np.uint8))
 
 
+def check_sent(w):
+    """What the engine wrote on each connection parses as well-formed frames, and in mac mode
+    each carries the tag of the connection's send key at its counter (lazy acks, control
+    frames and chunks interleaved, partial writes)."""
+    for rail in (0, 1, 2):
+        buf = w.tx[rail]
+        buf += w.e.fuzz_sent(rail)
+        pos = 0
+        while len(buf) - pos >= 48:
+            head = bytes(buf[pos:pos + 48])
+            assert eng.validate_header(head, CS) == 0, \
+                f"the engine wrote a malformed header on rail {rail}: {HDR.unpack(head)}"
+            ln = HDR.unpack(head)[10]
+            end = pos + 48 + ln + (MAC_LEN if w.mac else 0)
+            if end > len(buf):
+                break
+            if w.mac:
+                want = eng.frame_tag(w.keys[rail][0], head, bytes(buf[pos + 48:pos + 48 + ln]),
+                                     w.txctr[rail])
+                assert want == bytes(buf[end - MAC_LEN:end]), \
+                    f"the engine's frame {w.txctr[rail]} on rail {rail} has a wrong tag"
+                w.txctr[rail] += 1
+            STATS["tx_frames"] += 1
+            pos = end
+        del buf[:pos]
+
+
 def check_buffers(w):
     for t in w.targets.values():
         buf = t.buf
@@ -296,11 +439,16 @@ def check_buffers(w):
                                  f"offset {bad[0]} (value {buf[bad[0]]:#x})")
 
 
-def fuzz_frames(data):
-    """One fuzz input: a fresh engine, segments of frames, the checks. Returns frames fed."""
+def fuzz_frames(data, mac=None):
+    """One fuzz input: a fresh engine, segments of frames, the checks. Returns frames fed.
+    mac: run the engine in mac mode (None: the input's first byte decides, half and half)."""
     pv = Provider(data)
     t0 = time.monotonic()
-    w = World(window=pv.pick((CS, 2 * CS, 1 << 20)))
+    m = pv.byte() & 1
+    mac = bool(m) if mac is None else mac
+    w = World(window=pv.pick((CS, 2 * CS, 1 << 20)), mac=mac)
+    if mac:
+        STATS["mac_inputs"] += 1
     nframes = 0
     dirty = {}
     try:
@@ -316,16 +464,28 @@ def fuzz_frames(data):
             # or out of step (its next bytes would continue a frame the oracle cannot see), or
             # sometimes anyway
             if not rail_up(e, rail) or dirty.get(rail) or pv.byte() < 10:
-                w.conn[rail] += 1
-                e.fuzz_attach(1, rail, w.conn[rail])
+                w.attach(rail)
             nev = len(e.events_since(0))
+            nframes_before = nframes
             stream = bytearray()
             framed = True
             must_refuse = False
+            sealed = []
             for _ in range(1 + pv.byte() % 16):
                 info = {}
+                if mac and w.history[rail] and pv.byte() < 6:
+                    fr = pv.pick(w.history[rail])     # an earlier frame replayed whole
+                    stream += fr
+                    nframes += 1
+                    continue
                 fr = build_frame(pv, w, info)
                 nframes += 1
+                if mac:
+                    if not info.get("raw"):
+                        fr = seal(pv, w, rail, info, w.ctr[rail] + len(sealed))
+                        sealed.append(fr)
+                    stream += fr
+                    continue
                 if framed and not info.get("raw"):
                     if expected_bad(info["head"]):
                         must_refuse = True
@@ -344,11 +504,34 @@ def fuzz_frames(data):
                     must_refuse = False                # (the bad header may be cut off: see below)
                     must_refuse = _bad_header_within(bytes(stream))
             up_before = rail_up(e, rail)
-            consumed, up, wrote = e.fuzz_feed(1, rail, bytes(stream), step, block)
+            if mac:
+                verdict, good, ctr_end = mac_parse(bytes(stream), w.keys[rail][1], w.ctr[rail])
+                for head, payload in good:
+                    note_valid(w, head, payload, True)
+                must_refuse = verdict in ("bad", "badtag")
+                STATS["mac_frames"] += nframes - nframes_before
+                STATS["mac_verified"] += len(good)
+                w.history[rail] = (w.history[rail] + sealed)[-8:]
+            sstep = pv.pick((0, 0, 0, 0, 1, 5, 48, 64, 1000))
+            consumed, up, wrote = e.fuzz_feed(1, rail, bytes(stream), step, block, sstep)
+            check_sent(w)
             dirty[rail] = not framed or cut < 25
             evs = e.events_since(nev)
             kinds = [ev["kind"] for ev in evs]
             STATS["segments"] += 1
+            if mac:
+                dirty[rail] = not (up and verdict == "clean")
+                if not dirty[rail]:
+                    w.ctr[rail] = ctr_end
+                macbad = [ev for ev in evs if ev["kind"] == "bad_frame" and "MAC" in ev["info"]]
+                assert not macbad or verdict == "badtag", \
+                    f"a correctly sealed stream refused for its MAC: {verdict} {evs}"
+                assert not up or consumed == len(stream), \
+                    f"rail up but {consumed} of {len(stream)} bytes read"
+                if must_refuse and up_before:
+                    STATS["mac_refused"] += 1
+                    if macbad:
+                        STATS["mac_bad_tags"] += 1
             # outcome feedback for the coverage-guided run: a branch per engine outcome, so an
             # input that makes the engine do something new is new coverage to the fuzzer
             if not up:
@@ -369,6 +552,7 @@ def fuzz_frames(data):
             if st == 1:
                 STATS["delivered_ops"] += 1
         check_buffers(w)
+        check_sent(w)
     finally:
         w.close()
     STATS["inputs"] += 1
@@ -562,10 +746,15 @@ def seed_corpus(kind, n, rng):
             for _ in range(n)]
 
 
-def random_run(kind, budget_s=None, count=None, seed=0):
-    """Non-guided batch (CI): random inputs through the same harness."""
+def random_run(kind, budget_s=None, count=None, seed=0, mac=None):
+    """Non-guided batch (CI): random inputs through the same harness (frames: mac forces the
+    integrity mode, None lets each input choose)."""
     rng = np.random.default_rng(seed)
-    fn = fuzz_frames if kind == "frames" else fuzz_handshake
+    if kind == "frames":
+        def fn(d):
+            return fuzz_frames(d, mac)
+    else:
+        fn = fuzz_handshake
     t0 = time.monotonic()
     i = 0
     while (count is None or i < count) and (budget_s is None or time.monotonic() - t0 < budget_s):
@@ -632,6 +821,7 @@ elif __name__ == "__main__":
         pass
     atheris.instrument_func(fuzz_frames)
     atheris.instrument_func(build_frame)
+    atheris.instrument_func(seal)
     atheris.instrument_func(fuzz_handshake)
     atheris.instrument_func(_fuzz_connect)
     # (not the oracle: atheris's comparison tracing keeps the numpy arrays it compares alive,

@@ -1,6 +1,7 @@
 """The AddressSanitizer/UBSan job: scripts/asan.sh builds the engine with
 R2COMM_SANITIZE=address,undefined in build/asan and runs the memory-safety regression tests, the
-wire fuzzer's batches and the unit and fault tests against it. Any sanitizer report fails it."""
+wire fuzzer's batches (checksum and mac mode), the integrity tests and the unit and fault
+tests against it. Any sanitizer report fails it."""
 import os
 import shutil
 import subprocess

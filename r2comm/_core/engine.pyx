@@ -1635,6 +1635,10 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
         return
     if r.tx_busy and r.tx_ref.m == <void*>m and r.tx_ref.c == c and r.tx_orphan == NULL:
         return                          # this rail is still writing that chunk: not received
+    if m.crail[c] >= 0 and not (st & C_HEDGED):
+        pr = e.peers[m.peer].rails[m.crail[c]]
+        if pr.tx_busy and pr.tx_ref.m == <void*>m and pr.tx_ref.c == c and pr.tx_orphan == NULL:
+            return                      # nor is its only copy, still written on another rail
     if m.crail[c] >= 0:
         pr = e.peers[m.peer].rails[m.crail[c]]
         if st & C_HEDGED:
@@ -3343,10 +3347,12 @@ cdef class Engine:
         return e.peers[peer] != NULL and not e.peers[peer].lost
 
     # -- wire fuzzing (tests/fuzz_wire.py) -------------------------------------------------------
-    def fuzz_attach(self, int peer, int rail, uint32_t conn_id):
+    def fuzz_attach(self, int peer, int rail, uint32_t conn_id, bytes tx_key=b"",
+                    bytes rx_key=b""):
         """Testing only: switch this engine to the in-memory fuzz transport and bring up
-        (peer, rail) on it. What fuzz_feed() gives is then what the rail reads; what the engine
-        writes is accepted (and counted) or, with block_send, left unwritten."""
+        (peer, rail) on it (in mac mode with the connection's frame keys, as attach). What
+        fuzz_feed() gives is then what the rail reads; what the engine writes is accepted (and
+        counted, and kept per rail for fuzz_sent) or, with block_send, left unwritten."""
         cdef State* e = self._live()
         if self.started:
             raise RuntimeError("fuzz transport: the engine must not have a progress thread")
@@ -3355,13 +3361,27 @@ cdef class Engine:
         e.tp.post_recv = fz_post_recv
         e.tp.shutdown = fz_shutdown
         e.tp.close = fz_close
-        self.attach(peer, rail, -1, conn_id)
+        if 0 <= rail < FZ_RAILS:
+            fz.out[rail].clear()        # what the previous connection wrote is gone with it
+        # (a negative fd, as closed to the engine, that names the rail to fz_post_send)
+        self.attach(peer, rail, -2 - rail, conn_id, tx_key, rx_key)
+
+    def fuzz_sent(self, int rail):
+        """Testing only: the bytes the engine wrote on `rail` (fuzz transport) since the last
+        call or its fuzz_attach."""
+        cdef bytes out
+        if rail < 0 or rail >= FZ_RAILS:
+            raise ValueError(f"fuzz transport keeps rails 0..{FZ_RAILS - 1}")
+        out = fz.out[rail]
+        fz.out[rail].clear()
+        return out
 
     def fuzz_feed(self, int peer, int rail, const unsigned char[:] data, uint32_t step=0,
-                  bint block_send=False):
+                  bint block_send=False, uint32_t send_step=0):
         """Testing only: the rail reads `data` (in reads of at most `step` bytes; 0: as much as
         it asks for), then the engine sends what it has to (acks, chunks, notices) as its
-        progress loop would. Returns (bytes consumed, rail still up, bytes the engine wrote)."""
+        progress loop would (sends take at most `send_step` bytes each: partial writes; 0: all).
+        Returns (bytes consumed, rail still up, bytes the engine wrote)."""
         cdef State* e = self._live()
         cdef Rail* r
         cdef size_t before
@@ -3379,6 +3399,7 @@ cdef class Engine:
             fz.pos = 0
             fz.step = step
             fz.block = block_send
+            fz.send_step = send_step
             sent0 = fz.sent
             # each round consumes input or stops: bounded by the input size
             while r.state == R_UP and fz.pos < fz.n and guard <= <int>fz.n + 2:
@@ -3407,22 +3428,38 @@ cdef class Engine:
 
 
 
+cdef enum:
+    FZ_RAILS = 4              # rails the fuzz transport keeps what the engine wrote for
+
 cdef struct FuzzFeed:
     const char* src
     size_t n, pos
-    uint32_t step
+    uint32_t step, send_step
     int block
     uint64_t sent
+    string out[FZ_RAILS]        # what the engine wrote, per rail (fd -2 - rail)
 
 cdef FuzzFeed fz      # the in-memory transport of Engine.fuzz_attach / fuzz_feed (one at a time)
 
 cdef int64_t fz_post_send(int fd, iovec* iov, int niov) noexcept nogil:
     cdef int64_t total = 0
     cdef int i
+    cdef int64_t take
+    cdef int slot = -2 - fd
     if fz.block:
         return 0
     for i in range(niov):
         total += iov[i].iov_len
+    if fz.send_step > 0 and total > fz.send_step:
+        total = fz.send_step
+    if 0 <= slot < FZ_RAILS:
+        take = total
+        for i in range(niov):
+            if take <= 0:
+                break
+            fz.out[slot].append(<const char*>iov[i].iov_base,
+                                <size_t>(take if take < <int64_t>iov[i].iov_len else iov[i].iov_len))
+            take -= <int64_t>iov[i].iov_len
     fz.sent += total
     return total
 
