@@ -4,6 +4,7 @@ frames close the connection before anything acts on them); what the checksum alo
 catch; collectives with mac on."""
 import hashlib
 import os
+import re
 import socket
 import time
 
@@ -192,5 +193,8 @@ def test_mac_mode_collectives_exact_and_corrupted_frame_fails_over(n):
     env = {"R2COMM_INTEGRITY": "mac", "R2COMM_RAIL_TIMEOUT_MS": "150", "R2COMM_PROBE_MS": "30",
            "R2COMM_PROBE_MAX_MS": "300"}
     count, out = run_scenario(n, "integrity", timeout=150, env=env)
-    assert "INTEGRITY mode=mac bad_frame=1" in out, out[-3000:]
+    # at least one refusal (a corrupted hedged copy can be caught after the ranks counted, and
+    # the next attempt then alters another frame); rank 1 checked each names a MAC mismatch
+    m = re.search(r"INTEGRITY mode=mac bad_frame=(\d+)", out)
+    assert m and int(m.group(1)) >= 1, out[-3000:]
     assert count >= 30 * n
