@@ -352,18 +352,39 @@ def phase_fault(pair):
             cut = subprocess.run(["ip", "link", "set", "nic0", "down"]).returncode == 0
         t_down = time.monotonic()
         log(f"rail 0 cut ({a.fault}): {cut}")
+        # The rail fails at whichever comes first: an error completion (the sender thread ends
+        # with it), or the port's async PORT_ERR event, upon which the QP is moved to ERR so
+        # that every outstanding work request comes back at once as a flush error (rxe does
+        # not time a QP out while its carrier is down: it drops the packets silently).
+        ctx0, events, t_event, moved = pair.rails[0].ctx, [], None, False
+        deadline = time.monotonic() + a.fault_seconds + 30
+        while threads[0].is_alive() and time.monotonic() < deadline:
+            new = ctx0.read_async_events()
+            events += new
+            if t_event is None and any(e["type"] == V.EVENT_PORT_ERR for e in new):
+                t_event = time.monotonic()
+                pair.rails[0].qp.to_error()
+                moved = True
+            time.sleep(0.02)
         for t in threads:
             t.join(a.fault_seconds + 60)
+        if any(t.is_alive() for t in threads):          # never destroy a QP still in use
+            result("fault", side="send", ok=False, stuck=True)
+            sys.stdout.flush()
+            os._exit(3)
         (pair.store_dir / "fault.senddone").touch()
         r0, r1 = results.get(0, {}), results.get(1, {})
-        events = pair.rails[0].ctx.read_async_events()
+        events += ctx0.read_async_events()
         last_ok_1 = r1.get("started", 0) + r1.get("elapsed", 0)
+        t_err = r0.get("first_error_at")
         result("fault", side="send", cut=cut, mode=a.fault,
                rail0_first_error=r0.get("first_error"), rail0_statuses=r0.get("statuses"),
-               rail0_detect_s=(r0["first_error_at"] - t_down) if r0.get("first_error_at") else None,
-               rail0_ok=r0.get("ok"), rail0_qp_state=pair.rails[0].qp.state,
+               rail0_detect_s=(t_err - t_down) if t_err else None,
+               rail0_event_s=(t_event - t_down) if t_event else None, moved_to_error=moved,
+               rail0_ok=r0.get("ok"), rail0_posted=r0.get("posted"),
+               rail0_qp_state=pair.rails[0].qp.state,
                rail1_ok=r1.get("ok"), rail1_errors=r1.get("errors"),
-               rail1_ok_after_error_s=(last_ok_1 - r0["first_error_at"]) if r0.get("first_error_at") else None,
+               rail1_ok_after_error_s=(last_ok_1 - t_err) if t_err else None,
                rail1_mbit=r1["bytes"] * 8 / r1["elapsed"] / 1e6 if r1.get("elapsed") else None,
                async_events=[e["name"] for e in events],
                timeout=a.qp_timeout, retry_cnt=a.retry_cnt)
@@ -393,16 +414,19 @@ def orchestrate(fabric, store_dir, host=1, nic=0, timeout=600.0, stop=None):
     """Host side of ``--fault host``: cut HOST's rail NIC when a rank asks (fault.request),
     restore it once the rank saw the errors (fault.seen).  Returns what it did."""
     store_dir = Path(store_dir)
-    done, deadline = [], time.monotonic() + timeout
+    done, job, deadline, since = [], None, time.monotonic() + timeout, time.time() - 1
     while time.monotonic() < deadline and not (stop and stop.is_set()):
-        jobs = [store_dir] if (store_dir / "fault.request").exists() else \
-            [p.parent for p in store_dir.glob("*/fault.request")]
-        if jobs and "down" not in done:
-            fabric.nic_down(host, nic)
-            (jobs[0] / "fault.down").touch()
-            done.append("down")
-            job = jobs[0]
-        if "down" in done and (job / "fault.seen").exists():
+        if job is None:       # a job (this directory, or one per job below it) asking now
+            asking = [p.parent for p in [store_dir / "fault.request",
+                                         *store_dir.glob("*/fault.request")]
+                      if p.exists() and not (p.parent / "fault.down").exists()
+                      and p.stat().st_mtime >= since]      # not a request of an older job
+            if asking:
+                job = asking[0]
+                fabric.nic_down(host, nic)
+                (job / "fault.down").touch()
+                done.append("down")
+        elif (job / "fault.seen").exists():
             fabric.nic_up(host, nic)
             (job / "fault.up").touch()
             done.append("up")
