@@ -471,12 +471,11 @@ def main():
             phase_writeimm(pair, r)
     if "regcache" in phases:
         phase_regcache(pair, pair.rails[0])
-    if "bandwidth" in phases:
-        for r in pair.rails:
+    for r in pair.rails:     # ours and perftest back to back per rail: same machine load
+        if "bandwidth" in phases:
             for op in ("send", "write_imm"):
                 phase_bandwidth(pair, r, op)
-    if "perftest" in phases:
-        for r in pair.rails:
+        if "perftest" in phases:
             for tool in ("ib_send_bw", "ib_write_bw"):
                 for events in ((False, True) if tool == "ib_send_bw" else (False,)):
                     phase_perftest(pair, r, tool, events)   # ib_write_bw has no -e
