@@ -16,13 +16,35 @@ if sanitize:
         "-fno-sanitize-recover=all"]
     link = [f"-fsanitize={sanitize}"]
 
-def ext(name):
+def ext(name, libraries=()):
     return Extension(f"r2comm._core.{name}", [f"r2comm/_core/{name}.pyx"],
                      language="c++", extra_compile_args=flags, extra_link_args=link,
-                     include_dirs=["r2comm/_core"], libraries=["pthread"])
+                     include_dirs=["r2comm/_core"], libraries=["pthread", *libraries])
+
+
+def have_verbs():
+    """libibverbs' header and development library (apt: libibverbs-dev): the verbs module is
+    built only where both exist; r2comm works without it (TCP rails).  R2COMM_VERBS=0 skips
+    it, R2COMM_VERBS=1 makes its absence an error."""
+    import glob
+    want = os.environ.get("R2COMM_VERBS", "auto")
+    if want == "0":
+        return False
+    dirs = ["/usr/lib", "/usr/lib64", "/usr/local/lib", *glob.glob("/usr/lib/*-linux-gnu")]
+    found = (any(os.path.exists(f"{d}/include/infiniband/verbs.h") for d in ("/usr", "/usr/local"))
+             and any(glob.glob(f"{d}/libibverbs.so") for d in dirs))
+    if want == "1" and not found:
+        raise SystemExit("R2COMM_VERBS=1 but infiniband/verbs.h or libibverbs.so is missing "
+                         "(apt install libibverbs-dev)")
+    return found
+
+
+extensions = [ext("engine")]
+if have_verbs():
+    extensions.append(ext("verbs", libraries=["ibverbs"]))
 
 setup(
-    ext_modules=cythonize([ext("engine")],
+    ext_modules=cythonize(extensions,
                           compiler_directives={"language_level": 3, "boundscheck": False,
                                                "wraparound": False, "cdivision": True},
                           annotate=False),

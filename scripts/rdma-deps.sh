@@ -2,12 +2,14 @@
 # System packages for the soft-RoCE testbed (python -m r2comm.testbed rdma-run, tests marked rdma):
 # QEMU, a stock kernel that has the rdma_rxe module (booted in the guests, not on the host),
 # rdma-core (the `rdma` tool, libibverbs and its rxe provider), ibverbs-utils (ibv_devinfo,
-# ibv_rc_pingpong) and pyverbs for the system Python.  Debian/Ubuntu (apt) only.
+# ibv_rc_pingpong), pyverbs for the system Python, libibverbs-dev (header and library to build
+# r2comm._core.verbs) and perftest (ib_write_bw, ib_send_bw: raw verbs numbers to compare
+# with).  Debian/Ubuntu (apt) only.
 # Run as root; idempotent: does nothing when everything is there.  scripts/env.sh calls it when
 # R2COMM_RDMA=1.  virtme-ng, which boots the guests, is a pip package (the rdma and test extras).
 # Measured on Debian 12: ~65 s and ~1.75 GB of disk on a machine with none of them.
 set -euo pipefail
-PKGS=(qemu-system-x86 rdma-core ibverbs-utils ibverbs-providers python3-pyverbs)
+PKGS=(qemu-system-x86 rdma-core ibverbs-utils ibverbs-providers python3-pyverbs libibverbs-dev perftest)
 if [ -r /etc/os-release ] && grep -qi '^ID=ubuntu' /etc/os-release; then
     PKGS+=(linux-image-generic)
 else
