@@ -351,3 +351,12 @@ def test_three_guests_share_a_rail_through_the_hub(rdma_ok):
             ok, speed, out = _pingpong(fab, 0, 18800 + peer, server_host=peer, client_host=0)
             assert ok, out
             print(f"\nhub: host 0 -> host {peer} over rail 0: {speed} Mbit/s")
+
+
+@pytest.mark.rdma
+def test_verbs_layer_on_soft_roce(rfab):
+    """r2comm's own verbs layer (r2comm/_core/verbs.pyx) between the guests: the checks live in
+    tests/test_verbs.py, run here so that both files share one boot."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_verbs
+    test_verbs.verbs_pair_checks(rfab)

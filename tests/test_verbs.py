@@ -183,30 +183,7 @@ def test_verbs_module_without_devices_is_a_clear_error():
     assert V.event_str(V.EVENT_PORT_ERR) == "port error"
 
 
-# --- with RDMA: one fabric boot, one harness run ------------------------------------------------
-@pytest.fixture(scope="module")
-def vfab():
-    if NO_VERBS:
-        pytest.skip(NO_VERBS)
-    from r2comm.testbed import TestbedError, rdma
-    reuse = os.environ.get("R2COMM_TEST_RDMA_FABRIC")
-    if reuse:
-        yield rdma.RdmaFabric.attach(reuse)
-        return
-    try:
-        rdma.preflight()
-    except TestbedError as exc:
-        pytest.skip(f"cannot boot soft-RoCE guests here: {exc}")
-    fab = rdma.RdmaFabric(hosts=2, nics=2, tag=f"v{os.getpid()}")
-    started = time.monotonic()
-    fab.up()
-    print(f"\nboot of 2 guests: {time.monotonic() - started:.1f} s")
-    try:
-        yield fab
-    finally:
-        fab.down()
-
-
+# --- with RDMA: run by tests/test_rdma_testbed.py on its fabric (one boot for both files) ---------
 def _results(out):
     rows = []
     for line in out.splitlines():
@@ -216,8 +193,13 @@ def _results(out):
     return rows
 
 
-@pytest.mark.rdma
-def test_verbs_pair_on_soft_roce(vfab):
+def verbs_pair_checks(vfab):
+    """tests/verbs_pair.py on a booted 2 x 2 soft-RoCE fabric: send/recv, write with
+    immediate, the registration cache, bandwidth against perftest, a real link cut (error
+    completions on that rail only) and fail-back with a new QP. Called by
+    test_rdma_testbed.test_verbs_layer_on_soft_roce, which owns the fabric."""
+    if NO_VERBS:
+        pytest.skip(NO_VERBS)
     sys.path.insert(0, str(HERE))
     import verbs_pair
     stop = threading.Event()
