@@ -12,9 +12,13 @@ for real (its connections are shut) before --fail-step and brings it back before
 some random tokens), so the loss falls. Rank 0 prints each step's loss and time, then the
 mean step time and a digest of the whole loss curve: runs with the same settings print the same
 digest when their losses are bitwise identical (r2comm keeps its reduction order through
-failures)."""
+failures). --json PATH has rank 0 write the run as JSON (per-step losses and times, the
+digest; written also when a collective fails, with the error), for benchmark drivers such as
+bench/testbed_torch.py."""
 import argparse
+import datetime
 import hashlib
+import json
 import math
 import os
 import time
@@ -74,11 +78,15 @@ def main():
     p.add_argument("--fail-step", type=int, default=-1, help="rank 1 takes its rail 0 down")
     p.add_argument("--restore-step", type=int, default=-1, help="... and brings it back")
     p.add_argument("--quiet", action="store_true", help="only the summary")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a collective may take (init_process_group's timeout)")
+    p.add_argument("--json", default=None, help="rank 0 writes the run here")
     args = p.parse_args()
 
     if args.backend == "r2comm":
         import r2comm.torch  # noqa: F401  (registers the backend)
-    dist.init_process_group(args.backend)
+    kw = {"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}
+    dist.init_process_group(args.backend, **kw)
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     vocab, d, heads, layers, ff, seq = SIZES[args.size]
@@ -93,7 +101,48 @@ def main():
               f"({nparams * 4 / 2**20:.1f} MiB of gradients per step, buckets of "
               f"{args.bucket_mb:g} MiB), {args.batch} x {seq} tokens per rank", flush=True)
     gen = torch.Generator().manual_seed(1234 + rank)
-    losses, times = [], []
+    losses, times, ends = [], [], []
+    record = {"backend": args.backend, "size": args.size, "ranks": size, "batch": args.batch,
+              "seq": seq, "bucket_mb": args.bucket_mb, "params": nparams,
+              "grad_bytes": nparams * 4, "steps": args.steps, "losses": losses,
+              "step_s": times, "step_end": ends, "error": None}
+    try:
+        train(args, model, opt, comm, gen, rank, size, vocab, seq, losses, times, ends)
+    except Exception as exc:  # a collective failed or timed out: keep what was measured
+        record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        if rank == 0 and args.json:
+            write_json(args.json, record, losses, comm)
+        raise
+    steady = sorted(times[2:]) or times
+    digest = hashlib.sha256(" ".join(v.hex() for v in losses).encode()).hexdigest()[:16]
+    if rank == 0:
+        print(f"[lm] done: loss {losses[0]:.4f} -> {losses[-1]:.4f} (uniform would be "
+              f"{math.log(vocab):.2f}); step time mean {sum(steady) / len(steady) * 1e3:.1f} ms, "
+              f"median {steady[len(steady) // 2] * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms; "
+              f"loss-curve digest {digest}", flush=True)
+        if args.json:
+            write_json(args.json, record, losses, comm)
+    dist.barrier()  # no rank leaves while another still talks to it
+    dist.destroy_process_group()
+
+
+def write_json(path, record, losses, comm):
+    record["loss_hex"] = [v.hex() for v in losses]
+    record["digest"] = hashlib.sha256(" ".join(record["loss_hex"]).encode()).hexdigest()[:16]
+    if comm is not None:  # rank 0's view of its rails and of the failover events
+        record["rails"] = [{"address": r.address, "state": r.state, "failures": r.failures,
+                            "bytes_sent": r.bytes_sent} for r in comm.rails]
+        kinds = {}
+        for e in comm.events:
+            kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+        record["event_kinds"] = kinds
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def train(args, model, opt, comm, gen, rank, size, vocab, seq, losses, times, ends):
     for step in range(args.steps):
         if comm is not None and rank == 1 and step == args.fail_step:
             print(f"[lm] rank 1: taking rail 0 down before step {step}", flush=True)
@@ -111,18 +160,11 @@ def main():
         dist.all_reduce(mean)
         mean /= size
         times.append(time.perf_counter() - t0)
+        ends.append(time.time())
         losses.append(mean.item())
         if rank == 0 and not args.quiet:
             print(f"[lm] step {step:3d}  loss {losses[-1]:.4f}  {times[-1] * 1e3:7.1f} ms",
                   flush=True)
-    steady = sorted(times[2:]) or times
-    if rank == 0:
-        digest = hashlib.sha256(" ".join(v.hex() for v in losses).encode()).hexdigest()[:16]
-        print(f"[lm] done: loss {losses[0]:.4f} -> {losses[-1]:.4f} (uniform would be "
-              f"{math.log(vocab):.2f}); step time mean {sum(steady) / len(steady) * 1e3:.1f} ms, "
-              f"median {steady[len(steady) // 2] * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms; "
-              f"loss-curve digest {digest}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,8 +11,13 @@ in Megatron-style tensor parallelism): the partial outputs are summed by an allr
 batch x hidden floats (--hidden 2048, --batch 4: 32 KiB) per layer. With injection (default)
 rank 1 fails its rail 0 for real at token --fail-token and restores it at --restore-token; the
 phases are: before the failure, while the rail is down, after it is back. Rank 0 prints a
-checksum of the outputs: a run with a failure prints the same one as a run without."""
+checksum of the outputs: a run with a failure prints the same one as a run without. With
+--no-inject, rank 0 prints "[serve] at token N" when it reaches --fail-token and
+--restore-token, so whoever takes the NIC down can follow the stream; --json PATH has rank 0
+write every token's start time and latency (bench/testbed_torch.py splits the phases by the
+times of the real fault)."""
 import argparse
+import json
 import os
 import time
 
@@ -35,6 +40,7 @@ def main():
     p.add_argument("--fail-token", type=int, default=100)
     p.add_argument("--restore-token", type=int, default=200)
     p.add_argument("--no-inject", action="store_true", help="no fail_rail (testbed: nic-down)")
+    p.add_argument("--json", default=None, help="rank 0 writes per-token times here")
     args = p.parse_args()
     if args.backend == "r2comm":
         import r2comm.torch  # noqa: F401
@@ -45,13 +51,16 @@ def main():
     shard = args.hidden // size
     weights = [torch.randn(shard, args.hidden) / args.hidden ** 0.5 for _ in range(args.layers)]
     h = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(7))
-    lat, outs = [], []
+    lat, starts, outs = [], [], []
     for tok in range(args.tokens):
         if comm is not None and not args.no_inject and rank == 1:
             if tok == args.fail_token:
                 comm.fail_rail(0, "hard")
             if tok == args.restore_token:
                 comm.restore_rail(0)
+        if args.no_inject and rank == 0 and tok in (args.fail_token, args.restore_token):
+            print(f"[serve] at token {tok}", flush=True)
+        starts.append(time.time())
         t0 = time.perf_counter()
         x = h
         for w in weights:
@@ -77,6 +86,14 @@ def main():
                       f"before)", flush=True)
         digest = torch.stack(outs).double().sum().item()
         print(f"[serve] output checksum {digest.hex()}", flush=True)
+        if args.json:
+            with open(args.json + ".tmp", "w") as f:
+                json.dump({"backend": args.backend, "ranks": size, "layers": args.layers,
+                           "allreduce_bytes": args.batch * args.hidden * 4,
+                           "tokens": args.tokens, "fail_token": args.fail_token,
+                           "restore_token": args.restore_token, "token_start": starts,
+                           "token_s": lat, "checksum": digest.hex()}, f)
+            os.replace(args.json + ".tmp", args.json)
     dist.destroy_process_group()
 
 
