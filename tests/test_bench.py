@@ -551,3 +551,93 @@ def test_results_from_short_runs(runs, tmp_path):
     assert "not run (needs root" in text.lower()  # no testbed JSON among these runs
     assert "Multi-rail and NIC failover in the netns testbed" in text
     assert f"{tcp['machine']['cpus']} CPUs" in text and "took 12 s" in text
+
+
+def _fake_torch_doc():
+    """A testbed_torch.json as bench/testbed_torch.py writes it (summary part), numbers made up."""
+    def nic_down(during, base, own_before, hit=0.9):
+        return {"during_median_s": during, "base_same_steps_median_s": base, "before_median_s": base,
+                "overhead_during": during / base - 1, "overhead_vs_own_before": own_before,
+                "hit_step_s": hit, "after_median_s": base, "run_overhead": 0.01, "base_drift": 0.002}
+    shapes = {
+        "compute": {"r2comm_healthy_median_s": 0.200, "gloo_healthy_median_s": 0.210, "grad_bytes": 655 << 10,
+                    "nic_down": nic_down(0.2010, 0.2000, 0.004), "degraded": nic_down(0.202, 0.200, 0.01),
+                    "gloo_nic_down": {"text": "stalled: the step in flight took 3.3 s (the NIC was down 3.0 s), "
+                                              "then Gloo went on after nic-up", "healthy_median_s": 0.21},
+                    "digests": {"compute_r2comm_healthy": "aa", "compute_r2comm_nic_down": "aa"}},
+        "network": {"r2comm_healthy_median_s": 0.150, "gloo_healthy_median_s": 0.120, "grad_bytes": 5 << 20,
+                    "nic_down": nic_down(0.240, 0.150, 0.55), "degraded": nic_down(0.2, 0.15, 0.3),
+                    "digests": {"network_r2comm_healthy": "bb", "network_r2comm_nic_down": "bc"}},
+    }
+    serving = {"ranks": 4, "layers": 8, "allreduce_bytes": 32 << 10, "tokens": 900, "checksum": "0x1p+0",
+               "fault_free_checksum": "0x1p+0", "phases": {
+                   "before": {"tokens": 270, "p50_s": 0.010, "p99_s": 0.020, "max_s": 0.03,
+                              "base_p99_s": 0.020, "p99_vs_fault_free": 0.0},
+                   "during": {"tokens": 300, "p50_s": 0.010, "p99_s": 0.0202, "max_s": 0.5, "p99_vs_before": 0.01,
+                              "base_p99_s": 0.020, "p99_vs_fault_free": 0.01},
+                   "after": {"tokens": 300, "p50_s": 0.011, "p99_s": 0.025, "max_s": 0.04, "p99_vs_before": 0.25,
+                             "base_p99_s": 0.020, "p99_vs_fault_free": 0.25}}}
+    flap = {"healthy_median_s": 0.15, "slow_factor": 1.5, "flaps": [
+        {"step": 12, "window": [12, 13, 14], "step_s": [0.6, 0.15, 0.15], "slow_steps": [12], "slow_count": 1},
+        {"step": 26, "window": [26, 27, 28], "step_s": [0.6, 0.5, 0.15], "slow_steps": [26, 27], "slow_count": 2}]}
+    return {"config": {"hosts": 2, "nics": 2, "rate": "500mbit", "ranks": 4, "ranks_per_host": 2,
+                       "shapes": {"compute": {"size": "tiny", "batch": 96, "bucket_mb": 0.25},
+                                  "network": {"size": "small", "batch": 2, "bucket_mb": 1.0}},
+                       "fail_step": {"compute": 11, "network": 12}, "restore_step": {"compute": 22, "network": 26},
+                       "gloo_ifnames": "nic0,nic1", "fault": "fab.nic_down(1, 0)", "serve_warmup_tokens": 30},
+            "cases": {"network_gloo_nic_dead": {"backend": "gloo", "fault": "nic_dead", "error": "RuntimeError: timed out"}},
+            "seconds": 300.0,
+            "summary": {"shapes": shapes, "digests_equal": {"compute": True, "network": False}, "flap": flap,
+                        "serving": serving,
+                        "gloo_nic_dead": {"text": "failed 18 s after the NIC went down: 5 of 40 steps done"}}}
+
+
+def test_results_torch_section_from_fake_json(tmp_path):
+    """The issue-18 section and its glance rows, met and not met, from a made-up testbed_torch.json;
+    the simulator section from a made-up sim_validate.json and testbed_failover.json."""
+    (tmp_path / "testbed_torch.json").write_text(json.dumps(_fake_torch_doc()))
+    (tmp_path / "testbed_torch.cmd").write_text("bench/testbed_torch.py --out bench/out")
+    (tmp_path / "sim_validate.json").write_text(json.dumps({"efficiency": 0.962, "alpha": 2.5e-5, "rows": [
+        {"scenario": "multi-rail, 2 ranks, 1 NIC", "unit": "busbw GB/s", "measured": 0.121, "predicted": 0.120},
+        {"scenario": "multi-rail, 2 ranks, 2 NICs", "unit": "busbw GB/s", "measured": 0.237, "predicted": 0.240},
+        {"scenario": "failover timeline, 2 ranks: op hit by the fault", "unit": "ms", "measured": 340,
+         "predicted": 419}]}))
+    (tmp_path / "testbed_failover.json").write_text(json.dumps({"config": {}, "runs": {"2": {
+        "single_rail": {"busbw_GBps": 0.100}, "healthy": {"busbw_GBps": 0.240}}}}))
+    text = results.render(str(tmp_path))
+    glance = text.split("## Targets at a glance")[1].split("\n## ")[0]
+    sec = text.split("## torch.distributed on r2comm in the netns testbed (issue 18)")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[1][:60]: line for line in glance.splitlines() if line.startswith("| torch.distributed")}
+    assert len(rows) == 10, glance
+    compute = [r for k, r in rows.items() if k.startswith("compute-bound")][0]
+    assert "+0.5%" in compute and compute.endswith("✅ met |")                     # 201 vs 200 ms, own +0.4%
+    network = [r for k, r in rows.items() if k.startswith("network-dominant")][0]
+    assert "1.60×" in network and "1.55×" in network and network.endswith("✅ met |")
+    gloo = [line for line in glance.splitlines() if "at least as fast as Gloo" in line]
+    assert [g.endswith("✅ met |") for g in gloo] == [True, False]                 # 200 < 210; 150 > 120 ms
+    assert "150.0 ms vs 120.0 ms (0.80× Gloo's speed)" in gloo[1]
+    digests = [line for line in glance.splitlines() if "bitwise identical" in line]
+    assert digests[0].endswith("✅ met |") and digests[1].endswith("❌ not met |") and "bb, bc" in digests[1]
+    flaps = [line for line in glance.splitlines() if "NIC flap" in line]
+    assert flaps[0].endswith("✅ met |") and flaps[1].endswith("❌ not met |") and "2 slow step(s)" in flaps[1]
+    serve = [line for line in glance.splitlines() if "serving p99" in line]
+    assert serve[0].endswith("✅ met |") and "+1.0%" in serve[0]
+    assert serve[1].endswith("❌ not met |") and "+25.0%" in serve[1]
+    # the section: table, Gloo's behaviour, digests, the command
+    assert "| compute (tiny LM, 96 sequences per rank, 0.25 MiB buckets; 655 KiB of gradients) | 200.0 ms | 210.0 ms |" in sec
+    assert "201.0 ms (+0.5%)" in sec and "| **no** |" in sec
+    assert "stalled: the step in flight took 3.3 s" in sec and "the NIC down for good: failed 18 s" in sec
+    assert "bench/testbed_torch.py --out bench/out" in sec and "noise floor" in sec
+    assert "| NIC down | 300 | 10.00 ms | 20.20 ms |" in sec and "equal to the fault-free run's" in sec
+    # the simulator: recorded and this run's measurements
+    sim = text.split("## The failure simulator against the testbed (issue 21)")[1].split("\n## ")[0]
+    assert "2 of 3 scenarios predicted within 15%" in sim and "op hit by the fault*, predicted / measured = 1.232" in sim
+    assert "1 of 2 scenarios within 15%" in sim and "multi-rail, 2 ranks, 1 NIC*, predicted / measured = 1.200" in sim
+
+
+def test_results_torch_and_sim_sections_say_not_run(tmp_path):
+    (tmp_path / "testbed_torch.skipped").write_text("needs root: the testbed uses network namespaces")
+    text = results.render(str(tmp_path))
+    assert "## torch.distributed on r2comm in the netns testbed (issue 18)\n\nNot run (needs root" in text
+    assert "| torch.distributed | not run (needs root" in text.lower()
+    assert "## The failure simulator against the testbed (issue 21)\n\nNot run (no `sim_validate.json`" in text

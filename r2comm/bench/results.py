@@ -37,7 +37,8 @@ TSTAR_FACTOR = 1.15  # issue 5: within 15% of T*
 DEFAULT_RAIL_TIMEOUT_MS = 500.0  # r2comm.config default of R2COMM_RAIL_TIMEOUT_MS
 
 COLLECTIVES = ("allgather", "reduce_scatter", "bcast", "alltoall")
-FIGURES = ("allreduce.png", "failover_hard.png", "failover_silent.png", "testbed_timeline.png")
+FIGURES = ("allreduce.png", "failover_hard.png", "failover_silent.png", "testbed_timeline.png",
+           "testbed_torch.png")
 NOT_ROOT = "not run (needs root: the testbed uses network namespaces; `sudo bash bench/run_all.sh`)"
 
 
@@ -796,6 +797,11 @@ def render(folder, elapsed_s=None):
     sec, t = degraded_section(res)
     body += sec
     summary += [("Degraded server", x) for x in t] or [("Degraded server", (not_run_note(sec), None))]
+    from .results_torch import sim_section, torch_section  # its own module (imports this one)
+    sec, t = torch_section(res)
+    body += sec
+    summary += [("torch.distributed", x) for x in t] or [("torch.distributed", (not_run_note(sec), None))]
+    body += sim_section(res)[0]
     body += ["## A slow (degraded) rail in the testbed (issue 3 \"degraded\", issue 5)", "",
              "Not part of this script: `tests/test_slow_rail.py` (root) checks that a rail degraded to a tenth "
              "of its rate gets proportionally less traffic; the hand-run measurements behind that change are in "
