@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # r2comm comparison suite on one host, then bench/RESULTS.md written from its JSON files.
-# About 5 minutes on 2 cores for the loopback part, plus about 1.5 minutes of testbed as root;
-# the testbed steps get what is left of a 10-minute budget (BUDGET) and are skipped when too
-# little is left.
+# About 5 minutes on 2 cores for the loopback part, plus about 7 minutes of testbed as root
+# (1.5 for the multi-rail and degraded-server benches, 5 for torch.distributed); the testbed
+# steps get what is left of a 14.5-minute budget (BUDGET) and are skipped when too little is left.
 #
 #   bash bench/run_all.sh                # everything: results in bench/out/, bench/RESULTS.md,
 #                                        # the figures RESULTS.md shows in bench/figures/
@@ -25,6 +25,11 @@
 # and, as root with iproute2 (network namespaces; traffic stays in 198.18.0.0/15):
 #   testbed_failover          2 hosts x 2 NICs at 1 Gbit/s: 1 vs 2 NICs, a real NIC down
 #   testbed_degraded_<H>hosts H = 3, 4 hosts at 500 Mbit/s, one NIC of the last host down
+#   testbed_torch             DDP LM and TP serving under torchrun, 2 hosts x 2 NICs at 500 Mbit/s,
+#                             4 ranks: r2comm healthy / NIC down / NIC degraded / NIC flap vs Gloo
+#                             healthy / NIC down (bench/testbed_torch.py); testbed_torch.png
+# and always:
+#   sim_validate     the simulator's replay of the testbed scenarios (python -m r2comm.sim validate)
 #
 # MPI over TCP: the MPICH wheel uses shared memory between local ranks, and with
 # MPIR_CVAR_NOLOCAL=1 alone its UCX netmod still picks shared memory.  The OFI
@@ -43,7 +48,7 @@ if [[ -z ${RESULTS:-} ]]; then
 fi
 NP=${NP:-2}
 STEP_TIMEOUT=${STEP_TIMEOUT:-150}
-BUDGET=${BUDGET:-570}          # seconds for all steps; the rest of 10 minutes is for the report
+BUDGET=${BUDGET:-870}          # seconds for all steps; the rest of 15 minutes is for the report
 TESTBED=${TESTBED:-auto}       # auto: when root; 0: never
 export R2COMM_RAILS=${R2COMM_RAILS:-127.0.0.1,127.0.0.2}
 export R2COMM_TIMEOUT=${R2COMM_TIMEOUT:-30}  # a hung collective fails its step sooner
@@ -113,11 +118,12 @@ plot() {
 
 SWEEP=(--rounds 5 --budget 0.2 -f)  # 5: a median that one slow round of a bimodal machine cannot move
 BIG=64M; COLL_MAX=16M; P2P=(--rounds 3 --budget 0.2); FO=(--duration 6 --fail-at 2); SR=(--duration 4)
-TB_FO=(--ranks 2,4); TB_DG=(--mib 64); ACKS=(--rounds 15 --budget 0.3)
+TB_FO=(--ranks 2,4); TB_DG=(--mib 64); ACKS=(--rounds 15 --budget 0.3); TB_TORCH=()
 if [[ ${QUICK:-0} == 1 ]]; then  # a smoke test of this script and the report (about 1.5 minutes)
     SWEEP=(--rounds 1 --budget 0.05 -f); BIG=4M; COLL_MAX=1M; P2P=(--rounds 1 --budget 0.05)
     FO=(--duration 2.5 --fail-at 0.8); SR=(--duration 1.5)
     TB_FO=(--ranks 2 --size $((16 << 20)) --iters 2 --stream-seconds 3 --fail-at 1); TB_DG=(--mib 16 --reps 1); ACKS=(--rounds 2 --budget 0.1)
+    TB_TORCH=(--quick --shapes network)
 fi
 
 step allreduce_shm -- allreduce -m 8:$BIG --peer mpi,gloo "${SWEEP[@]}" --json "$OUT/allreduce_shm.json"
@@ -154,8 +160,11 @@ step acks1 R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noack "$
 step acks1_rev R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noack --r2comm-last \
     "${ACKS[@]}" -f --json "$OUT/acks1_rev.json"
 
-# the netns testbed (issue 4, 5): root and iproute2 only; bounded by the budget
-TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts)
+# the simulator replaying the testbed's scenarios (issue 21; about 10 s, no root needed)
+run sim_validate 120 TERM "$PY" -m r2comm.sim validate --json "$OUT/sim_validate.json"
+
+# the netns testbed (issue 4, 5, 18): root and iproute2 only; bounded by the budget
+TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts testbed_torch)
 why_not=""
 if [[ $TESTBED == 0 ]]; then
     why_not="TESTBED=0"
@@ -179,6 +188,9 @@ else
             --rate 500mbit "${TB_DG[@]}" --out "$OUT" \
             && mv "$OUT/testbed_degraded.json" "$OUT/testbed_degraded_${hosts}hosts.json"
     done
+    # torch.distributed (issue 18): about 5 minutes, 12 torchrun jobs of at most 75 s each
+    rm -f "$OUT/testbed_torch.png"
+    testbed testbed_torch 420 150 bench/testbed_torch.py "${TB_TORCH[@]}" --out "$OUT"
 fi
 
 took=$((SECONDS - start))
