@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System packages for the soft-RoCE testbed (python -m r2comm.testbed rdma-run, tests marked rdma):
 # QEMU, a stock kernel that has the rdma_rxe module (booted in the guests, not on the host),
-# rdma-core (the `rdma` tool, libibverbs and its rxe provider), ibverbs-utils (ibv_devinfo,
+# busybox-static (virtme-ng builds the guests' initramfs from it), rdma-core (the `rdma` tool,
+# libibverbs and its rxe provider), ibverbs-utils (ibv_devinfo,
 # ibv_rc_pingpong), pyverbs for the system Python, libibverbs-dev (header and library to build
 # r2comm._core.verbs) and perftest (ib_write_bw, ib_send_bw: raw verbs numbers to compare
 # with).  Debian/Ubuntu (apt) only.
@@ -9,7 +10,7 @@
 # R2COMM_RDMA=1.  virtme-ng, which boots the guests, is a pip package (the rdma and test extras).
 # Measured on Debian 12: ~65 s and ~1.75 GB of disk on a machine with none of them.
 set -euo pipefail
-PKGS=(qemu-system-x86 rdma-core ibverbs-utils ibverbs-providers python3-pyverbs libibverbs-dev perftest)
+PKGS=(qemu-system-x86 busybox-static rdma-core ibverbs-utils ibverbs-providers python3-pyverbs libibverbs-dev perftest)
 if [ -r /etc/os-release ] && grep -qi '^ID=ubuntu' /etc/os-release; then
     PKGS+=(linux-image-generic)
 else

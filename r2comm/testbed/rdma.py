@@ -54,7 +54,8 @@ BOOT_TIMEOUT_S = 300.0
 GUEST_AGENT = Path(__file__).with_name("_rdma_guest.py")
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 DEPS_HINT = ("install them with `sudo bash scripts/rdma-deps.sh` (apt: qemu-system-x86 "
-             "linux-image-amd64 rdma-core ibverbs-utils ibverbs-providers; pip: r2comm[rdma])")
+             "busybox-static linux-image-amd64 rdma-core ibverbs-utils ibverbs-providers; "
+             "pip: r2comm[rdma])")
 MGMT = "mgmt"
 
 
@@ -106,7 +107,7 @@ def find_vng():
 
 def preflight():
     """Fail early, saying what is missing, where guests cannot be booted."""
-    missing = [t for t in ("qemu-system-x86_64", "rdma", "ibv_devinfo") if shutil.which(t) is None]
+    missing = [t for t in ("qemu-system-x86_64", "busybox", "rdma", "ibv_devinfo") if shutil.which(t) is None]
     if missing:
         raise TestbedError(f"missing {', '.join(missing)}; " + DEPS_HINT)
     if not os.path.isdir("/etc/libibverbs.d"):
