@@ -628,6 +628,12 @@ def test_results_torch_section_from_fake_json(tmp_path):
     assert "201.0 ms (+0.5%)" in sec and "| **no** |" in sec
     assert "stalled: the step in flight took 3.3 s" in sec and "the NIC down for good: failed 18 s" in sec
     assert "bench/testbed_torch.py --out bench/out" in sec and "noise floor" in sec
+    assert "cannot resolve" not in text                       # the fault-free runs drifted < the targets
+    doc = _fake_torch_doc()
+    doc["summary"]["shapes"]["compute"]["nic_down"]["base_drift"] = -0.25
+    (tmp_path / "testbed_torch.json").write_text(json.dumps(doc))
+    assert ("the fault-free run itself moved -25.0% between the same ranges, so this run cannot resolve a 1% "
+            "difference") in results.render(str(tmp_path))
     assert "| NIC down | 300 | 10.00 ms | 20.20 ms |" in sec and "equal to the fault-free run's" in sec
     # the simulator: recorded and this run's measurements
     sim = text.split("## The failure simulator against the testbed (issue 21)")[1].split("\n## ")[0]
