@@ -17,6 +17,8 @@ if sanitize:
     link = [f"-fsanitize={sanitize}"]
 
 def ext(name, libraries=()):
+    # engine.pyx includes its parts (r2comm/_core/*.pxi) as text: cythonize finds them next to
+    # it and regenerates the C++ when one changes; include_dirs is for the C headers (r2_*.h)
     return Extension(f"r2comm._core.{name}", [f"r2comm/_core/{name}.pyx"],
                      language="c++", extra_compile_args=flags, extra_link_args=link,
                      include_dirs=["r2comm/_core"], libraries=["pthread", *libraries])

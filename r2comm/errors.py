@@ -48,7 +48,7 @@ class R2commBuildError(R2commError, ImportError):
     """The compiled engine (r2comm/_core/engine.pyx) is not built for this Python."""
 
 
-# engine error codes (r2comm/_core/engine.pyx, E_*)
+# engine error codes (r2comm/_core/engine_state.pxi, E_*)
 CODE_CLASSES = {
     1: R2commTimeout,
     2: R2commNetworkError,

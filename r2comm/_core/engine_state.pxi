@@ -1,0 +1,505 @@
+# The engine's vocabulary: the constants it shares with Python, the structs and C++ classes of
+# its state (an operation, its send and receive messages, a rail, a peer, the engine's State, a
+# compiled plan) and small helpers (clocks, message keys, chunk arithmetic, events). The other
+# parts all use these and none of them holds policy, so this file is included first.
+
+# ---------------------------------------------------------------------------------------------
+# Constants shared with Python (mirrored in r2comm/_core/__init__.py docs and errors.py codes)
+cdef enum:
+    ST_ACTIVE = 0
+    ST_DONE = 1
+    ST_ERROR = 2
+
+cdef enum:
+    E_NONE = 0
+    E_TIMEOUT = 1
+    E_NETWORK = 2
+    E_MISMATCH = 3
+    E_TRUNCATE = 4
+    E_PROTOCOL = 5
+    E_CLOSED = 6
+    E_PEER_ARG = 7      # a peer's own arguments were bad (its 'error' stand-in's ABORT)
+
+cdef enum:
+    C_GATED = 0
+    C_QUEUED = 1
+    C_INFLIGHT = 2
+    C_ACKED = 3
+    C_HEDGED = 0x40       # flag: a copy is also in flight on a second (faster) rail
+    C_RESENT = 0x80       # flag: this chunk was migrated off a failed rail
+    C_STATE = 0x3F        # the state bits
+
+cdef enum:
+    M_COPY = 0
+    M_REDUCE = 1
+    M_REDUCE_REV = 2
+    M_REDUCE_SEND = 3       # dst = send buffer (same offset) op incoming: no pre-copy needed
+    M_REDUCE_SEND_REV = 4   # dst = incoming op send buffer
+
+cdef enum:
+    R_DOWN = 0
+    R_UP = 1
+
+cdef enum:
+    K_NONE = 0
+    K_DIRECT = 1     # payload read straight into the destination (copy mode, chunk not gated)
+    K_STAGE = 2      # into the rail's staging buffer, reduced on arrival
+    K_BUF = 3        # into a private buffer: gated, unexpected; delivered by key on arrival
+    K_TRASH = 4      # duplicate or stale: read and dropped (still acknowledged)
+    K_CTRL = 5       # control payload (abort text)
+
+cdef enum:
+    EV_RAIL_FAILED = 1
+    EV_NOTIFY_SENT = 2
+    EV_NOTIFY_ACKED = 3
+    EV_MIGRATED = 4
+    EV_REDELIVERED = 5
+    EV_RAIL_RESTORED = 6
+    EV_PEER_LOST = 7
+    EV_BAD_FRAME = 8
+    EV_NOTIFIED = 9
+    EV_ABORT = 10
+    EV_RAIL_NEVER_UP = 11
+    EV_PEER_STALLED = 12
+    EV_PEER_RESUMED = 13
+
+cdef enum:
+    # where the engine located a failure (the events' 'cause')
+    CAUSE_NONE = 0
+    CAUSE_LOCAL_NIC = 1       # this rank's NIC: down, no carrier, or an injected silent fault
+    CAUSE_REMOTE_NIC = 2      # the peer's NIC or the path to it: its kernel acknowledges nothing
+    CAUSE_PEER_PROCESS = 3    # the peer's process: stalled (its kernel still acknowledges TCP),
+                              # or gone (every connection to it closed or reset)
+    CAUSE_CLOSED = 4          # the connection was closed or reset by its other end
+
+CAUSE_NAMES = {CAUSE_LOCAL_NIC: "local_nic", CAUSE_REMOTE_NIC: "remote_nic",
+               CAUSE_PEER_PROCESS: "peer_process", CAUSE_CLOSED: "connection_closed"}
+
+EVENT_NAMES = {EV_RAIL_NEVER_UP: "rail_never_up", EV_RAIL_FAILED: "rail_failed", EV_NOTIFY_SENT: "notify_sent",
+               EV_NOTIFY_ACKED: "notify_acked", EV_MIGRATED: "migrated",
+               EV_REDELIVERED: "redelivered", EV_RAIL_RESTORED: "rail_restored",
+               EV_PEER_LOST: "peer_lost", EV_BAD_FRAME: "bad_frame", EV_NOTIFIED: "peer_notified",
+               EV_ABORT: "abort", EV_PEER_STALLED: "peer_stalled", EV_PEER_RESUMED: "peer_resumed"}
+ERR_TIMEOUT, ERR_NETWORK, ERR_MISMATCH, ERR_TRUNCATE, ERR_PROTOCOL, ERR_CLOSED = (
+    E_TIMEOUT, E_NETWORK, E_MISMATCH, E_TRUNCATE, E_PROTOCOL, E_CLOSED)
+MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV = (
+    M_COPY, M_REDUCE, M_REDUCE_REV, M_REDUCE_SEND, M_REDUCE_SEND_REV)
+
+cdef enum:
+    RBUF_SIZE = 262144
+    LAZY_ACK_MAX = 65536     # chunks up to this size from an owned (copied) send: ack may wait
+    DACK_MAX = 32            # flush a rail's delayed acks once this many are waiting
+    RBUF_READ = 8192
+    DIRECT_MIN = 4096
+    EVFD_TAG = 0xFFFFFFFFFFFFFFFF
+    INJ_NONE = 0
+    INJ_HARD = 1
+    INJ_SILENT = 2
+    HEDGE_LATE = 1
+    HEDGE_SLOW = 2
+    MAC_LEN = 16             # R2COMM_INTEGRITY=mac: a Poly1305 tag after every frame
+    MAC_KEY_LEN = 32
+
+cdef double DACK_DELAY = 0.0005   # s: longest a delayed ack waits for a frame to ride with
+# Largest message a frame may announce (1 TiB). A peer's `total` sizes the unexpected-message
+# table before any receive vouches for it: beyond this the frame is refused as malformed.
+cdef uint64_t MAX_MESSAGE = (<uint64_t>1) << 40
+cdef double SPIN_BASE = 50e-6     # s: into a wait, the spin's CPU baseline is taken
+cdef double SPIN_JUDGE = 200e-6   # s: shortest spin (after SPIN_BASE) that is judged
+cdef double SPIN_SHARE = 0.6      # a preempted spin that got less of a CPU than this lost it
+cdef double SPIN_CONTENDED = 50e-6    # s: the spin while contended
+cdef int SPIN_BACKOFF = 64        # waits to spin short after a contended spin
+cdef int SPIN_YIELD = 16          # empty polls in a spin between two sched_yield() calls
+
+# ---------------------------------------------------------------------------------------------
+# Data structures
+
+cdef struct Dep:
+    void* m          # SendMsg* or RecvMsg*
+    int is_send
+
+cdef struct CRef:
+    void* m          # SendMsg*
+    uint32_t c
+
+cdef struct Event:
+    double t
+    int kind
+    int peer
+    int rail
+    int detector
+    uint64_t nbytes
+    double dt
+    int cause
+
+cdef struct Notice:
+    int peer
+    int rail
+    uint32_t conn_id
+    double next_send
+    int tries
+
+cdef cppclass Op:
+    uint64_t id
+    int state
+    int err
+    string msg
+    int pending
+    double deadline
+    uint32_t comm
+    uint32_t seq
+    uint32_t sig, desc       # a collective's descriptor (count, kind/root/plan hash), as in
+    uint8_t dtype, redop     # its frames' headers: names this rank's call in mismatch errors
+    int p2p
+    vector[void*] sends
+    vector[void*] recvs
+    vector[int] members
+    uint64_t nbytes_recv
+    __init__() noexcept nogil:
+        this.state = ST_ACTIVE
+        this.err = E_NONE
+        this.pending = 0
+        this.p2p = 0
+        this.nbytes_recv = 0
+
+cdef cppclass SendMsg:
+    Op* op
+    int peer
+    int owned
+    int done
+    int pin              # rail index this message must use while that rail is up (-1: any)
+    uint32_t comm, seq, step, sig, aux, cs, nchunks, nacked
+    uint8_t flags, dtype, redop
+    char* base           # bytes on the wire: the user's buffer, or the engine's copy if owned
+    char* src            # the user's buffer (owned sends copy a chunk from here once it is ready)
+    uint64_t total
+    uint8_t* cstate
+    int8_t* crail
+    int32_t* gate
+    vector[Dep] succ
+    __init__() noexcept nogil:
+        this.op = NULL
+        this.owned = 0
+        this.done = 0
+        this.pin = -1
+        this.nacked = 0
+        this.base = NULL
+        this.cstate = NULL
+        this.crail = NULL
+        this.gate = NULL
+
+cdef cppclass RecvMsg:
+    Op* op
+    int peer
+    int mode
+    int done
+    int bound
+    uint32_t comm, seq, step, sig, aux, cs, nchunks, napplied
+    uint8_t flags, dtype, redop
+    char* base
+    char* src            # M_REDUCE_SEND*: the other operand (send buffer at the same offset)
+    uint64_t total
+    uint64_t cap
+    uint8_t* cdone
+    int32_t* gate
+    char** held
+    vector[Dep] succ
+    __init__() noexcept nogil:
+        this.op = NULL
+        this.done = 0
+        this.bound = 0
+        this.napplied = 0
+        this.nchunks = 0
+        this.cdone = NULL
+        this.gate = NULL
+        this.held = NULL
+        this.src = NULL
+
+cdef cppclass Unexp:
+    uint32_t sig, aux, cs, nchunks, nrecv
+    uint8_t flags, dtype, redop
+    uint64_t total
+    cmap[uint32_t, char*] chunks     # the chunks that arrived (sparse: a peer's `total` alone
+                                     # never sizes an allocation)
+    __init__() noexcept nogil:
+        this.nrecv = 0
+
+cdef cppclass P2PState:
+    uint32_t seen_upto
+    cmap[uint32_t, int] seen_ahead
+    cmap[uint32_t, Unexp*] unexp
+    deque[void*] posted
+    cmap[uint32_t, void*] bound
+    __init__() noexcept nogil:
+        this.seen_upto = 0
+
+cdef cppclass Rail:
+    int peer
+    int index
+    int fd
+    int state
+    uint32_t conn_id
+    uint32_t gen
+    double weight
+    uint64_t window
+    deque[CRef] inflight
+    uint64_t inflight_bytes
+    int ghosts           # copies sent here whose chunk another rail delivered first: until an
+                         # ack comes back here they keep the stall deadline running
+    double last_progress
+    double gap_avg, gap_var  # time between a busy rail's acks: smoothed, and its mean deviation
+    string txq
+    size_t txq_pos
+    string dackq         # delayed acks (FL_LAZY_ACK frames): sent with the next frame on this
+    double dack_t        # rail, or when the oldest is DACK_DELAY old
+    int dack_listed      # in State.dack_list
+    int tx_busy
+    r2_hdr tx_hdr
+    char* tx_payload
+    uint32_t tx_plen
+    uint32_t tx_done
+    char* tx_orphan
+    CRef tx_ref
+    int want_out
+    char* rbuf
+    uint32_t rpos, rlen
+    r2_hdr rh
+    int rstate
+    int rkind
+    void* rmsg
+    char* rtarget
+    uint32_t rgot
+    char* stage
+    uint64_t bytes_sent, bytes_recv, bytes_resent, bytes_hedged
+    int blackhole
+    int64_t fault_at
+    int fault_mode
+    int fail_count
+    double fail_time, restore_time, next_probe, backoff
+    double rate              # measured throughput (bytes/s, EWMA of acknowledged bytes); 0 unknown
+    double meas_t0
+    uint64_t meas_bytes
+    uint64_t meas_inflight   # bytes in flight of chunks that count for the rate (bulk ones)
+    # R2COMM_INTEGRITY=mac: every frame is followed by a tag over header, payload and its
+    # counter in that direction, keyed per connection and direction (from the handshake)
+    b2s_state tx_key, rx_key
+    uint64_t tx_ctr, rx_ctr
+    int tx_sealed            # the DATA frame being written has its place in the stream (and tag)
+    size_t txq_lim           # while sealed: txq bytes before this offset go ahead of that frame
+    uint8_t tx_tag[16]
+    uint8_t rx_tag[16]
+    char* mbuf               # mac mode: a frame's payload waits here until its tag verifies
+    uint32_t mbuf_cap
+    int corrupt_next         # test hook: flip a payload byte of the next DATA frame on the wire
+    double last_ack          # when the peer's process last acknowledged a chunk here
+    double hc_t              # acks late: when the current health-check round began (0: none)
+    uint64_t hc_acked        # the kernel's bytes acknowledged by the peer's kernel then
+    int stalled              # held: acks late but the peer's kernel alive (process stalled)
+    int fail_cause           # CAUSE_* of the failure being recorded
+    __init__() noexcept nogil:
+        this.tx_ctr = 0
+        this.rx_ctr = 0
+        this.tx_sealed = 0
+        this.txq_lim = 0
+        this.mbuf = NULL
+        this.mbuf_cap = 0
+        this.corrupt_next = 0
+        this.last_ack = 0
+        this.hc_t = 0
+        this.hc_acked = 0
+        this.stalled = 0
+        this.fail_cause = CAUSE_NONE
+        this.rate = 0
+        this.meas_t0 = 0
+        this.meas_bytes = 0
+        this.meas_inflight = 0
+        this.fd = -1
+        this.state = R_DOWN
+        this.conn_id = 0
+        this.gen = 0
+        this.weight = 1.0
+        this.inflight_bytes = 0
+        this.ghosts = 0
+        this.gap_avg = 0
+        this.gap_var = 0
+        this.txq_pos = 0
+        this.dack_t = 0
+        this.dack_listed = 0
+        this.tx_busy = 0
+        this.tx_orphan = NULL
+        this.want_out = 0
+        this.rbuf = NULL
+        this.rpos = 0
+        this.rlen = 0
+        this.rstate = 0
+        this.rkind = K_NONE
+        this.rmsg = NULL
+        this.rtarget = NULL
+        this.stage = NULL
+        this.bytes_sent = 0
+        this.bytes_recv = 0
+        this.bytes_resent = 0
+        this.bytes_hedged = 0
+        this.blackhole = 0
+        this.fault_at = -1
+        this.fault_mode = INJ_NONE
+        this.fail_count = 0
+        this.fail_time = 0
+        this.restore_time = 0
+        this.next_probe = 0
+        this.backoff = 0
+
+cdef cppclass Peer:
+    int rank
+    int nrails
+    vector[Rail*] rails          # nrails data rails, then the control connection
+    deque[CRef] ready            # chunks to send, in order: the first nhot are "hot"
+    size_t nhot                  # (resent, or released by a dependency), the rest bulk
+    double all_down_since
+    int lost
+    int stalled                  # its process looks stalled (peer_stalled recorded)
+    double stall_t               # since when (its rails' last acknowledgement)
+    cmap[uint32_t, uint32_t] p2p_send_seq
+    cmap[uint32_t, P2PState*] p2p
+    __init__() noexcept nogil:
+        this.all_down_since = 0
+        this.lost = 0
+        this.stalled = 0
+        this.stall_t = 0
+
+ctypedef pair[uint64_t, uint64_t] Key
+ctypedef pair[uint32_t, uint32_t] CS
+
+cdef cppclass State:
+    int me
+    int nranks
+    uint32_t cs
+    vector[Peer*] peers
+    int epfd
+    int evfd
+    pthread_mutex_t mu
+    pthread_cond_t cv
+    pthread_cond_t pcv       # the progress thread parks on this one while a waiter drives I/O
+    cmap[Key, void*] smap
+    cmap[Key, void*] rmap
+    cmap[Key, Unexp*] cunexp
+    cmap[uint32_t, uint32_t] next_seq
+    cmap[CS, Op*] active
+    cmap[CS, pair[int, string]] aborted
+    cmap[uint32_t, pair[uint32_t, string]] mismatched  # comm -> (seq, error) of a collective that
+                             # failed with a mismatch and that no wait has reported yet
+    int poisoning
+    cmap[uint64_t, Op*] ops
+    uint64_t next_op
+    vector[Event] events
+    vector[string] event_info
+    vector[Notice] notices
+    double rail_timeout, peer_timeout, probe_base, probe_max
+    uint64_t window
+    double win_s         # a rail's window: at most this many seconds of its measured rate
+    Transport tp
+    int stop
+    int signal
+    char* trash
+    vector[int] inj_mode
+    vector[int] inj_peer
+    double fault_time
+    int awaiting_redelivery
+    double last_timer
+    int waiters
+    int noack
+    int mac                  # R2COMM_INTEGRITY=mac: frames carry a MAC (else the checksum only)
+    int hedge                # 0 off; 1: late rails only; 2: late, and slow ones (HEDGE_*)
+    int dack_rails           # rails with delayed acks waiting
+    vector[Rail*] dack_list  # those rails (and some whose acks have gone since), for the timer
+    __init__() noexcept nogil:
+        this.dack_rails = 0
+        this.noack = 0
+        this.mac = 0
+        this.hedge = HEDGE_SLOW
+        this.waiters = 0
+        this.last_timer = 0
+        this.next_op = 1
+        this.stop = 0
+        this.signal = 0
+        this.trash = NULL
+        this.fault_time = 0
+        this.awaiting_redelivery = 0
+        this.poisoning = 0
+
+cdef cppclass PlanC:
+    vector[int] kind, peer, step, buf, mode, owned
+    vector[uint64_t] off, nbytes
+    vector[pair[int, int]] deps
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+cdef inline double mono() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+cdef extern from "<sys/resource.h>" nogil:
+    cdef struct rusage:
+        long ru_nivcsw
+    int getrusage(int who, rusage* usage)
+    enum: RUSAGE_THREAD
+
+cdef extern from "<time.h>" nogil:
+    enum: CLOCK_THREAD_CPUTIME_ID
+
+cdef inline double thread_cpu() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+cdef inline long preemptions() noexcept nogil:
+    """Involuntary context switches of the calling thread so far."""
+    cdef rusage ru
+    if getrusage(RUSAGE_THREAD, &ru) != 0:
+        return 0
+    return ru.ru_nivcsw
+
+cdef inline double wall() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+cdef inline Key mkey(int peer, uint32_t comm, uint8_t flags, uint32_t step, uint32_t seq) noexcept nogil:
+    cdef Key k
+    k.first = (<uint64_t>peer << 32) | comm
+    k.second = (<uint64_t>flags << 56) | (<uint64_t>(step & 0xFFFFFF) << 32) | seq
+    return k
+
+cdef inline uint32_t min_u32(uint32_t a, uint32_t b) noexcept nogil:
+    return a if a < b else b
+
+cdef inline uint32_t chunk_len(uint64_t total, uint32_t cs, uint32_t c) noexcept nogil:
+    cdef uint64_t off = <uint64_t>c * cs
+    if off >= total:
+        return 0
+    return <uint32_t>(total - off if total - off < cs else cs)
+
+cdef inline uint32_t nchunks_of(uint64_t total, uint32_t cs) noexcept nogil:
+    if total == 0:
+        return 1
+    return <uint32_t>((total + cs - 1) // cs)
+
+cdef void add_event(State* e, int kind, int peer, int rail, int detector, uint64_t nbytes,
+                    double dt, const char* info) noexcept nogil:
+    add_event_c(e, kind, peer, rail, detector, nbytes, dt, info, CAUSE_NONE)
+
+cdef void add_event_c(State* e, int kind, int peer, int rail, int detector, uint64_t nbytes,
+                      double dt, const char* info, int cause) noexcept nogil:
+    cdef Event ev
+    ev.t = wall()
+    ev.kind = kind
+    ev.peer = peer
+    ev.rail = rail
+    ev.detector = detector
+    ev.nbytes = nbytes
+    ev.dt = dt
+    ev.cause = cause
+    e.events.push_back(ev)
+    e.event_info.push_back(string(info))

@@ -1,0 +1,188 @@
+# Judging rails and the engine's timers: a rail whose acks are late is judged from its TCP
+# connection's kernel view (judge_rail) before it fails, telling a stalled peer process from a
+# dead NIC or path; check_timers also repeats unacknowledged rail-down notices, loses peers with
+# no rail left and fails operations past their deadline.
+
+cdef inline double hc_round(State* e) noexcept nogil:
+    """A health-check round: long enough for the peer's kernel to acknowledge a segment
+    (delayed acks wait 40 ms, at most 200 ms), at most half the rail deadline."""
+    cdef double v = 0.5 * e.rail_timeout
+    return 0.25 if v > 0.25 else v
+
+cdef inline int rail_late(State* e, Rail* r, double now, double rnd) noexcept nogil:
+    """The rail has chunks out and its acks are near (within a round) or past its deadline."""
+    return not e.noack and (not r.inflight.empty() or r.ghosts > 0) and \
+        now - r.last_progress > e.rail_timeout - rnd
+
+cdef void hc_begin(State* e, Rail* r, r2_tcpsnap* s, double now) noexcept nogil:
+    """Start a round: remember what the peer's kernel has acknowledged so far, and if the
+    connection has nothing outstanding for it to acknowledge, give it something: a frame the
+    peer ignores (a rail-down ack that names no notice; no wire change), which its kernel
+    acknowledges even while its process is stopped. Not on a rail whose window is shut."""
+    r.hc_t = now
+    r.hc_acked = s.bytes_acked
+    if s.ok and s.unacked == 0 and s.notsent == 0 and not r.tx_busy and \
+            r.txq.size() == r.txq_pos and not r.blackhole:
+        queue_ctrl(e, r, F_RAIL_DOWN_ACK, 0, 0, 0, 0, 0, 0xFFFFFFFF, NULL, 0)
+        rail_write(e, r)
+
+cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlate) noexcept nogil:
+    """A rail's acks are late: its deadline is a round away or has passed. Before failing it,
+    ask its TCP connection (TCP_INFO, only now, never per chunk) who is to blame. The round
+    that ends at the deadline tells: if the peer's kernel acknowledged bytes during it, or
+    keeps a closed receive window and answers the window probes, the NICs and the path work
+    and the peer's *process* is not reading (stopped, paused, swapping): the rail is held
+    (peer_stalled) and checked again every round, up to the operation timeout. If nothing
+    was acknowledged while something was outstanding, the NIC or the path is dead: the rail
+    fails at the deadline as before, blaming this rank's NIC if its interface is down, else
+    the peer's NIC or the path. Returns 1 if the rail was failed."""
+    cdef r2_tcpsnap s
+    cdef char buf[400]
+    cdef char why[600]
+    cdef char ifname[64]
+    cdef int alive = 0, nic, k, other = -1
+    cdef double quiet = now - r.last_progress
+    if r.hc_t > 0 and now - r.hc_t > 3 * rnd:
+        r.hc_t = 0        # the timer itself was held up (this process was stopped): start over
+    if r.hc_t > 0 and (now - r.hc_t < rnd or quiet <= e.rail_timeout):
+        return 0          # the round runs on
+    r2_tcp_snap(r.fd, &s)
+    if r.hc_t == 0:
+        hc_begin(e, r, &s, now)
+        return 0
+    if r.blackhole:
+        r.fail_cause = CAUSE_LOCAL_NIC
+        snprintf(buf, sizeof(buf), "no acknowledgement within the rail deadline: injected silent "
+                 "fault on this rank's NIC (it drops everything)")
+    elif not s.ok:
+        alive = p.stalled     # no kernel view: trust the peer's other rails, if they showed one
+        snprintf(buf, sizeof(buf), "no progress within the rail deadline (silent failure; no "
+                 "TCP_INFO)")
+    else:
+        if s.has_acked and s.bytes_acked > r.hc_acked:
+            alive = 1
+            snprintf(buf, sizeof(buf), "its kernel acknowledged %llu bytes in the last %.0f ms",
+                     s.bytes_acked - r.hc_acked, (now - r.hc_t) * 1e3)
+        elif s.unacked == 0 and s.probes < 2 and (
+                (s.has_wnd and s.snd_wnd < s.snd_mss) or (not s.has_wnd and s.notsent > 0)):
+            alive = 1
+            snprintf(buf, sizeof(buf), "its kernel keeps its receive window shut and answers "
+                     "window probes (%u bytes wait to be sent)", s.notsent)
+        elif not s.has_acked and s.unacked == 0 and s.last_ack_ms < rnd * 1e3:
+            alive = 1
+            snprintf(buf, sizeof(buf), "its kernel acknowledged a segment %u ms ago",
+                     s.last_ack_ms)
+        if not alive:
+            nic = r2_local_nic(r.fd, ifname, sizeof(ifname))
+            if nic == 0:
+                r.fail_cause = CAUSE_LOCAL_NIC
+                snprintf(buf, sizeof(buf), "no acknowledgement within the rail deadline: local "
+                         "NIC %s is down or has no carrier", ifname)
+            else:
+                r.fail_cause = CAUSE_REMOTE_NIC
+                snprintf(buf, sizeof(buf), "no acknowledgement within the rail deadline, and no "
+                         "TCP acknowledgement from rank %d's kernel for %u ms (%u segments "
+                         "unacknowledged, %u retransmissions, %u window probes): its NIC or the "
+                         "path to it is down", r.peer, s.last_ack_ms, s.unacked,
+                         s.total_retrans, s.probes)
+    if alive:
+        for k in range(p.nrails):
+            if k != r.index and p.rails[k].state == R_UP and p.rails[k].last_ack > r.hc_t:
+                other = k
+        if other >= 0:
+            # the process is not stalled: it acknowledged on another rail during the round.
+            # This connection loses frames above TCP (an application-level black hole)
+            alive = 0
+            r.fail_cause = CAUSE_REMOTE_NIC
+            snprintf(why, sizeof(why), "no acknowledgement within the rail deadline although %s; "
+                     "rank %d's process acknowledges on rail %d: frames are lost on this rail's "
+                     "path", buf, r.peer, other)
+            snprintf(buf, sizeof(buf), "%s", why)
+    if not alive:
+        fail_rail(e, r, buf, e.me, 1)
+        return 1
+    r.stalled = 1
+    if not p.stalled:
+        p.stalled = 1
+        p.stall_t = r.last_progress
+        snprintf(why, sizeof(why), "rank %d sent no acknowledgement for %.0f ms (late on %d of "
+                 "%d rails), but on rail %d %s: its process is stalled, not a NIC; waiting (up to "
+                 "the operation timeout)", r.peer, quiet * 1e3, nlate, p.nrails, r.index, buf)
+        add_event_c(e, EV_PEER_STALLED, r.peer, r.index, e.me, 0, quiet, why, CAUSE_PEER_PROCESS)
+        e.signal = 1
+    hc_begin(e, r, &s, now)
+    return 0
+
+cdef void check_timers(State* e) noexcept nogil:
+    cdef double now = mono()
+    cdef double rnd = hc_round(e)
+    cdef Peer* p
+    cdef Rail* r
+    cdef int i, k, up, nlate, nstalled, fine
+    cdef char info[160]
+    cdef size_t j
+    cdef vector[Op*] late
+    cdef Op* op
+    cdef char buf[200]
+    for i in range(e.nranks):
+        p = e.peers[i]
+        if p == NULL:
+            continue
+        up = 0
+        nlate = 0
+        for k in range(p.nrails):
+            r = p.rails[k]
+            if r.state == R_UP and rail_late(e, r, now, rnd):
+                nlate += 1
+        nstalled = 0
+        fine = 0
+        for k in range(p.nrails):
+            r = p.rails[k]
+            if r.state != R_UP:
+                continue
+            up += 1
+            if rail_late(e, r, now, rnd):
+                if judge_rail(e, p, r, now, rnd, nlate):
+                    up -= 1
+                    continue
+            else:
+                r.hc_t = 0            # acks came (or nothing is out): no round, not stalled
+                r.stalled = 0
+                fine += 1
+            nstalled += r.stalled
+        if p.stalled and nstalled == 0:
+            p.stalled = 0
+            if fine > 0:
+                snprintf(info, sizeof(info), "rank %d acknowledges again after %.2f s", p.rank,
+                         now - p.stall_t)
+                add_event_c(e, EV_PEER_RESUMED, p.rank, -1, e.me, 0, now - p.stall_t, info,
+                            CAUSE_PEER_PROCESS)
+        if up > 0:
+            hedge_tail(e, p)                # a rail gone quiet gets its tail copied elsewhere
+        if up == 0 and p.nrails > 0:
+            if p.all_down_since == 0:
+                p.all_down_since = now
+            elif not p.lost and now - p.all_down_since > e.peer_timeout:
+                peer_lost(e, p)
+        else:
+            p.all_down_since = 0
+    j = 0
+    while j < e.notices.size():
+        if now >= e.notices[j].next_send:
+            e.notices[j].tries += 1
+            if e.notices[j].tries > 20:
+                erase_at(e.notices, j)
+                continue
+            e.notices[j].next_send = now + 0.1
+            notify_peer(e, e.peers[e.notices[j].peer], e.notices[j].rail, e.notices[j].conn_id)
+        j += 1
+    it = e.ops.begin()
+    while it != e.ops.end():
+        op = deref(it).second
+        if op.state == ST_ACTIVE and now > op.deadline:
+            late.push_back(op)
+        inc(it)
+    for j in range(late.size()):
+        snprintf(buf, 200, "operation timed out (comm %u, sequence %u): a peer did not take part "
+                 "in time", late[j].comm, late[j].seq)
+        fail_op(e, late[j], E_TIMEOUT, buf, 1)

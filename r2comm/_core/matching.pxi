@@ -1,0 +1,296 @@
+# Which posted receive an arriving message belongs to. Collectives: a frame carries its sender's
+# call, compared with this rank's; a mismatch names both calls and fails the communicator's later
+# calls until reported. Point-to-point: MPI's in-order matching by tag. Messages no receive
+# wants yet wait as unexpected and are bound when one is posted.
+
+# -- naming a collective call from its descriptor (the header's sig, aux, dtype, redop; the
+# encoding is communicator.py's: aux = kind | non-blocking << 3 | root << 4 | plan hash << 20,
+# sig = element count) -------------------------------------------------------------------------
+cdef extern from "<string.h>" nogil:
+    int strcmp(const char*, const char*)
+
+cdef const char* dtype_name(uint8_t d) noexcept nogil:
+    if d == 0: return "int8"
+    if d == 1: return "int16"
+    if d == 2: return "int32"
+    if d == 3: return "int64"
+    if d == 4: return "uint8"
+    if d == 5: return "uint16"
+    if d == 6: return "uint32"
+    if d == 7: return "uint64"
+    if d == 8: return "float16"
+    if d == 9: return "float32"
+    if d == 10: return "float64"
+    return "unknown dtype"
+
+cdef const char* op_name(uint8_t o) noexcept nogil:
+    if o == 0: return "SUM"
+    if o == 1: return "PROD"
+    if o == 2: return "MIN"
+    if o == 3: return "MAX"
+    return "unknown op"
+
+cdef const char* kind_name(uint32_t k, uint32_t nb) noexcept nogil:
+    if k == 1: return "Iallreduce" if nb else "Allreduce"
+    if k == 2: return "Ireduce" if nb else "Reduce"
+    if k == 3: return "Ibcast" if nb else "Bcast"
+    if k == 4: return "Iallgather" if nb else "Allgather"
+    if k == 5: return "Ireduce_scatter_block" if nb else "Reduce_scatter_block"
+    if k == 6: return "Ialltoall" if nb else "Alltoall"
+    if k == 7: return "Ibarrier" if nb else "Barrier"
+    return "a collective"
+
+cdef void describe_call(char* out, size_t n, uint32_t desc, uint32_t count, uint8_t dtype,
+                        uint8_t redop) noexcept nogil:
+    """e.g. "Allreduce(float32 x 2, SUM)", "Ibcast(int32 x 100, root=1)"."""
+    cdef uint32_t k = desc & 7, nb = (desc >> 3) & 1, root = (desc >> 4) & 0xFFFF
+    cdef char rs[24]
+    if root == 0xFFFF:
+        snprintf(rs, 24, ">=65535")
+    else:
+        snprintf(rs, 24, "%u", root)
+    if k == 7:
+        snprintf(out, n, "%s()", kind_name(k, nb))
+    elif k == 1:
+        snprintf(out, n, "%s(%s x %u, %s)", kind_name(k, nb), dtype_name(dtype), count,
+                 op_name(redop))
+    elif k == 2:
+        snprintf(out, n, "%s(%s x %u, %s, root=%s)", kind_name(k, nb), dtype_name(dtype), count,
+                 op_name(redop), rs)
+    elif k == 3:
+        snprintf(out, n, "%s(%s x %u, root=%s)", kind_name(k, nb), dtype_name(dtype), count, rs)
+    elif k == 5:
+        snprintf(out, n, "%s(%s x %u per rank, %s)", kind_name(k, nb), dtype_name(dtype), count,
+                 op_name(redop))
+    elif k == 4 or k == 6:
+        snprintf(out, n, "%s(%s x %u per rank)", kind_name(k, nb), dtype_name(dtype), count)
+    else:
+        snprintf(out, n, "a collective (%s, signature %08x/%08x)", dtype_name(dtype), desc, count)
+
+cdef void fail_mismatch(State* e, Op* op, int peer, uint32_t desc, uint32_t count, uint8_t dtype,
+                        uint8_t redop) noexcept nogil:
+    """Fail this rank's collective `op` because `peer` sent a frame of another call (its
+    descriptor from the frame's header), naming both calls; every peer is told."""
+    cdef char mine[200]
+    cdef char theirs[200]
+    cdef char buf[700]
+    cdef const char* first = mine
+    cdef const char* second = theirs
+    cdef int r1 = e.me, r2 = peer
+    describe_call(mine, 200, op.desc, op.sig, op.dtype, op.redop)
+    describe_call(theirs, 200, desc, count, dtype, redop)
+    if peer < e.me:                      # lower rank first
+        first, second, r1, r2 = theirs, mine, peer, e.me
+    snprintf(buf, 700, "collective calls differ between ranks (call #%u on communicator %u): "
+             "rank %d called %s, rank %d called %s%s", op.seq, op.comm, r1, first, r2, second,
+             "; the same arguments, but different schedules (R2COMM_ALGO, R2COMM_EAGER, "
+             "R2COMM_CHUNK_SIZE or the rail state differ between ranks)"
+             if strcmp(mine, theirs) == 0 else "")
+    fail_op(e, op, E_MISMATCH, buf, 1)
+
+cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_t dtype,
+                     int peer, uint32_t aux, uint8_t redop) noexcept nogil:
+    """Compare an arriving message with what this rank posted; fail the op on a mismatch.
+    A collective's frame carries its sender's whole call (count, kind, blocking or not, root,
+    dtype, op, plan hash): integer compares here, and a mismatch names both calls."""
+    cdef char buf[400]
+    if rm.op == NULL or rm.op.state != ST_ACTIVE:
+        return 0
+    if rm.flags & FL_P2P:
+        if total > rm.cap:
+            snprintf(buf, 400, "message truncated: rank %d sent %llu bytes, rank %d posted a receive "
+                     "buffer of %llu bytes", peer, <unsigned long long>total, e.me,
+                     <unsigned long long>rm.cap)
+            fail_op(e, rm.op, E_TRUNCATE, buf, 1)
+            return -1
+        if dtype != rm.dtype:
+            snprintf(buf, 400, "datatype mismatch: rank %d sent %s, rank %d receives %s", peer,
+                     dtype_name(dtype), e.me, dtype_name(rm.dtype))
+            fail_op(e, rm.op, E_MISMATCH, buf, 1)
+            return -1
+        return 0
+    if sig != rm.sig or aux != rm.aux or dtype != rm.dtype or redop != rm.redop or \
+            total != rm.total:
+        fail_mismatch(e, rm.op, peer, aux, sig, dtype, redop)
+        return -1
+    return 0
+
+# Point-to-point matching: messages of a pair are matched in sequence order (MPI's non-overtaking
+# rule); a message whose tag no posted receive wants waits as unexpected.
+
+cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil:
+    cdef P2PState* st
+    it = p.p2p.find(comm)
+    if it != p.p2p.end():
+        return deref(it).second
+    st = r2_new[P2PState]()
+    p.p2p[comm] = st
+    return st
+
+
+cdef int alloc_recv_arrays(RecvMsg* rm) noexcept nogil:
+    """Per-chunk arrays of a receive; -1 (and none of them) if memory ran out."""
+    rm.nchunks = nchunks_of(rm.total, rm.cs)
+    rm.cdone = <uint8_t*>calloc(rm.nchunks, 1)
+    rm.held = <char**>calloc(rm.nchunks, sizeof(char*))
+    if rm.gate == NULL:
+        rm.gate = <int32_t*>calloc(rm.nchunks, sizeof(int32_t))
+    if rm.cdone == NULL or rm.held == NULL or rm.gate == NULL:
+        free(rm.cdone)
+        free(rm.held)
+        free(rm.gate)
+        rm.cdone = NULL
+        rm.held = NULL
+        rm.gate = NULL
+        rm.nchunks = 0
+        return -1
+    return 0
+
+cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
+    """Hand the chunks that arrived before the receive was posted to the receive."""
+    cdef uint32_t c
+    if check_match(e, rm, u.sig, u.total, u.dtype, peer, u.aux, u.redop) != 0:
+        free_unexp(u)
+        return
+    if u.cs != rm.cs and rm.op != NULL:
+        # the buffered chunks were cut at another size than this receive's: never copy them
+        fail_op(e, rm.op, E_PROTOCOL, "chunk boundaries differ between ranks (R2COMM_CHUNK_SIZE "
+                "must be the same on every rank)", 1)
+        free_unexp(u)
+        return
+    if rm.nchunks == 0 and alloc_recv_arrays(rm) != 0:
+        if rm.op != NULL:
+            fail_op(e, rm.op, E_PROTOCOL, "out of memory for the chunk table of a received "
+                    "message", 1)
+        free_unexp(u)
+        return
+    if u.cs == rm.cs and (rm.op == NULL or rm.op.state == ST_ACTIVE):
+        it = u.chunks.begin()
+        while it != u.chunks.end():
+            deliver_chunk(e, rm, deref(it).first, deref(it).second)
+            inc(it)
+        u.chunks.clear()
+    free_unexp(u)
+
+cdef void free_unexp(Unexp* u) noexcept nogil:
+    it = u.chunks.begin()
+    while it != u.chunks.end():
+        free(deref(it).second)
+        inc(it)
+    del u
+
+cdef Unexp* new_unexp(r2_hdr* h, uint32_t cs) noexcept nogil:
+    cdef Unexp* u = r2_new[Unexp]()
+    u.sig = h.sig
+    u.aux = h.aux
+    u.flags = h.flags
+    u.dtype = h.dtype
+    u.redop = h.redop
+    u.total = h.total
+    u.cs = cs
+    u.nchunks = nchunks_of(h.total, cs)
+    return u
+
+cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept nogil:
+    cdef vector[uint32_t] done
+    cdef Unexp* u
+    cdef RecvMsg* rm
+    cdef size_t i
+    cdef int found
+    it = st.unexp.begin()
+    while it != st.unexp.end():
+        if deref(it).first >= st.seen_upto:
+            break
+        u = deref(it).second
+        found = -1
+        for i in range(st.posted.size()):
+            rm = <RecvMsg*>st.posted[i]
+            if <int32_t>rm.aux == -1 or rm.aux == u.aux:
+                found = <int>i
+                break
+        if found >= 0:
+            rm = <RecvMsg*>st.posted[found]
+            erase_at(st.posted, found)
+            p2p_bind(e, p, st, rm, deref(it).first, u)
+            it = st.unexp.erase(it)
+        else:
+            inc(it)
+
+
+cdef void p2p_bind(State* e, Peer* p, P2PState* st, RecvMsg* rm, uint32_t seq, Unexp* u) noexcept nogil:
+    rm.seq = seq
+    rm.bound = 1
+    rm.total = u.total
+    rm.sig = u.sig
+    rm.aux = u.aux
+    st.bound[seq] = <void*>rm
+    bind_unexp(e, rm, u, p.rank)
+
+cdef void p2p_mark_seen(P2PState* st, uint32_t seq) noexcept nogil:
+    if seq == st.seen_upto:
+        st.seen_upto += 1
+        while st.seen_ahead.count(st.seen_upto):
+            st.seen_ahead.erase(st.seen_upto)
+            st.seen_upto += 1
+    elif seq > st.seen_upto:
+        st.seen_ahead[seq] = 1
+
+cdef inline int p2p_seen(P2PState* st, uint32_t seq) noexcept nogil:
+    return seq < st.seen_upto or st.seen_ahead.count(seq) > 0
+
+cdef void take_unexpected(State* e, Op* op, uint32_t comm, uint32_t seq,
+                         vector[int]& members) noexcept nogil:
+    """Drop the early frames of collective (comm, seq) that no receive bound; with an op, the
+    first of them fails it as a mismatch naming the sender's call (a stand-in passes NULL)."""
+    cdef size_t i
+    cdef Key lo
+    cdef Unexp* u
+    cdef int peer
+    for i in range(members.size()):
+        peer = members[i]
+        if peer == e.me:
+            continue
+        lo = mkey(peer, comm, 0, 0, 0)
+        it = e.cunexp.lower_bound(lo)
+        while it != e.cunexp.end() and deref(it).first.first == lo.first:
+            if <uint32_t>(deref(it).first.second & <uint64_t>0xFFFFFFFF) != seq:
+                inc(it)
+                continue
+            u = deref(it).second
+            if op != NULL and op.state == ST_ACTIVE:
+                fail_mismatch(e, op, peer, u.aux, u.sig, u.dtype, u.redop)
+            free_unexp(u)
+            it = e.cunexp.erase(it)
+
+cdef void poison_op(State* e, Op* op, uint32_t bad_seq, string& why) noexcept nogil:
+    cdef char buf[1000]
+    cdef int was = e.poisoning
+    snprintf(buf, 1000, "an earlier collective on this communicator (call #%u) did not match, "
+             "so this call (#%u) cannot line up: %s", bad_seq, op.seq, why.c_str())
+    e.poisoning = 1
+    fail_op(e, op, E_MISMATCH, buf, 0)
+    e.poisoning = was
+
+cdef void note_mismatch(State* e, Op* op) noexcept nogil:
+    """A collective failed with a mismatch: ranks may now disagree on which call is which
+    (e.g. one issued Iallreduce then Allreduce, the others the other way round), so this
+    rank's later collectives on the communicator fail at once instead of waiting for frames
+    that never come, until a wait has reported the mismatch (Engine.wait clears it)."""
+    cdef vector[Op*] later
+    cdef size_t i
+    if e.poisoning or op.p2p:
+        return
+    e.mismatched[op.comm] = pair[uint32_t, string](op.seq, op.msg)
+    it = e.active.lower_bound(CS(op.comm, op.seq + 1))
+    while it != e.active.end() and deref(it).first.first == op.comm:
+        if deref(it).second.state == ST_ACTIVE:
+            later.push_back(deref(it).second)
+        inc(it)
+    for i in range(later.size()):
+        poison_op(e, later[i], op.seq, op.msg)
+
+cdef void clear_mismatch(State* e, Op* op) noexcept nogil:
+    """A wait reported op's mismatch to the caller: later calls may line up again."""
+    itm = e.mismatched.find(op.comm)
+    if itm != e.mismatched.end() and deref(itm).second.first <= op.seq:
+        e.mismatched.erase(itm)

@@ -1,0 +1,386 @@
+# Receiving: rail_read takes a rail's stream apart, headers are validated (in mac mode nothing
+# is acted on before the frame's tag verifies) and dispatched, a DATA payload's place is chosen
+# before it is read, then it is acknowledged and copied or reduced into the receive
+# (apply_chunk, deliver_chunk). A frame that does not fit is refused and closes its rail.
+
+cdef void apply_chunk(State* e, RecvMsg* rm, uint32_t c, const char* data) noexcept nogil:
+    cdef uint32_t ln = chunk_len(rm.total, rm.cs, c)
+    cdef char* dst = rm.base + <uint64_t>c * rm.cs
+    cdef size_t i
+    if data != NULL and ln:
+        if rm.mode == M_COPY:
+            memcpy(dst, data, ln)
+        elif rm.mode == M_REDUCE_SEND:
+            reduce3(dst, rm.src + <uint64_t>c * rm.cs, data, ln, rm.dtype, rm.redop)
+        elif rm.mode == M_REDUCE_SEND_REV:
+            reduce3(dst, data, rm.src + <uint64_t>c * rm.cs, ln, rm.dtype, rm.redop)
+        else:
+            reduce_into(dst, data, ln, rm.dtype, rm.redop, rm.mode == M_REDUCE_REV)
+    rm.cdone[c] = 2
+    rm.napplied += 1
+    if rm.op != NULL:
+        rm.op.nbytes_recv += ln
+    for i in range(rm.succ.size()):
+        gate_release(e, rm.succ[i], c)
+    if rm.napplied == rm.nchunks and not rm.done:
+        rm.done = 1
+        op_msg_done(e, rm.op)
+
+cdef void deliver_chunk(State* e, RecvMsg* rm, uint32_t c, char* data) noexcept nogil:
+    """A whole chunk arrived in a private malloc'd buffer (ownership passes here)."""
+    if c >= rm.nchunks or rm.cdone[c] != 0:
+        free(data)
+        return
+    if rm.gate != NULL and rm.gate[c] > 0:
+        rm.held[c] = data
+        rm.cdone[c] = 1
+        return
+    apply_chunk(e, rm, c, data)
+    free(data)
+
+cdef void rx_refuse(State* e, Rail* r, const char* why) noexcept nogil:
+    """A frame that passed the header check but cannot be taken in (it contradicts the message
+    layout, or memory for it ran out): report it and close the connection, like a malformed
+    header. Nothing of it is acknowledged, so the sender re-sends on another rail."""
+    add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, r.rh.len, 0, why)
+    fail_rail(e, r, "malformed frame", e.me, 1)
+
+cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
+    """Buffer a DATA payload for an unexpected message: only a chunk that fits the message the
+    first frame announced (same total, in range, exactly its length), so a buffered chunk is
+    never shorter than what is later copied out of it. -1 if the frame was refused."""
+    cdef r2_hdr* h = &r.rh
+    if h.total != u.total or h.chunk >= u.nchunks or h.len != chunk_len(u.total, u.cs, h.chunk):
+        rx_refuse(e, r, "DATA frame does not fit the message its first chunk announced "
+                  "(total, chunk index or length): connection closed")
+        return -1
+    if u.chunks.count(h.chunk) == 0:
+        r.rtarget = <char*>malloc(h.len if h.len else 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for an unexpected chunk: connection closed")
+            return -1
+        r.rkind = K_BUF
+    return 0
+
+cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
+    """Decide where the payload of a DATA frame goes before reading it."""
+    cdef r2_hdr* h = &r.rh
+    cdef Peer* p = e.peers[r.peer]
+    cdef RecvMsg* rm = NULL
+    cdef Unexp* u
+    cdef P2PState* st
+    cdef Key k
+    cdef uint32_t c = h.chunk
+    r.rmsg = NULL
+    r.rkind = K_TRASH
+    r.rtarget = NULL
+    if h.total > MAX_MESSAGE:
+        rx_refuse(e, r, "DATA frame announces a message over 1 TiB: connection closed")
+        return
+    if h.flags & FL_P2P:
+        st = p2p_state(p, h.comm)
+        itb = st.bound.find(h.seq)
+        if itb != st.bound.end():
+            rm = <RecvMsg*>deref(itb).second
+        elif st.unexp.count(h.seq):
+            pass
+        elif p2p_seen(st, h.seq):
+            return                      # stale: that message completed already
+        else:
+            u = new_unexp(h, e.cs)
+            if u == NULL:
+                rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
+                return
+            st.unexp[h.seq] = u
+            p2p_mark_seen(st, h.seq)
+            p2p_try_match(e, p, st, h.comm)
+            itb = st.bound.find(h.seq)
+            if itb != st.bound.end():
+                rm = <RecvMsg*>deref(itb).second
+    else:
+        k = mkey(r.peer, h.comm, 0, h.step, h.seq)
+        itr = e.rmap.find(k)
+        if itr != e.rmap.end():
+            rm = <RecvMsg*>deref(itr).second
+            if check_match(e, rm, h.sig, h.total, h.dtype, r.peer, h.aux, h.redop) != 0:
+                return
+        else:
+            if h.seq < e.next_seq[h.comm]:
+                ita = e.active.find(CS(h.comm, h.seq))
+                if ita != e.active.end() and deref(ita).second.state == ST_ACTIVE:
+                    # a frame this rank's schedule does not contain: another call
+                    fail_mismatch(e, deref(ita).second, r.peer, h.aux, h.sig, h.dtype, h.redop)
+                return                  # stale (completed or failed operation)
+            itu = e.cunexp.find(k)
+            if itu == e.cunexp.end():
+                u = new_unexp(h, e.cs)
+                if u == NULL:
+                    rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
+                    return
+                e.cunexp[k] = u
+            else:
+                u = deref(itu).second
+            rx_unexp_target(e, r, u)
+            return
+    if rm == NULL:
+        # p2p message that nobody has asked for yet, or whose match just failed (truncation,
+        # dtype): then the unexpected entry is gone and the payload is dropped
+        itu3 = st.unexp.find(h.seq)
+        if itu3 == st.unexp.end():
+            return
+        rx_unexp_target(e, r, deref(itu3).second)
+        return
+    if rm.op == NULL or rm.op.state != ST_ACTIVE:
+        return
+    if c >= rm.nchunks or h.len != chunk_len(rm.total, rm.cs, c):
+        fail_op(e, rm.op, E_PROTOCOL, "chunk boundaries differ between ranks (R2COMM_CHUNK_SIZE "
+                "must be the same on every rank)", 1)
+        return
+    if rm.cdone[c] != 0:
+        return                          # duplicate: already delivered
+    r.rmsg = <void*>rm
+    if rm.gate[c] > 0:
+        r.rtarget = <char*>malloc(h.len if h.len else 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for a gated chunk: connection closed")
+            return
+        r.rkind = K_BUF
+    elif rm.mode == M_COPY:
+        r.rkind = K_DIRECT
+        r.rtarget = rm.base + <uint64_t>c * rm.cs
+    else:
+        r.rkind = K_STAGE
+        r.rtarget = r.stage
+
+cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
+    """A DATA payload is complete: acknowledge it and deliver it."""
+    cdef r2_hdr* h = &r.rh
+    cdef RecvMsg* rm
+    cdef Unexp* u
+    cdef P2PState* st
+    cdef Key k
+    cdef uint32_t c = h.chunk
+    cdef int kr
+    cdef Peer* p
+    cdef bint placed = r.rkind == K_DIRECT or r.rkind == K_STAGE   # into a posted receive
+    rm = <RecvMsg*>r.rmsg if placed else NULL
+    if not e.noack:
+        if h.flags & FL_LAZY_ACK:
+            queue_lazy_ack(e, r, h)
+        elif rm != NULL and rm.cdone[c] == 0 and rm.napplied + 1 < rm.nchunks:
+            # more of this message is still to come: its ack waits for a frame to ride with
+            # (the ring sends both ways) or DACK_DELAY, which saves a write per chunk
+            queue_lazy_ack(e, r, h)
+        else:
+            # the message is complete (or this chunk is a duplicate, or unexpected): the
+            # sender's operation waits for these acks, so they all go now, on every rail
+            p = e.peers[r.peer]
+            for kr in range(p.nrails):
+                flush_lazy_acks(e, p.rails[kr])
+            queue_ctrl(e, r, F_ACK, h.flags, h.comm, h.seq, h.step, c, 0, NULL, 0)
+    if placed:
+        if rm != NULL and rm.cdone[c] == 0:
+            apply_chunk(e, rm, c, r.rtarget if r.rkind == K_STAGE else NULL)
+    elif r.rkind == K_BUF:
+        rm = NULL
+        u = NULL
+        if h.flags & FL_P2P:
+            st = p2p_state(e.peers[r.peer], h.comm)
+            itb = st.bound.find(h.seq)
+            if itb != st.bound.end():
+                rm = <RecvMsg*>deref(itb).second
+            else:
+                itu2 = st.unexp.find(h.seq)
+                if itu2 != st.unexp.end():
+                    u = deref(itu2).second
+        else:
+            k = mkey(r.peer, h.comm, 0, h.step, h.seq)
+            itr = e.rmap.find(k)
+            if itr != e.rmap.end():
+                rm = <RecvMsg*>deref(itr).second
+            else:
+                itu = e.cunexp.find(k)
+                if itu != e.cunexp.end():
+                    u = deref(itu).second
+        if rm != NULL and rm.op != NULL and rm.op.state == ST_ACTIVE and rm.cdone != NULL \
+                and h.len == chunk_len(rm.total, rm.cs, c):
+            deliver_chunk(e, rm, c, r.rtarget)
+        elif u != NULL and c < u.nchunks and u.chunks.count(c) == 0:
+            u.chunks[c] = r.rtarget
+            u.nrecv += 1
+        else:
+            free(r.rtarget)
+    r.rtarget = NULL
+    r.rmsg = NULL
+    r.rkind = K_NONE
+
+cdef int rx_header(State* e, Rail* r) noexcept nogil:
+    """Validate and dispatch a header. Returns -1 if the connection was closed."""
+    cdef int bad = hdr_validate(&r.rh, e.cs)
+    if bad != 0:
+        add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, 0, 0,
+                  "malformed frame (bad magic, checksum, type or length): connection closed")
+        fail_rail(e, r, "malformed frame", e.me, 1)
+        return -1
+    r.rgot = 0
+    if r.rh.type == F_DATA:
+        if r.index >= e.peers[r.peer].nrails:
+            rx_refuse(e, r, "DATA frame on the control connection: connection closed")
+            return -1
+        rx_data_header(e, r)
+        if r.state != R_UP:
+            return -1
+        r.rstate = 1
+        if r.rh.len == 0:
+            rx_data_done(e, r)
+            r.rstate = 0
+    elif r.rh.type == F_ACK:
+        on_ack(e, r)
+    elif r.rh.type == F_RAIL_DOWN:
+        on_rail_down(e, r)
+    elif r.rh.type == F_RAIL_DOWN_ACK:
+        on_rail_down_ack(e, r)
+    elif r.rh.type == F_ABORT:
+        r.rtarget = <char*>malloc(r.rh.len + 1)
+        if r.rtarget == NULL:
+            rx_refuse(e, r, "out of memory for an abort message: connection closed")
+            return -1
+        r.rkind = K_CTRL
+        r.rstate = 1
+        if r.rh.len == 0:
+            on_abort(e, r, r.rtarget, 0)
+            free(r.rtarget)
+            r.rtarget = NULL
+            r.rstate = 0
+    return 0 if r.state == R_UP else -1
+
+cdef int rx_mac_header(State* e, Rail* r) noexcept nogil:
+    """mac mode: check a header's form only; the frame's payload goes to the rail's mbuf and
+    nothing acts on it until its tag verifies (rx_mac_done). Returns -1 if closed."""
+    if hdr_validate(&r.rh, e.cs) != 0 or r.rh.len > r.mbuf_cap:
+        add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, 0, 0,
+                  "malformed frame (bad magic, checksum, type or length): connection closed")
+        fail_rail(e, r, "malformed frame", e.me, 1)
+        return -1
+    r.rgot = 0
+    r.rkind = K_NONE
+    r.rtarget = r.mbuf
+    r.rstate = 1 if r.rh.len > 0 else 2
+    return 0
+
+cdef int rx_mac_done(State* e, Rail* r) noexcept nogil:
+    """mac mode: the tag of the frame in r.rh / r.mbuf has arrived. A frame that does not
+    verify (altered, replayed, reordered, or from another connection) closes the connection:
+    its payload never reaches a user buffer, and the sender re-sends its unacknowledged chunks
+    on the surviving rails. A good one is then handled as if it had just arrived."""
+    cdef uint8_t want[16]
+    cdef char* held = r.mbuf
+    cdef uint32_t n = r.rh.len
+    r.rtarget = NULL
+    r.rstate = 0
+    frame_mac(&r.rx_key, &r.rh, HDR_SIZE, held, n, r.rx_ctr, want)
+    if not tag_equal(want, r.rx_tag, MAC_LEN):
+        add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, 0, 0,
+                  "frame MAC mismatch (altered, replayed or reordered in the stream): "
+                  "connection closed")
+        fail_rail(e, r, "frame MAC mismatch", e.me, 1)
+        return -1
+    r.rx_ctr += 1
+    if rx_header(e, r) < 0:
+        return -1
+    if r.rstate == 1:                   # a payload: into the place the header chose
+        if r.rtarget != NULL and r.rtarget != held:
+            memcpy(r.rtarget, held, n)
+        r.rgot = n
+        rx_payload_done(e, r)
+    return 0 if r.state == R_UP else -1
+
+cdef inline void rx_payload_end(State* e, Rail* r) noexcept nogil:
+    if e.mac:
+        r.rstate = 2                    # its tag comes next
+    else:
+        rx_payload_done(e, r)
+
+cdef void rx_payload_done(State* e, Rail* r) noexcept nogil:
+    if r.rkind == K_CTRL:
+        on_abort(e, r, r.rtarget, r.rh.len)
+        free(r.rtarget)
+        r.rtarget = NULL
+        r.rkind = K_NONE
+    else:
+        rx_data_done(e, r)
+    r.rstate = 0
+
+cdef void rail_read(State* e, Rail* r) noexcept nogil:
+    cdef int64_t n
+    cdef uint32_t avail, take, need
+    cdef int rounds = 0
+    while r.state == R_UP and rounds < 64:
+        rounds += 1
+        need = r.rh.len - r.rgot
+        if r.blackhole:
+            n = e.tp.post_recv(r.fd, e.trash, e.cs)
+            if n == 0:
+                return
+            if n < 0:
+                fail_io(e, r, n, "receive")
+                return
+            continue
+        if r.rstate == 1 and r.rpos == r.rlen and need >= DIRECT_MIN and r.rtarget != NULL:
+            n = e.tp.post_recv(r.fd, r.rtarget + r.rgot, need)
+            if n == 0:
+                return
+            if n < 0:
+                fail_io(e, r, n, "receive")
+                return
+            r.bytes_recv += n
+            r.rgot += <uint32_t>n
+            if r.rgot == r.rh.len:
+                rx_payload_end(e, r)
+            continue
+        if r.rpos == r.rlen:
+            r.rpos = 0
+            r.rlen = 0
+        elif r.rpos > 0 and r.rlen > RBUF_SIZE // 2:
+            memmove(r.rbuf, r.rbuf + r.rpos, r.rlen - r.rpos)
+            r.rlen -= r.rpos
+            r.rpos = 0
+        # small reads for headers and acks: a large payload then goes straight to its target
+        # (one copy, kernel to destination) instead of through this buffer
+        n = e.tp.post_recv(r.fd, r.rbuf + r.rlen, min_u32(RBUF_SIZE - r.rlen, RBUF_READ))
+        if n == 0:
+            return
+        if n < 0:
+            fail_io(e, r, n, "receive")
+            return
+        r.bytes_recv += n
+        r.rlen += <uint32_t>n
+        while r.state == R_UP:
+            avail = r.rlen - r.rpos
+            if r.rstate == 0:
+                if avail < HDR_SIZE:
+                    break
+                memcpy(&r.rh, r.rbuf + r.rpos, HDR_SIZE)
+                r.rpos += HDR_SIZE
+                if (rx_mac_header(e, r) if e.mac else rx_header(e, r)) < 0:
+                    return
+            elif r.rstate == 2:
+                if avail < MAC_LEN:
+                    break
+                memcpy(r.rx_tag, r.rbuf + r.rpos, MAC_LEN)
+                r.rpos += MAC_LEN
+                if rx_mac_done(e, r) < 0:
+                    return
+            else:
+                need = r.rh.len - r.rgot
+                take = avail if avail < need else need
+                if take == 0:
+                    break
+                if r.rtarget != NULL:
+                    memcpy(r.rtarget + r.rgot, r.rbuf + r.rpos, take)
+                r.rpos += take
+                r.rgot += take
+                if r.rgot == r.rh.len:
+                    rx_payload_end(e, r)
+                else:
+                    break

@@ -1,0 +1,266 @@
+# The chunk scheduler: which chunk leaves next, and on which rail. A pair's ready queue (hot
+# chunks, released by a dependency, ahead of bulk ones), each rail's window and measured rate,
+# striping over the rails (pump_peer) and tail copies on a faster rail (hedge_tail). Policy
+# only: tx.pxi writes the bytes, and the acks that free window room arrive in failover.pxi.
+
+cdef inline void ready_pop(Peer* p) noexcept nogil:
+    p.ready.pop_front()
+    if p.nhot > 0:
+        p.nhot -= 1
+
+cdef inline void ready_push(Peer* p, CRef ref, int hot) noexcept nogil:
+    """Queue a chunk for its peer. A hot chunk (one a dependency just released: the next stage
+    of a pipeline) goes ahead of the bulk chunks that were ready when their operation was
+    posted, after the hot ones already queued. Without this a pipelined schedule runs
+    breadth-first: a ring's later steps, or a degraded host's folded blocks, wait behind all of
+    a first step's bytes, and the pipeline's fill and drain grow with the message."""
+    if hot:
+        p.ready.insert(p.ready.begin() + p.nhot, ref)
+        p.nhot += 1
+    else:
+        p.ready.push_back(ref)
+
+cdef void send_chunk_ready(State* e, SendMsg* sm, uint32_t c, int hot) noexcept nogil:
+    """Chunk c of sm has nothing left to wait for: queue it (hot: a dependency released it).
+    An owned send copies the chunk now, and from then on its source region is free, so what
+    waited on it may go ahead."""
+    cdef CRef ref
+    cdef size_t i
+    cdef uint64_t off = <uint64_t>c * sm.cs
+    sm.cstate[c] = C_QUEUED
+    ref.m = <void*>sm
+    ref.c = c
+    ready_push(e.peers[sm.peer], ref, hot)
+    if sm.owned:
+        if sm.total:                    # (an empty message may have no buffer: memcpy(NULL) is UB)
+            memcpy(sm.base + off, sm.src + off, chunk_len(sm.total, sm.cs, c))
+        for i in range(sm.succ.size()):
+            gate_release(e, sm.succ[i], c)
+
+cdef void gate_release(State* e, Dep d, uint32_t c) noexcept nogil:
+    cdef SendMsg* sm
+    cdef RecvMsg* rm
+    cdef char* data
+    cdef CRef ref
+    if d.is_send:
+        sm = <SendMsg*>d.m
+        sm.gate[c] -= 1
+        if sm.gate[c] == 0 and sm.cstate[c] == C_GATED:
+            send_chunk_ready(e, sm, c, 1)
+    else:
+        rm = <RecvMsg*>d.m
+        rm.gate[c] -= 1
+        if rm.gate[c] == 0 and rm.cdone[c] == 1:
+            data = rm.held[c]
+            rm.held[c] = NULL
+            apply_chunk(e, rm, c, data)
+            free(data)
+
+cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
+    """Outstanding bytes a rail may hold: the configured window, but no more than win_s of
+    its measured throughput (at least one chunk), so a slow rail never sits on a backlog that
+    the fast ones would have to wait for at the end of an operation. win_s must cover the
+    round trip of an ack under load: acks ride behind the other direction's data in the NIC
+    queues, and a window shorter than that round trip caps the rail below its rate, which the
+    next measurement then confirms (a spiral measured in the testbed at 50 ms)."""
+    cdef uint64_t w
+    if r.rate <= 0:
+        return r.window
+    w = <uint64_t>(r.rate * e.win_s)
+    if w < <uint64_t>e.cs:
+        w = e.cs
+    return w if w < r.window else r.window
+
+cdef inline bint rate_chunk(SendMsg* m, uint32_t ln) noexcept nogil:
+    """Whether a chunk counts for its rail's measured rate. Small ones do not: their time is
+    latency, not bandwidth, and delayed acks keep them outstanding across the idle gaps
+    between operations, so an 8-byte allreduce loop read as a rail of a few MB/s. Rates
+    measured that way, alike on healthy rails, made the tail hedge copy 512 KiB chunks onto
+    the other rail of a 1 MiB allreduce (0.7x the time without hedging on loopback)."""
+    return ln > LAZY_ACK_MAX or (m.total > m.cs and ln == m.cs)
+
+cdef inline void untrack(Rail* r, SendMsg* m, uint32_t ln) noexcept nogil:
+    """A chunk left r's in-flight list (acknowledged, delivered elsewhere, or purged)."""
+    r.inflight_bytes -= ln
+    if rate_chunk(m, ln):
+        r.meas_inflight -= ln if r.meas_inflight >= ln else r.meas_inflight
+
+cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
+    """Throughput of a busy rail: acknowledged bytes over time with data outstanding,
+    sampled every >= 5 ms, smoothed (EWMA). A slow or degraded rail shows up within a few
+    chunks, and the striping then gives it less."""
+    cdef double now = mono(), dt
+    r.meas_bytes += nbytes
+    dt = now - r.meas_t0
+    if r.meas_bytes > 0 and (dt >= 0.005 or (r.meas_bytes >= (1 << 20) and dt >= 0.0005)):
+        sample = r.meas_bytes / dt
+        r.rate = sample if r.rate == 0 else 0.7 * r.rate + 0.3 * sample
+        r.meas_t0 = now
+        r.meas_bytes = 0
+
+cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
+    """Take the next queued chunk of this pair for rail r, if its window has room."""
+    cdef CRef ref
+    cdef SendMsg* m
+    cdef uint32_t ln
+    while not p.ready.empty():
+        ref = p.ready.front()
+        m = <SendMsg*>ref.m
+        if (m.cstate[ref.c] & C_STATE) != C_QUEUED:
+            ready_pop(p)
+            continue
+        ln = chunk_len(m.total, m.cs, ref.c)
+        if r.inflight_bytes > 0 and r.inflight_bytes + ln > rail_window(e, r):
+            return 0
+        ready_pop(p)
+        m.cstate[ref.c] = C_INFLIGHT | (m.cstate[ref.c] & C_RESENT)
+        m.crail[ref.c] = <int8_t>r.index
+        begin_tx(r, ref, ln, mono())
+        return 1
+    return 0
+
+cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
+    """Put chunk ref on rail r: count it in flight there and make it the frame being written."""
+    cdef SendMsg* m = <SendMsg*>ref.m
+    if r.inflight.empty() and r.ghosts == 0:
+        r.last_progress = now
+    if rate_chunk(m, ln):
+        if r.meas_inflight == 0:
+            r.meas_t0 = now                  # idle time is not counted against the rate
+            r.meas_bytes = 0
+        r.meas_inflight += ln
+    r.inflight.push_back(ref)
+    r.inflight_bytes += ln
+    hdr_encode(&r.tx_hdr, F_DATA, m.flags | (FL_LAZY_ACK if m.owned and ln <= LAZY_ACK_MAX else 0),
+               m.dtype, m.redop, m.comm, m.seq, m.step, m.sig, ref.c, ln, m.total, m.aux)
+    r.tx_payload = m.base + <uint64_t>ref.c * m.cs
+    r.tx_ref = ref
+    r.tx_plen = ln
+    r.tx_done = 0
+    r.tx_busy = 1
+    r.tx_sealed = 0
+
+cdef void pump_peer(State* e, Peer* p) noexcept nogil:
+    """Flush what each connection holds, then stripe queued chunks: each goes to the rail with
+    the fewest unacknowledged bytes per unit of weight that has window room and an idle
+    socket. A slow or stalled rail keeps its bytes unacknowledged and so gets fewer chunks."""
+    cdef int k
+    cdef Rail* r
+    cdef Rail* best
+    cdef double score, best_score, rate, best_rate
+    cdef CRef ref
+    cdef SendMsg* m
+    for k in range(p.nrails + 1):
+        r = p.rails[k]
+        if r.state == R_UP and (r.tx_busy or r.txq.size() > r.txq_pos):
+            rail_write(e, r)
+    best_rate = 0
+    for k in range(p.nrails):
+        if p.rails[k].state == R_UP and p.rails[k].rate > best_rate:
+            best_rate = p.rails[k].rate
+    while not p.ready.empty():
+        best = NULL
+        best_score = 0
+        # a message pinned to one rail (bandwidth probes) waits for that rail while it is up
+        ref = p.ready.front()
+        m = <SendMsg*>ref.m
+        if (m.cstate[ref.c] & C_STATE) != C_QUEUED:
+            ready_pop(p)
+            continue
+        if m.pin >= 0 and m.pin < p.nrails and p.rails[m.pin].state == R_UP:
+            r = p.rails[m.pin]
+            if r.tx_busy or not start_chunk(e, p, r):     # busy, or its window is full
+                return
+            rail_write(e, r)
+            continue
+        for k in range(p.nrails):
+            r = p.rails[k]
+            if r.state != R_UP or r.tx_busy:
+                continue
+            if r.inflight_bytes > 0 and r.inflight_bytes + e.cs > rail_window(e, r):
+                continue
+            # when would this chunk be through? (a rail not measured yet is taken as fast as
+            # the best one, so it gets tried; declared weights scale the measurement)
+            rate = r.rate if r.rate > 0 else (best_rate if best_rate > 0 else 1.0)
+            score = (r.inflight_bytes + e.cs) / (rate * r.weight)
+            if best == NULL or score < best_score:
+                best = r
+                best_score = score
+        if best == NULL or not start_chunk(e, p, best):
+            return
+        rail_write(e, best)
+    hedge_tail(e, p)
+
+cdef inline double quiet_limit(State* e, Rail* r, double rate) noexcept nogil:
+    """How long a rail with chunks out may go without an ack before it counts as late: 5 ms
+    plus four chunk times at its rate (20 ms if unmeasured), plus its usual gap between acks
+    and four mean deviations of it."""
+    return (0.005 + 4.0 * e.cs / rate if rate > 0 else 0.02) + r.gap_avg + 4.0 * r.gap_var
+
+cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
+    """Nothing is left to queue for this peer, but another rail still holds chunks that a
+    rail with room would deliver much sooner: send copies of them there, the chunk that would
+    arrive last first. Whichever copy is acknowledged first completes the chunk and the
+    receiver drops the other (chunks are identified, duplicates discarded).
+    Two cases: a rail that is late (no ack for several times its usual chunk time: stalled or
+    suddenly slower than measured) is hedged while the other rail's window has room, so a
+    silent failure costs milliseconds rather than the whole rail deadline (which still runs:
+    copies delivered elsewhere stay counted as ghosts); a rail that is merely slow (measured
+    at under half the other's rate) only when the faster rail has nothing outstanding, since
+    then the copies take no bandwidth anything else needed."""
+    cdef int kf, ks
+    cdef Rail* f
+    cdef Rail* sl
+    cdef CRef ref
+    cdef SendMsg* m
+    cdef uint32_t ln
+    cdef uint64_t after
+    cdef double now, t_s, t_f, fr, sr
+    cdef Py_ssize_t i
+    cdef int sent = 1, late
+    if not e.hedge or e.noack or not p.ready.empty():
+        return
+    now = mono()
+    while sent:
+        sent = 0
+        for kf in range(p.nrails):
+            f = p.rails[kf]
+            if f.state != R_UP or f.tx_busy:
+                continue
+            fr = f.rate if f.rate > 0 else 1e9    # not measured yet: taken as fast
+            if not f.inflight.empty() and now - f.last_progress > quiet_limit(e, f, fr):
+                continue                          # late itself: no help
+            for ks in range(p.nrails):
+                sl = p.rails[ks]
+                if ks == kf or sl.state != R_UP or sl.inflight.empty():
+                    continue
+                sr = sl.rate if sl.rate > 0 else 0.0
+                late = now - sl.last_progress > quiet_limit(e, sl, sr)
+                if not late and (e.hedge < HEDGE_SLOW or sr <= 0 or f.rate <= 0
+                                 or sr >= 0.5 * f.rate or f.inflight_bytes > 0):
+                    continue
+                after = 0
+                i = <Py_ssize_t>sl.inflight.size() - 1
+                while i >= 0:
+                    ref = sl.inflight[i]
+                    m = <SendMsg*>ref.m
+                    ln = chunk_len(m.total, m.cs, ref.c)
+                    t_s = (sl.inflight_bytes - after) / sr if sr > 0 else 1e9
+                    after += ln
+                    i -= 1
+                    if (m.cstate[ref.c] & C_STATE) != C_INFLIGHT or (m.cstate[ref.c] & C_HEDGED) \
+                            or m.crail[ref.c] != ks or m.pin >= 0:
+                        continue                  # (a pinned message measures its own rail)
+                    t_f = (f.inflight_bytes + ln) / fr
+                    if not late and t_s < 2.0 * t_f + 0.002:
+                        break                     # the earlier ones are even sooner: done
+                    if f.inflight_bytes > 0 and f.inflight_bytes + ln > rail_window(e, f):
+                        break
+                    m.cstate[ref.c] |= C_HEDGED
+                    f.bytes_hedged += ln
+                    begin_tx(f, ref, ln, now)
+                    rail_write(e, f)
+                    sent = 1
+                    break
+                if f.tx_busy or f.state != R_UP:
+                    break
