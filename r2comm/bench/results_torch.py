@@ -77,7 +77,8 @@ def torch_section(res):
                         f"(against the fault-free run and against the same run's steps before the fault): "
                         f"**{verdict(ok)}** — {fms(c.get('during_median_s'))} vs {fms(c.get('base_same_steps_median_s'))} "
                         f"fault-free = {_pc(c['overhead_during'])}; vs its own steps before the fault "
-                        f"({fms(c.get('before_median_s'))}) {_pc(own)}" + _floor(c.get("base_drift"), COMPUTE_OVERHEAD),
+                        f"({fms(c.get('before_median_s'))}) {_pc(own)}" + _floor(c.get("base_drift"), COMPUTE_OVERHEAD,
+                                                                  min(c["overhead_during"], own or 0.0, key=abs)),
                         ok))
     n = shapes.get("network", {}).get("nic_down") or {}
     if n.get("overhead_during") is not None:
@@ -117,10 +118,12 @@ def torch_section(res):
     return out, targets
 
 
-def _floor(drift, target):
+def _floor(drift, target, measured=None):
     """A note when the fault-free run's own drift between the compared ranges exceeds the target."""
     if drift is None or abs(drift) <= target:
         return ""
+    if measured is not None and abs(measured) > abs(drift) + target:
+        return f"; for scale, the fault-free run itself moved {_pc(drift)} between the same ranges"
     return (f"; the fault-free run itself moved {_pc(drift)} between the same ranges, so this run cannot "
             f"resolve a {target:.0%} difference")
 
@@ -202,13 +205,17 @@ def _serving_lines(summ, cfg, targets):
         if v is None:
             continue
         drift = p["base_p99_s"] / b0 - 1 if b0 and p.get("base_p99_s") else None
+        offset = ph.get("before", {}).get("p99_vs_fault_free")
+        gap = (f"; before the failure the two jobs already differed by {_pc(offset)}"
+               if offset is not None and abs(offset) > SERVE_P99_OVERHEAD else "")
         own = p.get("p99_vs_before")
         ok = v < SERVE_P99_OVERHEAD and (own is None or own < SERVE_P99_OVERHEAD)
         targets.append((f"serving p99 per-token latency overhead < {SERVE_P99_OVERHEAD:.0%} {what} (against "
                         f"the fault-free run and the same run before the failure): "
                         f"**{verdict(ok)}** — p99 {fms(p.get('p99_s'), 2)} vs {fms(p.get('base_p99_s'), 2)} "
                         f"fault-free = {_pc(v)} (vs the same run before the failure "
-                        f"{_pc(p.get('p99_vs_before'))})" + _floor(drift, SERVE_P99_OVERHEAD), ok))
+                        f"{_pc(p.get('p99_vs_before'))})" + gap
+                        + _floor(drift, SERVE_P99_OVERHEAD, min(v, p.get("p99_vs_before") or 0.0, key=abs)), ok))
     return out
 
 
