@@ -149,8 +149,12 @@ def _gloo_lines(shapes, summ):
     if dead.get("text"):
         out.append(f"- Gloo, network step, the NIC down for good: {dead['text']}.")
     if out:
-        out = ["**Gloo when the NIC goes down:**", ""] + out + [
-            "", "r2comm's runs with the same fault went on at the surviving NIC's speed (table above).", ""]
+        hits = [f"{fms((s.get('nic_down') or {}).get('hit_step_s'))} ({shape})" for shape, s in shapes.items()
+                if (s.get("nic_down") or {}).get("hit_step_s") is not None]
+        out = ["**Gloo when the NIC goes down:**", ""] + out + [""]
+        if hits:
+            out += [f"r2comm's runs with the same fault: the step hit by it took {', '.join(hits)}, the "
+                    "steps while the NIC was down are in the table above.", ""]
     return out
 
 
