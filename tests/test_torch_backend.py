@@ -2,9 +2,11 @@
 launched by torchrun (env:// rendezvous, TCPStore) and by mpiexec (FileStore, no MPI_Init).
 The scenarios are in tests/torch_worker.py."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -168,10 +170,14 @@ def _testbed_or_skip():
 
 
 def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
-    """torch_worker ddp on the fabric through `testbed torchrun` (2 hosts x 1 rank); between
-    steps fail_at and restore_at, host 1's nic0 is down for real (ip link set down)."""
+    """torch_worker ddp on the fabric through `testbed torchrun` (2 hosts x 1 rank); from step
+    fail_at to step restore_at, host 1's nic0 is down for real (ip link set down). Rank 0 waits
+    at both steps until the link has changed (R2T_GATE), however late its output reaches us."""
+    gate = tempfile.mkdtemp(prefix="r2t-gate-")
+    steps = ",".join(str(s) for s in (fail_at, restore_at) if s is not None)
     env = _env({"R2T_STEPS": "20", "R2T_NO_GLOO": "1", "R2T_PRINT_STEPS": "1",
-                "R2T_STEP_SLEEP": "0.1", "R2COMM_TESTBED_FABRIC": fabric.tag})
+                "R2T_STEP_SLEEP": "0.1", "R2COMM_TESTBED_FABRIC": fabric.tag,
+                "R2T_GATE": f"{gate}:{steps}"})
     cmd = [sys.executable, "-m", "r2comm.testbed", "torchrun", "--tag", fabric.tag,
            "--nproc-per-node", "1", "--port", str(_free_port()), "--timeout", str(timeout - 20),
            "--", WORKER, "ddp"]
@@ -181,14 +187,18 @@ def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
     try:
         for line in p.stdout:                 # bounded: the launcher ends the job at --timeout
             lines.append(line)
-            if fail_at is not None and line.startswith(f"STEP {fail_at}\n"):
-                fabric.nic_down(1, 0)
-            if restore_at is not None and line.startswith(f"STEP {restore_at}\n"):
-                fabric.nic_up(1, 0)
+            if line.startswith("GATE "):
+                step = int(line.split()[1])
+                if step == fail_at:
+                    fabric.nic_down(1, 0)
+                if step == restore_at:
+                    fabric.nic_up(1, 0)
+                open(os.path.join(gate, f"go.{step}"), "w").close()
         rc = p.wait(timeout=30)
     finally:
         if p.poll() is None:
             p.kill()
+        shutil.rmtree(gate, ignore_errors=True)
     out = "".join(lines)
     assert rc == 0 and "OK ddp" in out, out[-4000:]
     return out

@@ -345,7 +345,17 @@ def train(group, steps, rank, size):
     # R2T_FAIL="a:b": rank 1 fails its rail 0 for real (hard) before step a, restores it before b
     fail = [int(v) for v in os.environ.get("R2T_FAIL", "-1:-1").split(":")]
     comm = dist.distributed_c10d._get_default_group().comm if group is None else None
+    # R2T_GATE="DIR:a,b": before steps a and b rank 0 prints "GATE a" and waits (bounded) for
+    # DIR/go.a, so that a test acting on the testbed between steps is never overtaken by output lag
+    gate_dir, _, gate_steps = os.environ.get("R2T_GATE", "").partition(":")
+    gates = {int(v) for v in gate_steps.split(",") if v}
     for step in range(steps):
+        if rank == 0 and step in gates:
+            print(f"GATE {step}", flush=True)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(gate_dir, f"go.{step}")):
+                assert time.monotonic() < deadline, f"nobody opened gate {step}"
+                time.sleep(0.02)
         if comm is not None and rank == 1 and step == fail[0]:
             comm.fail_rail(0, "hard")
         if comm is not None and rank == 1 and step == fail[1]:
