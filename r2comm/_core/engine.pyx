@@ -17,7 +17,7 @@ connection, direction and frame counter; a frame is acted on only once its tag v
 that does not fails its rail like any other malformed frame.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
 from libc.stdlib cimport malloc, free, calloc
 from libc.string cimport memcpy, memset, memmove
 from libc.math cimport fabs
@@ -31,8 +31,10 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC, CLOCK_REALTIME
 
 from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_CTRL_PAYLOAD, FL_P2P,
                                 F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK)
-from r2comm._core.transport cimport iovec, Transport, T_EOF
-from r2comm._core.tcp cimport tcp_transport
+from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
+                                     iov_total, tp_reg_none, tp_dereg_none)
+from r2comm._core.tcp cimport (tcp_transport, TcpConn, tcp_adopt, tcp_sendv, tcp_recv1, tcp_test,
+                               tcp_shutdown, tcp_close, tcp_event_fd)
 
 cdef extern from "r2_mac.h" namespace "r2" nogil:
     cdef struct b2s_state:
@@ -156,6 +158,9 @@ include "failover.pxi"
 include "health.pxi"
 include "progress.pxi"
 include "fuzz_transport.pxi"
+
+cdef Transport TCP_TP                 # the production transport (tcp.pxd)
+tcp_transport(&TCP_TP)
 
 # ---------------------------------------------------------------------------------------------
 # Python-facing objects
@@ -340,7 +345,7 @@ cdef class Engine:
         e.win_s = 0.15
         e.probe_base = probe_base
         e.probe_max = probe_max
-        tcp_transport(&e.tp)
+        e.tp = &TCP_TP
         pthread_mutex_init(&e.mu, NULL)
         pthread_condattr_init(&ca)
         pthread_condattr_setclock(&ca, CLOCK_MONOTONIC)
@@ -423,8 +428,9 @@ cdef class Engine:
                 if p == NULL:
                     continue
                 for k in range(p.nrails + 1):
-                    if p.rails[k].fd >= 0:
-                        e.tp.close(p.rails[k].fd)
+                    if p.rails[k].conn != NULL:
+                        p.rails[k].tp.close(p.rails[k].conn)
+                        p.rails[k].conn = NULL
                     free(p.rails[k].rbuf)
                     free(p.rails[k].stage)
                     if k == p.nrails:
@@ -492,6 +498,7 @@ cdef class Engine:
         cdef int restored
         cdef const char* tk = tx_key
         cdef const char* rk = rx_key
+        cdef void* conn
         if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
             raise ValueError(f"no such peer/rail {peer}/{rail}")
         if e.mac and (len(tx_key) != MAC_KEY_LEN or len(rx_key) != MAC_KEY_LEN):
@@ -502,7 +509,14 @@ cdef class Engine:
             if r.state == R_UP:
                 fail_rail(e, r, "replaced by a new connection", e.me, 0)
             restored = r.fail_count > 0
-            r.fd = fd
+            conn = e.tp.adopt(fd)
+            if conn == NULL:
+                pthread_mutex_unlock(&e.mu)
+                with gil:
+                    raise MemoryError("no memory for a connection's transport state")
+            r.tp = e.tp
+            r.conn = conn
+            r.fd = e.tp.event_fd(conn)
             r.conn_id = conn_id
             if e.mac:
                 b2s_init(&r.tx_key, 32, tk, MAC_KEY_LEN)
@@ -526,7 +540,8 @@ cdef class Engine:
             r.stalled = 0
             ev.events = EPOLLIN
             ev.data.u64 = (<uint64_t>r.gen << 32) | (<uint64_t>peer << 8) | <uint64_t>rail
-            epoll_ctl(e.epfd, EPOLL_CTL_ADD, fd, &ev)
+            if r.fd >= 0:
+                epoll_ctl(e.epfd, EPOLL_CTL_ADD, r.fd, &ev)
             e.peers[peer].all_down_since = 0
             e.peers[peer].lost = 0
             if restored and rail < e.peers[peer].nrails:
@@ -1023,11 +1038,7 @@ cdef class Engine:
         cdef State* e = self._live()
         if self.started:
             raise RuntimeError("fuzz transport: the engine must not have a progress thread")
-        e.tp.name = "fuzz"
-        e.tp.post_send = fz_post_send
-        e.tp.post_recv = fz_post_recv
-        e.tp.shutdown = fz_shutdown
-        e.tp.close = fz_close
+        e.tp = fuzz_transport()
         if 0 <= rail < FZ_RAILS:
             fz.out[rail].clear()        # what the previous connection wrote is gone with it
         # (a negative fd, as closed to the engine, that names the rail to fz_post_send)
@@ -1056,7 +1067,7 @@ cdef class Engine:
         cdef uint64_t sent0
         if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
             raise ValueError(f"no such peer/rail {peer}/{rail}")
-        if e.tp.post_recv != fz_post_recv:
+        if e.tp != fuzz_transport():
             raise RuntimeError("fuzz_feed needs fuzz_attach first")
         with nogil:
             pthread_mutex_lock(&e.mu)
