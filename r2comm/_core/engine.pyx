@@ -34,7 +34,8 @@ from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_
 from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
                                      iov_total, tp_reg_none, tp_dereg_none)
 from r2comm._core.tcp cimport (tcp_transport, TcpConn, tcp_adopt, tcp_sendv, tcp_recv1, tcp_test,
-                               tcp_shutdown, tcp_close, tcp_event_fd)
+                               tcp_shutdown, tcp_close, tcp_event_fd, SHUT_RDWR)
+from r2comm._core.tcp cimport shutdown as sock_shutdown
 
 cdef extern from "r2_mac.h" namespace "r2" nogil:
     cdef struct b2s_state:
@@ -158,6 +159,7 @@ include "failover.pxi"
 include "health.pxi"
 include "progress.pxi"
 include "fuzz_transport.pxi"
+include "fake_transport.pxi"
 
 cdef Transport TCP_TP                 # the production transport (tcp.pxd)
 tcp_transport(&TCP_TP)
@@ -1094,6 +1096,34 @@ cdef class Engine:
             fz.src = NULL
             pthread_mutex_unlock(&e.mu)
         return fz.pos, r.state == R_UP, fz.sent - sent0
+
+    # -- the fake transport (tests/test_transport_iface.py) ----------------------------------
+    def fake_transport(self, uint64_t seed, double block=0.0, double short=0.0, double delay=0.0,
+                       double lose=0.0, double fail=0.0, int64_t fail_bytes=0, int max_fails=0):
+        """Testing only: connections attached from now on use the fake transport
+        (fake_transport.pxi): TCP underneath, with faults drawn from `seed`: a post refused
+        (would block) with probability `block`, a post or read accepted in part with `short`, a
+        completion held back at each test with `delay` (then handed over shuffled) or lost with
+        `lose`, and a connection, with probability `fail` (at most `max_fails` of them), shut down
+        at a random byte within its first `fail_bytes` sent."""
+        cdef State* e = self._live()
+        memset(&fk, 0, sizeof(fk))
+        fk.seed = seed
+        fk.p_block, fk.p_short, fk.p_delay, fk.p_lose, fk.p_fail = block, short, delay, lose, fail
+        fk.fail_bytes = fail_bytes
+        fk.fails_left = max_fails
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            e.tp = fake_transport()
+            pthread_mutex_unlock(&e.mu)
+
+    def transport_stats(self):
+        """The transport new connections use, and the fake transport's counts of what it did."""
+        cdef State* e = self._live()
+        return {"transport": (<bytes>e.tp.name).decode(), "conns": fk.conns,
+                "blocked": fk.blocked, "shorts": fk.shorts, "delayed": fk.delayed,
+                "reordered": fk.reordered, "lost": fk.lost, "failed": fk.failed,
+                "completed": fk.completed}
 
     cdef State* _live(self) except NULL:
         if self.e == NULL:
