@@ -257,7 +257,8 @@ cdef cppclass Rail:
     int dack_listed      # in State.dack_list
     int tx_busy          # a DATA frame occupies the rail: from begin_tx to its completion
     uint64_t tx_id       # its cookie (transport.pxd's isend / test); counts up per frame
-    double tx_post_t     # when its last byte was posted (0: not yet): its completion is due
+    int tx_posted        # all its bytes are posted: the rail is free at its completion
+    double tx_post_t     # when the timer first saw it posted and not completed (0: not yet)
     r2_hdr tx_hdr
     char* tx_payload
     uint32_t tx_plen
@@ -321,6 +322,7 @@ cdef cppclass Rail:
         this.tp = NULL
         this.conn = NULL
         this.tx_id = 0
+        this.tx_posted = 0
         this.tx_post_t = 0
         this.state = R_DOWN
         this.conn_id = 0

@@ -248,6 +248,7 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     r.meas_inflight = 0
     r.ghosts = 0
     r.tx_busy = 0
+    r.tx_posted = 0
     r.tx_post_t = 0
     r.tx_sealed = 0
     if r.tx_orphan != NULL:

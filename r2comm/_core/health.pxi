@@ -118,7 +118,11 @@ cdef void completion_due(State* e, Rail* r, double now) noexcept nogil:
     without an event fd is polled here), and fail the rail if it is a rail deadline late (the
     transport lost it: the frame's chunk is re-sent on another rail, the peer drops a copy)."""
     rail_reap(e, r)
-    if r.state == R_UP and r.tx_busy and r.tx_post_t > 0 and now - r.tx_post_t > e.rail_timeout:
+    if r.state != R_UP or not r.tx_posted:
+        return
+    if r.tx_post_t == 0:
+        r.tx_post_t = now               # (no clock read per frame on the hot path)
+    elif now - r.tx_post_t > e.rail_timeout:
         fail_rail(e, r, "no send completion within the rail deadline", e.me, 1)
 
 cdef void check_timers(State* e) noexcept nogil:
@@ -140,7 +144,7 @@ cdef void check_timers(State* e) noexcept nogil:
         nlate = 0
         for k in range(p.nrails):
             r = p.rails[k]
-            if r.state == R_UP and r.tx_post_t > 0:
+            if r.state == R_UP and r.tx_posted:
                 completion_due(e, r, now)
             if r.state == R_UP and rail_late(e, r, now, rnd):
                 nlate += 1

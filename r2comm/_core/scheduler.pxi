@@ -139,6 +139,7 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
     r.tx_done = 0
     r.tx_busy = 1
     r.tx_id += 1
+    r.tx_posted = 0
     r.tx_post_t = 0
     r.tx_sealed = 0
 

@@ -138,6 +138,7 @@ cdef void tx_complete(State* e, Rail* r) noexcept nogil:
     cdef Peer* p = e.peers[r.peer]
     r.tx_busy = 0
     r.tx_sealed = 0
+    r.tx_posted = 0
     r.tx_post_t = 0
     if r.tx_orphan != NULL:
         free(r.tx_orphan)
@@ -154,7 +155,7 @@ cdef void rail_reap(State* e, Rail* r) noexcept nogil:
     while r.state == R_UP:
         n = r.tp.test(r.conn, done, 8)
         for i in range(n):
-            if r.tx_busy and r.tx_post_t > 0 and done[i] == r.tx_id:
+            if r.tx_busy and r.tx_posted and done[i] == r.tx_id:
                 tx_complete(e, r)
         if n < 8:
             return
@@ -162,7 +163,7 @@ cdef void rail_reap(State* e, Rail* r) noexcept nogil:
 cdef inline int tx_mid(State* e, Rail* r) noexcept nogil:
     """A DATA frame is being posted and some of its bytes are not yet: in a stream nothing else
     may go before them."""
-    return r.tx_busy and r.tx_post_t == 0
+    return r.tx_busy and not r.tx_posted
 
 cdef void rail_write(State* e, Rail* r) noexcept nogil:
     cdef iovec iov[4]
@@ -232,7 +233,7 @@ cdef void rail_write(State* e, Rail* r) noexcept nogil:
         if mid and left > 0:
             r.tx_done += <uint32_t>left
             if r.tx_done >= HDR_SIZE + r.tx_plen + tlen:
-                r.tx_post_t = mono()        # all posted: the rail is free at its completion
+                r.tx_posted = 1             # all posted: the rail is free at its completion
                 rail_reap(e, r)             # (TCP's comes inside the isend)
         # loop: more queued frames or chunks may fit
 
