@@ -234,7 +234,10 @@ cdef void rail_write(State* e, Rail* r) noexcept nogil:
             r.tx_done += <uint32_t>left
             if r.tx_done >= HDR_SIZE + r.tx_plen + tlen:
                 r.tx_posted = 1             # all posted: the rail is free at its completion
-                rail_reap(e, r)             # (TCP's comes inside the isend)
+                if r.blackhole:
+                    tx_complete(e, r)       # the emulated dead NIC took it: nothing completes it
+                else:
+                    rail_reap(e, r)         # (TCP's comes inside the isend)
         # loop: more queued frames or chunks may fit
 
 cdef int txq_empty(State* e) noexcept nogil:
