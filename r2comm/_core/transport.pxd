@@ -36,6 +36,7 @@
 #                             read, 0 if none yet, -errno on failure, T_EOF when the peer closed.
 #   reg_mr / dereg_mr         Register a region the engine sends from / receives into (an
 #                             operation's buffers); the handle goes with the post. TCP: no-op.
+#                             (The engine does not call them yet: only TCP-like transports run.)
 #   os_fd(conn)               The OS socket under the connection (-1: none). Only for the health
 #                             checks (TCP_INFO tells a stalled peer process from a dead path) and
 #                             the injected silent fault; never on the data path.
@@ -46,8 +47,14 @@
 # "Written on rail r" for the engine: a DATA frame occupies its rail (r.tx_busy) from begin_tx
 # until its completion; an ack from the peer is accepted once every byte was posted (the peer
 # cannot acknowledge bytes the NIC has not read), and the frame's payload is released (orphan
-# copy freed, benchmark-only noack mode counts it delivered) at its completion. Chunks in flight on
-# a failed rail are re-queued from the engine's own records, whatever the transport completed.
+# copy freed, benchmark-only noack mode counts it delivered) at its completion. A completion that
+# has not come a rail deadline after the engine's timer first saw the frame posted fails the
+# rail (the transport lost it). Chunks in flight on a failed rail are re-queued from the
+# engine's own records, whatever the transport completed. Today the engine keeps at most one
+# DATA post per rail outstanding (and small frames need no completion), so completions of one
+# connection cannot overtake each other yet (the fake transport's shuffling has nothing to
+# reorder); pipelining several DATA posts per rail, as verbs wants, needs a per-rail table of
+# posted frames keyed by cookie in place of rail_reap's match on the current one.
 #
 # TCP (tcp.pxd): a byte stream. isend is one non-blocking sendmsg (prefixes accepted); the
 # kernel copies everything, so a post completes when its last byte is accepted, inside the
