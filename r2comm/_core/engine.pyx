@@ -139,7 +139,8 @@ cdef extern from "<stdio.h>" nogil:
 #   ops.pxi             an operation's life: posted from a Plan, counted done, freed
 #   scheduler.pxi       the chunk scheduler: ready queues, rail windows and rates, striping,
 #                       chunk-level dependencies, tail hedging
-#   tx.pxi              sending: emulated NIC (injected faults), framing and MACs, rail_write,
+#   tx.pxi              sending: emulated NIC (injected faults), framing and MACs, rail_write
+#                       (posts through transport.pxd's interface, reaps completions),
 #                       control frames, delayed acks
 #   rx.pxi              receiving: rail_read, header checks, where a payload goes, delivery
 #   matching.pxi        matching messages to receives: call descriptors and mismatches,
@@ -148,6 +149,7 @@ cdef extern from "<stdio.h>" nogil:
 #   health.pxi          late rails judged by TCP_INFO; the timers (check_timers)
 #   progress.pxi        the epoll progress loop
 #   fuzz_transport.pxi  the in-memory transport of Engine.fuzz_attach / fuzz_feed (tests)
+#   fake_transport.pxi  TCP with seeded faults, Engine.fake_transport (tests)
 # Here, after them: Plan, Buffer, the wire and kernel helpers for tests, and the Engine class.
 include "engine_state.pxi"
 include "ops.pxi"
