@@ -7,7 +7,9 @@
 
 Each argument is one variant: `;`-separated `NAME=VALUE` items. `R2COMM_*` items are set in
 the environment while that variant's Communicator is built. `engine.ATTR=INT` items set a
-public Engine attribute afterwards (spin_extend, spin_yield, spin_adapt). The variants and
+public Engine attribute afterwards (spin_extend, spin_yield, spin_adapt). `package=NAME` builds
+it from another importable copy of r2comm (another build of the engine, e.g. main's tree copied
+as package `r2base`, see bench/ab_builds.sh): two builds compared in the same job. The variants and
 mpi4py's Allreduce (on a Dup of COMM_WORLD) run in rounds, one after another in a rotated
 order, with a fixed iteration count per round. Each variant's time per call is printed, with
 the median over rounds of MPI's time / its time in the same round. The median over rounds of
@@ -18,6 +20,7 @@ The first communicator built in a job runs 1-2% slower than a second identical o
 16 MiB), so run both `--order fwd` and `--order rev` before believing a few %.
 """
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -37,7 +40,9 @@ def parse_variant(text):
         name, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"variant item {item!r}: expected NAME=VALUE")
-        if name.startswith("engine."):
+        if name == "package":
+            attrs[name] = value
+        elif name.startswith("engine."):
             attrs[name[len("engine."):]] = int(value)
         elif name.startswith("R2COMM_"):
             env[name] = value
@@ -47,8 +52,10 @@ def parse_variant(text):
 
 
 def build(world, env, attrs):
+    attrs = dict(attrs)
+    pkg = importlib.import_module(attrs.pop("package")) if "package" in attrs else r2comm
     with temporary_env(env):
-        comm = r2comm.Communicator(world)
+        comm = pkg.Communicator(world)
     for k, v in attrs.items():
         if not hasattr(comm._engine, k):
             raise SystemExit(f"Engine has no attribute {k!r}")

@@ -206,6 +206,9 @@ class Communicator:
                         cfg.window, cfg.probe_ms / 1e3, cfg.probe_max_ms / 1e3)
         faults = _faults.parse(cfg.fault)
         try:
+            if cfg.test_transport:          # tests only: the fake transport (per-rank seed)
+                fake = dict(cfg.test_transport)
+                engine.fake_transport(fake.pop("seed") * 1009 + boot.rank, **fake)
             engine.set_integrity(cfg.integrity == "mac")
             engine.start()
             for spec in faults:           # NICs dark from the start (R2COMM_FAULT start=1)

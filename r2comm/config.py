@@ -83,6 +83,10 @@ class Config:
                                                    #   Bcast/Reduce (faster; a root or leaf may
                                                    #   return before a mismatch is seen); the same
                                                    #   on every rank
+    test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
+                                                   #   "fake:seed=1,block=0.1,short=0.3,..."
+                                                   #   runs the rails on the fake transport
+                                                   #   (Engine.fake_transport's arguments)
 
     @classmethod
     def from_env(cls):
@@ -125,7 +129,31 @@ class Config:
             raise R2commArgumentError(f"R2COMM_INTEGRITY={c.integrity!r}: must be checksum or mac")
         c.window_ms = _float("R2COMM_WINDOW_MS", c.window_ms)
         c.agree = os.environ.get("R2COMM_AGREE", "1") != "0"
+        c.test_transport = _test_transport(os.environ.get("R2COMM_TEST_TRANSPORT", ""))
         if c.window_ms <= 0:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_WINDOW_MS={c.window_ms}: must be > 0")
         return c
+
+
+_FAKE_KEYS = {"seed": int, "block": float, "short": float, "delay": float, "lose": float,
+              "fail": float, "fail_bytes": _size, "max_fails": int}
+
+
+def _test_transport(text):
+    """R2COMM_TEST_TRANSPORT=fake:key=value,...: Engine.fake_transport's keyword arguments."""
+    text = text.strip()
+    if not text:
+        return {}
+    kind, _, rest = text.partition(":")
+    from .errors import R2commArgumentError
+    if kind != "fake":
+        raise R2commArgumentError(f"R2COMM_TEST_TRANSPORT={text!r}: only 'fake:...' exists")
+    out = {"seed": 0}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, _, val = item.partition("=")
+        if key not in _FAKE_KEYS:
+            raise R2commArgumentError(f"R2COMM_TEST_TRANSPORT: unknown key {key!r} "
+                                      f"(known: {', '.join(_FAKE_KEYS)})")
+        out[key] = _FAKE_KEYS[key](val)
+    return out

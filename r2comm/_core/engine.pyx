@@ -17,7 +17,7 @@ connection, direction and frame counter; a frame is acted on only once its tag v
 that does not fails its rail like any other malformed frame.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
 from libc.stdlib cimport malloc, free, calloc
 from libc.string cimport memcpy, memset, memmove
 from libc.math cimport fabs
@@ -31,8 +31,11 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC, CLOCK_REALTIME
 
 from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_CTRL_PAYLOAD, FL_P2P,
                                 F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK)
-from r2comm._core.transport cimport iovec, Transport, T_EOF
-from r2comm._core.tcp cimport tcp_transport
+from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
+                                     iov_total, tp_reg_none, tp_dereg_none)
+from r2comm._core.tcp cimport (tcp_transport, TcpConn, tcp_adopt, tcp_sendv, tcp_recv1, tcp_test,
+                               tcp_shutdown, tcp_close, tcp_event_fd, SHUT_RDWR)
+from r2comm._core.tcp cimport shutdown as sock_shutdown
 
 cdef extern from "r2_mac.h" namespace "r2" nogil:
     cdef struct b2s_state:
@@ -136,7 +139,8 @@ cdef extern from "<stdio.h>" nogil:
 #   ops.pxi             an operation's life: posted from a Plan, counted done, freed
 #   scheduler.pxi       the chunk scheduler: ready queues, rail windows and rates, striping,
 #                       chunk-level dependencies, tail hedging
-#   tx.pxi              sending: emulated NIC (injected faults), framing and MACs, rail_write,
+#   tx.pxi              sending: emulated NIC (injected faults), framing and MACs, rail_write
+#                       (posts through transport.pxd's interface, reaps completions),
 #                       control frames, delayed acks
 #   rx.pxi              receiving: rail_read, header checks, where a payload goes, delivery
 #   matching.pxi        matching messages to receives: call descriptors and mismatches,
@@ -145,6 +149,7 @@ cdef extern from "<stdio.h>" nogil:
 #   health.pxi          late rails judged by TCP_INFO; the timers (check_timers)
 #   progress.pxi        the epoll progress loop
 #   fuzz_transport.pxi  the in-memory transport of Engine.fuzz_attach / fuzz_feed (tests)
+#   fake_transport.pxi  TCP with seeded faults, Engine.fake_transport (tests)
 # Here, after them: Plan, Buffer, the wire and kernel helpers for tests, and the Engine class.
 include "engine_state.pxi"
 include "ops.pxi"
@@ -156,6 +161,10 @@ include "failover.pxi"
 include "health.pxi"
 include "progress.pxi"
 include "fuzz_transport.pxi"
+include "fake_transport.pxi"
+
+cdef Transport TCP_TP                 # the production transport (tcp.pxd)
+tcp_transport(&TCP_TP)
 
 # ---------------------------------------------------------------------------------------------
 # Python-facing objects
@@ -340,7 +349,7 @@ cdef class Engine:
         e.win_s = 0.15
         e.probe_base = probe_base
         e.probe_max = probe_max
-        tcp_transport(&e.tp)
+        e.tp = &TCP_TP
         pthread_mutex_init(&e.mu, NULL)
         pthread_condattr_init(&ca)
         pthread_condattr_setclock(&ca, CLOCK_MONOTONIC)
@@ -423,8 +432,9 @@ cdef class Engine:
                 if p == NULL:
                     continue
                 for k in range(p.nrails + 1):
-                    if p.rails[k].fd >= 0:
-                        e.tp.close(p.rails[k].fd)
+                    if p.rails[k].conn != NULL:
+                        p.rails[k].tp.close(p.rails[k].conn)
+                        p.rails[k].conn = NULL
                     free(p.rails[k].rbuf)
                     free(p.rails[k].stage)
                     if k == p.nrails:
@@ -492,6 +502,7 @@ cdef class Engine:
         cdef int restored
         cdef const char* tk = tx_key
         cdef const char* rk = rx_key
+        cdef void* conn
         if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
             raise ValueError(f"no such peer/rail {peer}/{rail}")
         if e.mac and (len(tx_key) != MAC_KEY_LEN or len(rx_key) != MAC_KEY_LEN):
@@ -502,7 +513,14 @@ cdef class Engine:
             if r.state == R_UP:
                 fail_rail(e, r, "replaced by a new connection", e.me, 0)
             restored = r.fail_count > 0
-            r.fd = fd
+            conn = e.tp.adopt(fd)
+            if conn == NULL:
+                pthread_mutex_unlock(&e.mu)
+                with gil:
+                    raise MemoryError("no memory for a connection's transport state")
+            r.tp = e.tp
+            r.conn = conn
+            r.fd = e.tp.event_fd(conn)
             r.conn_id = conn_id
             if e.mac:
                 b2s_init(&r.tx_key, 32, tk, MAC_KEY_LEN)
@@ -526,7 +544,8 @@ cdef class Engine:
             r.stalled = 0
             ev.events = EPOLLIN
             ev.data.u64 = (<uint64_t>r.gen << 32) | (<uint64_t>peer << 8) | <uint64_t>rail
-            epoll_ctl(e.epfd, EPOLL_CTL_ADD, fd, &ev)
+            if r.fd >= 0:
+                epoll_ctl(e.epfd, EPOLL_CTL_ADD, r.fd, &ev)
             e.peers[peer].all_down_since = 0
             e.peers[peer].lost = 0
             if restored and rail < e.peers[peer].nrails:
@@ -1023,11 +1042,7 @@ cdef class Engine:
         cdef State* e = self._live()
         if self.started:
             raise RuntimeError("fuzz transport: the engine must not have a progress thread")
-        e.tp.name = "fuzz"
-        e.tp.post_send = fz_post_send
-        e.tp.post_recv = fz_post_recv
-        e.tp.shutdown = fz_shutdown
-        e.tp.close = fz_close
+        e.tp = fuzz_transport()
         if 0 <= rail < FZ_RAILS:
             fz.out[rail].clear()        # what the previous connection wrote is gone with it
         # (a negative fd, as closed to the engine, that names the rail to fz_post_send)
@@ -1056,7 +1071,7 @@ cdef class Engine:
         cdef uint64_t sent0
         if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
             raise ValueError(f"no such peer/rail {peer}/{rail}")
-        if e.tp.post_recv != fz_post_recv:
+        if e.tp != fuzz_transport():
             raise RuntimeError("fuzz_feed needs fuzz_attach first")
         with nogil:
             pthread_mutex_lock(&e.mu)
@@ -1083,6 +1098,34 @@ cdef class Engine:
             fz.src = NULL
             pthread_mutex_unlock(&e.mu)
         return fz.pos, r.state == R_UP, fz.sent - sent0
+
+    # -- the fake transport (tests/test_transport_iface.py) ----------------------------------
+    def fake_transport(self, uint64_t seed, double block=0.0, double short=0.0, double delay=0.0,
+                       double lose=0.0, double fail=0.0, int64_t fail_bytes=0, int max_fails=0):
+        """Testing only: connections attached from now on use the fake transport
+        (fake_transport.pxi): TCP underneath, with faults drawn from `seed`: a post refused
+        (would block) with probability `block`, a post or read accepted in part with `short`, a
+        completion held back at each test with `delay` (then handed over shuffled) or lost with
+        `lose`, and a connection, with probability `fail` (at most `max_fails` of them), shut down
+        at a random byte within its first `fail_bytes` sent."""
+        cdef State* e = self._live()
+        memset(&fk, 0, sizeof(fk))
+        fk.seed = seed
+        fk.p_block, fk.p_short, fk.p_delay, fk.p_lose, fk.p_fail = block, short, delay, lose, fail
+        fk.fail_bytes = fail_bytes
+        fk.fails_left = max_fails
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            e.tp = fake_transport()
+            pthread_mutex_unlock(&e.mu)
+
+    def transport_stats(self):
+        """The transport new connections use, and the fake transport's counts of what it did."""
+        cdef State* e = self._live()
+        return {"transport": (<bytes>e.tp.name).decode(), "conns": fk.conns,
+                "blocked": fk.blocked, "shorts": fk.shorts, "delayed": fk.delayed,
+                "reordered": fk.reordered, "lost": fk.lost, "failed": fk.failed,
+                "completed": fk.completed}
 
     cdef State* _live(self) except NULL:
         if self.e == NULL:

@@ -236,7 +236,9 @@ cdef cppclass P2PState:
 cdef cppclass Rail:
     int peer
     int index
-    int fd
+    int fd               # the connection's event fd (tp.event_fd), in the epoll set; -1: none
+    Transport* tp        # the connection's transport (transport.pxd) and its opaque state
+    void* conn           # (NULL: no connection)
     int state
     uint32_t conn_id
     uint32_t gen
@@ -253,7 +255,10 @@ cdef cppclass Rail:
     string dackq         # delayed acks (FL_LAZY_ACK frames): sent with the next frame on this
     double dack_t        # rail, or when the oldest is DACK_DELAY old
     int dack_listed      # in State.dack_list
-    int tx_busy
+    int tx_busy          # a DATA frame occupies the rail: from begin_tx to its completion
+    uint64_t tx_id       # its cookie (transport.pxd's isend / test); counts up per frame
+    int tx_posted        # all its bytes are posted: the rail is free at its completion
+    double tx_post_t     # when the timer first saw it posted and not completed (0: not yet)
     r2_hdr tx_hdr
     char* tx_payload
     uint32_t tx_plen
@@ -314,6 +319,11 @@ cdef cppclass Rail:
         this.meas_bytes = 0
         this.meas_inflight = 0
         this.fd = -1
+        this.tp = NULL
+        this.conn = NULL
+        this.tx_id = 0
+        this.tx_posted = 0
+        this.tx_post_t = 0
         this.state = R_DOWN
         this.conn_id = 0
         this.gen = 0
@@ -397,7 +407,7 @@ cdef cppclass State:
     double rail_timeout, peer_timeout, probe_base, probe_max
     uint64_t window
     double win_s         # a rail's window: at most this many seconds of its measured rate
-    Transport tp
+    Transport* tp            # the transport new connections are adopted by (attach)
     int stop
     int signal
     char* trash

@@ -70,11 +70,11 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
         # acked already, or never sent (gated, or queued: the ready queue still holds it, and
         # counting this ack could complete and free the message under that queue entry)
         return
-    if r.tx_busy and r.tx_ref.m == <void*>m and r.tx_ref.c == c and r.tx_orphan == NULL:
+    if tx_mid(e, r) and r.tx_ref.m == <void*>m and r.tx_ref.c == c and r.tx_orphan == NULL:
         return                          # this rail is still writing that chunk: not received
     if m.crail[c] >= 0 and not (st & C_HEDGED):
         pr = e.peers[m.peer].rails[m.crail[c]]
-        if pr.tx_busy and pr.tx_ref.m == <void*>m and pr.tx_ref.c == c and pr.tx_orphan == NULL:
+        if tx_mid(e, pr) and pr.tx_ref.m == <void*>m and pr.tx_ref.c == c and pr.tx_orphan == NULL:
             return                      # nor is its only copy, still written on another rail
     if m.crail[c] >= 0:
         pr = e.peers[m.peer].rails[m.crail[c]]
@@ -206,9 +206,11 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     r.state = R_DOWN
     if r.fd >= 0:
         epoll_ctl(e.epfd, EPOLL_CTL_DEL, r.fd, NULL)
-        e.tp.shutdown(r.fd)
-        e.tp.close(r.fd)
-        r.fd = -1
+    r.fd = -1
+    if r.conn != NULL:
+        r.tp.shutdown(r.conn)
+        r.tp.close(r.conn)          # the transport touches no posted memory after this
+        r.conn = NULL
     r.want_out = 0
     r.blackhole = 0
     r.fault_at = -1
@@ -246,6 +248,8 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     r.meas_inflight = 0
     r.ghosts = 0
     r.tx_busy = 0
+    r.tx_posted = 0
+    r.tx_post_t = 0
     r.tx_sealed = 0
     if r.tx_orphan != NULL:
         free(r.tx_orphan)

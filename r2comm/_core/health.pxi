@@ -46,7 +46,7 @@ cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlat
         r.hc_t = 0        # the timer itself was held up (this process was stopped): start over
     if r.hc_t > 0 and (now - r.hc_t < rnd or quiet <= e.rail_timeout):
         return 0          # the round runs on
-    r2_tcp_snap(r.fd, &s)
+    r2_tcp_snap(r.tp.os_fd(r.conn) if r.conn != NULL else -1, &s)
     if r.hc_t == 0:
         hc_begin(e, r, &s, now)
         return 0
@@ -73,7 +73,7 @@ cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlat
             snprintf(buf, sizeof(buf), "its kernel acknowledged a segment %u ms ago",
                      s.last_ack_ms)
         if not alive:
-            nic = r2_local_nic(r.fd, ifname, sizeof(ifname))
+            nic = r2_local_nic(r.tp.os_fd(r.conn) if r.conn != NULL else -1, ifname, sizeof(ifname))
             if nic == 0:
                 r.fail_cause = CAUSE_LOCAL_NIC
                 snprintf(buf, sizeof(buf), "no acknowledgement within the rail deadline: local "
@@ -113,6 +113,18 @@ cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlat
     hc_begin(e, r, &s, now)
     return 0
 
+cdef void completion_due(State* e, Rail* r, double now) noexcept nogil:
+    """A DATA frame is wholly posted and its completion has not come: collect it (a transport
+    without an event fd is polled here), and fail the rail if it is a rail deadline late (the
+    transport lost it: the frame's chunk is re-sent on another rail, the peer drops a copy)."""
+    rail_reap(e, r)
+    if r.state != R_UP or not r.tx_posted:
+        return
+    if r.tx_post_t == 0:
+        r.tx_post_t = now               # (no clock read per frame on the hot path)
+    elif now - r.tx_post_t > e.rail_timeout:
+        fail_rail(e, r, "no send completion within the rail deadline", e.me, 1)
+
 cdef void check_timers(State* e) noexcept nogil:
     cdef double now = mono()
     cdef double rnd = hc_round(e)
@@ -132,6 +144,8 @@ cdef void check_timers(State* e) noexcept nogil:
         nlate = 0
         for k in range(p.nrails):
             r = p.rails[k]
+            if r.state == R_UP and r.tx_posted:
+                completion_due(e, r, now)
             if r.state == R_UP and rail_late(e, r, now, rnd):
                 nlate += 1
         nstalled = 0

@@ -42,6 +42,8 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
         if r.state != R_UP or r.gen != <uint32_t>(tag >> 32):
             continue
         if evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP):
+            if r.tx_posted:
+                rail_reap(e, r)         # a completion-channel transport signals them here
             rail_read(e, r)
         if r.state == R_UP and (evs[i].events & EPOLLOUT or r.txq.size() > r.txq_pos):
             rail_write(e, r)

@@ -319,7 +319,7 @@ cdef void rail_read(State* e, Rail* r) noexcept nogil:
         rounds += 1
         need = r.rh.len - r.rgot
         if r.blackhole:
-            n = e.tp.post_recv(r.fd, e.trash, e.cs)
+            n = r.tp.irecv(r.conn, e.trash, e.cs)
             if n == 0:
                 return
             if n < 0:
@@ -327,7 +327,7 @@ cdef void rail_read(State* e, Rail* r) noexcept nogil:
                 return
             continue
         if r.rstate == 1 and r.rpos == r.rlen and need >= DIRECT_MIN and r.rtarget != NULL:
-            n = e.tp.post_recv(r.fd, r.rtarget + r.rgot, need)
+            n = r.tp.irecv(r.conn, r.rtarget + r.rgot, need)
             if n == 0:
                 return
             if n < 0:
@@ -347,7 +347,7 @@ cdef void rail_read(State* e, Rail* r) noexcept nogil:
             r.rpos = 0
         # small reads for headers and acks: a large payload then goes straight to its target
         # (one copy, kernel to destination) instead of through this buffer
-        n = e.tp.post_recv(r.fd, r.rbuf + r.rlen, min_u32(RBUF_SIZE - r.rlen, RBUF_READ))
+        n = r.tp.irecv(r.conn, r.rbuf + r.rlen, min_u32(RBUF_SIZE - r.rlen, RBUF_READ))
         if n == 0:
             return
         if n < 0:

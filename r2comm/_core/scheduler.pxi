@@ -138,6 +138,9 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
     r.tx_plen = ln
     r.tx_done = 0
     r.tx_busy = 1
+    r.tx_id += 1
+    r.tx_posted = 0
+    r.tx_post_t = 0
     r.tx_sealed = 0
 
 cdef void pump_peer(State* e, Peer* p) noexcept nogil:

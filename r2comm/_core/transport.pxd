@@ -1,8 +1,83 @@
-# The rail transport interface, in the spirit of NCCL's ncclNet_t: the engine moves bytes on a
-# rail only through these calls, so a verbs transport can sit under the same engine.
-# Connection set-up (listen / connect / accept, with the authenticated handshake) is cold path and
-# lives in Python (r2comm/_core/tcp.py); these are the hot-path calls, all without the GIL.
-from libc.stdint cimport int64_t
+# The rail transport interface (issue 19), in the spirit of NCCL's ncclNet_t: the engine moves
+# bytes on a rail only through these calls, on an opaque per-connection state, without the GIL.
+#
+# Design
+# ------
+# The engine owns reliability: chunk identity, acks, re-sending on another rail, hedging,
+# dedup, deadlines. A transport only moves frames on one connection and reports what it has
+# finished with; it never sees a failure policy. The calls, and why each exists:
+#
+#   adopt(handle) -> conn     Wrap an established, authenticated connection (set-up is cold
+#                             path, in Python: listen/connect/accept and the handshake live in
+#                             r2comm/_core/tcp.py; a verbs set-up would hand over a connected QP).
+#                             NULL on failure. conn is opaque to the engine.
+#   event_fd(conn)            The fd the progress loop's epoll waits on: readable when irecv may
+#                             return bytes or test may return completions, writable after a
+#                             would-block isend (-1: none; the engine then polls on its timer).
+#   isend(conn, iov, niov, cookie)
+#                             Post the gather list (small frames queued for the rail, then the
+#                             DATA frame's header, payload and tag). Returns the bytes accepted
+#                             (> 0), 0 if it would block (retry on writability), -errno if the
+#                             connection failed. A stream transport may accept a prefix: the
+#                             engine re-posts the rest (same cookie). A message transport
+#                             accepts all or nothing.
+#                             Memory contract: every entry is valid only during the call (the
+#                             transport copies headers, control frames and tags it needs later)
+#                             except the DATA payload, which comes from a registered region and
+#                             stays valid until the post completes. cookie != 0 names that DATA
+#                             frame; 0: the post holds only small frames, no completion wanted.
+#   test(conn, out, max)      Completed posts: writes up to max cookies, returns how many. A
+#                             cookie completes once all of its bytes were accepted and the
+#                             transport no longer reads its payload. Completions may come late
+#                             and in any order; a connection that fails reports none (the engine
+#                             re-sends from its own state, so losing them is safe).
+#   irecv(conn, buf, n)       Received bytes, in order: up to n into buf (a staging buffer, or the
+#                             destination itself for a large payload whose place is known). Bytes
+#                             read, 0 if none yet, -errno on failure, T_EOF when the peer closed.
+#   reg_mr / dereg_mr         Register a region the engine sends from / receives into (an
+#                             operation's buffers); the handle goes with the post. TCP: no-op.
+#                             (The engine does not call them yet: only TCP-like transports run.)
+#   os_fd(conn)               The OS socket under the connection (-1: none). Only for the health
+#                             checks (TCP_INFO tells a stalled peer process from a dead path) and
+#                             the injected silent fault; never on the data path.
+#   shutdown(conn)            Make the connection unusable at once, both directions (a failed
+#                             rail: the peer must see it die too).
+#   close(conn)               Release it; after close the transport touches no posted memory.
+#
+# "Written on rail r" for the engine: a DATA frame occupies its rail (r.tx_busy) from begin_tx
+# until its completion; an ack from the peer is accepted once every byte was posted (the peer
+# cannot acknowledge bytes the NIC has not read), and the frame's payload is released (orphan
+# copy freed, benchmark-only noack mode counts it delivered) at its completion. A completion that
+# has not come a rail deadline after the engine's timer first saw the frame posted fails the
+# rail (the transport lost it). Chunks in flight on a failed rail are re-queued from the
+# engine's own records, whatever the transport completed. Today the engine keeps at most one
+# DATA post per rail outstanding (and small frames need no completion), so completions of one
+# connection cannot overtake each other yet (the fake transport's shuffling has nothing to
+# reorder); pipelining several DATA posts per rail, as verbs wants, needs a per-rail table of
+# posted frames keyed by cookie in place of rail_reap's match on the current one.
+#
+# TCP (tcp.pxd): a byte stream. isend is one non-blocking sendmsg (prefixes accepted); the
+# kernel copies everything, so a post completes when its last byte is accepted, inside the
+# isend call (test only hands the cookie over: no syscall). irecv is recv; event_fd and os_fd
+# are the socket.
+#
+# verbs (RC QP; r2comm/_core/verbs.pyx today stands alone): adopt takes a connected QP with
+# its CQs and a ring of registered staging receive buffers. isend posts one IBV_WR_SEND with
+# the small entries inline or copied into a registered bounce slot and the payload as an SGE of
+# the operation's MR (all or nothing: 0 when the send queue is full); test polls the send CQ and
+# returns wr_id cookies. irecv copies out of completed receive buffers in order (RC delivers in
+# order, so the engine's frame parser is unchanged) and re-posts each drained buffer; placement
+# straight into the destination is a later step (RDMA WRITE with the receive's MR key announced
+# in a control frame). event_fd is the completion channel's fd (ibv_req_notify_cq re-armed
+# after each drain). os_fd is -1: health falls back to the peer's other rails. reg_mr/dereg_mr
+# wrap ibv_reg_mr/ibv_dereg_mr (cached per buffer). What the engine must change for it: free
+# an operation only after the completions of posts reading its buffers (TCP needs no wait;
+# today the engine copies a payload still being posted into an orphan buffer instead).
+#
+# Implementations: tcp.pxd (production), fuzz_transport.pxi (in-memory, the wire fuzzer),
+# fake_transport.pxi (TCP underneath, seeded faults: short and refused posts, delayed,
+# reordered and lost completions, a connection failing at a random byte; tests only).
+from libc.stdint cimport int64_t, uint64_t, intptr_t
 
 cdef extern from "<sys/uio.h>" nogil:
     cdef struct iovec:
@@ -11,13 +86,50 @@ cdef extern from "<sys/uio.h>" nogil:
 
 cdef struct Transport:
     const char* name
-    # Send from up to 3 iovecs; bytes accepted, 0 if it would block, -errno on failure.
-    int64_t (*post_send)(int fd, iovec* iov, int niov) noexcept nogil
-    # Receive up to n bytes; bytes read, 0 if it would block, -errno on failure or -1000 on EOF.
-    int64_t (*post_recv)(int fd, void* buf, size_t n) noexcept nogil
-    # Make the connection unusable at once (both directions), then release it.
-    void (*shutdown)(int fd) noexcept nogil
-    void (*close)(int fd) noexcept nogil
+    void* (*adopt)(intptr_t handle) noexcept nogil
+    int (*event_fd)(void* conn) noexcept nogil
+    int64_t (*isend)(void* conn, iovec* iov, int niov, uint64_t cookie) noexcept nogil
+    int (*test)(void* conn, uint64_t* out, int max) noexcept nogil
+    int64_t (*irecv)(void* conn, void* buf, size_t n) noexcept nogil
+    int (*reg_mr)(void* conn, void* base, size_t n, void** mr) noexcept nogil
+    void (*dereg_mr)(void* conn, void* mr) noexcept nogil
+    int (*os_fd)(void* conn) noexcept nogil
+    void (*shutdown)(void* conn) noexcept nogil
+    void (*close)(void* conn) noexcept nogil
 
 cdef enum:
     T_EOF = -1000
+    T_DONE_MAX = 16           # completions a connection holds for test() (see TDone)
+
+# A connection's completed cookies, for transports that complete inside isend (TCP, fuzz).
+cdef struct TDone:
+    int n
+    uint64_t q[T_DONE_MAX]
+
+cdef inline void tdone_push(TDone* d, uint64_t cookie) noexcept nogil:
+    if cookie != 0 and d.n < T_DONE_MAX:
+        d.q[d.n] = cookie
+        d.n += 1
+
+cdef inline int tdone_take(TDone* d, uint64_t* out, int max) noexcept nogil:
+    cdef int i, k = d.n if d.n < max else max
+    for i in range(k):
+        out[i] = d.q[i]
+    for i in range(k, d.n):
+        d.q[i - k] = d.q[i]
+    d.n -= k
+    return k
+
+cdef inline int64_t iov_total(iovec* iov, int niov) noexcept nogil:
+    cdef int64_t t = 0
+    cdef int i
+    for i in range(niov):
+        t += iov[i].iov_len
+    return t
+
+cdef inline int tp_reg_none(void* conn, void* base, size_t n, void** mr) noexcept nogil:
+    mr[0] = NULL
+    return 0
+
+cdef inline void tp_dereg_none(void* conn, void* mr) noexcept nogil:
+    pass
