@@ -56,6 +56,8 @@ cdef void gate_release(State* e, Dep d, uint32_t c) noexcept nogil:
             apply_chunk(e, rm, c, data)
             free(data)
 
+cdef double SLOW_RAIL = 0.25   # a rail this much slower than a busy one does not take its chunks
+
 cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
     """Outstanding bytes a rail may hold: the configured window, but no more than win_s of
     its measured throughput (at least one chunk), so a slow rail never sits on a backlog that
@@ -200,18 +202,19 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
                 best_score = score
                 best_speed = rate * r.weight
         # The chunk goes to the idle rail it would be through soonest on, unless that rail is
-        # slow (under half the speed of a rail whose socket is still busy with a frame) and
-        # the busy rail would have it through sooner: then it waits for that rail (an ack or
-        # room in its socket pumps again). Without the wait a fast rail, which keeps its
-        # socket full under a stream, lost a chunk to a rail at 1/10 of its rate each time
-        # that one went idle: 512 KiB, 84 ms at 50 Mbit/s against 8 ms on the fast rail, an
-        # eighth of every 4 MiB allreduce, and each op waited for it (bench/testbed_slow_rail.py:
-        # 85-109 ms against 68 ms on NIC 0 alone). Rails of about the same speed keep taking
-        # whichever is free, as before: their measured rates differ by noise (27 against 62
-        # MB/s on a just reconnected 500 Mbit/s rail), and a wait on such a difference would
-        # idle a rail that is as good. (Half: the same line as a slow rail's tail hedge.)
+        # slow (under a quarter of the speed of a rail whose socket is still busy with a
+        # frame) and the busy rail would have it through sooner: then it waits for that rail
+        # (an ack or room in its socket pumps again). Without the wait a fast rail, which
+        # keeps its socket full under a stream, lost a chunk to a rail at 1/10 of its rate
+        # each time that one went idle: 512 KiB, 84 ms at 50 Mbit/s against 8 ms on the fast
+        # rail, an eighth of every 4 MiB allreduce, and each op waited for it
+        # (bench/testbed_slow_rail.py: 85-109 ms against 68 ms on NIC 0 alone). Rails of about
+        # the same speed keep taking whichever is free, as before: their measured rates swing
+        # with bursts of acks (36 to 175 MB/s, once 977, on equal 500 Mbit/s rails after a
+        # reconnect), and at "under half" the waits on those swings made a flap's ops slower
+        # (bench/testbed_flap.py: 320-415 against 255-385 ms lost per flap).
         if busy != NULL and (best == NULL or (busy_score < best_score and
-                                              best_speed < 0.5 * busy_speed)):
+                                              best_speed < SLOW_RAIL * busy_speed)):
             return
         if best == NULL or not start_chunk(e, p, best):
             return
