@@ -47,7 +47,7 @@ def test_tenth_rate_rail_no_worse_than_dead(tmp_path):
     degraded (hedging on and off) against NIC 0 alone, as the ratio of their median op times.
     Before the fix the slow rail took a 512 KiB chunk (84 ms at 50 Mbit/s) of every op each
     time it went idle while the fast rail's socket was busy: 0.67-0.80x the speed of NIC 0
-    alone; after 0.95-0.99x."""
+    alone; after 0.93-1.13x."""
     _need_root()
     import json
     import subprocess
@@ -60,3 +60,6 @@ def test_tenth_rate_rail_no_worse_than_dead(tmp_path):
     assert res["wrong_results"] == 0
     ratios = res["degraded_vs_single"]              # single's time / degraded's: >= 1 is better
     assert max(ratios.values()) >= 0.88, (ratios, p.stdout[-2000:])
+    # and given its rate back, the NIC is measured again and carries its share (a rail the
+    # striping avoided stayed at its slow rate: 0.49x healthy, as slow as NIC 0 alone)
+    assert res["restored_vs_healthy"] >= 0.75, (res["restored_vs_healthy"], p.stdout[-2000:])

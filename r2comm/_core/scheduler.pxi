@@ -56,6 +56,9 @@ cdef void gate_release(State* e, Dep d, uint32_t c) noexcept nogil:
             apply_chunk(e, rm, c, data)
             free(data)
 
+cdef inline double max_d(double a, double b) noexcept nogil:
+    return a if a > b else b
+
 cdef double SLOW_RAIL = 0.25   # a rail this much slower than a busy one does not take its chunks
 
 cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
@@ -90,7 +93,8 @@ cdef inline void untrack(Rail* r, SendMsg* m, uint32_t ln) noexcept nogil:
 cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
     """Throughput of a busy rail: acknowledged bytes over time with data outstanding,
     smoothed (EWMA), sampled once two chunks (of the size just acknowledged) were
-    acknowledged over >= 5 ms, or any over >= 50 ms, or four chunks and 1 MiB within 0.5 ms
+    acknowledged over >= 5 ms, or all that was out (a lone chunk: the only measurement a
+    rail that the striping avoids gets), or any over >= 50 ms, or four chunks and 1 MiB within 0.5 ms
     (a fast rail adapts quickly). A slow or degraded rail shows up within a few chunks, and
     the striping then gives it less. Acks come a chunk at a time and in bursts (behind the
     other direction's data): samples of one chunk, or 1 MiB of acks bunched in 0.5 ms, read
@@ -98,7 +102,8 @@ cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
     cdef double now = mono(), dt
     r.meas_bytes += nbytes
     dt = now - r.meas_t0
-    if r.meas_bytes > 0 and ((dt >= 0.005 and r.meas_bytes >= 2 * <uint64_t>nbytes) or dt >= 0.05
+    if r.meas_bytes > 0 and ((dt >= 0.005 and (r.meas_bytes >= 2 * <uint64_t>nbytes or
+                                                r.meas_inflight == 0)) or dt >= 0.05
                              or (r.meas_bytes >= (1 << 20) and r.meas_bytes >= 4 * <uint64_t>nbytes
                                  and dt >= 0.0005)):
         sample = r.meas_bytes / dt
@@ -158,6 +163,7 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
     cdef Rail* best
     cdef Rail* busy
     cdef double score, best_score, rate, best_rate, busy_score, busy_speed = 0, best_speed = 0
+    cdef bint best_stale = 0
     cdef double now = mono()
     cdef CRef ref
     cdef SendMsg* m
@@ -207,6 +213,10 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
                 best = r
                 best_score = score
                 best_speed = rate * r.weight
+                # idle for 4 of its chunk times (50 ms at least): its rate is stale, and only
+                # a chunk can measure it again (a NIC back at its rate after a degradation)
+                best_stale = r.inflight.empty() and r.ghosts == 0 and \
+                    now - r.last_progress > max_d(0.05, 4.0 * e.cs / rate)
         # The chunk goes to the idle rail it would be through soonest on, unless that rail is
         # slow (under a quarter of the speed of a rail whose socket is still busy with a
         # frame) and the busy rail would have it through sooner: then it waits for that rail
@@ -218,8 +228,12 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
         # the same speed keep taking whichever is free, as before: their measured rates swing
         # with bursts of acks (36 to 175 MB/s, once 977, on equal 500 Mbit/s rails after a
         # reconnect), and at "under half" the waits on those swings made a flap's ops slower
-        # (bench/testbed_flap.py: 320-415 against 255-385 ms lost per flap).
-        if busy != NULL and (best == NULL or (busy_score < best_score and
+        # (bench/testbed_flap.py: 320-415 against 255-385 ms lost per flap). A slow rail idle
+        # for a while still takes a chunk (its tail hedge bounds what that costs): with no
+        # chunk it was never measured again, and a NIC restored to its rate after a
+        # degradation stayed at the slow rate in the striping (issue 18's torch bench: steps
+        # after the repair 180 ms against 112 ms with no wait at all).
+        if busy != NULL and (best == NULL or (busy_score < best_score and not best_stale and
                                               best_speed < SLOW_RAIL * busy_speed)):
             return
         if best == NULL or not start_chunk(e, p, best):
