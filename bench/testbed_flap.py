@@ -38,7 +38,7 @@ def rank_main(args):
         open(os.path.join(args.out, ".flap_ready"), "w").close()
     ops = []
     t_end = time.time() + args.seconds
-    while time.time() < t_end and len(ops) < 5000:
+    while len(ops) < 5000:
         t0 = time.time()
         comm.Allreduce(x, y)
         t1 = time.time()
@@ -46,16 +46,11 @@ def rank_main(args):
         rows = eng.rail_stats()[peer]
         ops.append({"t0": t0, "t1": t1, "s": t1 - t0,
                     "rails": [(r[0], r[7], r[1], r[3], r[8]) for r in rows]})
-        # every rank runs the same number of ops: rank 0 decides when to stop
+        # every rank runs the same number of ops: rank 0 decides when to stop (bounded: 5000)
         if len(ops) % 8 == 0:
             stop = world.bcast(time.time() >= t_end if comm.rank == 0 else None, root=0)
             if stop:
                 break
-    # equal op counts (allreduce count must match): exchange and pad
-    n = world.allreduce(len(ops), op=__import__("mpi4py").MPI.MAX)
-    while len(ops) < n:
-        comm.Allreduce(x, y)
-        ops.append({"t0": time.time(), "t1": time.time(), "s": 0, "rails": []})
     res = {"rank": comm.rank, "ops": ops, "events": comm.events, "wrong": wrong}
     with open(os.path.join(args.out, f"testbed_flap.rank{comm.rank}.json"), "w") as f:
         json.dump(res, f)
@@ -103,25 +98,24 @@ def main():
     ap.add_argument("--flap-at", type=float, default=1.5)
     ap.add_argument("--down-s", type=float, default=0.3)
     ap.add_argument("--flaps", type=int, default=2, help="flaps, --gap s apart (the torch "
-                    "bench's two are ~1.4 s apart: inside the engine's 2 s flapping window)")
+                    "bench's two are ~1.4 s apart)")
     ap.add_argument("--gap", type=float, default=1.4)
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
     args = ap.parse_args()
-    if args.rank:
-        sys.exit(rank_main(args))
+    return rank_main(args) if args.rank else drive(args)
+
+
+def drive(args):
+    """The driver: the fabric, the job, the flaps, then the analysis of what the ranks wrote."""
     from r2comm.testbed import Fabric
-    os.makedirs(args.out, exist_ok=True)
-    marker = os.path.join(args.out, ".flap_ready")
-    if os.path.exists(marker):
-        os.remove(marker)
+    from testbed_failover import fresh_marker, wait_marker
+    marker = fresh_marker(args.out, ".flap_ready")
     with Fabric(hosts=2, nics=2, rate=args.rate, tag=f"fl{os.getpid() % 10000}") as fab:
         p = fab.mpiexec(2, [sys.executable, os.path.abspath(__file__), "--rank",
                             "--rate", args.rate, "--mib", str(args.mib),
                             "--seconds", str(args.seconds), "--out", args.out],
                         timeout=args.seconds + 60)
-        deadline = time.time() + 60
-        while not os.path.exists(marker) and p.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
+        wait_marker(marker, p, 60)
         time.sleep(args.flap_at)
         flaps = []
         for k in range(args.flaps):

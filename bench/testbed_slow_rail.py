@@ -130,24 +130,18 @@ def main():
     if args.rank:
         sys.exit(rank_main(args))
     from r2comm.testbed import Fabric
-    os.makedirs(args.out, exist_ok=True)
-    marker = os.path.join(args.out, ".slow_ready")
-    if os.path.exists(marker):
-        os.remove(marker)
+    from testbed_failover import fresh_marker, wait_marker
+    marker = fresh_marker(args.out, ".slow_ready")
+    restore = fresh_marker(args.out, ".slow_restore")
     with Fabric(hosts=2, nics=2, rate=args.rate, tag="slow") as fab:
         p = fab.mpiexec(2, [sys.executable, os.path.abspath(__file__), "--rank",
                             "--rate", args.rate, "--slow", args.slow, "--mib", str(args.mib),
                             "--iters", str(args.iters), "--reps", str(args.reps),
                             "--out", args.out], timeout=400)
-        deadline = time.time() + 120
-        while not os.path.exists(marker) and p.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
+        wait_marker(marker, p, 120)
         fab.degrade(0, 1, args.slow)
         fab.degrade(1, 1, args.slow)
-        restore = os.path.join(args.out, ".slow_restore")
-        deadline = time.time() + 200
-        while not os.path.exists(restore) and p.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
+        wait_marker(restore, p, 200)
         fab.degrade(0, 1, args.rate)
         fab.degrade(1, 1, args.rate)
         rc = p.wait()
