@@ -56,6 +56,23 @@ def _inputs(rank, nranks, count):
     return x, ref
 
 
+def fresh_marker(out, name):
+    """The path of a file the ranks create to signal the driver (in OUT, made if need be),
+    with a stale one from an earlier run removed (shared by the testbed_* scripts)."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        os.remove(path)
+    return path
+
+
+def wait_marker(path, proc, seconds):
+    """Wait, at most SECONDS, until PATH exists or the job PROC ended."""
+    deadline = time.time() + seconds
+    while not os.path.exists(path) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+
+
 def rank_job(mib, timeout=120):
     """What a testbed bench rank starts with: (world, comm, x, ref, y) for a float32
     allreduce of `mib` MiB with exact inputs (shared by the testbed_* scripts)."""

@@ -10,6 +10,8 @@ allreduces of --mib MiB in these phases, every result checked against numpy:
   degraded  NIC 1 of both hosts shaped down to --slow (tc tbf) while the job runs; rounds
             alternate hedging on and off (engine.set_hedge) in the same job, so the two are
             compared side by side
+  restored  NIC 1 given its rate back: the striping must measure it again (no slower than
+            healthy)
   single    rail 1 failed on purpose (comm.fail_rail): NIC 0 alone, the baseline a slow
             rail must not fall below
 Reports per phase the median op time over --reps rounds, busbw, the share of bytes sent on
@@ -40,7 +42,7 @@ def rank_main(args):
         nonlocal wrong
         out = []
         for _ in range(reps):
-            eng.set_hedge(hedge)
+            eng.set_hedge(2 if hedge else 0)   # on: the default mode (late and slow rails)
             comm.Allreduce(x, y)              # settles the rail rates after a switch
             world.Barrier()
             b0 = [(ra.bytes_sent, ra.bytes_hedged) for ra in comm.rails]
@@ -83,6 +85,11 @@ def rank_main(args):
                         "share1": median(r["share1"] for r in rs),
                         "hedged_bytes_per_op": median(r["hedged_bytes_per_op"] for r in rs),
                         "rounds_s": [r["median_s"] for r in rs]})
+    if comm.rank == 0:
+        open(os.path.join(args.out, ".slow_restore"), "w").close()
+    time.sleep(2.0)                           # the driver gives NIC 1 its rate back now
+    world.Barrier()
+    results.append(rounds("restored", True, args.reps))
     comm.fail_rail(1)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(ra.state == "up" for ra in comm.rails[1:]):
@@ -96,7 +103,9 @@ def rank_main(args):
                    "iters": args.iters, "reps": args.reps, "wrong_results": wrong,
                    "phases": results,
                    "degraded_vs_single": {str(r["hedge"]): single / r["median_s"]
-                                          for r in results if r["phase"] == "degraded"}}
+                                          for r in results if r["phase"] == "degraded"},
+                   "restored_vs_healthy": results[0]["median_s"] /
+                   next(r["median_s"] for r in results if r["phase"] == "restored")}
         with open(os.path.join(args.out, "testbed_slow_rail.json"), "w") as f:
             json.dump(summary, f, indent=1)
         for r in results:
@@ -121,21 +130,23 @@ def main():
     if args.rank:
         sys.exit(rank_main(args))
     from r2comm.testbed import Fabric
-    os.makedirs(args.out, exist_ok=True)
-    marker = os.path.join(args.out, ".slow_ready")
-    if os.path.exists(marker):
-        os.remove(marker)
+    from testbed_failover import fresh_marker, wait_marker
+    marker = fresh_marker(args.out, ".slow_ready")
+    restore = fresh_marker(args.out, ".slow_restore")
     with Fabric(hosts=2, nics=2, rate=args.rate, tag="slow") as fab:
         p = fab.mpiexec(2, [sys.executable, os.path.abspath(__file__), "--rank",
                             "--rate", args.rate, "--slow", args.slow, "--mib", str(args.mib),
                             "--iters", str(args.iters), "--reps", str(args.reps),
                             "--out", args.out], timeout=400)
-        deadline = time.time() + 120
-        while not os.path.exists(marker) and p.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
+        wait_marker(marker, p, 120)
         fab.degrade(0, 1, args.slow)
         fab.degrade(1, 1, args.slow)
+        wait_marker(restore, p, 200)
+        fab.degrade(0, 1, args.rate)
+        fab.degrade(1, 1, args.rate)
         rc = p.wait()
+        if os.path.exists(restore):
+            os.remove(restore)
     if os.path.exists(marker):
         os.remove(marker)
     sys.exit(rc)

@@ -264,7 +264,7 @@ class Links:
             return
         for peer, rail in due:
             if peer > self.me:
-                if not self._connect(peer, rail, 0.3):
+                if not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
                     self.engine.probe_failed(peer, rail)
             else:
                 self.engine.probe_failed(peer, rail)   # the lower rank re-connects; wait for it

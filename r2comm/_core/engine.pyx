@@ -577,16 +577,42 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
         return out
 
-    def probe_failed(self, int peer, int rail):
+    def probe_timeout(self, int peer, int rail):
+        """How long a fail-back probe of (peer, rail) may take to connect: FAST_PROBE_TIMEOUT
+        while the rail is in its fast-probe second (see probe_failed), else 0.3 s."""
         cdef State* e = self._live()
         cdef Rail* r
+        cdef double t = 0.3
         with nogil:
             pthread_mutex_lock(&e.mu)
             r = e.peers[peer].rails[rail]
-            r.backoff = r.backoff * 2 if r.backoff > 0 else e.probe_base
-            if r.backoff > e.probe_max:
-                r.backoff = e.probe_max
-            r.next_probe = mono() + r.backoff
+            if fast_probing(e, r, mono()):
+                t = FAST_PROBE_TIMEOUT
+            pthread_mutex_unlock(&e.mu)
+        return t
+
+    def probe_failed(self, int peer, int rail):
+        """A fail-back probe of (peer, rail) did not connect (or this rank waits for the lower
+        rank's). In the first FAST_PROBE_S after a failure that is not a flap (the rail was not
+        restored just before: its back-off is still the first), the next probe follows at
+        once (FAST_PROBE_GAP, no doubling): a NIC that flapped for 0.3 s is back while its
+        probes would still be doubling, and a blind probe's SYN into a dead link is lost, so
+        only a fresh attempt connects soon after the link returns. Then doubling from
+        probe_base (R2COMM_PROBE_MS) up to probe_max as before."""
+        cdef State* e = self._live()
+        cdef Rail* r
+        cdef double now
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            r = e.peers[peer].rails[rail]
+            now = mono()
+            if fast_probing(e, r, now):
+                r.next_probe = now + FAST_PROBE_GAP
+            else:
+                r.backoff = r.backoff * 2 if r.backoff > 0 else e.probe_base
+                if r.backoff > e.probe_max:
+                    r.backoff = e.probe_max
+                r.next_probe = now + r.backoff
             pthread_mutex_unlock(&e.mu)
 
     def mark_unconnected(self, int peer, int rail, str reason):

@@ -301,6 +301,7 @@ cdef cppclass Rail:
     uint64_t hc_acked        # the kernel's bytes acknowledged by the peer's kernel then
     int stalled              # held: acks late but the peer's kernel alive (process stalled)
     int fail_cause           # CAUSE_* of the failure being recorded
+    double nic_check_t       # acks late: when this rank's NIC of the rail was last looked at
     __init__() noexcept nogil:
         this.tx_ctr = 0
         this.rx_ctr = 0
@@ -311,6 +312,7 @@ cdef cppclass Rail:
         this.corrupt_next = 0
         this.last_ack = 0
         this.hc_t = 0
+        this.nic_check_t = 0
         this.hc_acked = 0
         this.stalled = 0
         this.fail_cause = CAUSE_NONE

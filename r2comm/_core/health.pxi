@@ -3,6 +3,19 @@
 # dead NIC or path; check_timers also repeats unacknowledged rail-down notices, loses peers with
 # no rail left and fails operations past their deadline.
 
+cdef double NIC_CHECK_AFTER = 0.02   # s without an ack before a busy rail's own NIC is looked at
+cdef double NIC_CHECK_EVERY = 0.01   # s between looks at one quiet rail's NIC
+
+cdef double FAST_PROBE_S = 1.0         # s after a rail failure with fail-back probes back to back
+cdef double FAST_PROBE_GAP = 0.02      # s between those probes
+cdef double FAST_PROBE_TIMEOUT = 0.06  # s each of them may take to connect (a SYN into a dead
+                                       # link is lost: a new attempt beats waiting for it)
+
+cdef inline int fast_probing(State* e, Rail* r, double now) noexcept nogil:
+    """The rail failed under FAST_PROBE_S ago and not as a flap (its back-off is the first)."""
+    return r.state == R_DOWN and r.fail_time > 0 and now - r.fail_time < FAST_PROBE_S and \
+        r.backoff <= e.probe_base
+
 cdef inline double hc_round(State* e) noexcept nogil:
     """A health-check round: long enough for the peer's kernel to acknowledge a segment
     (delayed acks wait 40 ms, at most 200 ms), at most half the rail deadline."""
@@ -125,6 +138,33 @@ cdef void completion_due(State* e, Rail* r, double now) noexcept nogil:
     elif now - r.tx_post_t > e.rail_timeout:
         fail_rail(e, r, "no send completion within the rail deadline", e.me, 1)
 
+cdef int local_nic_gone(State* e, Rail* r, double now) noexcept nogil:
+    """A busy rail gone quiet (no ack for NIC_CHECK_AFTER) is failed at once if this rank's own NIC under it is down or has lost its carrier:
+    that is certain (not a guess from timing), and waiting for the rail deadline only keeps
+    the rail's chunks behind a link that cannot carry them. What it saves is most of a short
+    flap (issue 18: `ip link set nic0 down` for 0.3 s): the connection left alone also stays
+    stalled well after the link is back, since TCP backs off its retransmissions (200 ms,
+    then 400 ms: the rail resumed 0.6 s after a 0.3 s flap, at its 500 ms deadline), while a
+    new connection (fail-back probing, links.py) carries traffic as soon as the link is up.
+    The interface is looked up (getifaddrs, some 50 us) at most every NIC_CHECK_EVERY per
+    quiet rail, never while acks flow; a NIC that is up proves nothing and leaves the rail to
+    hedging and its deadline. Returns 1 if the rail was failed."""
+    cdef char ifname[64]
+    cdef char buf[200]
+    cdef double quiet = now - r.last_progress
+    if e.noack or r.blackhole or r.conn == NULL or (r.inflight.empty() and r.ghosts == 0):
+        return 0
+    if quiet < NIC_CHECK_AFTER or now - r.nic_check_t < NIC_CHECK_EVERY:
+        return 0
+    r.nic_check_t = now
+    if r2_local_nic(r.tp.os_fd(r.conn), ifname, sizeof(ifname)) != 0:
+        return 0
+    r.fail_cause = CAUSE_LOCAL_NIC
+    snprintf(buf, sizeof(buf), "no acknowledgement for %.0f ms and local NIC %s is down or has "
+             "no carrier", quiet * 1e3, ifname)
+    fail_rail(e, r, buf, e.me, 1)
+    return 1
+
 cdef void check_timers(State* e) noexcept nogil:
     cdef double now = mono()
     cdef double rnd = hc_round(e)
@@ -155,6 +195,9 @@ cdef void check_timers(State* e) noexcept nogil:
             if r.state != R_UP:
                 continue
             up += 1
+            if local_nic_gone(e, r, now):
+                up -= 1
+                continue
             if rail_late(e, r, now, rnd):
                 if judge_rail(e, p, r, now, rnd, nlate):
                     up -= 1

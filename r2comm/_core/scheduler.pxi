@@ -56,6 +56,11 @@ cdef void gate_release(State* e, Dep d, uint32_t c) noexcept nogil:
             apply_chunk(e, rm, c, data)
             free(data)
 
+cdef inline double max_d(double a, double b) noexcept nogil:
+    return a if a > b else b
+
+cdef double SLOW_RAIL = 0.25   # a rail this much slower than a busy one does not take its chunks
+
 cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
     """Outstanding bytes a rail may hold: the configured window, but no more than win_s of
     its measured throughput (at least one chunk), so a slow rail never sits on a backlog that
@@ -87,12 +92,20 @@ cdef inline void untrack(Rail* r, SendMsg* m, uint32_t ln) noexcept nogil:
 
 cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
     """Throughput of a busy rail: acknowledged bytes over time with data outstanding,
-    sampled every >= 5 ms, smoothed (EWMA). A slow or degraded rail shows up within a few
-    chunks, and the striping then gives it less."""
+    smoothed (EWMA), sampled once two chunks (of the size just acknowledged) were
+    acknowledged over >= 5 ms, or all that was out (a lone chunk: the only measurement a
+    rail that the striping avoids gets), or any over >= 50 ms, or four chunks and 1 MiB within 0.5 ms
+    (a fast rail adapts quickly). A slow or degraded rail shows up within a few chunks, and
+    the striping then gives it less. Acks come a chunk at a time and in bursts (behind the
+    other direction's data): samples of one chunk, or 1 MiB of acks bunched in 0.5 ms, read
+    equal 500 Mbit/s rails (62.5 MB/s) at 36 to 977 MB/s (bench/testbed_flap.py)."""
     cdef double now = mono(), dt
     r.meas_bytes += nbytes
     dt = now - r.meas_t0
-    if r.meas_bytes > 0 and (dt >= 0.005 or (r.meas_bytes >= (1 << 20) and dt >= 0.0005)):
+    if r.meas_bytes > 0 and ((dt >= 0.005 and (r.meas_bytes >= 2 * <uint64_t>nbytes or
+                                                r.meas_inflight == 0)) or dt >= 0.05
+                             or (r.meas_bytes >= (1 << 20) and r.meas_bytes >= 4 * <uint64_t>nbytes
+                                 and dt >= 0.0005)):
         sample = r.meas_bytes / dt
         r.rate = sample if r.rate == 0 else 0.7 * r.rate + 0.3 * sample
         r.meas_t0 = now
@@ -145,12 +158,16 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
 
 cdef void pump_peer(State* e, Peer* p) noexcept nogil:
     """Flush what each connection holds, then stripe queued chunks: each goes to the rail with
-    the fewest unacknowledged bytes per unit of weight that has window room and an idle
-    socket. A slow or stalled rail keeps its bytes unacknowledged and so gets fewer chunks."""
+    window room and an idle socket on which it would be through soonest (unacknowledged bytes
+    plus the chunk, over measured rate times weight), or waits for a busy rail that is much
+    sooner. A slow or stalled rail keeps its bytes unacknowledged and so gets fewer chunks."""
     cdef int k
     cdef Rail* r
     cdef Rail* best
-    cdef double score, best_score, rate, best_rate
+    cdef Rail* busy
+    cdef double score, best_score, rate, best_rate, busy_score, busy_speed = 0, best_speed = 0
+    cdef bint best_stale = 0
+    cdef double now = mono()
     cdef CRef ref
     cdef SendMsg* m
     for k in range(p.nrails + 1):
@@ -176,9 +193,11 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
                 return
             rail_write(e, r)
             continue
+        busy = NULL
+        busy_score = 0
         for k in range(p.nrails):
             r = p.rails[k]
-            if r.state != R_UP or r.tx_busy:
+            if r.state != R_UP:
                 continue
             if r.inflight_bytes > 0 and r.inflight_bytes + e.cs > rail_window(e, r):
                 continue
@@ -186,9 +205,40 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
             # the best one, so it gets tried; declared weights scale the measurement)
             rate = r.rate if r.rate > 0 else (best_rate if best_rate > 0 else 1.0)
             score = (r.inflight_bytes + e.cs) / (rate * r.weight)
-            if best == NULL or score < best_score:
+            if r.tx_busy:
+                if e.noack or now - r.last_progress > quiet_limit(e, r, r.rate):
+                    continue      # its socket is full and its acks are late: not worth waiting for
+                if busy == NULL or score < busy_score:
+                    busy = r
+                    busy_score = score
+                    busy_speed = rate * r.weight
+            elif best == NULL or score < best_score:
                 best = r
                 best_score = score
+                best_speed = rate * r.weight
+                # idle for 4 of its chunk times (50 ms at least): its rate is stale, and only
+                # a chunk can measure it again (a NIC back at its rate after a degradation)
+                best_stale = r.inflight.empty() and r.ghosts == 0 and \
+                    now - r.last_progress > max_d(0.05, 4.0 * e.cs / rate)
+        # The chunk goes to the idle rail it would be through soonest on, unless that rail is
+        # slow (under a quarter of the speed of a rail whose socket is still busy with a
+        # frame) and the busy rail would have it through sooner: then it waits for that rail
+        # (an ack or room in its socket pumps again). Without the wait a fast rail, which
+        # keeps its socket full under a stream, lost a chunk to a rail at 1/10 of its rate
+        # each time that one went idle: 512 KiB, 84 ms at 50 Mbit/s against 8 ms on the fast
+        # rail, an eighth of every 4 MiB allreduce, and each op waited for it
+        # (bench/testbed_slow_rail.py: 85-109 ms against 68 ms on NIC 0 alone). Rails of about
+        # the same speed keep taking whichever is free, as before: their measured rates swing
+        # with bursts of acks (36 to 175 MB/s, once 977, on equal 500 Mbit/s rails after a
+        # reconnect), and at "under half" the waits on those swings made a flap's ops slower
+        # (bench/testbed_flap.py: 320-415 against 255-385 ms lost per flap). A slow rail idle
+        # for a while still takes a chunk (its tail hedge bounds what that costs): with no
+        # chunk it was never measured again, and a NIC restored to its rate after a
+        # degradation stayed at the slow rate in the striping (issue 18's torch bench: steps
+        # after the repair 180 ms against 112 ms with no wait at all).
+        if busy != NULL and (best == NULL or (busy_score < best_score and not best_stale and
+                                              best_speed < SLOW_RAIL * busy_speed)):
+            return
         if best == NULL or not start_chunk(e, p, best):
             return
         rail_write(e, best)
