@@ -160,6 +160,18 @@ def step_line(k):
     return f"[lm] step {k:3d} "
 
 
+def fault_recorder(faults):
+    """act(what, fn) -> a callback that runs fn (a fault on the fabric) and appends its wall
+    times to FAULTS."""
+    def act(what, fn):
+        def run():
+            t = time.time()
+            fn()
+            faults.append({"what": what, "t": t, "done": time.time()})
+        return run
+    return act
+
+
 def lm_case(fab, args, workdir, shape, backend, fault, outage_s=None):
     """One DDP run; FAULT in (None, "nic_down", "degraded", "flap"). Returns its record."""
     sh = SHAPES[shape]
@@ -176,14 +188,7 @@ def lm_case(fab, args, workdir, shape, backend, fault, outage_s=None):
     job = Job(fab, argv, env, workdir, name, args.job_timeout)
     fail, restore = args.fail_step[shape], args.restore_step[shape]
     faults = []                                   # (wall time, what)
-
-    def act(what, fn):
-        def run():
-            t = time.time()
-            fn()
-            faults.append({"what": what, "t": t, "done": time.time()})
-        return run
-
+    act = fault_recorder(faults)
     slow = fab.rate // 10 if fab.rate else "100mbit"
     if fault == "nic_dead":                       # down for good (until the job has ended)
         job.on(step_line(fail - 1), act("nic_down", lambda: fab.nic_down(1, 0)))
@@ -342,13 +347,7 @@ def serving_case(fab, args, workdir, fault=True):
             args.tokens // 3, "--restore-token", 2 * args.tokens // 3, "--json", result]
     job = Job(fab, argv, {}, workdir, name, args.job_timeout)
     faults = []
-
-    def act(what, fn):
-        def run():
-            t = time.time()
-            fn()
-            faults.append({"what": what, "t": t, "done": time.time()})
-        return run
+    act = fault_recorder(faults)
     if fault:
         job.on(f"[serve] at token {args.tokens // 3}", act("nic_down", lambda: fab.nic_down(1, 0)))
         job.on(f"[serve] at token {2 * args.tokens // 3}", act("nic_up", lambda: fab.nic_up(1, 0)))
