@@ -495,15 +495,21 @@ def sc_stall(comm, args):
     result stays exact, and the others record peer_stalled (cause peer_process) and then
     peer_resumed for rank 1. A stop that lands while no survivor has data out to rank 1 (every
     chunk sent to it already acknowledged, all waiting on its sends) gives the engine nothing to
-    judge: the op just waits, exact and with no failure. That round is run once more."""
+    judge: the op just waits, exact and with no failure. That round is run once more.
+    The same when `evidence` names the kernel evidence wanted and the round was told apart by
+    the other (the sender had less than a window out when the deadline came)."""
     stop = float(args.get("stop", 3))
+    want = args.get("evidence")
+
+    def judged(rows):
+        infos = [info for row in rows for *_, info in row["stalled"]]
+        return bool(infos) and (not want or any(want in info for info in infos))
     for attempt in range(3):
         rows = _stall_round(comm, args, stop)
-        if WORLD.bcast(any(row["stalled"] for row in rows) if WORLD.rank == 0 else None) \
-                or attempt == 2:
+        if WORLD.bcast(judged(rows) if WORLD.rank == 0 else None) or attempt == 2:
             break
         if WORLD.rank == 0:
-            print(f"STALL stop={stop}: no survivor had data out to rank 1; again", flush=True)
+            print(f"STALL stop={stop}: nothing (or other evidence) to judge; again", flush=True)
     if WORLD.rank == 0:
         seen = [row for row in rows if row["stalled"]]
         check(seen, f"a survivor recorded peer_stalled: {rows}")
