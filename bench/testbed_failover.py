@@ -379,14 +379,20 @@ def _print_run(run, args):
           flush=True)
 
 
+
+def driver_dirs(script, out, prefix):
+    """A testbed driver's start: root is needed (network namespaces); returns the output folder
+    (made) and a fresh work folder for the ranks' files."""
+    if os.geteuid() != 0:
+        raise SystemExit(f"{script} needs root (network namespaces)")
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir, Path(tempfile.mkdtemp(prefix=prefix))
+
 def driver(args):
     from r2comm.testbed import Fabric
     from r2comm.testbed.rates import parse_rate
-    if os.geteuid() != 0:
-        raise SystemExit("bench/testbed_failover.py needs root (network namespaces)")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="r2tb-bench-"))
+    out_dir, workdir = driver_dirs("bench/testbed_failover.py", args.out, "r2tb-bench-")
     env = {"R2COMM_RAIL_TIMEOUT_MS": str(args.rail_timeout_ms)}
     report = {"config": {"hosts": 2, "nics": 2, "rate": args.rate, "size": args.size,
                          "iters": args.iters, "stream_seconds": args.stream_seconds,

@@ -40,7 +40,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -444,11 +443,8 @@ def plot(report, path):
 # ------------------------------------------------------------------------------- driver
 def driver(args):
     from r2comm.testbed import Fabric
-    if os.geteuid() != 0:
-        raise SystemExit("bench/testbed_torch.py needs root (network namespaces)")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="r2tb-torch-"))
+    from testbed_failover import driver_dirs      # (this folder)
+    out_dir, workdir = driver_dirs("bench/testbed_torch.py", args.out, "r2tb-torch-")
     report = {"config": {"hosts": 2, "nics": 2, "rate": args.rate, "ranks": 4,
                          "ranks_per_host": 2, "shapes": SHAPES, "steps": args.steps,
                          "fail_step": args.fail_step, "restore_step": args.restore_step,
