@@ -4,6 +4,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from . import hostid
 from . import rails as _rails
 from .errors import R2commArgumentError
 from .startup import quiet_barrier
@@ -18,7 +19,8 @@ class Bootstrap:
     params: dict
     rail_addrs: list
     listeners: list          # one per rail, then the control listener
-    endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str}
+    endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
+                             #  "host_key": str (r2comm.hostid: same key = same host)}
 
 
 def run(mpi_comm, cfg, rails=None):
@@ -50,6 +52,7 @@ def run(mpi_comm, cfg, rails=None):
             s.close()
         raise R2commArgumentError("r2comm bootstrap failed: " + "; ".join(errors))
     mine = {"rails": [s.getsockname() for s in listeners[:-1]],
-            "ctrl": listeners[-1].getsockname(), "host": socket.gethostname()}
+            "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
+            "host_key": hostid.host_key()}
     endpoints = mpi_comm.allgather(mine)
     return Bootstrap(rank, size, secret, job, params, addrs, listeners, endpoints)
