@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from . import hostid
 from . import rails as _rails
+from . import verbs_rails
 from .errors import R2commArgumentError
 from .startup import quiet_barrier
 
@@ -19,6 +20,8 @@ class Bootstrap:
     params: dict
     rail_addrs: list
     listeners: list          # one per rail, then the control listener
+    transport: str           # the job's rail transport: "tcp" or "verbs" (verbs_rails.decide)
+    rail_devices: list       # verbs: this rank's RailDevice per rail; tcp: None
     endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
                              #  "host_key": str (r2comm.hostid: same key = same host)}
 
@@ -51,8 +54,17 @@ def run(mpi_comm, cfg, rails=None):
         for s in listeners:
             s.close()
         raise R2commArgumentError("r2comm bootstrap failed: " + "; ".join(errors))
+    kind, devices, why = verbs_rails.local_offer(cfg.transport, addrs)
     mine = {"rails": [s.getsockname() for s in listeners[:-1]],
+            "transport": (cfg.transport, kind, why),
             "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
             "host_key": hostid.host_key()}
     endpoints = mpi_comm.allgather(mine)
-    return Bootstrap(rank, size, secret, job, params, addrs, listeners, endpoints)
+    try:
+        transport = verbs_rails.decide([ep["transport"] for ep in endpoints])
+    except R2commArgumentError:
+        for s in listeners:
+            s.close()
+        raise
+    return Bootstrap(rank, size, secret, job, params, addrs, listeners, transport,
+                     devices if transport == "verbs" else None, endpoints)

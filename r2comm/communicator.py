@@ -431,14 +431,16 @@ class Communicator:
         stats = self._engine.rail_stats()
         peers = [g for g in self._members if g != self._world.boot.rank]
         out = []
-        for k, addr in enumerate(self._world.boot.rail_addrs):
+        boot = self._world.boot
+        for k, addr in enumerate(boot.rail_addrs):
             rows = [stats[p][k] for p in peers if k < len(stats[p])]
             up = sum(1 for r in rows if r[0] == "up")
             state = "up" if up == len(rows) else ("down" if up == 0 else "degraded")
             out.append(Rail(k, addr, state, rows[0][5] if rows else 1.0,
                             sum(r[1] for r in rows), sum(r[2] for r in rows),
                             sum(r[3] for r in rows), sum(r[6] for r in rows), up, len(rows),
-                            sum(r[8] for r in rows)))
+                            sum(r[8] for r in rows), boot.transport,
+                            boot.rail_devices[k].describe() if boot.rail_devices else ""))
         return out
 
     def fail_rail(self, index, mode="hard", peer=None, after_bytes=None):

@@ -83,6 +83,8 @@ class Config:
                                                    #   Bcast/Reduce (faster; a root or leaf may
                                                    #   return before a mismatch is seen); the same
                                                    #   on every rank
+    transport: str = "tcp"                         # R2COMM_TRANSPORT: tcp, verbs or auto (verbs
+                                                   # where every rail has an RDMA device)
     test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
                                                    #   "fake:seed=1,block=0.1,short=0.3,..."
                                                    #   runs the rails on the fake transport
@@ -129,6 +131,11 @@ class Config:
             raise R2commArgumentError(f"R2COMM_INTEGRITY={c.integrity!r}: must be checksum or mac")
         c.window_ms = _float("R2COMM_WINDOW_MS", c.window_ms)
         c.agree = os.environ.get("R2COMM_AGREE", "1") != "0"
+        c.transport = (os.environ.get("R2COMM_TRANSPORT", "") or c.transport).strip().lower()
+        if c.transport not in ("tcp", "verbs", "auto"):
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_TRANSPORT={c.transport!r}: must be tcp, verbs or "
+                                      "auto")
         c.test_transport = _test_transport(os.environ.get("R2COMM_TEST_TRANSPORT", ""))
         if c.window_ms <= 0:
             from .errors import R2commArgumentError

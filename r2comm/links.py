@@ -14,6 +14,7 @@ import selectors
 import threading
 import time
 
+from . import verbs_rails
 from ._core import tcp
 
 log = logging.getLogger("r2comm")
@@ -25,6 +26,7 @@ LOG_EVERY = 5.0             # s: at most one warning about refused connections p
 CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a silent NIC)
 CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
 CONNECT_THREADS = 32     # start-up connection attempts in flight at once
+VERBS_EXCHANGE_S = 2.0   # s: a verbs rail's queue-pair exchange after its handshake
 
 
 class Links:
@@ -138,16 +140,25 @@ class Links:
             fd, conn_id = tcp.connect(addr, port, local, self.boot.secret, self.boot.job, self.me,
                                       peer, rail, timeout, self.cfg.rail_timeout_ms,
                                       self.cfg.sockbuf, self.cfg.notsent_lowat)
+            self._attach(peer, rail, fd, conn_id)
         except (OSError, tcp.HandshakeError) as exc:
             return str(exc) or type(exc).__name__
-        self._attach(peer, rail, fd, conn_id)
         return None
 
     def _connect(self, peer, rail, timeout):
         return self._open(peer, rail, timeout) is None
 
     def _attach(self, peer, rail, fd, conn_id):
-        self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *tcp.take_keys(fd))
+        keys = tcp.take_keys(fd)
+        if rail != tcp.CTRL_RAIL and self.boot.transport == "verbs":
+            # the authenticated socket carries the queue-pair exchange, then stays beside
+            # the QP as its companion (verbs_rails.exchange); the control connection stays TCP
+            handle = verbs_rails.exchange(self.boot.rail_devices[rail], fd, keys[0], keys[1],
+                                          VERBS_EXCHANGE_S)
+            self.engine.attach_transport(peer, rail, verbs_rails.load()[0].transport_address(),
+                                         handle, conn_id, *keys)
+        else:
+            self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *keys)
         with self._cv:
             self._attached += 1
             self._seen.add((peer, rail))
@@ -235,7 +246,10 @@ class Links:
             return
         if res is not None:
             self._forget(sel, fd)          # fd now belongs to the engine
-            self._attach(*res)
+            try:
+                self._attach(*res)
+            except OSError as exc:         # a verbs exchange that failed: the socket is closed
+                self._reject(f"rank {res[0]} rail {res[1]}: {exc}")
 
     def _forget(self, sel, fd):
         del self._pending[fd]

@@ -81,3 +81,5 @@ class Rail:
     peers_up: int
     peers: int
     bytes_hedged: int = 0       # copies of a slower rail's tail chunks sent on this one
+    transport: str = "tcp"      # what its connections run on: "tcp" or "verbs"
+    device: str = ""            # verbs: the RDMA device and port (e.g. "rxe0:1")

@@ -32,10 +32,14 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC, CLOCK_REALTIME
 from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_CTRL_PAYLOAD, FL_P2P,
                                 F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK)
 from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
-                                     iov_total, tp_reg_none, tp_dereg_none)
+                                     iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
+                                     TPF_WAKE_OUT)
 from r2comm._core.tcp cimport (tcp_transport, TcpConn, tcp_adopt, tcp_sendv, tcp_recv1, tcp_test,
                                tcp_shutdown, tcp_close, tcp_event_fd, SHUT_RDWR)
-from r2comm._core.tcp cimport shutdown as sock_shutdown
+from r2comm._core.tcp cimport shutdown as sock_shutdown, MSG_NOSIGNAL, MSG_DONTWAIT
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t sock_send "send"(int fd, const void* buf, size_t n, int flags)
 
 cdef extern from "r2_mac.h" namespace "r2" nogil:
     cdef struct b2s_state:
@@ -496,6 +500,41 @@ cdef class Engine:
         """Hand an authenticated, non-blocking connection to the engine as (peer, rail). In
         mac mode (set_integrity) tx_key / rx_key are the connection's 32-byte frame keys of each
         direction (tcp.take_keys)."""
+        self._attach(peer, rail, self._live().tp, fd, conn_id, tx_key, rx_key)
+
+    def attach_transport(self, int peer, int rail, uint64_t transport, uint64_t handle,
+                         uint32_t conn_id, bytes tx_key=b"", bytes rx_key=b""):
+        """As attach, for a connection of another transport: `transport` is the address of
+        its transport.pxd table (e.g. r2comm._core.verbs.transport_address()), `handle` what
+        its adopt takes (a connected verbs connection, which the engine then owns: closed by
+        the engine on failure or close, never by the caller)."""
+        if transport == 0 or handle == 0:
+            raise ValueError("attach_transport needs a transport table and a connection handle")
+        self._attach(peer, rail, <Transport*><intptr_t>transport, <intptr_t>handle, conn_id,
+                     tx_key, rx_key)
+
+    def transports(self):
+        """Per peer: the transport name of each data rail's current connection ('' for none
+        yet), e.g. {1: ['verbs', 'verbs']}."""
+        cdef State* e = self._live()
+        cdef dict out = {}
+        cdef int i, k
+        cdef Rail* r
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            for i in range(e.nranks):
+                if e.peers[i] == NULL:
+                    continue
+                out[i] = [(<bytes>e.peers[i].rails[k].tp.name).decode()
+                          if e.peers[i].rails[k].tp != NULL else ""
+                          for k in range(e.peers[i].nrails)]
+        finally:
+            pthread_mutex_unlock(&e.mu)
+        return out
+
+    cdef _attach(self, int peer, int rail, Transport* tp, intptr_t handle, uint32_t conn_id,
+                 bytes tx_key, bytes rx_key):
         cdef State* e = self._live()
         cdef Rail* r
         cdef epoll_event ev
@@ -513,14 +552,14 @@ cdef class Engine:
             if r.state == R_UP:
                 fail_rail(e, r, "replaced by a new connection", e.me, 0)
             restored = r.fail_count > 0
-            conn = e.tp.adopt(fd)
+            conn = tp.adopt(handle)
             if conn == NULL:
                 pthread_mutex_unlock(&e.mu)
                 with gil:
                     raise MemoryError("no memory for a connection's transport state")
-            r.tp = e.tp
+            r.tp = tp
             r.conn = conn
-            r.fd = e.tp.event_fd(conn)
+            r.fd = tp.event_fd(conn)
             r.conn_id = conn_id
             if e.mac:
                 b2s_init(&r.tx_key, 32, tk, MAC_KEY_LEN)

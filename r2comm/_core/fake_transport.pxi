@@ -148,6 +148,7 @@ cdef void fk_close(void* conn) noexcept nogil:
     free(conn)
 
 cdef Transport* fake_transport() noexcept nogil:
+    FAKE_TP.flags = 0
     FAKE_TP.name = "fake"
     FAKE_TP.adopt = fk_adopt
     FAKE_TP.event_fd = fk_event_fd

@@ -80,6 +80,7 @@ cdef void fz_close(void* conn) noexcept nogil:
     free(conn)
 
 cdef Transport* fuzz_transport() noexcept nogil:
+    FUZZ_TP.flags = 0
     FUZZ_TP.name = "fuzz"
     FUZZ_TP.adopt = fz_adopt
     FUZZ_TP.event_fd = fz_event_fd

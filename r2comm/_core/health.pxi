@@ -32,8 +32,15 @@ cdef void hc_begin(State* e, Rail* r, r2_tcpsnap* s, double now) noexcept nogil:
     connection has nothing outstanding for it to acknowledge, give it something: a frame the
     peer ignores (a rail-down ack that names no notice; no wire change), which its kernel
     acknowledges even while its process is stopped. Not on a rail whose window is shut."""
+    cdef char poke = 0
     r.hc_t = now
     r.hc_acked = s.bytes_acked
+    if r.tp.flags & TPF_SIDE_SOCKET:
+        # the frames go elsewhere (verbs): a byte on the rail's companion socket, which the
+        # peer's transport discards, is what its kernel acknowledges
+        if s.ok and s.unacked == 0 and s.notsent == 0 and not r.blackhole:
+            sock_send(r.tp.os_fd(r.conn), &poke, 1, MSG_NOSIGNAL | MSG_DONTWAIT)
+        return
     if s.ok and s.unacked == 0 and s.notsent == 0 and not r.tx_busy and \
             r.txq.size() == r.txq_pos and not r.blackhole:
         queue_ctrl(e, r, F_RAIL_DOWN_ACK, 0, 0, 0, 0, 0, 0xFFFFFFFF, NULL, 0)

@@ -45,7 +45,8 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
             if r.tx_posted:
                 rail_reap(e, r)         # a completion-channel transport signals them here
             rail_read(e, r)
-        if r.state == R_UP and (evs[i].events & EPOLLOUT or r.txq.size() > r.txq_pos):
+        if r.state == R_UP and (evs[i].events & EPOLLOUT or r.txq.size() > r.txq_pos or
+                                (r.want_out and r.tp.flags & TPF_WAKE_OUT)):
             rail_write(e, r)
     for pi in range(e.nranks):
         p = e.peers[pi]

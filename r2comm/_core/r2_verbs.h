@@ -168,3 +168,14 @@ static inline void r2v_event_info(struct ibv_async_event* ev, int* type, int64_t
         break;
     }
 }
+
+// The qp_context of the QP an async event names (NULL for port and device events).
+static inline void* r2v_event_qp_context(struct ibv_async_event* ev) {
+    switch (ev->event_type) {
+    case IBV_EVENT_QP_FATAL: case IBV_EVENT_QP_REQ_ERR: case IBV_EVENT_QP_ACCESS_ERR:
+    case IBV_EVENT_PATH_MIG_ERR:
+        return ev->element.qp ? ev->element.qp->qp_context : nullptr;
+    default:
+        return nullptr;
+    }
+}

@@ -92,6 +92,7 @@ cdef inline void tcp_close(void* conn) noexcept nogil:
 
 cdef inline void tcp_transport(Transport* t) noexcept nogil:
     t.name = "tcp"
+    t.flags = 0
     t.adopt = tcp_adopt
     t.event_fd = tcp_event_fd
     t.isend = tcp_isend

@@ -37,6 +37,7 @@
 #   reg_mr / dereg_mr         Register a region the engine sends from / receives into (an
 #                             operation's buffers); the handle goes with the post. TCP: no-op.
 #                             (The engine does not call them yet: only TCP-like transports run.)
+#   flags                     TPF_SIDE_SOCKET, TPF_WAKE_OUT (below); 0 for a socket transport.
 #   os_fd(conn)               The OS socket under the connection (-1: none). Only for the health
 #                             checks (TCP_INFO tells a stalled peer process from a dead path) and
 #                             the injected silent fault; never on the data path.
@@ -86,6 +87,7 @@ cdef extern from "<sys/uio.h>" nogil:
 
 cdef struct Transport:
     const char* name
+    int flags                 # TPF_*: what the engine must do differently for this transport
     void* (*adopt)(intptr_t handle) noexcept nogil
     int (*event_fd)(void* conn) noexcept nogil
     int64_t (*isend)(void* conn, iovec* iov, int niov, uint64_t cookie) noexcept nogil
@@ -96,6 +98,15 @@ cdef struct Transport:
     int (*os_fd)(void* conn) noexcept nogil
     void (*shutdown)(void* conn) noexcept nogil
     void (*close)(void* conn) noexcept nogil
+
+cdef enum:
+    # os_fd is a companion TCP socket on the rail's NIC that carries no frames (verbs): the
+    # health check pokes it with a byte of its own (the peer's kernel acknowledges it even
+    # while the peer's process is stopped) instead of queueing a frame on the connection
+    TPF_SIDE_SOCKET = 1
+    # event_fd never reports EPOLLOUT: room to post again (a send completion) shows as
+    # readability, so a rail waiting to write is written on its input events too
+    TPF_WAKE_OUT = 2
 
 cdef enum:
     T_EOF = -1000

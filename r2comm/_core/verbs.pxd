@@ -143,6 +143,7 @@ cdef extern from "r2_verbs.h" nogil:
     const char* r2v_event_str(int event)
     void r2v_set_rc(ibv_qp_init_attr* ia)
     void r2v_event_info(ibv_async_event* ev, int* type, int64_t* qpn, int* port)
+    void* r2v_event_qp_context(ibv_async_event* ev)
 
 
 cdef class Context:

@@ -14,9 +14,12 @@ engine's hot path; stream_send / stream_recv below are the same loops for benchm
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.errno cimport errno, EAGAIN
-from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t, int64_t, intptr_t
 from libc.string cimport memset, memcpy
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
+from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
+                                     iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
+                                     TPF_WAKE_OUT)
 
 import os
 
@@ -743,3 +746,7 @@ def stream_recv(QP qp not None, MR mr, size_t size, long count, int depth=32, *,
     return {"ok": ok, "errors": nerr, "first_error": None if first_err < 0 else status_str(first_err),
             "bytes": nbytes, "imm_sum": imm_sum, "started": t0, "first_at": t_first,
             "elapsed": (t_last - t_first) if ok else 0.0, "post_error": post_rc, "poll_error": rc}
+
+
+# --- the rail transport the engine runs on (transport.pxd) ---------------------------------------
+include "verbs_transport.pxi"

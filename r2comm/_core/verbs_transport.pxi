@@ -1,0 +1,489 @@
+# The verbs rail transport (transport.pxd's interface on an RC queue pair), included into
+# verbs.pyx so that only this extension links libibverbs: the engine gets the table's address
+# (transport_address()) and a connected VConn (VerbsConn.handover()) and calls through them.
+#
+# Design: a reliable byte stream over RC SEND/RECV with registered bounce slots, the shape of a
+# kernel socket buffer. isend copies the gather list into free send slots of one registered slab
+# (a prefix when the slots run out: stream semantics) and posts one signalled SEND per slot; the
+# engine's memory is free when isend returns, so the post completes inside it like TCP's (the
+# cookie goes into TDone at once) and the engine's one-DATA-frame-per-rail rule costs nothing:
+# up to VT_NSEND slots are on the wire. A slot is reused when its send completion comes (RC
+# completes in posting order). The receive side keeps VT_NRECV slots posted; irecv copies out of
+# completed ones in order (RC delivers in order, so the engine's frame parser is unchanged) and
+# re-posts each drained slot. A receiver that falls behind makes the sender's HCA retry on
+# receiver-not-ready (rnr_retry 7: forever), which is flow control, not an error.
+#
+# Failures, all turned into a failed connection at once (-errno from isend/irecv, so the engine
+# fails the rail and re-sends its unacknowledged chunks elsewhere): an error completion
+# (RETRY_EXC_ERR, flush, ...), an async QP_FATAL / QP_REQ_ERR / QP_ACCESS_ERR for this QP,
+# IBV_EVENT_PORT_ERR on the device port, and EOF or an error on the companion socket.
+#
+# The companion socket is the rail's authenticated TCP connection, kept open on the same NIC
+# after the QP exchange (os_fd, TPF_SIDE_SOCKET): the peer shutting a failed rail down closes it,
+# so both ends learn of a failure at once; its TCP_INFO is what tells a stalled peer process
+# (its kernel acknowledges the engine's probe byte) from a dead NIC or path (nothing comes
+# back), exactly as on a TCP rail; and the engine's NIC checks read its interface. Probe bytes
+# arriving on it are discarded here.
+#
+# event_fd is an epoll set of the completion channel (both CQs), the companion socket and the
+# device's async-event fd, so one fd wakes the engine for received data, freed send slots
+# (TPF_WAKE_OUT) and failures.
+from libc.errno cimport EAGAIN as _EAGAIN
+
+cdef extern from "<sys/epoll.h>" nogil:
+    ctypedef union vt_epoll_data "epoll_data_t":
+        uint64_t u64
+    cdef struct vt_epoll_event "epoll_event":
+        uint32_t events
+        vt_epoll_data data
+    int vt_epoll_create1 "epoll_create1"(int flags)
+    int vt_epoll_ctl "epoll_ctl"(int epfd, int op, int fd, vt_epoll_event* ev)
+    enum:
+        VT_EPOLLIN "EPOLLIN"
+        VT_EPOLL_CTL_ADD "EPOLL_CTL_ADD"
+        VT_EPOLL_CLOEXEC "EPOLL_CLOEXEC"
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t vt_recv "recv"(int fd, void* buf, size_t n, int flags)
+    int vt_sock_shutdown "shutdown"(int fd, int how)
+    enum:
+        VT_MSG_DONTWAIT "MSG_DONTWAIT"
+        VT_SHUT_RDWR "SHUT_RDWR"
+
+cdef extern from "<unistd.h>" nogil:
+    int vt_fd_close "close"(int fd)
+
+cdef enum:
+    VT_SLOT = 65536          # bytes per send or receive slot (one SEND each)
+    VT_NSEND = 16            # send slots: what may be on the wire per connection (1 MiB)
+    VT_NRECV = 32            # receive slots kept posted (more than the peer's send slots)
+    VT_ENETDOWN = 100
+    VT_EIO = 5
+    VT_ECONNRESET = 104
+
+cdef struct VDev:
+    ibv_context* ctx
+    ibv_pd* pd
+    int port
+    int port_down            # IBV_EVENT_PORT_ERR seen, no PORT_ACTIVE since
+    uint32_t port_gen        # PORT_ERR events so far: a connection older than one fails
+
+cdef struct VConn:
+    VDev* dev
+    ibv_comp_channel* ch
+    ibv_cq* scq
+    ibv_cq* rcq
+    ibv_qp* qp
+    ibv_mr* mr
+    char* slab               # VT_NSEND send slots, then VT_NRECV receive slots
+    int epfd
+    int side                 # companion socket (os_fd); -1 once closed
+    int failed               # 0, or the -errno every later call returns
+    int eof                  # the companion socket reached EOF (the peer closed the rail)
+    uint32_t port_gen0
+    unsigned s_unacked, r_unacked    # CQ events taken but not yet acknowledged
+    int s_head, s_used       # send slots: oldest outstanding, how many outstanding
+    int r_head, r_ready      # receive slots: oldest posted, how many of them completed
+    uint32_t r_off           # bytes of the head slot already copied out
+    uint32_t r_len[VT_NRECV]
+    int last_status          # the first error completion's status (for the reason)
+    uint64_t posts, rposts
+    TDone done
+
+cdef inline char* vt_sslot(VConn* c, int i) noexcept nogil:
+    return c.slab + <size_t>i * VT_SLOT
+
+cdef inline char* vt_rslot(VConn* c, int i) noexcept nogil:
+    return c.slab + <size_t>(VT_NSEND + i) * VT_SLOT
+
+cdef int vt_post_recv(VConn* c, int i) noexcept nogil:
+    c.rposts += 1
+    return r2v_post_recv(c.qp, <uint64_t>i, <uint64_t>vt_rslot(c, i), VT_SLOT, c.mr.lkey)
+
+cdef void vt_fail(VConn* c, int err) noexcept nogil:
+    if c.failed == 0:
+        c.failed = -err
+
+cdef void vt_async(VConn* c) noexcept nogil:
+    """Read the device's pending async events (any connection of the device may take them):
+    port errors mark the device port down for every connection on it, QP errors fail the QP's
+    own connection (its qp_context)."""
+    cdef ibv_async_event ev
+    cdef int typ, port
+    cdef int64_t qpn
+    cdef VConn* owner
+    while ibv_get_async_event(c.dev.ctx, &ev) == 0:
+        r2v_event_info(&ev, &typ, &qpn, &port)
+        owner = <VConn*>r2v_event_qp_context(&ev)
+        ibv_ack_async_event(&ev)
+        if typ == IBV_EVENT_PORT_ERR and port == c.dev.port:
+            c.dev.port_down = 1
+            c.dev.port_gen += 1
+        elif typ == IBV_EVENT_PORT_ACTIVE and port == c.dev.port:
+            c.dev.port_down = 0
+        elif owner != NULL:
+            vt_fail(owner, VT_EIO)
+    if c.dev.port_gen != c.port_gen0:
+        vt_fail(c, VT_ENETDOWN)
+
+cdef void vt_service(VConn* c) noexcept nogil:
+    """Take what the hardware finished: completion-channel events (the CQs re-armed),
+    send completions (slots free again), receive completions (in order), async events and
+    the companion socket."""
+    cdef ibv_cq* cq
+    cdef void* ctx
+    cdef r2v_wc wc[32]
+    cdef int n, i, rearm_s = 0, rearm_r = 0
+    cdef char junk[64]
+    cdef ssize_t k
+    while ibv_get_cq_event(c.ch, &cq, &ctx) == 0:
+        if cq == c.scq:
+            c.s_unacked += 1
+            rearm_s = 1
+        else:
+            c.r_unacked += 1
+            rearm_r = 1
+    if c.s_unacked >= 32:
+        ibv_ack_cq_events(c.scq, c.s_unacked)
+        c.s_unacked = 0
+    if c.r_unacked >= 32:
+        ibv_ack_cq_events(c.rcq, c.r_unacked)
+        c.r_unacked = 0
+    # re-arm before polling: a completion that lands after the poll still raises an event
+    if rearm_s:
+        ibv_req_notify_cq(c.scq, 0)
+    if rearm_r:
+        ibv_req_notify_cq(c.rcq, 0)
+    while True:
+        n = r2v_poll(c.scq, wc, 32)
+        if n < 0:
+            vt_fail(c, VT_EIO)
+            break
+        for i in range(n):
+            if wc[i].status != IBV_WC_SUCCESS:
+                if c.last_status == 0:
+                    c.last_status = wc[i].status
+                vt_fail(c, VT_EIO)
+            if c.s_used > 0:
+                c.s_used -= 1
+                c.s_head = (c.s_head + 1) % VT_NSEND
+        if n < 32:
+            break
+    while True:
+        n = r2v_poll(c.rcq, wc, 32)
+        if n < 0:
+            vt_fail(c, VT_EIO)
+            break
+        for i in range(n):
+            if wc[i].status != IBV_WC_SUCCESS:
+                if c.last_status == 0:
+                    c.last_status = wc[i].status
+                vt_fail(c, VT_EIO)
+                continue
+            # RC completes receives in posting order: this is slot r_head + r_ready
+            c.r_len[(c.r_head + c.r_ready) % VT_NRECV] = wc[i].byte_len
+            c.r_ready += 1
+        if n < 32:
+            break
+    vt_async(c)
+    if c.side >= 0 and not c.eof:
+        while True:
+            k = vt_recv(c.side, junk, sizeof(junk), VT_MSG_DONTWAIT)
+            if k > 0:
+                continue                 # the peer's health-check probe bytes
+            if k == 0:
+                c.eof = 1
+            elif errno != _EAGAIN and errno != 4:
+                vt_fail(c, errno)
+            break
+
+cdef void* vt_adopt(intptr_t handle) noexcept nogil:
+    return <void*>handle          # a VConn made and connected by VerbsConn (cold path)
+
+cdef int vt_event_fd(void* conn) noexcept nogil:
+    return (<VConn*>conn).epfd
+
+cdef int vt_os_fd(void* conn) noexcept nogil:
+    return (<VConn*>conn).side
+
+cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcept nogil:
+    cdef VConn* c = <VConn*>conn
+    cdef int64_t total = iov_total(iov, niov), accepted = 0
+    cdef int i = 0, slot, rc
+    cdef size_t off = 0, room, take
+    cdef char* dst
+    cdef ibv_sge sge
+    if c.failed:
+        return c.failed
+    if c.s_used == VT_NSEND:
+        vt_service(c)
+        if c.failed:
+            return c.failed
+    while c.s_used < VT_NSEND and accepted < total:
+        slot = (c.s_head + c.s_used) % VT_NSEND
+        dst = vt_sslot(c, slot)
+        room = VT_SLOT
+        while room > 0 and i < niov:
+            take = iov[i].iov_len - off
+            if take > room:
+                take = room
+            memcpy(dst + (VT_SLOT - room), <char*>iov[i].iov_base + off, take)
+            room -= take
+            off += take
+            if off == iov[i].iov_len:
+                i += 1
+                off = 0
+        sge.addr = <uint64_t>dst
+        sge.length = <uint32_t>(VT_SLOT - room)
+        sge.lkey = c.mr.lkey
+        rc = r2v_post_send(c.qp, <uint64_t>slot, &sge, 1, IBV_WR_SEND, 0, 0, 0, IBV_SEND_SIGNALED)
+        if rc != 0:
+            vt_fail(c, rc)
+            return accepted if accepted > 0 else c.failed
+        c.posts += 1
+        c.s_used += 1
+        accepted += VT_SLOT - room
+    if cookie != 0 and accepted == total:
+        tdone_push(&c.done, cookie)      # the bytes are ours now: the engine's post is done
+    return accepted
+
+cdef int vt_test(void* conn, uint64_t* out, int max) noexcept nogil:
+    return tdone_take(&(<VConn*>conn).done, out, max)
+
+cdef int64_t vt_irecv(void* conn, void* buf, size_t n) noexcept nogil:
+    cdef VConn* c = <VConn*>conn
+    cdef size_t got = 0, take
+    cdef uint32_t left
+    cdef int rc
+    vt_service(c)
+    while got < n and c.r_ready > 0:
+        left = c.r_len[c.r_head] - c.r_off
+        take = n - got if n - got < left else left
+        memcpy(<char*>buf + got, vt_rslot(c, c.r_head) + c.r_off, take)
+        got += take
+        c.r_off += <uint32_t>take
+        if c.r_off == c.r_len[c.r_head]:
+            c.r_off = 0
+            if c.failed == 0:
+                rc = vt_post_recv(c, c.r_head)
+                if rc != 0:
+                    vt_fail(c, rc)
+            c.r_head = (c.r_head + 1) % VT_NRECV
+            c.r_ready -= 1
+    if got > 0:
+        return <int64_t>got     # what arrived before a failure is still in order and whole
+    if c.failed:
+        return c.failed
+    if c.eof:
+        return T_EOF
+    return 0
+
+cdef void vt_shutdown(void* conn) noexcept nogil:
+    cdef VConn* c = <VConn*>conn
+    r2v_qp_to_error(c.qp)            # outstanding work flushes; nothing more leaves
+    if c.side >= 0:
+        vt_sock_shutdown(c.side, VT_SHUT_RDWR)   # the peer sees its companion socket close
+    vt_fail(c, VT_ECONNRESET)
+
+cdef void vconn_free(VConn* c) noexcept nogil:
+    if c == NULL:
+        return
+    if c.qp != NULL:
+        ibv_destroy_qp(c.qp)
+    if c.scq != NULL:
+        if c.s_unacked:
+            ibv_ack_cq_events(c.scq, c.s_unacked)
+        ibv_destroy_cq(c.scq)
+    if c.rcq != NULL:
+        if c.r_unacked:
+            ibv_ack_cq_events(c.rcq, c.r_unacked)
+        ibv_destroy_cq(c.rcq)
+    if c.ch != NULL:
+        ibv_destroy_comp_channel(c.ch)
+    if c.mr != NULL:
+        ibv_dereg_mr(c.mr)
+    free(c.slab)
+    if c.epfd >= 0:
+        vt_fd_close(c.epfd)
+    if c.side >= 0:
+        vt_fd_close(c.side)
+    free(c)
+
+cdef void vt_close(void* conn) noexcept nogil:
+    vconn_free(<VConn*>conn)
+
+cdef Transport VERBS_TP
+VERBS_TP.name = "verbs"
+VERBS_TP.flags = TPF_SIDE_SOCKET | TPF_WAKE_OUT
+VERBS_TP.adopt = vt_adopt
+VERBS_TP.event_fd = vt_event_fd
+VERBS_TP.isend = vt_isend
+VERBS_TP.test = vt_test
+VERBS_TP.irecv = vt_irecv
+VERBS_TP.reg_mr = tp_reg_none
+VERBS_TP.dereg_mr = tp_dereg_none
+VERBS_TP.os_fd = vt_os_fd
+VERBS_TP.shutdown = vt_shutdown
+VERBS_TP.close = vt_close
+
+
+def transport_address():
+    """The address of the verbs transport's table, for Engine.attach_transport."""
+    return <uint64_t><intptr_t>&VERBS_TP
+
+
+def transport_slots():
+    """(slot bytes, send slots, receive slots) of a verbs connection."""
+    return VT_SLOT, VT_NSEND, VT_NRECV
+
+
+cdef class RailDevice:
+    """One RDMA device port opened for this process's rails (kept for the process's life:
+    connections made on it hold its protection domain)."""
+    cdef VDev* dev
+    cdef readonly Context context
+    cdef readonly PD pd
+    cdef readonly int gid_index
+    cdef readonly str address
+
+    def __init__(self, Context context not None, int gid_index, str address):
+        self.context = context
+        self.pd = PD(context)
+        self.gid_index = gid_index
+        self.address = address
+        self.dev = <VDev*>calloc(1, sizeof(VDev))
+        if self.dev == NULL:
+            raise MemoryError()
+        self.dev.ctx = context.ctx
+        self.dev.pd = self.pd.pd
+        self.dev.port = context.port
+
+    @property
+    def port_down(self):
+        return bool(self.dev.port_down)
+
+    def describe(self):
+        return f"{self.context.name}:{self.context.port}"
+
+    # (never freed: connections handed to an engine point at it until they are closed)
+
+
+cdef class VerbsConn:
+    """The cold path of one verbs rail connection: QP, CQs, channel and registered slots made
+    on a RailDevice, receives posted, address() for the peer, connect(peer address) to RTS,
+    then handover() gives the connected VConn (with the companion socket `side`, which it
+    owns from then on) to an engine. Freed here if never handed over."""
+    cdef VConn* c
+    cdef readonly RailDevice device
+    cdef uint32_t psn
+    cdef int _timeout, _retry
+
+    def __cinit__(self):
+        self.c = NULL
+
+    def __init__(self, RailDevice device not None, int side_fd, int timeout=DEFAULT_QP_TIMEOUT,
+                 int retry_cnt=DEFAULT_RETRY_CNT):
+        cdef VConn* c
+        cdef ibv_qp_init_attr ia
+        cdef vt_epoll_event ev
+        cdef int i, rc, flags
+        cdef size_t nbytes = <size_t>(VT_NSEND + VT_NRECV) * VT_SLOT
+        self.device = device
+        c = <VConn*>calloc(1, sizeof(VConn))
+        if c == NULL:
+            vt_fd_close(side_fd)
+            raise MemoryError()
+        self.c = c
+        c.dev = device.dev
+        c.epfd = -1
+        c.side = side_fd           # owned from here on, also if this raises
+        c.port_gen0 = device.dev.port_gen
+        c.slab = <char*>malloc(nbytes)
+        if c.slab == NULL:
+            raise MemoryError()
+        with nogil:
+            c.mr = ibv_reg_mr(c.dev.pd, c.slab, nbytes, IBV_ACCESS_LOCAL_WRITE)
+        if c.mr == NULL:
+            raise _err(f"ibv_reg_mr of the {nbytes >> 20} MiB slot slab", errno)
+        c.ch = ibv_create_comp_channel(c.dev.ctx)
+        if c.ch == NULL:
+            raise _err("ibv_create_comp_channel", errno)
+        flags = fcntl(c.ch.fd, F_GETFL)
+        fcntl(c.ch.fd, F_SETFL, flags | O_NONBLOCK)
+        c.scq = ibv_create_cq(c.dev.ctx, VT_NSEND * 2, NULL, c.ch, 0)
+        c.rcq = ibv_create_cq(c.dev.ctx, VT_NRECV * 2, NULL, c.ch, 0)
+        if c.scq == NULL or c.rcq == NULL:
+            raise _err("ibv_create_cq", errno)
+        memset(&ia, 0, sizeof(ia))
+        ia.qp_context = <void*>c
+        ia.send_cq = c.scq
+        ia.recv_cq = c.rcq
+        ia.cap.max_send_wr = VT_NSEND
+        ia.cap.max_recv_wr = VT_NRECV
+        ia.cap.max_send_sge = 1
+        ia.cap.max_recv_sge = 1
+        r2v_set_rc(&ia)
+        with nogil:
+            c.qp = ibv_create_qp(c.dev.pd, &ia)
+        if c.qp == NULL:
+            raise _err("ibv_create_qp", errno)
+        rc = r2v_qp_to_init(c.qp, c.dev.port, IBV_ACCESS_LOCAL_WRITE)
+        if rc:
+            raise _err("QP to INIT", rc)
+        for i in range(VT_NRECV):
+            rc = vt_post_recv(c, i)
+            if rc:
+                raise _err("ibv_post_recv", rc)
+        if ibv_req_notify_cq(c.scq, 0) or ibv_req_notify_cq(c.rcq, 0):
+            raise VerbsError("ibv_req_notify_cq failed")
+        self.psn = int.from_bytes(os.urandom(3), "little")
+        self._timeout, self._retry = timeout, retry_cnt
+        c.epfd = vt_epoll_create1(VT_EPOLL_CLOEXEC)
+        if c.epfd < 0:
+            raise _err("epoll_create1", errno)
+        for i in (c.ch.fd, side_fd, c.dev.ctx.async_fd):
+            ev.events = VT_EPOLLIN
+            ev.data.u64 = 0
+            if vt_epoll_ctl(c.epfd, VT_EPOLL_CTL_ADD, i, &ev) != 0:
+                raise _err("epoll_ctl", errno)
+
+    def __dealloc__(self):
+        vconn_free(self.c)
+        self.c = NULL
+
+    def address(self):
+        """This end's QpAddress bytes."""
+        ctx = self.device.context
+        port = ctx.query_port()
+        g = ctx.gid(self.device.gid_index)
+        if g is None:
+            raise VerbsError(f"{ctx.name}: no GID at index {self.device.gid_index}")
+        return QpAddress(self.c.qp.qp_num, self.psn, g[0], port["lid"], ctx.port,
+                         self.device.gid_index, port["mtu_enum"] or 5).encode()
+
+    def connect(self, peer):
+        """RTR then RTS towards the peer's address bytes."""
+        cdef int rc, mtu
+        cdef uint8_t dgid[16]
+        addr = QpAddress.decode(peer)
+        ctx = self.device.context
+        mtu = min(addr.mtu, ctx.query_port()["mtu_enum"] or 5)
+        memcpy(dgid, <const char*>addr.gid, 16)
+        rc = r2v_qp_to_rtr(self.c.qp, self.c.dev.port, mtu, addr.qpn, addr.psn, dgid,
+                           self.device.gid_index, addr.lid, 12)
+        if rc:
+            raise _err(f"QP to RTR (peer {addr})", rc)
+        rc = r2v_qp_to_rts(self.c.qp, self.psn, self._timeout, self._retry, DEFAULT_RNR_RETRY)
+        if rc:
+            raise _err("QP to RTS", rc)
+
+    def handover(self):
+        """The connected VConn's address for Engine.attach_transport; this object lets go."""
+        cdef VConn* c = self.c
+        if c == NULL:
+            raise VerbsError("connection already handed over")
+        self.c = NULL
+        return <uint64_t><intptr_t>c
+
+    def side_fd(self):
+        return self.c.side if self.c != NULL else -1

@@ -1,0 +1,170 @@
+"""Verbs rails, the cold path: which RDMA device carries each rail, which transport the job
+runs on (R2COMM_TRANSPORT), and the queue-pair exchange that turns an authenticated rail
+connection into a verbs connection.
+
+A rail is an IPv4 address (R2COMM_RAILS). Its RDMA device is the one whose RoCE v2 GID table
+holds that address (::ffff:a.b.c.d), i.e. the RoCE device on the rail's own netdev; on
+InfiniBand (no IPv4 GIDs) the devices named in R2COMM_RDMA_DEVICES are taken in rail order.
+Every rank decides what it can do and bootstrap gathers it (decide()): `verbs` needs a device
+on every rail of every rank and is an error otherwise (never a silent fall-back to TCP); `auto`
+takes verbs where every rank can, else TCP; `tcp` never opens a device.
+
+The exchange runs over the rail's TCP connection right after its handshake, both ends alike:
+send QP address + tag, read the peer's, move the QP to RTS, send one ready byte, read the
+peer's. The tag is HMAC(connection key of that direction, address), so an address that was not
+sent by the authenticated peer is refused. The socket then stays open beside the QP (the
+companion socket of verbs_transport.pxi: failure notice, health probes, NIC checks)."""
+import hashlib
+import hmac
+import os
+import select
+import socket
+import time
+
+from .errors import R2commArgumentError
+
+QPX_MAGIC = b"R2QX"
+TAG_LEN = 16
+READY = b"\x01"
+_devices = {}          # rail address -> RailDevice (opened once per process, kept)
+
+
+def load():
+    """The compiled verbs module, or (None, why not)."""
+    try:
+        from ._core import verbs
+    except ImportError as exc:
+        return None, (f"r2comm was built without libibverbs ({exc}); install libibverbs-dev "
+                      "(scripts/rdma-deps.sh) and rebuild")
+    return verbs, None
+
+
+def _gid_index_for(ctx, addr):
+    idx = ctx.roce_v2_ipv4_index(addr)
+    if idx is None:
+        forced = os.environ.get("R2COMM_RDMA_GID_INDEX", "").strip()
+        if forced and ctx.query_port()["link_layer"] == 1:     # InfiniBand: no IPv4 GIDs
+            idx = int(forced)
+    return idx
+
+
+def find_devices(rail_addrs):
+    """Per rail: (RailDevice, None) or (None, why none). Devices stay open for the process."""
+    verbs, why = load()
+    if verbs is None:
+        return [(None, why)] * len(rail_addrs)
+    names = verbs.device_names()
+    if not names:
+        return [(None, "no RDMA device (ibv_devices lists none)")] * len(rail_addrs)
+    order = [n for n in os.environ.get("R2COMM_RDMA_DEVICES", "").split(",") if n.strip()]
+    out = []
+    for k, addr in enumerate(rail_addrs):
+        if addr in _devices:
+            out.append((_devices[addr], None))
+            continue
+        found, tried = None, []
+        candidates = names if not order else ([order[k]] if k < len(order) else []) + names
+        for name in candidates:
+            try:
+                ctx = verbs.Context(name)
+            except verbs.VerbsError as exc:
+                tried.append(f"{name}: {exc}")
+                continue
+            port = ctx.query_port()
+            gid = _gid_index_for(ctx, addr)
+            if gid is not None and port["state"] == "ACTIVE":
+                found = verbs.RailDevice(ctx, gid, addr)
+                break
+            tried.append(f"{name}: " + ("port " + port["state"] if gid is not None else
+                                        f"no RoCE v2 GID for {addr}"))
+            ctx.close()
+        if found is None:
+            out.append((None, f"no RDMA device carries rail {k} ({addr}): " + "; ".join(tried)))
+        else:
+            _devices[addr] = found
+            out.append((found, None))
+    return out
+
+
+def local_offer(want, rail_addrs):
+    """What this rank brings to bootstrap: ("verbs"|"tcp", devices or None, why not verbs)."""
+    if want == "tcp":
+        return "tcp", None, "R2COMM_TRANSPORT=tcp"
+    found = find_devices(rail_addrs)
+    missing = [why for dev, why in found if dev is None]
+    if missing:
+        return "tcp", None, "; ".join(dict.fromkeys(missing))
+    return "verbs", [dev for dev, _ in found], None
+
+
+def decide(offers):
+    """The job's transport from every rank's (want, can, why) (the same on every rank): raises
+    R2commArgumentError when verbs was asked for and a rank cannot."""
+    wants = {w for w, _, _ in offers}
+    if len(wants) > 1:
+        raise R2commArgumentError(
+            "R2COMM_TRANSPORT differs between ranks: " +
+            ", ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(offers)))
+    want = wants.pop()
+    cannot = [(r, why) for r, (_, can, why) in enumerate(offers) if can != "verbs"]
+    if want == "verbs" and cannot:
+        raise R2commArgumentError(
+            "R2COMM_TRANSPORT=verbs, but " +
+            "; ".join(f"rank {r} has no usable RDMA device: {why}" for r, why in cannot))
+    if want == "tcp" or cannot:
+        return "tcp"
+    return "verbs"
+
+
+def _recv_exact(sock, n, deadline):
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"queue-pair exchange: peer sent {len(buf)} of {n} bytes in time")
+        r, _, _ = select.select([sock], [], [], left)
+        if not r:
+            continue
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("queue-pair exchange: the peer closed the connection")
+        buf += part
+    return bytes(buf)
+
+
+def exchange(device, fd, tx_key, rx_key, timeout):
+    """Make a verbs connection on `device` and connect it to the peer at the other end of the
+    authenticated rail socket `fd` (both ends call this). Returns the handle for
+    Engine.attach_transport; the socket then belongs to the connection. Raises OSError or
+    ConnectionError (the socket closed) if the exchange fails."""
+    from ._core import verbs
+    sock = socket.socket(fileno=fd)
+    deadline = time.monotonic() + timeout
+    try:
+        sock.setblocking(True)
+        sock.settimeout(timeout)
+        conn = verbs.VerbsConn(device, os.dup(sock.fileno()))
+        mine = conn.address()
+        tag = hmac.new(tx_key, b"qpx" + mine, hashlib.sha256).digest()[:TAG_LEN]
+        sock.sendall(QPX_MAGIC + bytes([len(mine)]) + mine + tag)
+        head = _recv_exact(sock, 5, deadline)
+        if head[:4] != QPX_MAGIC:
+            raise ConnectionError("queue-pair exchange: the peer does not speak verbs "
+                                  "(R2COMM_TRANSPORT differs?)")
+        theirs = _recv_exact(sock, head[4], deadline)
+        want = hmac.new(rx_key, b"qpx" + theirs, hashlib.sha256).digest()[:TAG_LEN]
+        if not hmac.compare_digest(_recv_exact(sock, TAG_LEN, deadline), want):
+            raise ConnectionError("queue-pair exchange: the peer's address failed "
+                                  "authentication")
+        conn.connect(theirs)
+        sock.sendall(READY)
+        if _recv_exact(sock, 1, deadline) != READY:
+            raise ConnectionError("queue-pair exchange: bad ready byte")
+        sock.setblocking(False)
+        return conn.handover()
+    except verbs.VerbsError as exc:
+        raise ConnectionError(f"verbs connection set-up failed: {exc}") from exc
+    except socket.timeout as exc:
+        raise TimeoutError("queue-pair exchange timed out") from exc
+    finally:
+        sock.close()          # the connection holds its own duplicate of the socket

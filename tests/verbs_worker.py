@@ -1,0 +1,224 @@
+"""One rank of a job on verbs rails (run by `python -m r2comm.testbed rdma-run`, which sets
+R2COMM_RANK, R2COMM_SIZE, R2COMM_STORE_DIR and R2COMM_TRANSPORT=verbs in each guest).
+
+    verbs_worker.py SCENARIO [key=value ...]
+
+Every scenario checks its results bit for bit and prints `OK scenario rank detail` or raises.
+  collectives   every collective (several sizes, dtypes and ops) exact against numpy
+  fault         a stream of allreduces twice: fault-free, then with rail R failed at op F
+                (mode=qp: the QP moved to error on one rank; mode=link: the host test cuts the
+                link when the marker file says so, and restores it); results of the two runs
+                must be bitwise equal; reports the pause and the events
+  bw            allreduce and one-way Send/Recv throughput at SIZE (for the figures)
+"""
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import r2comm
+from r2comm.bootstrap_store import DirStore
+
+
+def comm_from_env(**kw):
+    rank, size = int(os.environ["R2COMM_RANK"]), int(os.environ["R2COMM_SIZE"])
+    store = DirStore(os.environ["R2COMM_STORE_DIR"], timeout=120)
+    return r2comm.Communicator.from_store(store, rank, size, **kw)
+
+
+def data(rank, n, dtype, salt=0):
+    rng = np.random.default_rng(1000 * rank + salt)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(n).astype(dtype)
+    return rng.integers(-1000, 1000, n).astype(dtype)
+
+
+def check(what, got, want):
+    if got.dtype != want.dtype or got.shape != want.shape or \
+            got.tobytes() != want.tobytes():
+        bad = np.flatnonzero(got.view(np.uint8) != want.view(np.uint8))
+        raise AssertionError(f"{what}: results differ at {bad[:8]} (of {got.nbytes} bytes)")
+
+
+def seq_sum(arrays):
+    """The reference of a float reduction: exact for integers; for floats r2comm's schedule
+    fixes the order, so the comparison is with a tolerance computed in float64."""
+    return np.sum(np.stack(arrays).astype(np.float64), axis=0)
+
+
+def collectives(comm, args):
+    rank, size = comm.rank, comm.size
+    assert all(r.transport == "verbs" and r.device for r in comm.rails), comm.rails
+    ncheck = 0
+    for n in (1, 1000, 300_001, 2_000_003):
+        for dt in (np.int32, np.float64):
+            x = data(rank, n, dt)
+            y = np.empty_like(x)
+            comm.Allreduce(x, y, op=r2comm.SUM)
+            ref = [data(r, n, dt) for r in range(size)]
+            if dt == np.int32:
+                check(f"allreduce int32 {n}", y, np.sum(np.stack(ref), axis=0).astype(dt))
+            else:
+                assert np.allclose(y, seq_sum(ref), rtol=1e-12, atol=1e-9), f"allreduce f64 {n}"
+                # every rank has the same bits
+                dig = comm.allgather(hashlib.sha256(y.tobytes()).hexdigest())
+                assert len(set(dig)) == 1, f"allreduce f64 {n}: ranks differ"
+            ncheck += 1
+        x = data(rank, n, np.int64)
+        y = np.empty_like(x)
+        comm.Allreduce(x, y, op=r2comm.MAX)
+        check(f"allreduce max {n}", y, np.max(np.stack([data(r, n, np.int64) for r in range(size)]), axis=0))
+        b = data(size - 1, n, np.float32) if rank == size - 1 else np.zeros(n, np.float32)
+        comm.Bcast(b, root=size - 1)
+        check(f"bcast {n}", b, data(size - 1, n, np.float32))
+        r = np.zeros(n, np.int32)
+        comm.Reduce(data(rank, n, np.int32), r, op=r2comm.SUM, root=0)
+        if rank == 0:
+            check(f"reduce {n}", r, np.sum(np.stack([data(q, n, np.int32) for q in range(size)]), axis=0).astype(np.int32))
+        g = np.empty(n * size, np.int16)
+        comm.Allgather(data(rank, n, np.int16), g)
+        check(f"allgather {n}", g, np.concatenate([data(q, n, np.int16) for q in range(size)]))
+        m = (n // size + 1) * size
+        rs = np.empty(m // size, np.int32)
+        comm.Reduce_scatter_block(data(rank, m, np.int32), rs, op=r2comm.SUM)
+        full = np.sum(np.stack([data(q, m, np.int32) for q in range(size)]), axis=0).astype(np.int32)
+        check(f"reduce_scatter {m}", rs, full[rank * (m // size):(rank + 1) * (m // size)])
+        a = np.empty(m, np.uint8)
+        comm.Alltoall(data(rank, m, np.uint8), a)
+        want = np.concatenate([data(q, m, np.uint8)[rank * (m // size):(rank + 1) * (m // size)]
+                               for q in range(size)])
+        check(f"alltoall {m}", a, want)
+        ncheck += 6
+    # non-blocking, completed in reverse order
+    reqs, outs = [], []
+    for i in range(4):
+        x = data(rank, 50_000 + i, np.int32, salt=i)
+        outs.append(np.empty_like(x))
+        reqs.append(comm.Iallreduce(x, outs[-1]))
+    for i in reversed(range(4)):
+        reqs[i].Wait(timeout=60)
+        check(f"iallreduce {i}", outs[i], np.sum(np.stack([data(q, 50_000 + i, np.int32, salt=i)
+                                                           for q in range(size)]), axis=0).astype(np.int32))
+    # point to point around the ring
+    x = data(rank, 700_001, np.float32)
+    y = np.empty_like(x)
+    comm.Sendrecv(x, (rank + 1) % size, 5, y, (rank - 1) % size, 5)
+    check("sendrecv", y, data((rank - 1) % size, 700_001, np.float32))
+    comm.Barrier()
+    sent = [r.bytes_sent for r in comm.rails]
+    assert all(s > 0 for s in sent), f"a rail carried nothing: {sent}"
+    return f"{ncheck + 6} checks, rails {[(r.device, r.bytes_sent) for r in comm.rails]}"
+
+
+def _stream(comm, n, ops, salt, hook=None):
+    outs, times = [], []
+    for i in range(ops):
+        if hook is not None:
+            hook(i)
+        x = data(comm.rank, n, np.float32, salt=salt + i)
+        y = np.empty_like(x)
+        t0 = time.monotonic()
+        comm.Allreduce(x, y)
+        times.append(time.monotonic() - t0)
+        outs.append(hashlib.sha256(y.tobytes()).hexdigest())
+    return outs, times
+
+
+def fault(comm, args):
+    n = int(args.get("n", 1 << 20))
+    ops = int(args.get("ops", 40))
+    at = int(args.get("at", 10))
+    rail = int(args.get("rail", 0))
+    mode = args.get("mode", "qp")
+    who = int(args.get("who", 1))
+    marker = args.get("marker", "")
+    ref, _ = _stream(comm, n, ops, 0)
+    comm.Barrier()
+
+    def hook(i):
+        if i == at and comm.rank == who and mode == "qp":
+            comm.fail_rail(rail, "hard")        # the QP goes to error, its socket closes
+        if i == at and comm.rank == 0 and mode == "link":
+            with open(marker + ".down", "w") as f:
+                f.write("go")                   # the host test cuts the link now
+            deadline = time.monotonic() + 60
+            while not os.path.exists(marker + ".cut") and time.monotonic() < deadline:
+                time.sleep(0.05)
+    got, times = _stream(comm, n, ops, 0, hook)
+    assert got == ref, f"results differ from the fault-free run at ops " \
+                       f"{[i for i in range(ops) if got[i] != ref[i]]}"
+    events = [e for e in comm.events]
+    failed = [e for e in events if e["kind"] == "rail_failed"]
+    assert failed, f"no rail failure was seen: {events}"
+    restored = None
+    if mode == "link" and comm.rank == 0:
+        with open(marker + ".up", "w") as f:
+            f.write("go")
+    if args.get("failback") == "1":
+        if mode == "qp" and comm.rank == who:
+            comm.restore_rail(rail)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            comm.Barrier()
+            x = data(comm.rank, 1 << 18, np.int32)
+            y = np.empty_like(x)
+            comm.Allreduce(x, y)
+            if all(r.state == "up" for r in comm.rails):
+                restored = time.monotonic()
+                break
+            time.sleep(0.1)
+        ok = comm.allgather(restored is not None)
+        assert all(ok), f"rails not all back up: {comm.rails}"
+        # the restored rail carries traffic again
+        before = comm.rails[rail].bytes_sent
+        _stream(comm, n, 5, 500)
+        assert comm.rails[rail].bytes_sent > before, "restored rail carries nothing"
+    pause = max(times) - sorted(times)[len(times) // 2]
+    return (f"{ops} ops bitwise equal to the fault-free run; slowest op {max(times) * 1e3:.0f} ms "
+            f"(median {sorted(times)[len(times) // 2] * 1e3:.0f} ms, pause {pause * 1e3:.0f} ms); "
+            f"failures {[(e['rail'], e['peer'], e['cause']) for e in failed][:4]}; "
+            f"restored={restored is not None}")
+
+
+def bw(comm, args):
+    n = int(args.get("size", 8 << 20))
+    reps = int(args.get("reps", 5))
+    x = np.ones(n // 4, np.float32)
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)
+    comm.Barrier()
+    t0 = time.monotonic()
+    for _ in range(reps):
+        comm.Allreduce(x, y)
+    ar = (time.monotonic() - t0) / reps
+    comm.Barrier()
+    buf = np.ones(n, np.uint8)
+    t0 = time.monotonic()
+    for _ in range(reps):
+        if comm.rank == 0:
+            comm.Send(buf, 1, 7)
+        elif comm.rank == 1:
+            comm.Recv(buf, 0, 7)
+    comm.Barrier()
+    p2p = (time.monotonic() - t0) / reps
+    res = {"size": n, "allreduce_s": ar, "p2p_s": p2p, "p2p_mbit": n * 8 / p2p / 1e6,
+           "busbw_mbit": n * 8 * 2 * (comm.size - 1) / comm.size / ar / 1e6}
+    return json.dumps(res)
+
+
+def main():
+    scenario = sys.argv[1]
+    args = dict(a.split("=", 1) for a in sys.argv[2:])
+    comm = comm_from_env()
+    try:
+        detail = {"collectives": collectives, "fault": fault, "bw": bw}[scenario](comm, args)
+        print(f"OK {scenario} {comm.rank} {detail}", flush=True)
+    finally:
+        comm.Free()
+
+
+if __name__ == "__main__":
+    main()
