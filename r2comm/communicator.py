@@ -19,6 +19,7 @@ from .config import Config
 from .errors import (R2commArgumentError, R2commBufferError, R2commBuildError,
                      R2commClosedError, PEER_ARGUMENT_CODE)
 from .links import Links
+from . import verbs_rails
 from .ops import SUM, U8, as_op, dtype_code
 from .rails import Rail
 from .request import Request, Status
@@ -196,6 +197,10 @@ class Communicator:
             from mpi4py import MPI
             mpi_comm = MPI.COMM_WORLD
         boot = bootstrap.run(mpi_comm, cfg, rails)
+        if boot.transport == "verbs":
+            # a queue pair retransmits a lost packet only after its local ACK timeout: a rail
+            # deadline shorter than two of them would fail healthy verbs rails
+            cfg.rail_timeout_ms = max(cfg.rail_timeout_ms, verbs_rails.min_rail_timeout_ms())
         cfg.chunk_size = boot.params["chunk_size"]
         cfg.integrity = boot.params["integrity"]
         links = None

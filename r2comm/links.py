@@ -26,7 +26,8 @@ LOG_EVERY = 5.0             # s: at most one warning about refused connections p
 CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a silent NIC)
 CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
 CONNECT_THREADS = 32     # start-up connection attempts in flight at once
-VERBS_EXCHANGE_S = 2.0   # s: a verbs rail's queue-pair exchange after its handshake
+VERBS_EXCHANGE_S = 10.0  # s: a verbs rail's queue-pair exchange after its handshake (creating
+                         # a QP and registering its slots takes ~1 s in an emulated guest)
 
 
 class Links:
@@ -246,10 +247,21 @@ class Links:
             return
         if res is not None:
             self._forget(sel, fd)          # fd now belongs to the engine
-            try:
+            if res[1] != tcp.CTRL_RAIL and self.boot.transport == "verbs":
+                # the queue-pair exchange waits for the peer: not on this thread, which
+                # drives every other handshake
+                threading.Thread(target=self._attach_verbs, args=res, daemon=True,
+                                 name="r2comm-qpx").start()
+            else:
                 self._attach(*res)
-            except OSError as exc:         # a verbs exchange that failed: the socket is closed
-                self._reject(f"rank {res[0]} rail {res[1]}: {exc}")
+
+    def _attach_verbs(self, *res):
+        try:
+            self._attach(*res)
+        except OSError as exc:             # the exchange failed: the socket is closed
+            self._reject(f"rank {res[0]} rail {res[1]}: {exc}")
+        except RuntimeError:               # the engine was closed meanwhile
+            pass
 
     def _forget(self, sel, fd):
         del self._pending[fd]

@@ -29,6 +29,13 @@ READY = b"\x01"
 _devices = {}          # rail address -> RailDevice (opened once per process, kept)
 
 
+def min_rail_timeout_ms():
+    """The shortest rail deadline a verbs rail tolerates: two local ACK timeouts of its queue
+    pair (4.096 us x 2**timeout each; the QP retransmits a lost packet after one)."""
+    verbs, _ = load()
+    return 2 * 4.096e-3 * (1 << verbs.DEFAULT_QP_TIMEOUT)
+
+
 def load():
     """The compiled verbs module, or (None, why not)."""
     try:

@@ -360,3 +360,25 @@ def test_verbs_layer_on_soft_roce(rfab):
     sys.path.insert(0, str(Path(__file__).parent))
     import test_verbs
     test_verbs.verbs_pair_checks(rfab)
+
+
+# --- r2comm's engine on verbs rails (tests/test_verbs_rails.py holds the checks) ----------------
+def _verbs_rails():
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_verbs_rails
+    return test_verbs_rails
+
+
+@pytest.mark.rdma
+def test_engine_collectives_on_verbs_rails(rfab):
+    _verbs_rails().collectives_checks(rfab)
+
+
+@pytest.mark.rdma
+def test_engine_qp_error_failover_and_failback_on_verbs(rfab):
+    _verbs_rails().qp_error_checks(rfab)
+
+
+@pytest.mark.rdma
+def test_engine_real_link_down_failover_and_failback_on_verbs(rfab):
+    _verbs_rails().link_down_checks(rfab)

@@ -53,7 +53,8 @@ def collectives(comm, args):
     rank, size = comm.rank, comm.size
     assert all(r.transport == "verbs" and r.device for r in comm.rails), comm.rails
     ncheck = 0
-    for n in (1, 1000, 300_001, 2_000_003):
+    sizes = [int(v) for v in args.get("sizes", "1,1000,300001,2000003").split(",")]
+    for n in sizes:
         for dt in (np.int32, np.float64):
             x = data(rank, n, dt)
             y = np.empty_like(x)
@@ -209,13 +210,39 @@ def bw(comm, args):
     return json.dumps(res)
 
 
+def watchdog(comm, seconds):
+    """After SECONDS (0: never) print the engine's events and tables, then exit 3: a hung job
+    says where it hung instead of being killed silently by rdma-run's timeout."""
+    if seconds <= 0:
+        return
+    import threading
+
+    def fire():
+        try:
+            for ev in comm.events:
+                print(f"EVENT {comm.rank} {ev['kind']} peer {ev['peer']} rail {ev['rail']}: "
+                      f"{ev['info'][:200]}", flush=True)
+            print(f"STATE {comm.rank} {comm._engine.debug_state()}", flush=True)
+        finally:
+            os._exit(3)
+    t = threading.Timer(seconds, fire)
+    t.daemon = True
+    t.start()
+
+
 def main():
     scenario = sys.argv[1]
     args = dict(a.split("=", 1) for a in sys.argv[2:])
     comm = comm_from_env()
+    watchdog(comm, float(args.get("watchdog", 0)))
     try:
         detail = {"collectives": collectives, "fault": fault, "bw": bw}[scenario](comm, args)
         print(f"OK {scenario} {comm.rank} {detail}", flush=True)
+    except BaseException:
+        for ev in comm.events:
+            print(f"EVENT {comm.rank} {ev['t']:.3f} {ev['kind']} peer {ev['peer']} rail "
+                  f"{ev['rail']} cause {ev['cause']}: {ev['info']}", flush=True)
+        raise
     finally:
         comm.Free()
 

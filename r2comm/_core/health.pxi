@@ -18,9 +18,12 @@ cdef inline int fast_probing(State* e, Rail* r, double now) noexcept nogil:
 
 cdef inline double hc_round(State* e) noexcept nogil:
     """A health-check round: long enough for the peer's kernel to acknowledge a segment
-    (delayed acks wait 40 ms, at most 200 ms), at most half the rail deadline."""
+    (delayed acks wait 40 ms, at most 200 ms), at most half the rail deadline; 250 ms for
+    deadlines up to a second, a quarter of a longer one (a deadline raised for slow hosts,
+    such as emulated guests whose kernels answer late, gets rounds to match)."""
     cdef double v = 0.5 * e.rail_timeout
-    return 0.25 if v > 0.25 else v
+    cdef double cap = 0.25 if e.rail_timeout <= 1.0 else 0.25 * e.rail_timeout
+    return cap if v > cap else v
 
 cdef inline int rail_late(State* e, Rail* r, double now, double rnd) noexcept nogil:
     """The rail has chunks out and its acks are near (within a round) or past its deadline."""

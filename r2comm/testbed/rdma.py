@@ -45,6 +45,7 @@ from ._iproute import TestbedError
 from .fabric import MAX_NICS, _TAG_RE, mgmt_addr, rail_addr
 from .rates import format_rate, parse_rate, tbf_args
 
+EMULATION_DEADLINES = {"R2COMM_RAIL_TIMEOUT_MS": "3000", "R2COMM_PEER_TIMEOUT_MS": "15000"}
 STATE_ROOT = Path(os.environ.get("R2COMM_RDMA_DIR", "/tmp/r2comm-rdma"))
 DEFAULT_TAG = "rdma"
 MAX_HOSTS = 16
@@ -225,6 +226,11 @@ class RdmaFabric:
                "R2COMM_TESTBED_FABRIC": self.tag,
                "R2COMM_TRANSPORT": "verbs",
                "R2COMM_RDMA_DEVICES": ",".join(self.devices())}
+        # software emulation runs the guests ~100x slower than hardware, and their kernels
+        # acknowledge a TCP segment a second late when the host is busy: deadlines to match
+        # (the caller's own values win)
+        for var, val in EMULATION_DEADLINES.items():
+            env[var] = os.environ.get(var, val)
         ready = self.ready_info(host)
         if ready and ready.get("gid_index") is not None:
             env["R2COMM_RDMA_GID_INDEX"] = str(ready["gid_index"])

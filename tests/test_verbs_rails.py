@@ -1,0 +1,142 @@
+"""r2comm's engine on verbs rails (R2COMM_TRANSPORT=verbs): the transport choice and its errors
+here, and, on soft-RoCE guests, collectives, failover and fail-back.
+
+The checks that need guests are functions called by tests/test_rdma_testbed.py on its shared
+2 x 2 fabric (one boot for every rdma test); each runs tests/verbs_worker.py as the ranks of an
+`rdma-run --keep` job and checks its OK lines."""
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from r2comm import verbs_rails
+from r2comm.errors import R2commArgumentError
+
+HERE = Path(__file__).parent
+REPO = str(HERE.parent)
+WORKER = str(HERE / "verbs_worker.py")
+
+
+# --- without RDMA ----------------------------------------------------------------------------
+def test_decide_agrees_on_one_transport_or_raises_naming_ranks():
+    ok = ("verbs", "verbs", None)
+    no = ("verbs", "tcp", "no RDMA device carries rail 1 (198.18.1.2)")
+    assert verbs_rails.decide([ok, ok]) == "verbs"
+    with pytest.raises(R2commArgumentError, match=r"rank 1 has no usable RDMA device: no RDMA "
+                                                  r"device carries rail 1"):
+        verbs_rails.decide([ok, no])
+    auto_ok, auto_no = ("auto", "verbs", None), ("auto", "tcp", "no RDMA device")
+    assert verbs_rails.decide([auto_ok, auto_ok]) == "verbs"
+    assert verbs_rails.decide([auto_ok, auto_no]) == "tcp"       # auto: TCP unless all can
+    assert verbs_rails.decide([("tcp", "tcp", "R2COMM_TRANSPORT=tcp")] * 3) == "tcp"
+    with pytest.raises(R2commArgumentError, match="differs between ranks"):
+        verbs_rails.decide([ok, ("tcp", "tcp", "")])
+
+
+def test_verbs_without_a_device_is_a_clear_error_on_every_rank():
+    """No RDMA device on this machine: R2COMM_TRANSPORT=verbs must raise on every rank, never
+    fall back to TCP; auto runs on TCP and comm.rails says so."""
+    if verbs_rails.find_devices(["127.0.0.1"])[0][0] is not None:
+        pytest.skip("this machine has an RDMA device for 127.0.0.1")
+    sys.path.insert(0, str(HERE))
+    from conftest import run_mpi
+    script = HERE / "transport_choice.py"
+    _, out = run_mpi(2, [str(script)], env={"R2COMM_TRANSPORT": "verbs"}, timeout=120)
+    # (lines of the two ranks may interleave)
+    assert sorted(re.findall(r"CHOICE (\d) R2commArgumentError R2COMM_TRANSPORT=verbs, but "
+                             r"rank 0 has no usable RDMA device", out)) == ["0", "1"], out[-3000:]
+    _, out = run_mpi(2, [str(script)], env={"R2COMM_TRANSPORT": "auto"}, timeout=120)
+    assert sorted(re.findall(r"CHOICE (\d) transports tcp,tcp engine \['tcp'\]", out)) == \
+        ["0", "1"], out[-3000:]
+
+
+def test_min_rail_timeout_covers_two_qp_ack_timeouts():
+    v, why = verbs_rails.load()
+    if v is None:
+        pytest.skip(why)
+    assert verbs_rails.min_rail_timeout_ms() == pytest.approx(2 * 4.096e-3 * 2 ** v.DEFAULT_QP_TIMEOUT)
+
+
+# --- on a soft-RoCE fabric (called by tests/test_rdma_testbed.py) ------------------------------
+def rdma_job(fab, nranks, args, timeout=400, env=None):
+    """Run verbs_worker.py ARGS as NRANKS ranks on the booted fabric; returns (rc, output)."""
+    proc = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--keep",
+                           "--fabric", fab.tag, "-n", str(nranks), "--timeout", str(timeout),
+                           "--", sys.executable, WORKER, *args],
+                          capture_output=True, text=True, timeout=timeout + 120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def ok_lines(out, scenario, nranks):
+    lines = [m.group(1) for m in re.finditer(rf"^\[\d+\] OK {scenario} (.*)$", out, re.M)]
+    assert len(lines) == nranks, out[-6000:]
+    return lines
+
+
+def collectives_checks(fab):
+    """Every collective exact against numpy over verbs rails: 2 ranks (one per host) and 4
+    ranks (two per host: same-host pairs share the host's rxe devices)."""
+    for n, sizes in ((2, "1,1000,300001,2000003"), (4, "1,1000,300001")):
+        started = time.monotonic()
+        rc, out = rdma_job(fab, n, ["collectives", f"sizes={sizes}", "watchdog=300"])
+        assert rc == 0, out[-6000:]
+        lines = ok_lines(out, "collectives", n)
+        assert all("rxe0:1" in ln and "rxe1:1" in ln for ln in lines), lines
+        print(f"\nverbs collectives, {n} ranks: {time.monotonic() - started:.1f} s; {lines[0]}")
+
+
+def qp_error_checks(fab):
+    """A rail's QP moved to error mid-stream (fail_rail hard on one rank: QP to ERR, its
+    companion socket shut): the stream's results are bitwise equal to the fault-free run, both
+    ends record the failure at once, and the rail is re-admitted with a new QP (fail-back)."""
+    rc, out = rdma_job(fab, 2, ["fault", "mode=qp", "failback=1", "n=131072", "ops=30", "at=8"])
+    assert rc == 0, out[-6000:]
+    lines = ok_lines(out, "fault", 2)
+    assert all("bitwise equal" in ln and "restored=True" in ln for ln in lines), lines
+    print("\nverbs QP error:", *lines, sep="\n  ")
+
+
+def link_down_checks(fab, host=1, nic=0):
+    """A real link cut in QEMU (the rxe port goes down) mid-stream, brought back later:
+    bitwise-equal results, the failure seen, and fail-back onto the restored link."""
+    marker = str(fab.dir / f"mark{os.getpid()}")
+    did, stop = [], threading.Event()
+
+    def orchestrate():
+        deadline = time.monotonic() + 400
+        while not stop.is_set() and time.monotonic() < deadline:
+            if os.path.exists(marker + ".down") and "down" not in did:
+                fab.nic_down(host, nic)
+                did.append("down")
+                with open(marker + ".cut", "w") as f:
+                    f.write("cut")
+            if os.path.exists(marker + ".up") and "down" in did and "up" not in did:
+                time.sleep(1.0)
+                fab.nic_up(host, nic)
+                did.append("up")
+                return
+            time.sleep(0.05)
+    orch = threading.Thread(target=orchestrate)
+    orch.start()
+    try:
+        rc, out = rdma_job(fab, 2, ["fault", "mode=link", "failback=1", "n=131072", "ops=30",
+                                    "at=8", f"marker={marker}", f"rail={nic}"])
+    finally:
+        stop.set()
+        orch.join(30)
+        if "down" in did and "up" not in did:
+            fab.nic_up(host, nic)
+        for suffix in (".down", ".cut", ".up"):
+            if os.path.exists(marker + suffix):
+                os.unlink(marker + suffix)
+    assert rc == 0, out[-6000:]
+    assert did == ["down", "up"], did
+    lines = ok_lines(out, "fault", 2)
+    assert all("bitwise equal" in ln and "restored=True" in ln for ln in lines), lines
+    print("\nverbs link down:", *lines, sep="\n  ")
