@@ -1,5 +1,6 @@
 """One rank of a job on verbs rails (run by `python -m r2comm.testbed rdma-run`, which sets
-R2COMM_RANK, R2COMM_SIZE, R2COMM_STORE_DIR and R2COMM_TRANSPORT=verbs in each guest).
+R2COMM_RANK, R2COMM_SIZE, R2COMM_STORE_DIR and R2COMM_TRANSPORT=verbs in each guest; or under
+mpiexec where this machine has an RDMA device).
 
     verbs_worker.py SCENARIO [key=value ...]
 
@@ -10,6 +11,7 @@ Every scenario checks its results bit for bit and prints `OK scenario rank detai
                 link when the marker file says so, and restores it); results of the two runs
                 must be bitwise equal; reports the pause and the events
   bw            allreduce and one-way Send/Recv throughput at SIZE (for the figures)
+Common arguments: rails=0+1 (which of the host's rails), transport=tcp|verbs, watchdog=S.
 """
 import hashlib
 import json
@@ -24,6 +26,8 @@ from r2comm.bootstrap_store import DirStore
 
 
 def comm_from_env(**kw):
+    if "R2COMM_STORE_DIR" not in os.environ:      # under mpiexec (a real RDMA device here)
+        return r2comm.Communicator(**kw)
     rank, size = int(os.environ["R2COMM_RANK"]), int(os.environ["R2COMM_SIZE"])
     store = DirStore(os.environ["R2COMM_STORE_DIR"], timeout=120)
     return r2comm.Communicator.from_store(store, rank, size, **kw)
@@ -233,7 +237,13 @@ def watchdog(comm, seconds):
 def main():
     scenario = sys.argv[1]
     args = dict(a.split("=", 1) for a in sys.argv[2:])
-    comm = comm_from_env()
+    if "transport" in args:              # e.g. TCP on the same guests, for comparison
+        os.environ["R2COMM_TRANSPORT"] = args["transport"]
+    kw = {}
+    if "rails" in args:                  # a subset of the host's rails, by index
+        mine = os.environ["R2COMM_RAILS"].split(",")
+        kw["rails"] = [mine[int(k)] for k in args["rails"].split("+")]
+    comm = comm_from_env(**kw)
     watchdog(comm, float(args.get("watchdog", 0)))
     try:
         detail = {"collectives": collectives, "fault": fault, "bw": bw}[scenario](comm, args)

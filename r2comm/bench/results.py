@@ -802,6 +802,10 @@ def render(folder, elapsed_s=None):
     body += sec
     summary += [("torch.distributed", x) for x in t] or [("torch.distributed", (not_run_note(sec), None))]
     body += sim_section(res)[0]
+    from .results_verbs import verbs_section
+    sec, t = verbs_section(res)
+    body += sec
+    summary += [("Verbs rails", x) for x in t] or [("Verbs rails", (not_run_note(sec), None))]
     body += ["## A slow (degraded) rail in the testbed (issue 3 \"degraded\", issue 5)", "",
              "Not part of this script: `tests/test_slow_rail.py` (root) checks that a rail degraded to a tenth "
              "of its rate gets proportionally less traffic; the hand-run measurements behind that change are in "
