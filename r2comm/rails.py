@@ -81,3 +81,5 @@ class Rail:
     peers_up: int
     peers: int
     bytes_hedged: int = 0       # copies of a slower rail's tail chunks sent on this one
+    gpu_path: str = "staged-pipelined"   # how device buffers reach this rail: staged through
+                                         # pinned host memory (GPUDirect RDMA: not implemented)
