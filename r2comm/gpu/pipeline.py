@@ -267,8 +267,12 @@ class Pipeline:
         if seg.pending is not None:
             kind, obj, oi = seg.pending
             if kind == "net":
-                if not obj.Test():
-                    return False
+                try:
+                    if not obj.Test():
+                        return False
+                except R2commError as exc:        # the engine's error: the peers know it
+                    exc._r2comm_remote = True
+                    raise
                 self.timeline.append(("net_done", seg.index, time.monotonic()))
             elif not be.query(obj):
                 return False
@@ -325,8 +329,7 @@ class Pipeline:
                 except Exception:
                     pass
         self.requests = {}
-        local = not isinstance(exc, R2commError) or isinstance(exc, R2commTimeout) \
-            or getattr(exc, "_r2comm_local", False)
+        local = not getattr(exc, "_r2comm_remote", False)
         if local and self.post_at < len(self.order):
             self.abort_seq = self.base + self.post_at
         self._finish_failed()
