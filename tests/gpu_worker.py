@@ -44,6 +44,16 @@ class Dev:
             return self.be.array(np.full(n, 7, dtype))
         return self.cp.full(n, 7, dtype)
 
+    def put_bf16(self, bits):
+        if self.kind == "standin":
+            return bfloat16(self.be.array(bits, dtype="bfloat16"))
+        return bfloat16(self.cp.asarray(bits))
+
+    def zeros_bf16(self, n):
+        if self.kind == "standin":
+            return bfloat16(self.be.zeros(n, "bfloat16"))
+        return bfloat16(self.cp.zeros(n, self.cp.uint16))
+
     def get(self, x):
         if self.kind == "standin":
             self.be.sync(self.be.default_stream)
@@ -313,7 +323,7 @@ def sc_standin_errors(comm, args):
 
 def sc_standin_failover(comm, args):
     """A rail fails mid-collective: every device-buffer collective completes bit-exact."""
-    dev = Dev("standin")
+    dev = Dev(args.get("dev", "standin"))
     n, r = comm.size, comm.rank
     count = int(args.get("count", 1 << 20))             # 4 MiB of float32
     cnt = 0
@@ -347,7 +357,7 @@ def sc_standin_failover(comm, args):
 def sc_standin_lowprec(comm, args):
     """float16 and bfloat16 reductions on the (stand-in) device: the same bits as the reference
     reduction in rank order, on every rank, and within tolerance of a float64 reference."""
-    dev = Dev("standin")
+    dev = Dev(args.get("dev", "standin"))
     n, r = comm.size, comm.rank
     count = 20001
     cnt = 0
@@ -369,8 +379,8 @@ def sc_standin_lowprec(comm, args):
                 tol = 2e-3 * n
             else:
                 blocks = [f32_to_bf16(v.astype(np.float32)) for v in vals]
-                x = bfloat16(dev.be.array(blocks[r], dtype="bfloat16"))
-                y = bfloat16(dev.be.zeros(count, "bfloat16"))
+                x = dev.put_bf16(blocks[r])
+                y = dev.zeros_bf16(count)
                 comm.Allreduce(x, y, op)
                 got = dev.get(y)
                 exact = reduce_blocks([b.view(np.uint8) for b in blocks], op.name, "bfloat16")
@@ -384,7 +394,53 @@ def sc_standin_lowprec(comm, args):
             err = np.max(np.abs(got64 - ref64) / np.abs(ref64))
             check(err < tol, f"{dt} {op.name}: relative error {err} >= {tol}")
             cnt += 1
-    # bfloat16 in the engine (host mode) is refused with a clear error on every rank
+    return cnt
+
+
+# -- on a GPU (tests/test_gpu.py) -------------------------------------------------------------------
+def sc_cupy_collectives(comm, args):
+    import cupy
+    dev = Dev("cupy")
+    cnt = run_all_collectives(comm, dev)
+    info = comm.gpu_info()
+    check(info["backend"] == "cupy" and info["path"] == "staged-pipelined", f"{info}")
+    # a CUDA tensor-like producer on a non-default stream is also covered by cupy_streams
+    del cupy
+    return cnt
+
+
+def sc_cupy_streams(comm, args):
+    """Arrays produced on non-default streams: the collective orders itself after the work
+    queued there (stream=, the current stream, a raw stream handle), and later work on the
+    stream sees the result."""
+    import cupy
+    n, r = comm.size, comm.rank
+    count = 1 << 22
+    want = reduce_ref("cstreams", n, count, "float32", SUM)
+    host = data("cstreams", r, count, "float32", SUM)
+    cnt = 0
+    for how in ("stream_arg", "current", "handle", "nonblocking"):
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            x = cupy.zeros(count, cupy.float32)
+            for _ in range(50):                     # keep the stream busy before the input lands
+                x = x * 1.0
+            x[...] = cupy.asarray(host)
+            y = cupy.zeros(count, cupy.float32)
+        if how == "stream_arg":
+            comm.Allreduce(x, y, SUM, stream=s)
+        elif how == "current":
+            with s:
+                comm.Allreduce(x, y, SUM)
+        elif how == "handle":
+            comm.Allreduce(x, y, SUM, stream=s.ptr)
+        else:
+            comm.Iallreduce(x, y, SUM, stream=s).Wait()
+        with s:
+            z = y * 1.0                             # queued after: sees the result
+        s.synchronize()
+        check(np.array_equal(cupy.asnumpy(z), want), f"cupy stream {how}")
+        cnt += 1
     return cnt
 
 
