@@ -102,3 +102,29 @@ def test_cupy_kernels_match_the_reference_bit_for_bit(dtype, op):
     want = reduce_blocks([b.view(np.uint8) for b in blocks], op, dtype)
     assert np.array_equal(out.view(np.uint8), want.view(np.uint8))
     del cupy
+
+
+def _torch_cuda_absent():
+    try:
+        import torch
+    except Exception as exc:
+        return f"torch is not importable ({exc})"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    return _WHY
+
+
+@pytest.mark.skipif(_torch_cuda_absent() is not None, reason=_torch_cuda_absent() or "")
+def test_torch_cuda_tensors_take_the_device_pipeline():
+    """The torch backend with CUDA tensors (torchrun, 2 ranks on one GPU): every collective it
+    routes to the pipeline, a non-default stream, AVG; exact against the CPU."""
+    import subprocess
+    import sys
+    import os
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               R2COMM_GPU_SEGMENT="1M")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", "29517", f"{ROOT}/tests/gpu_torch_worker.py"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0 and "OK torch_cuda" in p.stdout, p.stdout[-4000:]

@@ -222,6 +222,7 @@ class Pipeline:
         self.cancel_with = None       # set by Wait (timeout) or close: fail at the next advance
         self.timeline = []            # (what, segment, t) of net steps: posted / done
         self.final_event = None
+        self.state = comm._state      # the plans of the parent at the call (its epoch)
 
     # -- scheduling ----------------------------------------------------------------------------
     def all_started(self):
@@ -289,6 +290,8 @@ class Pipeline:
                     or self.order[self.post_at][0] != seg.index:
                 return False
             oi = self.post_at
+            if self.twin._state is not self.state:   # the parent's plans at this call's epoch
+                self.twin._adopt(self.state)
             self.twin._seq = self.base + oi
             req = fn(seg.slot)
             self.requests[oi] = req
@@ -432,8 +435,6 @@ def _twin(comm, gen):
         t.timeout = comm.timeout
         twins[gen] = t
         twins.pop(gen - 2, None)
-    if t._state is not comm._state:      # follow the parent's re-planning
-        t._adopt(comm._state)
     return t
 
 
