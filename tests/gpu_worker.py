@@ -351,6 +351,8 @@ def sc_standin_failover(comm, args):
             time.sleep(0.05)
         WORLD.Barrier()
         cnt += 2
+    if os.environ.get("R2COMM_REPLAN"):
+        check(comm.epoch >= 1, f"no re-planning after the rail failures (epoch {comm.epoch})")
     return cnt
 
 

@@ -33,7 +33,7 @@ def test_every_collective_exact_on_standin(n, mode):
 @pytest.mark.mpi
 def test_copies_overlap_the_wire_and_calls_stay_in_flight():
     count, out = scenario(2, "standin_overlap", env={"R2COMM_GPU_SEGMENT": "4096",
-                                                     "R2COMM_GPU_STAGING": "200000"})
+                                                     "R2COMM_GPU_STAGING": "1M"})
     assert count == 4
 
 
@@ -55,6 +55,15 @@ def test_failure_mid_pipeline_raises_everywhere_and_stops_copies():
 @pytest.mark.mpi
 def test_rail_failure_mid_collective_bit_exact():
     count, _ = scenario(2, "standin_failover", env={"R2COMM_GPU_SEGMENT": "262144"})
+    assert count == 8
+
+
+@pytest.mark.mpi
+def test_rail_failure_with_replanning_every_call():
+    """R2COMM_REPLAN=1: the epoch check runs at each device call's own sequence number, and the
+    segments' collectives follow the plans of their call's epoch."""
+    count, _ = scenario(2, "standin_failover", env={"R2COMM_GPU_SEGMENT": "262144",
+                                                    "R2COMM_REPLAN": "1"}, count=1 << 19)
     assert count == 8
 
 
