@@ -162,5 +162,6 @@ def test_cuda_array_without_cupy_says_what_to_install(monkeypatch):
                                     "version": 3}
     monkeypatch.setattr(backend, "_CUPY", None)
     monkeypatch.setitem(sys.modules, "cupy", None)       # import cupy fails
+    monkeypatch.setitem(sys.modules, "r2comm.gpu.cupy_backend", None)
     with pytest.raises(R2commArgumentError, match="cupy"):
         backend.backend_for(FakeCuda())

@@ -99,10 +99,15 @@ def is_device(obj):
     """True for an array in device memory: a cupy array or anything with
     __cuda_array_interface__, a host stand-in array, or a Typed wrapper of one."""
     obj, _ = _unwrap(obj)
-    return hasattr(obj, "__r2comm_device__") or hasattr(obj, "__cuda_array_interface__")
+    if hasattr(obj, "__r2comm_device__"):
+        return True
+    try:
+        return hasattr(obj, "__cuda_array_interface__")
+    except Exception:           # a CUDA tensor that refuses to export (requires grad): device
+        return True
 
 
-_CUPY = None
+_CUPY = None                    # {CUDA device id: CupyBackend}
 
 
 def backend_for(obj):
@@ -113,16 +118,20 @@ def backend_for(obj):
     own = getattr(obj, "__r2comm_device__", None)
     if own is not None:
         return own
+    try:
+        from . import cupy_backend
+    except ImportError as exc:
+        raise R2commArgumentError(
+            f"a CUDA array ({type(obj).__name__}) needs cupy for r2comm's staging path, and "
+            f"cupy cannot be imported ({exc}); install the cupy wheel for your CUDA "
+            "(e.g. `pip install cupy-cuda12x`)") from exc
     if _CUPY is None:
-        try:
-            from .cupy_backend import CupyBackend
-        except ImportError as exc:
-            raise R2commArgumentError(
-                f"a CUDA array ({type(obj).__name__}) needs cupy for r2comm's staging path, and "
-                f"cupy cannot be imported ({exc}); install the cupy wheel for your CUDA "
-                "(e.g. `pip install cupy-cuda12x`)") from exc
-        _CUPY = CupyBackend()
-    return _CUPY
+        _CUPY = {}
+    dev = cupy_backend.device_of(obj)
+    be = _CUPY.get(dev)
+    if be is None:
+        be = _CUPY[dev] = cupy_backend.CupyBackend(dev)   # one per GPU: its streams and pool
+    return be
 
 
 def describe(obj, writable, what):

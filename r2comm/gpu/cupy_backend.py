@@ -53,15 +53,36 @@ class DevBuf:
         self.ptr, self.nbytes, self.owner = ptr, nbytes, owner
 
 
+def _cai(obj, what="buffer"):
+    try:
+        return obj.__cuda_array_interface__
+    except Exception as exc:
+        raise R2commBufferError(f"{what}: {type(obj).__name__} does not export its CUDA memory "
+                                f"({exc}); pass a detached, contiguous array") from None
+
+
+def device_of(obj):
+    """The CUDA device holding the array (the current device for an empty one)."""
+    ptr = _cai(obj)["data"][0]
+    if ptr:
+        try:
+            return int(runtime.pointerGetAttributes(ptr).device)
+        except Exception:
+            pass
+    return int(cupy.cuda.runtime.getDevice())
+
+
 class CupyBackend(DeviceBackend):
+    """One per GPU: streams, events, scratch and kernels are made on that device."""
     name = "cupy"
 
-    def __init__(self):
+    def __init__(self, device=0):
+        self.device = device
         self._kernels = {}
 
     # -- arrays and streams ----------------------------------------------------------------------
     def flat(self, obj, writable, what):
-        cai = obj.__cuda_array_interface__
+        cai = _cai(obj, what)
         shape = tuple(cai["shape"])
         try:
             dt = np.dtype(cai["typestr"])
@@ -83,14 +104,16 @@ class CupyBackend(DeviceBackend):
             raise R2commBufferError(f"{what} is read-only")
         return DevBuf(ptr, count * dt.itemsize, obj), count * dt.itemsize, dt.name, dt.itemsize
 
-    @staticmethod
-    def _as_stream(s):
+    def _as_stream(self, s):
         if isinstance(s, (cupy.cuda.Stream, cupy.cuda.ExternalStream)):
             return s
         handle = getattr(s, "cuda_stream", s)          # torch.cuda.Stream, or a raw handle
         if isinstance(handle, int):
-            return cupy.cuda.Stream.null if handle == 0 else cupy.cuda.ExternalStream(handle)
-        raise TypeError(f"not a CUDA stream: {s!r}")
+            if handle == 0:
+                return cupy.cuda.Stream.null
+            return cupy.cuda.ExternalStream(handle, self.device)
+        raise R2commBufferError(f"stream={s!r} is not a CUDA stream (a cupy or torch stream, or "
+                                "a cudaStream_t handle)")
 
     def stream_of(self, obj, stream=None):
         if stream is not None:
@@ -102,11 +125,13 @@ class CupyBackend(DeviceBackend):
         return cupy.cuda.get_current_stream()
 
     def new_stream(self):
-        return cupy.cuda.Stream(non_blocking=True)
+        with cupy.cuda.Device(self.device):
+            return cupy.cuda.Stream(non_blocking=True)
 
     def record(self, stream):
-        ev = cupy.cuda.Event(block=False, disable_timing=True)
-        ev.record(stream)
+        with cupy.cuda.Device(self.device):
+            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            ev.record(stream)
         return ev
 
     def wait_event(self, stream, event):
@@ -141,7 +166,8 @@ class CupyBackend(DeviceBackend):
             return np.frombuffer(mem, np.uint8, nbytes)    # holds `mem` alive
 
     def empty(self, nbytes):
-        a = cupy.empty(nbytes, cupy.uint8)
+        with cupy.cuda.Device(self.device):
+            a = cupy.empty(nbytes, cupy.uint8)
         return DevBuf(a.data.ptr, nbytes, a)
 
     # -- reductions ------------------------------------------------------------------------------
@@ -157,10 +183,9 @@ class CupyBackend(DeviceBackend):
             self._kernels[key] = k
         return k
 
-    @staticmethod
-    def view(buf, off, count, storage):
+    def view(self, buf, off, count, storage):
         isz = np.dtype(storage).itemsize
-        mem = cupy.cuda.UnownedMemory(buf.ptr + off, count * isz, buf.owner)
+        mem = cupy.cuda.UnownedMemory(buf.ptr + off, count * isz, buf.owner, self.device)
         return cupy.ndarray((count,), storage, cupy.cuda.MemoryPointer(mem, 0))
 
     def reduce(self, dst, dst_off, src, src_offs, count, op, dtype, stream):
@@ -168,7 +193,7 @@ class CupyBackend(DeviceBackend):
         k = self.kernel(op, dtype)
         out = self.view(dst, dst_off, count, storage)
         blocks = [self.view(src, o, count, storage) for o in src_offs]
-        with stream:
+        with cupy.cuda.Device(self.device), stream:
             if len(blocks) == 1:
                 out[...] = blocks[0]
                 return
