@@ -356,6 +356,23 @@ def sc_standin_failover(comm, args):
     return cnt
 
 
+def sc_standin_big(comm, args):
+    """A call with more segments than its sequence numbers allow grows its segments beyond the
+    pool's slots (memory of their own, counted as oversize) and stays exact."""
+    dev = Dev("standin")
+    n, r = comm.size, comm.rank
+    count = 2 << 20                                     # 8 MiB of float32, 4 KiB segments
+    x = dev.put(data("big", r, count, "float32", SUM))
+    y = dev.empty(count, "float32")
+    req = comm.Iallreduce(x, y, SUM)
+    req.Wait()
+    check(np.array_equal(dev.get(y), reduce_ref("big", n, count, "float32", SUM)), "big")
+    check(len(req.pipeline.order) <= 256, f"{len(req.pipeline.order)} net steps")
+    pool = req.pipeline.ctx.pool
+    check(pool.oversize > 0 and pool.made <= pool.nslots and pool.in_use == 0, "oversize slots")
+    return 1
+
+
 def sc_standin_lowprec(comm, args):
     """float16 and bfloat16 reductions on the (stand-in) device: the same bits as the reference
     reduction in rank order, on every rank, and within tolerance of a float64 reference."""

@@ -44,12 +44,19 @@ def test_stream_ordering_and_completion_means_in_place():
 
 
 @pytest.mark.mpi
-def test_failure_mid_pipeline_raises_everywhere_and_stops_copies():
+@pytest.mark.parametrize("n", [2, 3])
+def test_failure_mid_pipeline_raises_everywhere_and_stops_copies(n):
     """A device error on one rank, a mismatch in a late segment, a bad argument and a timeout:
     Wait raises on every rank, no copy runs afterwards, the slots are back, the next call works."""
-    count, _ = scenario(2, "standin_errors", env={**SMALL, "R2COMM_GPU_STAGING": "100000"},
+    count, _ = scenario(n, "standin_errors", env={**SMALL, "R2COMM_GPU_STAGING": "100000"},
                         limit=60, timeout=15)
-    assert count == 14
+    assert count == 7 * n
+
+
+@pytest.mark.mpi
+def test_calls_beyond_the_sequence_budget_grow_their_segments():
+    count, _ = scenario(2, "standin_big", env=SMALL)
+    assert count == 2
 
 
 @pytest.mark.mpi
