@@ -15,6 +15,9 @@ from cupy.cuda import runtime
 from ..errors import R2commBufferError
 from .backend import DeviceBackend
 
+_H2D = getattr(runtime, "memcpyHostToDevice", 1)      # cudaMemcpyKind
+_D2H = getattr(runtime, "memcpyDeviceToHost", 2)
+
 _BF16_PREAMBLE = r"""
 __device__ __forceinline__ float r2_bf2f(unsigned short h) {
     return __uint_as_float(((unsigned int)h) << 16);
@@ -111,7 +114,10 @@ class CupyBackend(DeviceBackend):
         if isinstance(handle, int):
             if handle == 0:
                 return cupy.cuda.Stream.null
-            return cupy.cuda.ExternalStream(handle, self.device)
+            try:
+                return cupy.cuda.ExternalStream(handle, self.device)
+            except TypeError:                        # cupy < 13: no device argument
+                return cupy.cuda.ExternalStream(handle)
         raise R2commBufferError(f"stream={s!r} is not a CUDA stream (a cupy or torch stream, or "
                                 "a cudaStream_t handle)")
 
@@ -151,11 +157,11 @@ class CupyBackend(DeviceBackend):
     # -- memory and copies ---------------------------------------------------------------------
     def d2h(self, host, host_off, dev, dev_off, n, stream):
         runtime.memcpyAsync(host.ctypes.data + host_off, dev.ptr + dev_off, n,
-                            runtime.memcpyDeviceToHost, stream.ptr)
+                            _D2H, stream.ptr)
 
     def h2d(self, dev, dev_off, host, host_off, n, stream):
         runtime.memcpyAsync(dev.ptr + dev_off, host.ctypes.data + host_off, n,
-                            runtime.memcpyHostToDevice, stream.ptr)
+                            _H2D, stream.ptr)
 
     def pinned(self, nbytes):
         try:
