@@ -172,3 +172,21 @@ def test_cuda_array_without_cupy_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "r2comm.gpu.cupy_backend", None)
     with pytest.raises(R2commArgumentError, match="cupy"):
         backend.backend_for(FakeCuda())
+
+
+def test_device_buffers_are_told_apart_from_host_buffers():
+    from r2comm.communicator import _device_args, IN_PLACE
+    from r2comm.gpu import bfloat16
+    from r2comm.gpu.standin import HostBackend
+    be = HostBackend()
+    x = be.array(np.zeros(4, np.float32))
+    assert _device_args((x, x, None)) and _device_args((IN_PLACE, x))
+    assert _device_args((bfloat16(be.zeros(4, "bfloat16")), None))
+    assert not _device_args((np.zeros(4), np.zeros(4), x))     # the op position is no buffer
+    assert not _device_args((IN_PLACE, np.zeros(4))) and not _device_args((bytearray(8), 0))
+
+
+def test_torch_cpu_tensors_keep_the_host_path():
+    torch = pytest.importorskip("torch")
+    from r2comm.torch.backend import _device
+    assert _device(torch.ones(4)) is None and _device(torch.ones(4), reduce=True) is None
