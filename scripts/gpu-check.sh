@@ -4,6 +4,8 @@
 # /gpu-check.txt and bench.jsonl.
 #
 #   bash scripts/gpu-check.sh            # at most ~9 min; every step has its own time limit
+#   R2COMM_GPU_DRYRUN=1 bash scripts/gpu-check.sh   # without a GPU: the benchmark harness on the
+#                                                   # host stand-in device (checks the script only)
 #
 # Steps: 1. is there a GPU (nvidia-smi / /dev/nvidia*)? If not: print "GPU CHECK: no GPU" and
 # exit 0 before installing anything. 2. a Python with cupy: the one named by R2COMM_PYTHON, else
@@ -12,7 +14,9 @@
 # 3. build the engine in place. 4. pytest -m gpu (tests/test_gpu.py: every collective with
 # cupy arrays, streams, float16/bfloat16, a rail failure, the kernels, torch CUDA tensors).
 # 5. scripts/gpu_bench.py: 64 MiB float32 allreduce on 2 ranks, cupy pipelined vs numpy vs the
-# old whole-buffer staging, and the GPU reduction throughput per dtype.
+# old whole-buffer staging, a segment-size sweep, and the GPU reduction throughput per dtype.
+# The GPU machines here have no network: where cupy or mpiexec is missing, carry wheels (cupy-
+# cuda12x, mpich; /work/.library/device/README.md says how) and set R2COMM_WHEELS to their folder.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -39,6 +43,12 @@ elif ls /dev/nvidia[0-9]* >/dev/null 2>&1; then
 fi
 if [ -z "$gpu" ]; then
     say "GPU CHECK: no GPU on $(hostname) (no working nvidia-smi, no /dev/nvidia*): nothing GPU-side was run or verified"
+    if [ "${R2COMM_GPU_DRYRUN:-0}" = 1 ]; then    # the harness alone, on the host stand-in device
+        PY="${R2COMM_PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || command -v python3)}"
+        export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+        run 200 "$PY" scripts/gpu_bench.py --standin --mib 4 --iters 2 --out "$OUTDIR/bench-standin.jsonl"
+        say "dry run on the stand-in device: rc $? (harness check only; its numbers mean nothing)"
+    fi
     exit 0
 fi
 say "GPU: $gpu"
@@ -72,6 +82,10 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # 4. the gpu-marked tests (mpiexec for the multi-rank ones: the mpich wheel's, or the system's)
 MPIBIN="$(dirname "$PY")"
 [ -x "$MPIBIN/mpiexec" ] || MPIBIN="$(dirname "$(command -v mpiexec 2>/dev/null || echo /none/x)")"
+if [ ! -x "$MPIBIN/mpiexec" ] && [ -n "${R2COMM_WHEELS:-}" ]; then   # the mpich wheel, carried
+    run 120 "$PY" -m pip install -q --no-index --find-links "$R2COMM_WHEELS" --target /tmp/r2comm-mpich mpich
+    [ -x /tmp/r2comm-mpich/bin/mpiexec ] && MPIBIN=/tmp/r2comm-mpich/bin
+fi
 [ -x "$MPIBIN/mpiexec" ] && export PATH="$MPIBIN:$PATH" || say "no mpiexec: the multi-rank gpu tests will fail to launch (carry the mpich wheel)"
 run 300 "$PY" -m pytest tests/test_gpu.py -m gpu -q -rs -x -p no:cacheprovider
 tests_rc=$?

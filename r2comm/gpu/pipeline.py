@@ -130,10 +130,12 @@ _ctx_lock = threading.Lock()
 
 
 def context(backend, cfg):
+    """The pool and streams of a backend, for this segment size (pool slots are sized by it)."""
+    key = (id(backend), cfg.gpu_segment, cfg.gpu_staging)
     with _ctx_lock:
-        ctx = _contexts.get(id(backend))
+        ctx = _contexts.get(key)
         if ctx is None or ctx.backend is not backend:
-            ctx = _contexts[id(backend)] = Context(backend, cfg)
+            ctx = _contexts[key] = Context(backend, cfg)
         return ctx
 
 
