@@ -35,7 +35,6 @@ local failure is sent to the peers as the error of the next unposted sequence nu
 streams are drained (no copy of this call still runs when Wait raises), slots are returned, and
 Wait raises the first error. A rail failure is no step failure: the engine moves the chunks to the
 surviving rails and the segment's collective completes with the same bits."""
-import itertools
 import threading
 import time
 
@@ -190,8 +189,7 @@ _driver = _Driver()
 
 # -- one call -----------------------------------------------------------------------------------
 class Segment:
-    __slots__ = ("index", "steps", "host_need", "dev_need", "at", "slot", "pending", "net_ids",
-                 "done")
+    __slots__ = ("index", "steps", "host_need", "dev_need", "at", "slot", "pending", "done")
 
     def __init__(self, index, steps, host_need, dev_need):
         self.index = index
@@ -200,7 +198,7 @@ class Segment:
         self.dev_need = dev_need
         self.at = 0                   # next step
         self.slot = None
-        self.pending = None           # (kind, event or request) of the step in flight
+        self.pending = None           # (kind, event or request, order index) of the step in flight
         self.done = False
 
 
@@ -504,7 +502,9 @@ def _seg_len(total, align, want, phases):
 
 
 def start(comm, kind, blocking, args, stream=None):
-    """Validate the device buffers of a call, plan its segments and start its pipeline."""
+    """Validate the device buffers of a call, plan its segments and start its pipeline. Blocking
+    and non-blocking calls take the same path (their segments' collectives are all non-blocking,
+    so unlike host-buffer calls an Allreduce matches an Iallreduce on device buffers)."""
     from ..communicator import IN_PLACE
     comm._check()
     cfg = comm._cfg
