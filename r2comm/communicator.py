@@ -133,7 +133,17 @@ def _start_state(world, members):
 
 
 def _is_gpu(obj):
-    return hasattr(obj, "__cuda_array_interface__")
+    from .gpu.backend import is_device
+    return is_device(obj)
+
+
+def _device_args(args):
+    """A collective's buffer arguments include a device array (the first two arguments are
+    the buffers; IN_PLACE, None and numbers are not)."""
+    for a in args[:2]:
+        if _is_gpu(a):
+            return True
+    return False
 
 
 # Collective descriptor: every DATA frame of a collective carries, besides the comm id and the
@@ -678,24 +688,30 @@ class Communicator:
             raise R2commArgumentError(f"{what}: sendbuf dtype {s.dtype} != recvbuf dtype {r.dtype}")
         return s, r
 
-    def Iallreduce(self, sendbuf, recvbuf, op=SUM):
+    def Iallreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
         """Start an allreduce; returns a Request (see Allreduce for the arguments). Several
         may be in flight at once; every rank must start the same collectives in the same order."""
-        return self._call("allreduce", False, self._iallreduce, sendbuf, recvbuf, op)
+        return self._call("allreduce", False, self._iallreduce, sendbuf, recvbuf, op, stream=stream)
 
-    def Allreduce(self, sendbuf, recvbuf, op=SUM):
+    def Allreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
         """Combine `sendbuf` of every rank with `op` (SUM, PROD, MIN, MAX or mpi4py's
         MPI.* ops) into `recvbuf` on every rank. Pass IN_PLACE as sendbuf to reduce recvbuf in
         place. Buffers: numpy arrays, buffer-protocol objects or mpi4py specifications such as
         [buf, MPI.FLOAT], of the same size and dtype on every rank; the result is bitwise the same
         on every rank. Raises R2commMismatchError when ranks disagree, R2commTimeout after
         comm.timeout, R2commNetworkError when a peer is lost; rail failures are survived."""
-        self._call("allreduce", True, self._iallreduce, sendbuf, recvbuf, op)
+        self._call("allreduce", True, self._iallreduce, sendbuf, recvbuf, op, stream=stream)
 
-    def _call(self, kind, blocking, start, *args):
+    def _call(self, kind, blocking, start, *args, stream=None):
         """Run a collective's start function; a bad argument on this rank is told to the peers
         (they raise R2commPeerError and the call still counts, so the sequence stays in step).
-        Blocking calls wait here: MPI never matches them with non-blocking ones."""
+        Blocking calls wait here: MPI never matches them with non-blocking ones. Device buffers
+        (cupy arrays, ...) take the staging pipeline (r2comm/gpu/pipeline.py)."""
+        if _device_args(args):
+            return self._device_call(kind, blocking, args, stream)
+        if stream is not None:
+            raise R2commArgumentError("stream= orders a collective on device buffers; these "
+                                      "buffers are host memory")
         try:
             req = start(*args, blocking)
         except R2commArgumentError as exc:
@@ -705,9 +721,41 @@ class Communicator:
             return req
         req.Wait()
 
+    def _device_call(self, kind, blocking, args, stream):
+        from .gpu import pipeline
+        try:
+            req = pipeline.start(self, kind, blocking, args, stream)
+        except R2commArgumentError as exc:
+            pipeline.tell_peers(self, exc, _KIND_NAMES[_KINDS[kind]])
+            raise
+        if not blocking:
+            return req
+        req.Wait()
+
+    @property
+    def gpu_path(self):
+        """How collectives on device buffers move data: "staged-pipelined" (pinned host
+        staging, chunked and overlapped with the wire) on every rail; GPUDirect RDMA is not
+        available (gpu_info() says why)."""
+        from .gpu import GPU_PATH
+        return GPU_PATH
+
+    def gpu_info(self):
+        """The device-buffer path of this communicator: path, whether GPUDirect is used and
+        why not, the reduction mode, segment and pool sizes, and counters of the calls so far
+        (calls, segments, bytes, device reductions, backend)."""
+        from .gpu import GPU_PATH, GPUDIRECT_REASON
+        from .gpu.pipeline import _contexts
+        pools = [{"backend": c.backend.name, "slot_bytes": c.pool.slot_bytes,
+                  "slots": c.pool.nslots, "allocated": c.pool.made, "peak_in_use": c.pool.peak,
+                  "oversize": c.pool.oversize} for c in list(_contexts.values())]
+        return {"path": GPU_PATH, "gpudirect": False, "gpudirect_reason": GPUDIRECT_REASON,
+                "reduce": self._cfg.gpu_reduce, "segment": self._cfg.gpu_segment,
+                "staging": self._cfg.gpu_staging, "pools": pools,
+                **(self.__dict__.get("_gpu_stats") or {"calls": 0, "segments": 0, "bytes": 0,
+                                                       "device_reductions": 0, "backend": None})}
+
     def _iallreduce(self, sendbuf, recvbuf, op=SUM, _blocking=False):
-        if _is_gpu(recvbuf):
-            return _gpu_staged(self._iallreduce, sendbuf, recvbuf, op, _blocking)
         self._check()
         op = as_op(op)
         s, r = self._pair(sendbuf, recvbuf, "Allreduce")
@@ -718,14 +766,15 @@ class Communicator:
         return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre,
                            blocking=_blocking)
 
-    def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0):
+    def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0, stream=None):
         """Start a reduce to `root`; returns a Request (see Reduce)."""
-        return self._call("reduce", False, self._ireduce, sendbuf, recvbuf, op, root)
+        return self._call("reduce", False, self._ireduce, sendbuf, recvbuf, op, root,
+                          stream=stream)
 
-    def Reduce(self, sendbuf, recvbuf, op=SUM, root=0):
+    def Reduce(self, sendbuf, recvbuf, op=SUM, root=0, stream=None):
         """Combine `sendbuf` of every rank with `op` into `recvbuf` on rank `root` (recvbuf
         is ignored elsewhere; IN_PLACE as sendbuf on the root reduces recvbuf in place)."""
-        self._call("reduce", True, self._ireduce, sendbuf, recvbuf, op, root)
+        self._call("reduce", True, self._ireduce, sendbuf, recvbuf, op, root, stream=stream)
 
     def _ireduce(self, sendbuf, recvbuf, op=SUM, root=0, _blocking=False):
         self._check()
@@ -742,33 +791,31 @@ class Communicator:
         return self._start("reduce", s.nbytes, s.itemsize, dtype_code(s.dtype), op.code, r, s,
                            root=root, extra_pre=pre, blocking=_blocking)
 
-    def Ibcast(self, buf, root=0):
+    def Ibcast(self, buf, root=0, stream=None):
         """Start a broadcast from `root`; returns a Request (see Bcast)."""
-        return self._call("bcast", False, self._ibcast, buf, root)
+        return self._call("bcast", False, self._ibcast, buf, root, stream=stream)
 
-    def Bcast(self, buf, root=0):
+    def Bcast(self, buf, root=0, stream=None):
         """Copy `buf` of rank `root` into `buf` on every other rank (same size and dtype
         everywhere; writable except on the root)."""
-        self._call("bcast", True, self._ibcast, buf, root)
+        self._call("bcast", True, self._ibcast, buf, root, stream=stream)
 
     def _ibcast(self, buf, root=0, _blocking=False):
-        if _is_gpu(buf):
-            return _gpu_staged_bcast(self, buf, root, _blocking)
         self._check()
         self._check_root(root)
         b = _as_array(buf, self.rank != root, "Bcast buf")
         return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root,
                            blocking=_blocking)
 
-    def Iallgather(self, sendbuf, recvbuf):
+    def Iallgather(self, sendbuf, recvbuf, stream=None):
         """Start an allgather; returns a Request (see Allgather)."""
-        return self._call("allgather", False, self._iallgather, sendbuf, recvbuf)
+        return self._call("allgather", False, self._iallgather, sendbuf, recvbuf, stream=stream)
 
-    def Allgather(self, sendbuf, recvbuf):
+    def Allgather(self, sendbuf, recvbuf, stream=None):
         """Gather every rank's `sendbuf` into `recvbuf` on every rank, in rank order:
         recvbuf holds size x sendbuf. With IN_PLACE, each rank's block is already in its slot of
         recvbuf."""
-        self._call("allgather", True, self._iallgather, sendbuf, recvbuf)
+        self._call("allgather", True, self._iallgather, sendbuf, recvbuf, stream=stream)
 
     def _iallgather(self, sendbuf, recvbuf, _blocking=False):
         self._check()
@@ -789,14 +836,16 @@ class Communicator:
         return self._start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
                            extra_pre=pre, blocking=_blocking)
 
-    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
         """Start a reduce-scatter; returns a Request (see Reduce_scatter_block)."""
-        return self._call("reduce_scatter_block", False, self._ireduce_scatter_block, sendbuf, recvbuf, op)
+        return self._call("reduce_scatter_block", False, self._ireduce_scatter_block, sendbuf,
+                          recvbuf, op, stream=stream)
 
-    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM):
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
         """Reduce `sendbuf` (size equal blocks) over all ranks with `op`; rank i receives
         block i of the result in `recvbuf` (IN_PLACE: in the first block of recvbuf)."""
-        self._call("reduce_scatter_block", True, self._ireduce_scatter_block, sendbuf, recvbuf, op)
+        self._call("reduce_scatter_block", True, self._ireduce_scatter_block, sendbuf, recvbuf, op,
+                   stream=stream)
 
     def _ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, _blocking=False):
         self._check()
@@ -814,14 +863,14 @@ class Communicator:
         return self._start("reduce_scatter_block", block, s.itemsize, dtype_code(s.dtype),
                            op.code, r, s, blocking=_blocking)
 
-    def Ialltoall(self, sendbuf, recvbuf):
+    def Ialltoall(self, sendbuf, recvbuf, stream=None):
         """Start an all-to-all exchange; returns a Request (see Alltoall)."""
-        return self._call("alltoall", False, self._ialltoall, sendbuf, recvbuf)
+        return self._call("alltoall", False, self._ialltoall, sendbuf, recvbuf, stream=stream)
 
-    def Alltoall(self, sendbuf, recvbuf):
+    def Alltoall(self, sendbuf, recvbuf, stream=None):
         """Block j of `sendbuf` (size equal blocks) goes to rank j, where it lands in block
         i (the sender's rank) of `recvbuf`. The buffers must not overlap."""
-        self._call("alltoall", True, self._ialltoall, sendbuf, recvbuf)
+        self._call("alltoall", True, self._ialltoall, sendbuf, recvbuf, stream=stream)
 
     def _ialltoall(self, sendbuf, recvbuf, _blocking=False):
         self._check()
@@ -969,32 +1018,6 @@ def _bootstrap_consts(comm, mpi=True):
         return None
     from mpi4py import MPI
     return MPI.MAX, MPI.UNDEFINED
-
-
-def _gpu_staged(fn, sendbuf, recvbuf, op, blocking=False):
-    """cupy buffers: staged through host memory (no GPUDirect path yet)."""
-    import cupy
-    host_r = cupy.asnumpy(recvbuf)
-    host_s = IN_PLACE if sendbuf is IN_PLACE else cupy.asnumpy(sendbuf)
-    fn(host_s, host_r, op, blocking).Wait()
-    cupy.copyto(recvbuf, cupy.asarray(host_r))
-    return _Done()
-
-
-def _gpu_staged_bcast(comm, buf, root, blocking=False):
-    import cupy
-    host = cupy.asnumpy(buf)
-    comm._ibcast(host, root, blocking).Wait()
-    cupy.copyto(buf, cupy.asarray(host))
-    return _Done()
-
-
-class _Done:
-    def Wait(self, timeout=None):
-        return None
-
-    def Test(self):
-        return True
 
 
 @atexit.register

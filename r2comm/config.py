@@ -85,6 +85,15 @@ class Config:
                                                    #   on every rank
     transport: str = "tcp"                         # R2COMM_TRANSPORT: tcp, verbs or auto (verbs
                                                    # where every rail has an RDMA device)
+    gpu_staging: int = 32 << 20                    # R2COMM_GPU_STAGING: pinned host memory of the
+                                                   #   device-buffer staging pool (bytes, per
+                                                   #   process and device backend; >= 2 slots)
+    gpu_segment: int = 2 << 20                     # R2COMM_GPU_SEGMENT: bytes of a device buffer
+                                                   #   per pipeline segment; the same on every rank
+    gpu_reduce: str = "device"                     # R2COMM_GPU_REDUCE: device (reduction kernels
+                                                   #   on the GPU: all-to-all, reduce, all-gather)
+                                                   #   or host (the engine reduces the pinned
+                                                   #   copies); the same on every rank
     test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
                                                    #   "fake:seed=1,block=0.1,short=0.3,..."
                                                    #   runs the rails on the fake transport
@@ -136,6 +145,15 @@ class Config:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_TRANSPORT={c.transport!r}: must be tcp, verbs or "
                                       "auto")
+        c.gpu_staging = _bytes("R2COMM_GPU_STAGING", c.gpu_staging)
+        c.gpu_segment = _bytes("R2COMM_GPU_SEGMENT", c.gpu_segment)
+        if c.gpu_segment < 4096:
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_GPU_SEGMENT={c.gpu_segment}: must be >= 4096 bytes")
+        c.gpu_reduce = (os.environ.get("R2COMM_GPU_REDUCE", "") or c.gpu_reduce).strip().lower()
+        if c.gpu_reduce not in ("device", "host"):
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_GPU_REDUCE={c.gpu_reduce!r}: must be device or host")
         c.test_transport = _test_transport(os.environ.get("R2COMM_TEST_TRANSPORT", ""))
         if c.window_ms <= 0:
             from .errors import R2commArgumentError

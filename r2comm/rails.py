@@ -83,3 +83,5 @@ class Rail:
     bytes_hedged: int = 0       # copies of a slower rail's tail chunks sent on this one
     transport: str = "tcp"      # what its connections run on: "tcp" or "verbs"
     device: str = ""            # verbs: the RDMA device and port (e.g. "rxe0:1")
+    gpu_path: str = "staged-pipelined"   # how device buffers reach this rail: staged through
+                                         # pinned host memory (GPUDirect RDMA: not implemented)

@@ -7,7 +7,8 @@
 The ranks bootstrap through the process group's store (torchrun's TCPStore, or any Store given
 to init_process_group): Communicator.from_store, no MPI. Everything after that runs on r2comm's
 own connections (every rail to every peer, failover included). See backend.py for what each
-collective does; CUDA tensors are staged through host memory (no GPU path yet)."""
+collective does; contiguous CUDA tensors take r2comm's device-buffer pipeline when cupy is
+installed (r2comm/gpu), else a host copy."""
 from .backend import ProcessGroupR2comm, register, BACKEND_NAME  # noqa: F401
 
 register()

@@ -15,8 +15,13 @@ sub-group's store. A group whose ranks are not all in the world (the default gro
 backend) gets a world of its own.
 
 Data. Each tensor is handed to r2comm as a numpy view of its memory (no copy) when it is a
-contiguous CPU tensor; otherwise it is staged: a contiguous host copy (non-contiguous tensors,
-CUDA tensors: host memory, no GPU path yet) that is copied back once the operation completed.
+contiguous CPU tensor. A contiguous CUDA tensor goes to r2comm's device-buffer pipeline
+(r2comm/gpu: chunked staging through pinned memory, overlapped with the wire, reductions on the
+GPU) as a cupy view of its memory, ordered after the work on torch's current stream (all_reduce,
+broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, even all_to_all_single); this
+needs cupy (`pip install cupy-cuda12x`). Otherwise a tensor is staged: a contiguous host copy
+(non-contiguous tensors; CUDA tensors without cupy, and in the list forms of all_gather,
+reduce_scatter and all_to_all, and send/recv) that is copied back once the operation completed.
 Collectives that only move bytes (broadcast, all-gather, all-to-all, send/recv) accept every
 dtype. Reductions: float16/32/64, int8..int64, uint8..uint64 directly; bfloat16 is reduced in
 float32 (converted, reduced, rounded back once: not bit-identical to Gloo, which rounds after
@@ -59,6 +64,43 @@ for _n in ("uint16", "uint32", "uint64"):
 
 # world: the Communicator built for the default group, and {global rank: r2comm world rank}
 _world = {"comm": None, "ranks": None}
+
+
+def _device(t, reduce=False):
+    """(cupy view of a CUDA tensor's memory, torch stream it is ordered on) for the device
+    pipeline, or None: CPU tensors, non-contiguous ones, dtypes it does not reduce, no cupy
+    (then the tensor takes the host copy path). reduce=False: a byte view (any dtype)."""
+    if t.device.type != "cuda" or t.is_sparse or not t.is_contiguous():
+        return None
+    try:
+        import cupy
+    except ImportError:
+        return None
+    from ..gpu import bfloat16
+    h = t.detach()
+    if h.is_complex():
+        h = torch.view_as_real(h)
+    flat = h.reshape(-1)
+    if not reduce:
+        arr = cupy.asarray(flat.view(torch.uint8))
+    elif flat.dtype == torch.bfloat16:
+        if _world["comm"] is not None and _world["comm"]._cfg.gpu_reduce != "device":
+            return None                   # bfloat16 reduces on the device only
+        arr = bfloat16(cupy.asarray(flat.view(torch.int16)))
+    elif flat.dtype == torch.bool:
+        arr = cupy.asarray(flat.view(torch.uint8))
+    elif flat.dtype in _NUMPY:
+        arr = cupy.asarray(flat)
+    else:
+        return None
+    return arr, torch.cuda.current_stream(t.device)
+
+
+def _div_on(stream, t, n):
+    """AVG of a device result: divide on the stream the collective ordered itself on."""
+    with torch.cuda.stream(stream):
+        with torch.no_grad():
+            t.div_(n)
 
 
 def _opname(op):
@@ -297,6 +339,12 @@ class ProcessGroupR2comm(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         t = self._one(tensors, "allreduce")
         op, avg = _redop(opts, t.dtype)
+        d = _device(t, reduce=True)
+        if d is not None:
+            arr, st = d
+            req = self._comm.Iallreduce(IN_PLACE, arr, op, stream=st.cuda_stream)
+            n = self.size()
+            return self._submit([req], (lambda: _div_on(st, t, n)) if avg else None, [t])
         s = _Staged(t, reduce=True)
         if s.arr.size == 0:
             return _done_work([t])
@@ -316,6 +364,10 @@ class ProcessGroupR2comm(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         t = self._one(tensors, "broadcast")
         root = getattr(opts, "rootRank", 0)
+        d = _device(t)
+        if d is not None:
+            req = self._comm.Ibcast(d[0], root, stream=d[1].cuda_stream)
+            return self._submit([req], None, [t])
         s = _Staged(t, out=self.rank() != root)
         if s.arr.size == 0:
             return _done_work([t])
@@ -327,6 +379,13 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         root = getattr(opts, "rootRank", 0)
         op, avg = _redop(opts, t.dtype)
         mine = self.rank() == root
+        d = _device(t, reduce=True)
+        if d is not None:
+            arr, st = d
+            req = (self._comm.Ireduce(IN_PLACE, arr, op, root, stream=st.cuda_stream) if mine
+                   else self._comm.Ireduce(arr, None, op, root, stream=st.cuda_stream))
+            n = self.size()
+            return self._submit([req], (lambda: _div_on(st, t, n)) if avg and mine else None, [t])
         s = _Staged(t, reduce=True, out=mine)
         if s.arr.size == 0:
             return _done_work([t])
@@ -364,6 +423,10 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             raise R2commArgumentError(f"r2comm backend: all_gather_into_tensor needs an output "
                                       f"of {n} x the input ({input.dtype}, {input.numel()}), got "
                                       f"{output.dtype}, {output.numel()}")
+        di, do = _device(input), _device(output)
+        if di is not None and do is not None and input.numel():
+            req = self._comm.Iallgather(di[0], do[0], stream=do[1].cuda_stream)
+            return self._submit([req], None, [output])
         s, o = _Staged(input, out=False), _Staged(output)
         if s.arr.nbytes == 0:
             return _done_work([output])
@@ -394,6 +457,13 @@ class ProcessGroupR2comm(dist.ProcessGroup):
 
     def _reduce_scatter(self, output, flat_input, opts):
         op, avg = _redop(opts, output.dtype)
+        di, do = _device(flat_input, reduce=True), _device(output, reduce=True)
+        if di is not None and do is not None and output.numel():
+            st = do[1]
+            req = self._comm.Ireduce_scatter_block(di[0], do[0], op, stream=st.cuda_stream)
+            n = self.size()
+            return self._submit([req], (lambda: _div_on(st, output, n)) if avg else None,
+                                [output])
         s, o = _Staged(flat_input, reduce=True, out=False), _Staged(output, reduce=True)
         if o.arr.size == 0:
             return _done_work([output])
@@ -432,9 +502,15 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         n = self.size()
         if output.dtype != input.dtype:
             raise R2commArgumentError("r2comm backend: all_to_all_single needs one dtype")
-        s, o = _Staged(input, out=False), _Staged(output)
         rows_in = input.shape[0] if input.dim() else 1
         rows_out = output.shape[0] if output.dim() else 1
+        if not input_splits and not output_splits and input.numel() == output.numel() \
+                and rows_in % n == 0 and input.numel():
+            di, do = _device(input), _device(output)
+            if di is not None and do is not None:
+                req = self._comm.Ialltoall(di[0], do[0], stream=do[1].cuda_stream)
+                return self._submit([req], None, [output])
+        s, o = _Staged(input, out=False), _Staged(output)
         if not input_splits and not output_splits and s.arr.nbytes == o.arr.nbytes \
                 and rows_in % n == 0:
             if s.arr.nbytes == 0:
@@ -534,7 +610,7 @@ def _create(dist_opts, pg_options=None):
 
 def register():
     """Register "r2comm" with torch.distributed (idempotent): CPU tensors, and CUDA tensors
-    staged through host memory."""
+    (r2comm's device pipeline with cupy, else staged through a host copy)."""
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
