@@ -115,7 +115,6 @@ cdef void vt_async(VConn* c) noexcept nogil:
     while ibv_get_async_event(c.dev.ctx, &ev) == 0:
         r2v_event_info(&ev, &typ, &qpn, &port)
         owner = <VConn*>r2v_event_qp_context(&ev)
-        ibv_ack_async_event(&ev)
         if typ == IBV_EVENT_PORT_ERR and port == c.dev.port:
             c.dev.port_down = 1
             c.dev.port_gen += 1
@@ -123,6 +122,9 @@ cdef void vt_async(VConn* c) noexcept nogil:
             c.dev.port_down = 0
         elif owner != NULL:
             vt_fail(owner, VT_EIO)
+        # acknowledged only now: ibv_destroy_qp waits for its QP's events to be acknowledged,
+        # so the owner cannot be freed while it is marked
+        ibv_ack_async_event(&ev)
     if c.dev.port_gen != c.port_gen0:
         vt_fail(c, VT_ENETDOWN)
 
