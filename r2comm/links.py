@@ -38,6 +38,7 @@ class Links:
         self.me = boot.rank
         self.nrails = [0 if j == self.me else min(len(boot.rail_addrs), len(ep["rails"]))
                        for j, ep in enumerate(boot.endpoints)]
+        self.verbs = getattr(boot, "transport", "tcp") == "verbs"   # data rails on queue pairs
         self.rejected = collections.deque(maxlen=REJECTED_KEEP)  # (time, reason), newest last
         self.nrejected = 0            # refused connections in all (the deque keeps the last ones)
         self.handshake_timeout = HANDSHAKE_TIMEOUT
@@ -151,7 +152,7 @@ class Links:
 
     def _attach(self, peer, rail, fd, conn_id):
         keys = tcp.take_keys(fd)
-        if rail != tcp.CTRL_RAIL and self.boot.transport == "verbs":
+        if rail != tcp.CTRL_RAIL and self.verbs:
             # the authenticated socket carries the queue-pair exchange, then stays beside
             # the QP as its companion (verbs_rails.exchange); the control connection stays TCP
             handle = verbs_rails.exchange(self.boot.rail_devices[rail], fd, keys[0], keys[1],
@@ -247,7 +248,7 @@ class Links:
             return
         if res is not None:
             self._forget(sel, fd)          # fd now belongs to the engine
-            if res[1] != tcp.CTRL_RAIL and self.boot.transport == "verbs":
+            if res[1] != tcp.CTRL_RAIL and self.verbs:
                 # the queue-pair exchange waits for the peer: not on this thread, which
                 # drives every other handshake
                 threading.Thread(target=self._attach_verbs, args=res, daemon=True,
