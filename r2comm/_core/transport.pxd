@@ -62,20 +62,18 @@
 # isend call (test only hands the cookie over: no syscall). irecv is recv; event_fd and os_fd
 # are the socket.
 #
-# verbs (RC QP; r2comm/_core/verbs.pyx today stands alone): adopt takes a connected QP with
-# its CQs and a ring of registered staging receive buffers. isend posts one IBV_WR_SEND with
-# the small entries inline or copied into a registered bounce slot and the payload as an SGE of
-# the operation's MR (all or nothing: 0 when the send queue is full); test polls the send CQ and
-# returns wr_id cookies. irecv copies out of completed receive buffers in order (RC delivers in
-# order, so the engine's frame parser is unchanged) and re-posts each drained buffer; placement
-# straight into the destination is a later step (RDMA WRITE with the receive's MR key announced
-# in a control frame). event_fd is the completion channel's fd (ibv_req_notify_cq re-armed
-# after each drain). os_fd is -1: health falls back to the peer's other rails. reg_mr/dereg_mr
-# wrap ibv_reg_mr/ibv_dereg_mr (cached per buffer). What the engine must change for it: free
-# an operation only after the completions of posts reading its buffers (TCP needs no wait;
-# today the engine copies a payload still being posted into an orphan buffer instead).
+# verbs (verbs_transport.pxi, inside the verbs extension; the engine gets its table by address,
+# Engine.attach_transport): an RC queue pair used as a byte stream. isend copies the gather
+# list into registered send slots (a prefix when they run out) and posts one SEND per slot, so
+# like TCP a post completes inside isend and the slots play the socket buffer; irecv copies out
+# of pre-posted receive slots in order and re-posts them. event_fd is an epoll set of the
+# completion channel, the companion socket and the device's async fd (TPF_WAKE_OUT); os_fd is
+# the companion socket, the rail's authenticated TCP connection kept open on the same NIC
+# (TPF_SIDE_SOCKET): failure notice, health probe, NIC checks. Not done: zero-copy posts from
+# registered user buffers (reg_mr), which need completions after isend and so several DATA
+# posts per rail and an operation kept alive until its posts complete.
 #
-# Implementations: tcp.pxd (production), fuzz_transport.pxi (in-memory, the wire fuzzer),
+# Implementations: tcp.pxd and verbs_transport.pxi (production), fuzz_transport.pxi (in-memory, the wire fuzzer),
 # fake_transport.pxi (TCP underneath, seeded faults: short and refused posts, delayed,
 # reordered and lost completions, a connection failing at a random byte; tests only).
 from libc.stdint cimport int64_t, uint64_t, intptr_t
