@@ -5,6 +5,7 @@ import socket
 from dataclasses import dataclass
 
 from . import hostid
+from . import shm
 from . import rails as _rails
 from . import verbs_rails
 from .errors import R2commArgumentError
@@ -23,7 +24,9 @@ class Bootstrap:
     transport: str           # the job's rail transport: "tcp" or "verbs" (verbs_rails.decide)
     rail_devices: list       # verbs: this rank's RailDevice per rail; tcp: None
     endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
-                             #  "host_key": str (r2comm.hostid: same key = same host)}
+                             #  "host_key": str (r2comm.hostid: same key = same host),
+                             #  "shm": shm.shm_key() or None (R2COMM_SHM=0),
+                             #  "pid": int (names its shm segments)}
 
 
 def run(mpi_comm, cfg, rails=None):
@@ -58,7 +61,8 @@ def run(mpi_comm, cfg, rails=None):
     mine = {"rails": [s.getsockname() for s in listeners[:-1]],
             "transport": (cfg.transport, kind, why),
             "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
-            "host_key": hostid.host_key()}
+            "host_key": hostid.host_key(), "pid": os.getpid(),
+            "shm": shm.shm_key() if cfg.shm else None}
     endpoints = mpi_comm.allgather(mine)
     try:
         transport = verbs_rails.decide([ep["transport"] for ep in endpoints])

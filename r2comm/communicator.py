@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from . import bootstrap, planner, startup
+from . import bootstrap, planner, shm, startup
 from . import buffers as _buffers
 from . import faults as _faults
 from .config import Config
@@ -214,12 +214,20 @@ class Communicator:
         cfg.chunk_size = boot.params["chunk_size"]
         cfg.integrity = boot.params["integrity"]
         links = None
+        if cfg.shm:
+            shm.cleanup_stale()            # segments of jobs that crashed during set-up
+        # a local peer's one data rail is the shared-memory link (r2comm/shm.py)
         engine = Engine(boot.rank, boot.size,
-                        [0 if j == boot.rank else min(len(boot.rail_addrs), len(ep["rails"]))
+                        [0 if j == boot.rank else
+                         (1 if shm.is_local(boot.endpoints, boot.rank, j) else
+                          min(len(boot.rail_addrs), len(ep["rails"])))
                          for j, ep in enumerate(boot.endpoints)],
                         cfg.chunk_size, cfg.rail_timeout_ms / 1e3, cfg.peer_timeout_ms / 1e3,
-                        cfg.window, cfg.probe_ms / 1e3, cfg.probe_max_ms / 1e3)
+                        cfg.window, cfg.probe_ms / 1e3, cfg.probe_max_ms / 1e3,
+                        len(boot.rail_addrs))
         faults = _faults.parse(cfg.fault)
+        for j in shm.local_peers(boot.endpoints, boot.rank):
+            engine.set_shm_peer(j)          # no NIC under it: NIC faults do not apply
         try:
             if cfg.test_transport:          # tests only: the fake transport (per-rank seed)
                 fake = dict(cfg.test_transport)
@@ -444,7 +452,10 @@ class Communicator:
         """This rank's rails with live state, summed over the communicator's peers."""
         self._check()
         stats = self._engine.rail_stats()
-        peers = [g for g in self._members if g != self._world.boot.rank]
+        eps = self._world.boot.endpoints
+        me = self._world.boot.rank
+        # NIC rails: remote peers only (a local peer's link is shared memory, see shm_peers)
+        peers = [g for g in self._members if g != me and not shm.is_local(eps, me, g)]
         out = []
         boot = self._world.boot
         for k, addr in enumerate(boot.rail_addrs):
@@ -456,6 +467,24 @@ class Communicator:
                             sum(r[3] for r in rows), sum(r[6] for r in rows), up, len(rows),
                             sum(r[8] for r in rows), boot.transport,
                             boot.rail_devices[k].describe() if boot.rail_devices else ""))
+        return out
+
+    @property
+    def shm_peers(self):
+        """The ranks of this communicator reached through shared memory (same host, R2COMM_SHM
+        on both), each with its link's live state: {rank: {"state", "bytes_sent",
+        "bytes_recv", "failures"}}. NIC rails (comm.rails) and NIC faults concern the others."""
+        self._check()
+        stats = self._engine.rail_stats()
+        kinds = self._engine.transports()
+        eps = self._world.boot.endpoints
+        me = self._world.boot.rank
+        out = {}
+        for i, g in enumerate(self._members):
+            if g != me and shm.is_local(eps, me, g):
+                row = stats[g][0]
+                out[i] = {"state": row[0], "bytes_sent": row[1], "bytes_recv": row[2],
+                          "failures": row[6], "transport": kinds[g][0]}
         return out
 
     def fail_rail(self, index, mode="hard", peer=None, after_bytes=None):

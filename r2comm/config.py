@@ -94,6 +94,11 @@ class Config:
                                                    #   on the GPU: all-to-all, reduce, all-gather)
                                                    #   or host (the engine reduces the pinned
                                                    #   copies); the same on every rank
+    shm: bool = True                               # R2COMM_SHM=0: local peers over TCP too; else
+                                                   #   ranks on one host (r2comm.hostid) talk
+                                                   #   through shared memory (r2comm/shm.py)
+    shm_ring: int = 4 << 20                        # R2COMM_SHM_RING: bytes per direction of a
+                                                   #   shared-memory link (a power of two)
     test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
                                                    #   "fake:seed=1,block=0.1,short=0.3,..."
                                                    #   runs the rails on the fake transport
@@ -155,6 +160,13 @@ class Config:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_GPU_REDUCE={c.gpu_reduce!r}: must be device or host")
         c.test_transport = _test_transport(os.environ.get("R2COMM_TEST_TRANSPORT", ""))
+        # the fake transport exercises the TCP path: with it, local peers use TCP as well
+        c.shm = os.environ.get("R2COMM_SHM", "1").strip() != "0" and not c.test_transport
+        c.shm_ring = _bytes("R2COMM_SHM_RING", c.shm_ring)
+        if c.shm_ring < 4096 or c.shm_ring & (c.shm_ring - 1) or c.shm_ring > 1 << 30:
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_SHM_RING={c.shm_ring}: must be a power of two "
+                                      "between 4096 and 1 GiB (bytes, K/M suffixes)")
         if c.window_ms <= 0:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_WINDOW_MS={c.window_ms}: must be > 0")

@@ -14,7 +14,7 @@ import selectors
 import threading
 import time
 
-from . import verbs_rails
+from . import shm, verbs_rails
 from ._core import tcp
 
 log = logging.getLogger("r2comm")
@@ -36,7 +36,10 @@ class Links:
         self.boot = boot
         self.cfg = cfg
         self.me = boot.rank
-        self.nrails = [0 if j == self.me else min(len(boot.rail_addrs), len(ep["rails"]))
+        # a local peer (r2comm/shm.py) has one data rail, the shared-memory link, at index 0
+        self.shm_peers = set(shm.local_peers(boot.endpoints, self.me))
+        self.nrails = [0 if j == self.me else 1 if j in self.shm_peers else
+                       min(len(boot.rail_addrs), len(ep["rails"]))
                        for j, ep in enumerate(boot.endpoints)]
         self.verbs = getattr(boot, "transport", "tcp") == "verbs"   # data rails on queue pairs
         self.rejected = collections.deque(maxlen=REJECTED_KEEP)  # (time, reason), newest last
@@ -134,6 +137,14 @@ class Links:
         """One attempt at connection (peer, rail); attached to the engine when it works.
         Returns None, or why it failed."""
         ep = self.boot.endpoints[peer]
+        if peer in self.shm_peers and rail != tcp.CTRL_RAIL:
+            try:
+                # (no SYN into a dead link to give up on early: a loaded peer gets time)
+                shm.open_link(self.engine, self.boot, self.cfg, peer, max(timeout, 0.5))
+            except (OSError, tcp.HandshakeError) as exc:
+                return "shared-memory link: " + (str(exc) or type(exc).__name__)
+            self._seen_add(peer, rail)
+            return None
         if rail == tcp.CTRL_RAIL:
             (addr, port), local = ep["ctrl"], None
         else:
@@ -151,6 +162,10 @@ class Links:
         return self._open(peer, rail, timeout) is None
 
     def _attach(self, peer, rail, fd, conn_id):
+        if rail == shm.SHM_RAIL:       # the doorbell connection of a shared-memory link
+            shm.accept_link(self.engine, self.boot, peer, fd, conn_id)
+            self._seen_add(peer, 0)
+            return
         keys = tcp.take_keys(fd)
         if rail != tcp.CTRL_RAIL and self.verbs:
             # the authenticated socket carries the queue-pair exchange, then stays beside
@@ -161,6 +176,9 @@ class Links:
                                          handle, conn_id, *keys)
         else:
             self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *keys)
+        self._seen_add(peer, rail)
+
+    def _seen_add(self, peer, rail):
         with self._cv:
             self._attached += 1
             self._seen.add((peer, rail))
@@ -224,6 +242,10 @@ class Links:
                     return False
                 if rail == tcp.CTRL_RAIL:
                     return lindex == ctrl_index
+                if rail == shm.SHM_RAIL:       # only a local, lower rank opens one
+                    return lindex == ctrl_index and peer in self.shm_peers and peer < self.me
+                if peer in self.shm_peers:
+                    return False               # a local peer has no NIC rails
                 # the listener must be that rail's, and an injected fault keeps the NIC dark
                 return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
             hs = tcp.ServerHandshake(sock, addr, self.boot.secret, self.boot.job, self.me,
@@ -248,13 +270,16 @@ class Links:
             return
         if res is not None:
             self._forget(sel, fd)          # fd now belongs to the engine
-            if res[1] != tcp.CTRL_RAIL and self.verbs:
+            if res[1] not in (tcp.CTRL_RAIL, shm.SHM_RAIL) and self.verbs:
                 # the queue-pair exchange waits for the peer: not on this thread, which
                 # drives every other handshake
                 threading.Thread(target=self._attach_verbs, args=res, daemon=True,
                                  name="r2comm-qpx").start()
             else:
-                self._attach(*res)
+                try:
+                    self._attach(*res)
+                except (OSError, tcp.HandshakeError, ValueError, MemoryError) as exc:
+                    self._reject(f"rank {res[0]} rail {res[1]}: connection refused: {exc}")
 
     def _attach_verbs(self, *res):
         try:

@@ -21,6 +21,7 @@ here is a non-blocking barrier tested between short sleeps (quiet_barrier)."""
 import time
 
 from .errors import R2commNetworkError, R2commTimeout
+from . import shm
 
 CTRL = "ctrl"          # the control connection's key in a report (tcp.CTRL_RAIL on the wire)
 
@@ -74,6 +75,9 @@ class StartOutcome:
         if k == CTRL:
             addr, port = self.endpoints[b]["ctrl"]
             return f"control connection (R2COMM_CTRL_ADDR, to {addr}:{port})"
+        if shm.is_local(self.endpoints, a, b):
+            addr, port = self.endpoints[b]["ctrl"]
+            return f"shared-memory link (set up through {addr}:{port})"
         addr, port = self.endpoints[b]["rails"][k]
         return f"rail {k} ({self.rail_addrs[a][k]} -> {addr}:{port})"
 
@@ -139,6 +143,5 @@ def agree(mpi_comm, boot, outcome, timeout):
             failed[(a, b, k)] = why
     eps = boot.endpoints
     size = len(eps)
-    nrails = [[0 if a == b else min(len(eps[a]["rails"]), len(eps[b]["rails"])) for b in range(size)]
-              for a in range(size)]
+    nrails = [[shm.data_rails(eps, a, b) for b in range(size)] for a in range(size)]
     return StartOutcome(size, nrails, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps])

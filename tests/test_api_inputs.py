@@ -16,6 +16,8 @@ from r2comm.errors import R2commArgumentError, R2commBufferError, R2commError
 
 from conftest import ROOT, run_mpi
 
+SHM_OK = True           # run and passing over shared memory between local ranks (conftest)
+
 
 def test_spec_with_datatype_views_the_same_memory():
     a = np.arange(8, dtype=np.float32)

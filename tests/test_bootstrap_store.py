@@ -11,6 +11,8 @@ from conftest import ROOT
 from r2comm.bootstrap_store import DirStore, StoreComm, MAX, SUM, UNDEFINED
 from r2comm.errors import R2commArgumentError, R2commTimeout
 
+SHM_OK = True           # run and passing over shared memory between local ranks (conftest)
+
 
 def _ranks(n, fn):
     """fn(rank) in n threads; their results (exceptions re-raised), bounded in time."""

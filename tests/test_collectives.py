@@ -5,6 +5,7 @@ import pytest
 from conftest import run_scenario
 
 pytestmark = pytest.mark.mpi
+SHM_OK = True           # local ranks talk through shared memory here (conftest)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

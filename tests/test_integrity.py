@@ -15,6 +15,8 @@ from r2comm.config import Config
 from r2comm.errors import R2commArgumentError
 from conftest import run_scenario
 
+SHM_OK = True           # run and passing over shared memory between local ranks (conftest)
+
 
 def test_blake2s_matches_hashlib_and_rfc7693():
     # RFC 7693, appendix B: BLAKE2s-256("abc")

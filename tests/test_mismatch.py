@@ -8,6 +8,8 @@ import pytest
 
 from conftest import run_mpi
 
+SHM_OK = True           # run and passing over shared memory between local ranks (conftest)
+
 pytestmark = pytest.mark.mpi
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mismatch_worker.py")

@@ -16,6 +16,7 @@ GIL. With R2COMM_INTEGRITY=mac every frame ends in a Poly1305 tag (r2_mac.h) key
 connection, direction and frame counter; a frame is acted on only once its tag verifies, and one
 that does not fails its rail like any other malformed frame.
 """
+import os
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
 from libc.stdlib cimport malloc, free, calloc
@@ -33,7 +34,10 @@ from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_
                                 F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK)
 from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
-                                     TPF_WAKE_OUT)
+                                     TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC)
+from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_conn, r2_shm_seg_len,
+                               r2_shm_create, r2_shm_attach, r2_shm_adopt, r2_shm_write,
+                               r2_shm_read, r2_shm_arm, r2_shm_wake, r2_shm_close, ShmConn)
 from r2comm._core.tcp cimport (tcp_transport, TcpConn, tcp_adopt, tcp_sendv, tcp_recv1, tcp_test,
                                tcp_shutdown, tcp_close, tcp_event_fd, SHUT_RDWR)
 from r2comm._core.tcp cimport shutdown as sock_shutdown, MSG_NOSIGNAL, MSG_DONTWAIT
@@ -169,6 +173,8 @@ include "fake_transport.pxi"
 
 cdef Transport TCP_TP                 # the production transport (tcp.pxd)
 tcp_transport(&TCP_TP)
+cdef Transport SHM_TP                 # local peers (shm.pxd, r2comm/shm.py)
+shm_transport(&SHM_TP)
 
 # ---------------------------------------------------------------------------------------------
 # Python-facing objects
@@ -319,6 +325,120 @@ def frame_tag(bytes key, bytes header, bytes payload, uint64_t counter):
     return bytes(tag[:MAC_LEN])
 
 
+cdef extern from "<sys/mman.h>" nogil:
+    int munmap(void* addr, size_t n)
+
+
+def shm_create(bytes name, uint64_t ring_bytes, uint32_t conn_id, bytes job, uint64_t pid):
+    """Create, size and map the POSIX shm segment `name` of a shared-memory link (two rings of
+    ring_bytes each, a power of two; mode 0600, O_EXCL) and fill its header: (address, length).
+    Raises OSError (the name is gone again then)."""
+    cdef size_t n = 0
+    cdef int err = 0
+    cdef char* base
+    cdef const char* cname = name
+    cdef const char* cjob
+    if ring_bytes < 4096 or (ring_bytes & (ring_bytes - 1)) != 0:
+        raise ValueError(f"ring size {ring_bytes}: a power of two >= 4096")
+    if len(job) != 8:
+        raise ValueError("job id: 8 bytes")
+    cjob = job
+    with nogil:
+        base = r2_shm_create(cname, ring_bytes, conn_id, cjob, pid, &n, &err)
+    if base == NULL:
+        raise OSError(err, f"shm segment {name.decode()}: {os.strerror(err)}")
+    return <uint64_t>base, n
+
+
+def shm_attach(bytes name, uint32_t conn_id, bytes job):
+    """Map the existing segment `name` and check that its header names this job and connection:
+    (address, length). Raises OSError (EPROTO: not the segment the handshake announced)."""
+    cdef size_t n = 0
+    cdef int err = 0
+    cdef char* base
+    cdef const char* cname = name
+    cdef const char* cjob
+    if len(job) != 8:
+        raise ValueError("job id: 8 bytes")
+    cjob = job
+    with nogil:
+        base = r2_shm_attach(cname, conn_id, cjob, &n, &err)
+    if base == NULL:
+        raise OSError(err, f"shm segment {name.decode()}: {os.strerror(err)}")
+    return <uint64_t>base, n
+
+
+def shm_unmap(uint64_t base, uint64_t n):
+    """Unmap a segment mapped by shm_create / shm_attach that no connection took over."""
+    if base:
+        munmap(<void*>base, n)
+
+
+cdef class ShmEnd:
+    """Testing only: one end of a shared-memory link outside an engine (the ring unit tests):
+    the same r2_shm.h code the transport runs, driven from Python."""
+    cdef r2_shm_conn* c
+
+    def __cinit__(self, int fd, uint64_t base, uint64_t map_len, int side):
+        cdef r2_shm_setup st
+        st.fd = fd
+        st.side = side
+        st.base = <char*>base
+        st.map_len = map_len
+        self.c = r2_shm_adopt(&st)
+        if self.c == NULL:
+            raise MemoryError()
+
+    def send(self, const unsigned char[:] data, int pieces=1):
+        """Post data as a gather list of `pieces` parts: bytes accepted (a prefix), 0 if full,
+        < 0 failed."""
+        cdef iovec iov[8]
+        cdef Py_ssize_t n = data.shape[0], step, off = 0
+        cdef int k = 0
+        if pieces < 1 or pieces > 8:
+            raise ValueError("1..8 pieces")
+        if n == 0:
+            return 0
+        step = max(1, n // pieces)
+        while off < n and k < pieces:
+            iov[k].iov_base = <void*>&data[off]
+            iov[k].iov_len = (n - off) if k == pieces - 1 else min(step, n - off)
+            off += iov[k].iov_len
+            k += 1
+        return r2_shm_write(self.c, iov, k)
+
+    def recv(self, size_t n):
+        """Up to n bytes (b"" if none); an int < 0 once the ring is empty and the peer is gone."""
+        cdef bytearray out = bytearray(n)
+        cdef char* p = out
+        cdef int64_t got = r2_shm_read(self.c, p, n)
+        if got < 0:
+            return got
+        return bytes(out[:got])
+
+    def arm(self):
+        return r2_shm_arm(self.c)
+
+    def wake(self):
+        return r2_shm_wake(self.c)
+
+    @property
+    def dead(self):
+        return self.c.dead
+
+    @property
+    def bells(self):
+        return self.c.bells
+
+    def close(self):
+        if self.c != NULL:
+            r2_shm_close(self.c)
+            self.c = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+
 cdef class Engine:
     """The engine of one rank: peers, rails, the progress thread's state."""
     cdef State* e
@@ -336,7 +456,7 @@ cdef class Engine:
 
     def __cinit__(self, int me, int nranks, list nrails_per_peer, uint32_t chunk_size,
                   double rail_timeout, double peer_timeout, uint64_t window,
-                  double probe_base=0.1, double probe_max=5.0):
+                  double probe_base=0.1, double probe_max=5.0, int nics=0):
         cdef pthread_condattr_t ca
         cdef Peer* p
         cdef Rail* r
@@ -382,7 +502,9 @@ cdef class Engine:
                 r.stage = <char*>malloc(chunk_size) if k < p.nrails else NULL
                 p.rails.push_back(r)
             e.peers.push_back(p)
-        nmax = max(nrails_per_peer) if nrails_per_peer else 0
+        # NIC fault slots: every rail index a peer has, and this rank's NICs (`nics`) even when
+        # every peer is local (shared memory, one data rail each)
+        nmax = max(max(nrails_per_peer) if nrails_per_peer else 0, nics)
         for k in range(nmax):
             e.inj_mode.push_back(INJ_NONE)
             e.inj_peer.push_back(-1)
@@ -500,7 +622,7 @@ cdef class Engine:
         """Hand an authenticated, non-blocking connection to the engine as (peer, rail). In
         mac mode (set_integrity) tx_key / rx_key are the connection's 32-byte frame keys of each
         direction (tcp.take_keys)."""
-        self._attach(peer, rail, self._live().tp, fd, conn_id, tx_key, rx_key)
+        self._attach(peer, rail, self._live().tp, <intptr_t>fd, conn_id, tx_key, rx_key)
 
     def attach_transport(self, int peer, int rail, uint64_t transport, uint64_t handle,
                          uint32_t conn_id, bytes tx_key=b"", bytes rx_key=b""):
@@ -512,6 +634,30 @@ cdef class Engine:
             raise ValueError("attach_transport needs a transport table and a connection handle")
         self._attach(peer, rail, <Transport*><intptr_t>transport, <intptr_t>handle, conn_id,
                      tx_key, rx_key)
+
+    def attach_shm(self, int peer, int rail, int fd, uint32_t conn_id, uint64_t base,
+                   uint64_t map_len, int side, bytes tx_key=b"", bytes rx_key=b""):
+        """Hand a shared-memory link to the engine as (peer, rail) (r2comm/shm.py): the mapped
+        segment at `base` (map_len bytes, from shm_create / shm_attach; side 0 the creator, 1
+        the peer) and the connected, authenticated, non-blocking doorbell socket fd. On success
+        the connection owns both (unmapped and closed with it); on an exception the caller
+        still does."""
+        cdef r2_shm_setup st
+        st.fd = fd
+        st.side = side
+        st.base = <char*>base
+        st.map_len = map_len
+        if side not in (0, 1) or base == 0:
+            raise ValueError("attach_shm: side 0 or 1 and a mapped segment")
+        self._attach(peer, rail, &SHM_TP, <intptr_t>&st, conn_id, tx_key, rx_key)
+
+    def set_shm_peer(self, int peer, bint on=True):
+        """`peer` is on this host and its data rail is shared memory: NIC faults (inject,
+        R2COMM_FAULT) do not apply to it. Set before its connections are attached."""
+        cdef State* e = self._live()
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
+            raise ValueError(f"no such peer {peer}")
+        e.peers[peer].shm = on
 
     def transports(self):
         """Per peer: the transport name of each data rail's current connection ('' for none
@@ -529,6 +675,26 @@ cdef class Engine:
                 out[i] = [(<bytes>e.peers[i].rails[k].tp.name).decode()
                           if e.peers[i].rails[k].tp != NULL else ""
                           for k in range(e.peers[i].nrails)]
+        finally:
+            pthread_mutex_unlock(&e.mu)
+        return out
+
+    def shm_bells(self):
+        """Per peer with a live shared-memory link: doorbells this rank has rung on it (a
+        doorbell is a system call: only towards a peer that announced it sleeps)."""
+        cdef State* e = self._live()
+        cdef dict out = {}
+        cdef int i
+        cdef Rail* r
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            for i in range(e.nranks):
+                if e.peers[i] == NULL or e.peers[i].nrails < 1:
+                    continue
+                r = e.peers[i].rails[0]
+                if r.state == R_UP and r.tp == &SHM_TP and r.conn != NULL:
+                    out[i] = (<ShmConn*>r.conn).c.bells
         finally:
             pthread_mutex_unlock(&e.mu)
         return out
@@ -561,6 +727,10 @@ cdef class Engine:
             r.conn = conn
             r.fd = tp.event_fd(conn)
             r.conn_id = conn_id
+            if (tp.flags & TPF_POLLED) and not r.polled_listed:
+                r.polled_listed = 1
+                e.polled.push_back(r)
+                e.npolled = <int>e.polled.size()
             if e.mac:
                 b2s_init(&r.tx_key, 32, tk, MAC_KEY_LEN)
                 b2s_prepare_more(&r.tx_key)
@@ -697,6 +867,8 @@ cdef class Engine:
         cdef State* e = self.e
         if rail >= <int>e.inj_mode.size():
             return 0
+        if 0 <= peer < e.nranks and e.peers[peer] != NULL and e.peers[peer].shm:
+            return 0              # shared memory: no NIC to fail
         return e.inj_mode[rail] != INJ_NONE and (e.inj_peer[rail] < 0 or e.inj_peer[rail] == peer)
 
     def injected(self, int rail, int peer):
@@ -717,7 +889,8 @@ cdef class Engine:
             e.inj_mode[rail] = mode
             e.inj_peer[rail] = peer
             for i in range(e.nranks):
-                if e.peers[i] == NULL or (peer >= 0 and i != peer) or rail >= e.peers[i].nrails:
+                if e.peers[i] == NULL or (peer >= 0 and i != peer) or rail >= e.peers[i].nrails \
+                        or e.peers[i].shm:
                     continue
                 r = e.peers[i].rails[rail]
                 if r.state != R_UP:

@@ -91,6 +91,7 @@ cdef enum:
     DACK_MAX = 32            # flush a rail's delayed acks once this many are waiting
     RBUF_READ = 8192
     DIRECT_MIN = 4096
+    POLL_EPOLL_EVERY = 8     # busy-poll rounds per epoll_wait(0) when shared-memory links exist
     EVFD_TAG = 0xFFFFFFFFFFFFFFFF
     INJ_NONE = 0
     INJ_HARD = 1
@@ -302,7 +303,9 @@ cdef cppclass Rail:
     int stalled              # held: acks late but the peer's kernel alive (process stalled)
     int fail_cause           # CAUSE_* of the failure being recorded
     double nic_check_t       # acks late: when this rank's NIC of the rail was last looked at
+    int polled_listed        # in State.polled (a TPF_POLLED transport was attached here once)
     __init__() noexcept nogil:
+        this.polled_listed = 0
         this.tx_ctr = 0
         this.rx_ctr = 0
         this.tx_sealed = 0
@@ -371,9 +374,11 @@ cdef cppclass Peer:
     int lost
     int stalled                  # its process looks stalled (peer_stalled recorded)
     double stall_t               # since when (its rails' last acknowledgement)
+    int shm                      # a local peer: its data rail is shared memory (no NIC faults)
     cmap[uint32_t, uint32_t] p2p_send_seq
     cmap[uint32_t, P2PState*] p2p
     __init__() noexcept nogil:
+        this.shm = 0
         this.all_down_since = 0
         this.lost = 0
         this.stalled = 0
@@ -424,7 +429,12 @@ cdef cppclass State:
     int hedge                # 0 off; 1: late rails only; 2: late, and slow ones (HEDGE_*)
     int dack_rails           # rails with delayed acks waiting
     vector[Rail*] dack_list  # those rails (and some whose acks have gone since), for the timer
+    vector[Rail*] polled     # rails that had a TPF_POLLED connection (shm): polled every round
+    int npolled              # polled.size(), read without the mutex (arming before a sleep)
+    int poll_turn            # busy-poll rounds since epoll was last asked (progress_once)
     __init__() noexcept nogil:
+        this.npolled = 0
+        this.poll_turn = 0
         this.dack_rails = 0
         this.noack = 0
         this.mac = 0

@@ -77,6 +77,9 @@ cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlat
         r.fail_cause = CAUSE_LOCAL_NIC
         snprintf(buf, sizeof(buf), "no acknowledgement within the rail deadline: injected silent "
                  "fault on this rank's NIC (it drops everything)")
+    elif r.tp.flags & TPF_NO_NIC:
+        alive = 1             # shared memory: no path to lose, and a dead peer closes its end
+        snprintf(buf, sizeof(buf), "its end of the shared-memory link is still open")
     elif not s.ok:
         alive = p.stalled     # no kernel view: trust the peer's other rails, if they showed one
         snprintf(buf, sizeof(buf), "no progress within the rail deadline (silent failure; no "

@@ -7,9 +7,43 @@ cdef void set_out(State* e, Rail* r, int want) noexcept nogil:
     if r.fd < 0 or r.want_out == want:
         return
     r.want_out = want
+    if r.tp.flags & TPF_POLLED:
+        return      # retried every round (poll_rails); a full ring wakes it through arm/event_fd
     ev.events = EPOLLIN | (EPOLLOUT if want else 0)
     ev.data.u64 = (<uint64_t>r.gen << 32) | (<uint64_t>r.peer << 8) | <uint64_t>r.index
     epoll_ctl(e.epfd, EPOLL_CTL_MOD, r.fd, &ev)
+
+cdef int poll_rails(State* e) noexcept nogil:
+    """Under the mutex: one round over the rails of TPF_POLLED transports (shared memory): take
+    in what arrived and write what waits for room. No system call unless a doorbell is due.
+    Returns how many of them moved bytes."""
+    cdef size_t i
+    cdef Rail* r
+    cdef uint64_t rb, sb
+    cdef int act = 0
+    for i in range(e.polled.size()):
+        r = e.polled[i]
+        if r.state != R_UP:
+            continue
+        rb = r.bytes_recv
+        sb = r.bytes_sent
+        rail_read(e, r)
+        if r.state == R_UP and (r.want_out or r.txq.size() > r.txq_pos):
+            rail_write(e, r)
+        if r.bytes_recv != rb or r.bytes_sent != sb:
+            act += 1
+    return act
+
+cdef int arm_polled(State* e) noexcept nogil:
+    """Under the mutex, before blocking in epoll: every polled rail asks its peer for a
+    doorbell. Returns 1 if one has bytes or room already (then do not block)."""
+    cdef size_t i
+    cdef Rail* r
+    for i in range(e.polled.size()):
+        r = e.polled[i]
+        if r.state == R_UP and r.tp.arm(r.conn) != 0:
+            return 1
+    return 0
 
 cdef int progress_once(State* e, int tmo) noexcept nogil:
     """Wait up to tmo ms for socket events, then handle them under the mutex. Run by the
@@ -22,7 +56,24 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
     cdef Rail* r
     cdef Peer* p
     cdef double now
-    n = epoll_wait(e.epfd, evs, 64, tmo)
+    cdef int act = 0
+    if tmo != 0 and e.npolled > 0:
+        pthread_mutex_lock(&e.mu)
+        if arm_polled(e):
+            tmo = 0
+        pthread_mutex_unlock(&e.mu)
+    if tmo == 0 and e.npolled > 0:
+        # busy-polling with shared-memory links: their bytes need no system call, so epoll
+        # (sockets: control connections, remote rails, a dead local peer's EOF) is asked only
+        # every POLL_EPOLL_EVERY rounds
+        e.poll_turn += 1
+        if e.poll_turn >= POLL_EPOLL_EVERY:
+            e.poll_turn = 0
+            n = epoll_wait(e.epfd, evs, 64, 0)
+        else:
+            n = 0
+    else:
+        n = epoll_wait(e.epfd, evs, 64, tmo)
     if n < 0:
         n = 0        # EINTR (a signal, e.g. SIGCONT after a stop): no events; -1 means stopped
     pthread_mutex_lock(&e.mu)
@@ -42,15 +93,19 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
         if r.state != R_UP or r.gen != <uint32_t>(tag >> 32):
             continue
         if evs[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP):
+            if r.tp.flags & TPF_POLLED:
+                r.tp.wake(r.conn)       # the doorbell (or the peer's end closing)
             if r.tx_posted:
                 rail_reap(e, r)         # a completion-channel transport signals them here
             rail_read(e, r)
         if r.state == R_UP and (evs[i].events & EPOLLOUT or r.txq.size() > r.txq_pos or
                                 (r.want_out and r.tp.flags & TPF_WAKE_OUT)):
             rail_write(e, r)
+    if e.npolled > 0:
+        act = poll_rails(e)
     for pi in range(e.nranks):
         p = e.peers[pi]
-        if p != NULL and (not p.ready.empty() or n > 0):
+        if p != NULL and (not p.ready.empty() or n > 0 or act > 0):
             pump_peer(e, p)
     now = mono()
     if e.dack_rails > 0:
@@ -62,7 +117,7 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
         e.signal = 0
         pthread_cond_broadcast(&e.cv)
     pthread_mutex_unlock(&e.mu)
-    return n
+    return n + act
 
 cdef void progress_loop(State* e) noexcept nogil:
     """Background progress (acks, retransmissions, deadlines) while nobody waits. When a

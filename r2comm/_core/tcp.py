@@ -96,15 +96,17 @@ def tune(sock, rail_timeout_ms, sockbuf=0, lowat=0):
 
 
 def connect(addr, port, local_addr, secret, job, src, dst, rail, timeout, rail_timeout_ms,
-            sockbuf=0, lowat=0):
-    """Open and authenticate one connection; returns (fd, connection id)."""
+            sockbuf=0, lowat=0, conn_id=None):
+    """Open and authenticate one connection; returns (fd, connection id). conn_id: the
+    connection id to announce (default random; a shared-memory link names its segment by it)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
         if local_addr:
             sock.bind((local_addr, 0))
         sock.connect((addr, port))
-        conn_id = struct.unpack("!I", os.urandom(4))[0]
+        if conn_id is None:
+            conn_id = struct.unpack("!I", os.urandom(4))[0]
         hello = HELLO.pack(MAGIC, VERSION, job, src, dst, rail, conn_id, os.urandom(16))
         sock.sendall(hello)
         reply = _recv_exact(sock, 16 + MAC_LEN)

@@ -37,13 +37,27 @@
 #   reg_mr / dereg_mr         Register a region the engine sends from / receives into (an
 #                             operation's buffers); the handle goes with the post. TCP: no-op.
 #                             (The engine does not call them yet: only TCP-like transports run.)
-#   flags                     TPF_SIDE_SOCKET, TPF_WAKE_OUT (below); 0 for a socket transport.
+#   flags                     TPF_SIDE_SOCKET, TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC (below); 0
+#                             for a socket transport.
 #   os_fd(conn)               The OS socket under the connection (-1: none). Only for the health
 #                             checks (TCP_INFO tells a stalled peer process from a dead path) and
 #                             the injected silent fault; never on the data path.
 #   shutdown(conn)            Make the connection unusable at once, both directions (a failed
 #                             rail: the peer must see it die too).
 #   close(conn)               Release it; after close the transport touches no posted memory.
+#   arm / wake, flags         TPF_POLLED: the event fd does not report every arrival (shared
+#                             memory: bytes land without a system call). The engine then calls
+#                             irecv/isend on the connection in every progress round, arm(conn)
+#                             before it blocks in epoll (1: something is there already, do not
+#                             block; 0: the transport will make event_fd readable when bytes or
+#                             space arrive; writability is reported as readability too, so the
+#                             engine never asks epoll for EPOLLOUT on it), and wake(conn) when
+#                             event_fd fired (consume the notification; a dead peer is noticed
+#                             there and reported by irecv/isend). TPF_NO_NIC: no NIC under the
+#                             connection: injected NIC faults do not apply, and acks that are
+#                             late mean a stalled peer process (its end is still open), never a
+#                             dead path. Transports without them leave arm/wake NULL (a
+#                             zero-initialised Transport is an fd-driven one).
 #
 # "Written on rail r" for the engine: a DATA frame occupies its rail (r.tx_busy) from begin_tx
 # until its completion; an ack from the peer is accepted once every byte was posted (the peer
@@ -73,7 +87,14 @@
 # registered user buffers (reg_mr), which need completions after isend and so several DATA
 # posts per rail and an operation kept alive until its posts complete.
 #
-# Implementations: tcp.pxd and verbs_transport.pxi (production), fuzz_transport.pxi (in-memory, the wire fuzzer),
+# shm (shm.pxd, r2_shm.h; set-up in r2comm/shm.py): a pair of single-producer/single-consumer
+# byte rings in one POSIX shm segment per pair of local ranks, and a connected socket used as
+# doorbell and liveness (TPF_POLLED | TPF_WAKE_OUT | TPF_NO_NIC). A stream, like TCP: isend
+# copies a prefix into the ring and completes inside the call; irecv copies out. os_fd is -1
+# (no TCP_INFO).
+#
+# Implementations: tcp.pxd and verbs_transport.pxi (production), shm.pxd (local peers),
+# fuzz_transport.pxi (in-memory, the wire fuzzer),
 # fake_transport.pxi (TCP underneath, seeded faults: short and refused posts, delayed,
 # reordered and lost completions, a connection failing at a random byte; tests only).
 from libc.stdint cimport int64_t, uint64_t, intptr_t
@@ -96,6 +117,8 @@ cdef struct Transport:
     int (*os_fd)(void* conn) noexcept nogil
     void (*shutdown)(void* conn) noexcept nogil
     void (*close)(void* conn) noexcept nogil
+    int (*arm)(void* conn) noexcept nogil      # TPF_POLLED only (NULL otherwise)
+    int (*wake)(void* conn) noexcept nogil     # TPF_POLLED only (NULL otherwise)
 
 cdef enum:
     # os_fd is a companion TCP socket on the rail's NIC that carries no frames (verbs): the
@@ -105,6 +128,13 @@ cdef enum:
     # event_fd never reports EPOLLOUT: room to post again (a send completion) shows as
     # readability, so a rail waiting to write is written on its input events too
     TPF_WAKE_OUT = 2
+    # the event fd does not report every arrival (shared memory: bytes land without a system
+    # call): the engine polls the connection every progress round and calls arm() before it
+    # blocks, wake() when the event fd fired (see "flags" above)
+    TPF_POLLED = 4
+    # no NIC under the connection (shared memory): injected NIC faults do not apply, and late
+    # acks mean a stalled peer process (its end is still open), never a dead path
+    TPF_NO_NIC = 8
 
 cdef enum:
     T_EOF = -1000
