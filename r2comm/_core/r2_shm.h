@@ -127,9 +127,9 @@ static inline char* r2_shm_attach(const char* name, uint32_t conn_id, const char
     close(fd);
     if (p == MAP_FAILED) { *err = e; return NULL; }
     r2_seg_hdr* h = (r2_seg_hdr*)p;
+    int ok = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == R2_SHM_MAGIC;   // then the rest
     uint64_t rb = h->ring_bytes;
-    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != R2_SHM_MAGIC ||
-            h->version != R2_SHM_VERSION || h->conn_id != conn_id ||
+    if (!ok || h->version != R2_SHM_VERSION || h->conn_id != conn_id ||
             memcmp(h->job, job, 8) != 0 || rb == 0 || (rb & (rb - 1)) != 0 ||
             r2_shm_seg_len(rb) != n) {
         munmap(p, n);
