@@ -260,3 +260,79 @@ def test_failed_link_is_set_up_again(n):
     count, out = _run(n, "relink", timeout=60, env={"R2COMM_INTEGRITY": "mac"})
     assert count == 40 * n
     assert "'rail_restored', 1, 0" in out, out[-3000:]
+
+
+_WRITER = r"""
+import os, random, select, sys, time
+sys.path.insert(0, sys.argv[1])
+from r2comm._core import engine as E
+name, fd, total, seed = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+base, n = E.shm_attach(name.encode(), 9, b"testjob!")
+end = E.ShmEnd(fd, base, n, 1)
+rng = random.Random(seed)
+blob = rng.randbytes(total)
+sent, sleeps, stalls = 0, 0, 0
+deadline = time.monotonic() + 120
+while sent < total and time.monotonic() < deadline:
+    r = end.send(blob[sent:sent + rng.choice([1, 5, 100, 3000, 4096, 7000])], rng.randint(1, 4))
+    assert r >= 0, r
+    sent += r
+    if r == 0 and end.arm() == 0:           # full: sleep until the reader makes room
+        sleeps += 1
+        if not select.select([fd], [], [], 5.0)[0]:
+            stalls += 1                      # a lost doorbell would end up here
+        end.wake()
+print(sent, sleeps, stalls, end.bells, flush=True)
+end.close()
+"""
+
+
+def test_ring_across_processes_with_doorbells():
+    """A writer process and this reader stream 16 MB through a 4 KiB ring concurrently, each
+    sleeping on the doorbell socket whenever the ring is full / empty (arm, then select): every
+    byte arrives in order, both sides really slept and rang, and no sleep ever waited out its
+    5 s timeout (a lost wake-up)."""
+    import select
+    E = _engine()
+    total, seed = 16_000_000, 11
+    name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-00000009"
+    base, n = E.shm_create(name.encode(), 4096, 9, JOB, os.getpid())
+    s1, s2 = socket.socketpair()
+    s1.setblocking(False)
+    s2.setblocking(False)
+    try:
+        child = subprocess.Popen([sys.executable, "-c", _WRITER, ROOT, name, str(s2.fileno()),
+                                  str(total), str(seed)], pass_fds=[s2.fileno()],
+                                 stdout=subprocess.PIPE, text=True)
+    finally:
+        s2.close()
+    reader = E.ShmEnd(s1.detach(), base, n, 0)
+    try:
+        got = bytearray()
+        sleeps = stalls = 0
+        rng = random.Random(5)
+        deadline = __import__("time").monotonic() + 120
+        while len(got) < total and __import__("time").monotonic() < deadline:
+            x = reader.recv(rng.choice([1, 48, 4096, 10000]))
+            assert not isinstance(x, int), x
+            got += x
+            if not x and reader.arm() == 0:
+                sleeps += 1
+                if not select.select([reader.fileno()], [], [], 5.0)[0]:
+                    stalls += 1
+                reader.wake()
+        out, _ = child.communicate(timeout=120)
+        rbells = reader.bells
+    finally:
+        if child.poll() is None:
+            child.kill()
+        reader.close()
+        if os.path.exists("/dev/shm" + name):
+            os.unlink("/dev/shm" + name)
+    sent, wsleeps, wstalls, wbells = map(int, out.split())
+    assert sent == total and len(got) == total
+    assert bytes(got) == random.Random(seed).randbytes(total)
+    assert stalls == 0 and wstalls == 0, (stalls, wstalls)
+    assert sleeps + wsleeps > 0 and wbells + rbells > 0
+    with pytest.raises(ValueError):
+        reader.recv(1)                       # closed: refused, not a crash

@@ -389,10 +389,16 @@ cdef class ShmEnd:
         if self.c == NULL:
             raise MemoryError()
 
+    cdef r2_shm_conn* _c(self) except NULL:
+        if self.c == NULL:
+            raise ValueError("ShmEnd is closed")
+        return self.c
+
     def send(self, const unsigned char[:] data, int pieces=1):
         """Post data as a gather list of `pieces` parts: bytes accepted (a prefix), 0 if full,
         < 0 failed."""
         cdef iovec iov[8]
+        cdef r2_shm_conn* c = self._c()
         cdef Py_ssize_t n = data.shape[0], step, off = 0
         cdef int k = 0
         if pieces < 1 or pieces > 8:
@@ -405,30 +411,33 @@ cdef class ShmEnd:
             iov[k].iov_len = (n - off) if k == pieces - 1 else min(step, n - off)
             off += iov[k].iov_len
             k += 1
-        return r2_shm_write(self.c, iov, k)
+        return r2_shm_write(c, iov, k)
 
     def recv(self, size_t n):
         """Up to n bytes (b"" if none); an int < 0 once the ring is empty and the peer is gone."""
         cdef bytearray out = bytearray(n)
         cdef char* p = out
-        cdef int64_t got = r2_shm_read(self.c, p, n)
+        cdef int64_t got = r2_shm_read(self._c(), p, n)
         if got < 0:
             return got
         return bytes(out[:got])
 
     def arm(self):
-        return r2_shm_arm(self.c)
+        return r2_shm_arm(self._c())
 
     def wake(self):
-        return r2_shm_wake(self.c)
+        return r2_shm_wake(self._c())
+
+    def fileno(self):
+        return self._c().fd
 
     @property
     def dead(self):
-        return self.c.dead
+        return self._c().dead
 
     @property
     def bells(self):
-        return self.c.bells
+        return self._c().bells
 
     def close(self):
         if self.c != NULL:
