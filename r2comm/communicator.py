@@ -607,8 +607,16 @@ class Communicator:
         # loopback "rails" are one device: only the overall scale of the measurements counts
         loop = _loopback_only(eps[g] for g in self._members)
         ctl = control.plane(self)
+        stats = self._engine.rail_stats()
+        me = self._world.boot.rank
+        for g in list(stats):
+            if shm.is_local(eps, me, g):
+                # a shared-memory link shows as a full set of working rails: the planner then
+                # prices a local pair at least like a healthy remote one (never as a pair that
+                # lost NICs), and NIC failures elsewhere never touch it
+                stats[g] = stats[g][:1] * nrails
         return planner.RailState.gather(lambda mine: control.gather_rails(ctl, mine, nrails),
-                                        self.rank, self._members, self._engine.rail_stats(),
+                                        self.rank, self._members, stats,
                                         hosts, self._cfg.rail_bw or None,
                                         rates="scale" if loop else "nic")
 

@@ -120,10 +120,19 @@ class StartOutcome:
             return None
         from .planner import RailState
         stats = []
+        eps = self.endpoints
         for r in range(self.size):
-            stats.append({p: [("up" if self.rail_up(r, p, k) else "down", 1.0, 0.0)
-                              for k in range(self.nrails[min(r, p)][max(r, p)])]
-                          for p in range(self.size) if p != r})
+            row = {}
+            for p in range(self.size):
+                if p == r:
+                    continue
+                lo, hi = min(r, p), max(r, p)
+                rows = [("up" if self.rail_up(r, p, k) else "down", 1.0, 0.0)
+                        for k in range(self.nrails[lo][hi])]
+                if shm.is_local(eps, r, p):      # the shm link as a full set of rails (see
+                    rows = rows[:1] * max(len(eps[r]["rails"]), len(eps[p]["rails"]))
+                row[p] = rows                    # Communicator.rail_state)
+            stats.append(row)
         hosts = list(hosts) if len(set(hosts)) > 1 else list(range(self.size))
         return RailState.from_rail_stats(hosts, stats, rail_bw or None, rates=rates)
 

@@ -74,6 +74,13 @@ def sc_collectives(comm, args):
         check(nic == 0, f"rank {r}: {nic} bytes went over NIC rails with every peer local")
     else:
         check(nic > 0, f"rank {r}: no bytes over the NIC rails to {remote} remote peer(s)")
+    # the planner's view (collective): a local pair has as many working rails as any pair
+    st = comm.rail_state()
+    check(st.healthy(), "rail state of a healthy job with shm links is healthy")
+    for p in range(n):
+        if p != r:
+            check(len(st.usable_rails(r, p)) == st.nrails,
+                  f"rank {r}: pair with {p} has {st.usable_rails(r, p)} of {st.nrails} rails")
     # a NIC fault does not touch a shared-memory link: fail every rail, the local peers still work
     if want and remote == 0:
         for k in range(len(comm.rails)):
