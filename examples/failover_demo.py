@@ -26,6 +26,11 @@ def rank_main(args):
     import r2comm
 
     world = MPI.COMM_WORLD
+    if args.inject:
+        # loopback: all 4 ranks share this machine; tell r2comm they sit on 2 emulated hosts, so
+        # ranks 0,1 and 2,3 meet through shared memory and the pairs across hosts use the
+        # loopback "NICs" that rank 1's injected failure hits
+        os.environ["R2COMM_HOST"] = f"demo-host{world.rank // 2}"
     comm = r2comm.Communicator(world, timeout=60)
     r, n = comm.rank, comm.size
     count = NBYTES // 4
