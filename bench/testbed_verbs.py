@@ -18,9 +18,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -71,36 +69,11 @@ def r2comm_bw(fab, rails, transport, size, reps):
 
 
 def failover(fab, mode, nic=0, host=1):
+    from test_verbs_rails import link_cut_on_marker
     marker = str(fab.dir / f"bench{os.getpid()}")
-    did, stop = [], threading.Event()
-
-    def orchestrate():
-        while not stop.is_set():
-            if os.path.exists(marker + ".down") and "down" not in did:
-                fab.nic_down(host, nic)
-                did.append("down")
-                Path(marker + ".cut").write_text("cut")
-            if os.path.exists(marker + ".up") and "down" in did:
-                time.sleep(1.0)
-                fab.nic_up(host, nic)
-                did.append("up")
-                return
-            time.sleep(0.05)
-    t = threading.Thread(target=orchestrate)
-    if mode == "link":
-        t.start()
-    try:
+    with link_cut_on_marker(fab, marker, host, nic):     # (the qp mode writes no marker)
         got, err = job(fab, ["fault", f"mode={mode}", "failback=1", "n=131072", "ops=30", "at=8",
                              f"marker={marker}", f"rail={nic}"])
-    finally:
-        stop.set()
-        if mode == "link":
-            t.join(30)
-            if "down" in did and "up" not in did:
-                fab.nic_up(host, nic)
-        for s in (".down", ".cut", ".up"):
-            if os.path.exists(marker + s):
-                os.unlink(marker + s)
     if got is None:
         return {"error": err}
     out = {}

@@ -4,6 +4,7 @@ here, and, on soft-RoCE guests, collectives, failover and fail-back.
 The checks that need guests are functions called by tests/test_rdma_testbed.py on its shared
 2 x 2 fabric (one boot for every rdma test); each runs tests/verbs_worker.py as the ranks of an
 `rdma-run --keep` job and checks its OK lines."""
+import contextlib
 import os
 import re
 import subprocess
@@ -137,14 +138,16 @@ def qp_error_checks(fab):
     print("\nverbs QP error:", *lines, sep="\n  ")
 
 
-def link_down_checks(fab, host=1, nic=0):
-    """A real link cut in QEMU (the rxe port goes down) mid-stream, brought back later:
-    bitwise-equal results, the failure seen, and fail-back onto the restored link."""
-    marker = str(fab.dir / f"mark{os.getpid()}")
+@contextlib.contextmanager
+def link_cut_on_marker(fab, marker, host, nic, timeout=400):
+    """While the body runs, cut HOST's NIC when a rank writes MARKER.down (then answer with
+    MARKER.cut) and restore it a second after MARKER.up: a real link failure at the point of
+    a job the job chooses. Yields the list of what was done ("down", "up"); the link is up and
+    the markers gone afterwards, whatever happened."""
     did, stop = [], threading.Event()
 
     def orchestrate():
-        deadline = time.monotonic() + 400
+        deadline = time.monotonic() + timeout
         while not stop.is_set() and time.monotonic() < deadline:
             if os.path.exists(marker + ".down") and "down" not in did:
                 fab.nic_down(host, nic)
@@ -160,8 +163,7 @@ def link_down_checks(fab, host=1, nic=0):
     orch = threading.Thread(target=orchestrate)
     orch.start()
     try:
-        rc, out = rdma_job(fab, 2, ["fault", "mode=link", "failback=1", "n=131072", "ops=30",
-                                    "at=8", f"marker={marker}", f"rail={nic}"])
+        yield did
     finally:
         stop.set()
         orch.join(30)
@@ -170,6 +172,15 @@ def link_down_checks(fab, host=1, nic=0):
         for suffix in (".down", ".cut", ".up"):
             if os.path.exists(marker + suffix):
                 os.unlink(marker + suffix)
+
+
+def link_down_checks(fab, host=1, nic=0):
+    """A real link cut in QEMU (the rxe port goes down) mid-stream, brought back later:
+    bitwise-equal results, the failure seen, and fail-back onto the restored link."""
+    marker = str(fab.dir / f"mark{os.getpid()}")
+    with link_cut_on_marker(fab, marker, host, nic) as did:
+        rc, out = rdma_job(fab, 2, ["fault", "mode=link", "failback=1", "n=131072", "ops=30",
+                                    "at=8", f"marker={marker}", f"rail={nic}"])
     assert rc == 0, out[-6000:]
     assert did == ["down", "up"], did
     lines = ok_lines(out, "fault", 2)
