@@ -124,7 +124,8 @@ def predict(hosts, nics, rate, nbytes, ranks_per_host=1, down=(), degrade=(), op
             "ranks": len(scheds),
             "messages": res["messages"],
             "max_bytes_sent_per_rank": max(res["bytes_sent"], default=0),
-            "plan": "flat" if flat else "host-level",
+            "plan": ("hierarchical" if scheds and scheds[0].hierarchical
+                     else "flat" if flat else "host-level"),
             "replanned": bool(replan),
         },
         "inter_host_s": res["time_s"],
