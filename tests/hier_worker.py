@@ -101,6 +101,22 @@ def sc_topology(comm, args):
     if r == 0:
         print(f"TOPOLOGY {t} PLANS {plans}", flush=True)
     count = sc_collectives(comm, args)
+    # sub-communicators see their own topology: one rank per host (by local rank), one host
+    for color, what in ((t["local_rank"], "local"), (t["host"], "host")):
+        sub = comm.Split(color, r)
+        st = sub.topology()
+        local = {k: rs.index(k) for rs in hosts for k in rs}
+        members = [k for k in range(n) if local[k] == color] if what == "local" else mine
+        check(st["hosts"] == ([[i] for i in range(len(members))] if what == "local"
+                              else [list(range(len(mine)))]), f"{what} split: {st['hosts']}")
+        check(not st["hierarchical"], f"{what} split planned hierarchical")
+        x = np.arange(1001, dtype=np.int64) * (r + 1)
+        y = np.empty_like(x)
+        sub.Allreduce(x, y, SUM)
+        check(np.array_equal(y, np.arange(1001, dtype=np.int64) * sum(k + 1 for k in members)),
+              f"{what} split allreduce")
+        sub.Free()
+        count += 1
     # random floats: exactly the bits of the schedule's own reduction order
     for cnt in (1001, (3 * MB) // 4 + 5):
         case = f"bits-{cnt}"
