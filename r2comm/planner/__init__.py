@@ -103,7 +103,9 @@ def build_topo(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", 
     if hit is not None:
         return hit
     hier = [hierarchical.build(coll, r, topo, nbytes, itemsize, root, eager) for r in range(n)]
-    st = topo.default_state()
+    st = _CACHE.get(("default_state", topo.fingerprint()))
+    if st is None:
+        st = _CACHE[("default_state", topo.fingerprint())] = topo.default_state()
     th = cost.predict(hier, st)
     scheds = hier
     if algo != "hierarchical":
