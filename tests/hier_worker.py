@@ -63,6 +63,11 @@ def _floats(case, rank, count):
     return rng.standard_normal(count).astype(np.float32)
 
 
+def data_int(case, rank, count):
+    return np.random.default_rng([zlib.crc32(case.encode()), rank]).integers(
+        -1000, 1000, count).astype(np.int32)
+
+
 def _executor_bits(comm, xs):
     """What the schedules compute, run by the pure-Python executor (every rank's schedule)."""
     from test_planner import run_allreduce
@@ -85,14 +90,15 @@ def sc_topology(comm, args):
     hier = t["hierarchical"]
     check(hier == (1 < len(hosts) < n), f"hierarchical={hier}")
     force = args.get("force") == "1"
+    flat = args.get("force") == "flat"            # R2COMM_ALGO=flat: never hierarchical
     big = {"allreduce": (8 * MB, 0), "allgather": (2 * MB, 0),
            "reduce_scatter_block": (2 * MB, 0), "bcast": (8 * MB, n - 1)}
     plans = {}
     for coll, (nb, root) in big.items():
         p = comm.plan(coll, nb, 4, root)
         plans[coll] = p.algo
-        want = hier and (coll in ("allreduce", "bcast") or t["regular"])
-        if coll == "bcast" and not force:
+        want = hier and not flat and (coll in ("allreduce", "bcast") or t["regular"])
+        if coll == "bcast" and not force and not flat:
             continue                     # bcast: hierarchical only where the flat tree is worse
         check(p.hierarchical == want, f"{coll} {nb} B planned {p.algo}, hierarchical={want}")
         if want:
@@ -104,6 +110,19 @@ def sc_topology(comm, args):
     if r == 0:
         print(f"TOPOLOGY {t} PLANS {plans}", flush=True)
     count = sc_collectives(comm, args)
+    # several non-blocking hierarchical collectives in flight at once
+    cnt = (2 * MB) // 4 + 3
+    xs = [data_int(f"nb-{k}", r, cnt * n) for k in range(3)]
+    ys = [np.empty(cnt * n, np.int32), np.empty(cnt * n, np.int32), np.empty(cnt, np.int32)]
+    reqs = [comm.Iallreduce(xs[0], ys[0], SUM), comm.Iallgather(xs[1][:cnt], ys[1]),
+            comm.Ireduce_scatter_block(xs[2], ys[2], SUM)]
+    r2comm.Request.Waitall(reqs)
+    tot = [sum(data_int(f"nb-{k}", q, cnt * n) for q in range(n)) for k in range(3)]
+    check(np.array_equal(ys[0], tot[0]), "Iallreduce")
+    check(np.array_equal(ys[1], np.concatenate([data_int("nb-1", q, cnt * n)[:cnt]
+                                                for q in range(n)])), "Iallgather")
+    check(np.array_equal(ys[2], tot[2][r * cnt:(r + 1) * cnt]), "Ireduce_scatter_block")
+    count += 3
     # sub-communicators see their own topology: one rank per host (by local rank), one host
     for color, what in ((t["local_rank"], "local"), (t["host"], "host")):
         sub = comm.Split(color, r)

@@ -32,6 +32,13 @@ def test_every_collective_on_emulated_hosts(n, layout, force):
     assert "'allreduce': 'hierarchical'" in top[0]
 
 
+def test_flat_forced_on_emulated_hosts():
+    count, out = scenario(4, "topology", env={"R2COMM_ALGO": "flat"}, layout="0,0,1,1",
+                          force="flat")
+    assert count >= 300 * 4
+    assert "'hierarchical': True" in out and "'allreduce': 'ring'" in out
+
+
 def test_one_host_plans_flat():
     count, out = scenario(4, "topology", env={"R2COMM_ALGO": ""}, layout="0,0,0,0")
     assert count >= 300 * 4
