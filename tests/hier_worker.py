@@ -195,7 +195,7 @@ def sc_failover(comm, args):
               "rails up before the fault")
         before = len(comm.events)
         if r in hosts[0]:                 # host 0's NIC 1 fails, for both of its ranks
-            comm.fail_rail(1, mode, after_bytes=int(args.get("after", 2 * MB)))
+            comm.fail_rail(1, mode, after_bytes=int(args.get("after", 512 << 10)))
         got = _round(comm, "fo", cnt)
         for what, a, b in zip(("allreduce", "allgather", "reduce_scatter_block", "bcast"),
                               clean, got):
@@ -203,7 +203,9 @@ def sc_failover(comm, args):
             count += 1
         failed = sum(1 for e in comm.events[before:] if e["kind"] == "rail_failed")
         failed = WORLD.allreduce(failed)
-        check(failed > 0, f"{mode}: no rail failed")
+        # a hard failure is seen at once; a silent one only at the rail deadline (500 ms) if the
+        # rail still holds chunks then, which a short round may not last
+        check(failed > 0 or mode == "silent", f"{mode}: no rail failed")
         during = WORLD.allreduce(_round.failed_in_allreduce)
         moved = WORLD.allreduce(_round.moved_in_allreduce)
         check(during > 0 if mode == "hard" else moved > 0,
