@@ -132,6 +132,18 @@ def _start_state(world, members):
     return None if sub.healthy() else sub
 
 
+def _host_keys(endpoints):
+    """The host key of every rank's endpoint (r2comm.hostid; the host name for endpoints that
+    predate it)."""
+    return [ep.get("host_key") or ep["host"] for ep in endpoints]
+
+
+def _topology(endpoints, members):
+    """The planner's Topology of the ranks `members` (global ranks, in communicator order)."""
+    return planner.Topology.from_labels([_host_keys(endpoints)[g] for g in members],
+                                        [len(endpoints[g]["rails"]) for g in members])
+
+
 def _is_gpu(obj):
     from .gpu.backend import is_device
     return is_device(obj)
@@ -262,7 +274,8 @@ class Communicator:
             engine.close()
             raise
         world = _World(engine, links, boot, cfg)
-        world.start_state = start.rail_state([ep["host"] for ep in boot.endpoints],
+        world.start_state = start.rail_state(_topology(boot.endpoints,
+                                                       range(boot.size)).host_of,
                                              cfg.rail_bw, "scale" if _loopback_only(boot.endpoints)
                                              else "nic")
         links.on_tick = lambda: _flush_events(world)
@@ -351,6 +364,7 @@ class Communicator:
         self._ctl = None                      # control-plane twin (control.plane)
         self._is_ctl = False
         self.rank = members.index(world.boot.rank)
+        self._topo = _topology(world.boot.endpoints, members)
         # the first plans follow the start-up outcome: rails that did not connect are down, a
         # pair with no common rail is relayed around (startup.py)
         state = _start_state(world, members)
@@ -537,9 +551,12 @@ class Communicator:
         key = (coll, nbytes, itemsize, root, dtc, redop, separate)
         hit = self._plans.get(key)
         if hit is None:
+            algo = self._cfg.algo
+            if coll != "allreduce" and algo not in planner.GENERIC_ALGOS:
+                algo = ""
             sched = planner.build(coll, self.rank, self.size, nbytes, itemsize, root,
-                                  self._cfg.eager, self._cfg.algo if coll == "allreduce" else "",
-                                  state=self._state, separate_send=separate)
+                                  self._cfg.eager, algo, state=self._state,
+                                  separate_send=separate, topo=self._topo)
             sched.validate()
             msgs, deps, algo = list(sched.msgs), list(sched.deps), sched.algo
             if coll in _AGREED and self._cfg.agree and self.size > 1 and (
@@ -564,9 +581,28 @@ class Communicator:
         return hit
 
     def plan(self, op="allreduce", nbytes=0, itemsize=4, root=0, in_place=False):
-        """The schedule this rank would run for (op, nbytes): its algorithm (.algo), messages
-        and, once the plans follow a rail state (replan()), the predicted seconds (.cost)."""
+        """The schedule this rank would run for (op, nbytes): its algorithm (.algo;
+        .hierarchical is True for the host-aware plans of planner/hierarchical.py), messages
+        and the predicted seconds (.cost) once the plans are priced (a rail state after
+        replan(), or several hosts running several ranks)."""
         return self._schedule(op, nbytes, itemsize, root, separate=not in_place)[1]
+
+    def topology(self):
+        """Which ranks share a host (host keys from bootstrap, r2comm.hostid; R2COMM_HOST
+        overrides a rank's key): a dict with nhosts, hosts (the ranks of each host, in rank
+        order), rails_per_host (rails listed by the host's ranks), regular (every host runs
+        as many ranks), hierarchical (several hosts, some with several ranks: the planner then
+        prices hierarchical plans), and this rank's host, local_rank and local_size. Once the
+        plans follow a rail state (replan()), rails_up_per_host counts each host's NICs that
+        the state has usable towards another host."""
+        d = self._topo.describe(self.rank)
+        st = self._state
+        if st is not None and self._topo.nhosts > 1 and \
+                planner.Topology.from_labels(st.hosts).host_of == self._topo.host_of:
+            d["rails_up_per_host"] = [sum(1 for k in range(st.nrails)
+                                          if st.nic_bw(st.hosts[rs[0]], k) > 0)
+                                      for rs in self._topo.hosts]
+        return d
 
     def _tell_peers(self, exc, kind, blocking):
         """A local argument error in a collective (the caller raises it): take the call's
@@ -602,7 +638,7 @@ class Communicator:
         self._check()
         from . import control
         eps = self._world.boot.endpoints
-        hosts = [eps[g]["host"] for g in self._members]
+        hosts = list(self._topo.host_of)
         nrails = max(len(ep["rails"]) for ep in eps)
         # loopback "rails" are one device: only the overall scale of the measurements counts
         loop = _loopback_only(eps[g] for g in self._members)

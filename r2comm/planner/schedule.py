@@ -34,6 +34,11 @@ class Schedule:
     fills_work: bool = False      # every byte of WORK is written from SEND and received data,
                                   # so the caller skips copying the input into WORK
 
+    @property
+    def hierarchical(self):
+        """A host-aware plan (planner/hierarchical.py), possibly relayed."""
+        return self.algo.startswith("hierarchical")
+
     def send(self, peer, step, buf, off, nbytes, owned=False):
         self.msgs.append(("send", peer, step, buf, off, nbytes, COPY, owned))
         return len(self.msgs) - 1

@@ -49,7 +49,8 @@ def main(argv=None):
     p.add_argument("--spine-bw", default=None)
     p.add_argument("--no-replan", action="store_true", help="static plan (no comm.replan())")
     p.add_argument("--algo", default="")
-    p.add_argument("--flat", action="store_true", help="plan every rank, not one per host")
+    p.add_argument("--flat", action="store_true", help="plan every rank, not one per host (the planner then "
+                   "prices its hierarchical schedules too, --algo hierarchical forces them)")
     p.add_argument("--segments", type=int, default=None,
                    help="group chunks into at most this many pipeline segments per message "
                    "(faster, less exact); default: every chunk")

@@ -85,6 +85,11 @@ def schedules(fab, op, nbytes, itemsize=4, replan=True, algo="", flat=False):
     the engines measure, as after comm.replan(); else the static plan)."""
     n = fab.H * fab.G if flat else fab.H
     st = fab.state(flat=flat)
+    if not replan and flat and fab.G > 1:
+        # the static plan the engines make for their hosts (hierarchical where it pays)
+        topo = planner.Topology.from_labels(st.hosts, [fab.K] * n)
+        return [planner.build(op, r, n, nbytes, itemsize, 0, Config().eager, algo, topo=topo)
+                for r in range(n)], st
     return planner.build_all(op, n, nbytes, itemsize, 0, Config().eager, algo,
                              st if replan else None), st
 
@@ -124,7 +129,8 @@ def predict(hosts, nics, rate, nbytes, ranks_per_host=1, down=(), degrade=(), op
             "ranks": len(scheds),
             "messages": res["messages"],
             "max_bytes_sent_per_rank": max(res["bytes_sent"], default=0),
-            "plan": "flat" if flat else "host-level",
+            "plan": ("hierarchical" if scheds and scheds[0].hierarchical
+                     else "flat" if flat else "host-level"),
             "replanned": bool(replan),
         },
         "inter_host_s": res["time_s"],

@@ -44,7 +44,8 @@ def _busbw(n, t):
 
 
 def _one_op(fab, flat, replan):
-    sc, _ = schedules(fab, "allreduce", N, 4, replan=replan, flat=flat)
+    # the measured runs (MULTIRAIL) planned flat: a ring over every rank
+    sc, _ = schedules(fab, "allreduce", N, 4, replan=replan, flat=flat, algo="flat")
     return Cluster(fab, flat=flat).run_schedules(sc)["time_s"], sc[0].algo
 
 
@@ -72,7 +73,7 @@ def failover_rows(offsets=(0.1, 0.3, 0.5, 0.7, 0.9)):
         hits, detect, healthy, after = [], None, None, None
         for off in offsets:
             fab = _fabric(2, 2, 125e6, G)
-            sc, _ = schedules(fab, "allreduce", N, 4, replan=False, flat=True)
+            sc, _ = schedules(fab, "allreduce", N, 4, replan=False, flat=True, algo="flat")
             cl = Cluster(fab, flat=True)
             t_h = cl.run_schedules(sc)["time_s"]
             healthy = t_h
