@@ -9,6 +9,8 @@ import pytest
 
 from conftest import ROOT, run_mpi
 
+SHM_OK = True           # ranks of one emulated host meet through shared memory (conftest)
+
 pytestmark = pytest.mark.mpi
 WORKER = os.path.join(ROOT, "tests", "hier_worker.py")
 
