@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # r2comm comparison suite on one host, then bench/RESULTS.md written from its JSON files.
-# About 5 minutes on 2 cores for the loopback part, plus about 7 minutes of testbed as root
-# (1.5 for the multi-rail and degraded-server benches, 5 for torch.distributed); the testbed
-# steps get what is left of a 14.5-minute budget (BUDGET) and are skipped when too little is left.
+# About 5 minutes on 2 cores for the loopback part, plus about 8 minutes of testbed as root
+# (1.5 for the multi-rail and degraded-server benches, 5 for torch.distributed, 1 for the
+# hierarchical allreduce); the testbed steps get what is left of a 22-minute budget (BUDGET) and
+# are skipped when too little is left; then the soft-RoCE verbs bench (about 6 minutes with the
+# guests' boot; VERBS=0 skips it).
 #
 #   bash bench/run_all.sh                # everything: results in bench/out/, bench/RESULTS.md,
 #                                        # the figures RESULTS.md shows in bench/figures/
@@ -48,7 +50,7 @@ if [[ -z ${RESULTS:-} ]]; then
 fi
 NP=${NP:-2}
 STEP_TIMEOUT=${STEP_TIMEOUT:-150}
-BUDGET=${BUDGET:-870}          # seconds for all steps; the rest of 15 minutes is for the report
+BUDGET=${BUDGET:-1320}         # seconds for all steps; the rest of 23 minutes is for the report
 TESTBED=${TESTBED:-auto}       # auto: when root; 0: never
 export R2COMM_RAILS=${R2COMM_RAILS:-127.0.0.1,127.0.0.2}
 export R2COMM_TIMEOUT=${R2COMM_TIMEOUT:-30}  # a hung collective fails its step sooner
@@ -164,7 +166,7 @@ step acks1_rev R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noac
 run sim_validate 120 TERM "$PY" -m r2comm.sim validate --json "$OUT/sim_validate.json"
 
 # the netns testbed (issue 4, 5, 18): root and iproute2 only; bounded by the budget
-TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts testbed_torch)
+TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts testbed_torch testbed_hier)
 why_not=""
 if [[ $TESTBED == 0 ]]; then
     why_not="TESTBED=0"
@@ -191,6 +193,9 @@ else
     # torch.distributed (issue 18): about 5 minutes, 12 torchrun jobs of at most 75 s each
     rm -f "$OUT/testbed_torch.png"
     testbed testbed_torch 420 150 bench/testbed_torch.py "${TB_TORCH[@]}" --out "$OUT"
+    # hierarchical vs flat allreduce, healthy and with a NIC of one host down (issue 20; ~1 min)
+    testbed testbed_hier 240 60 bench/testbed_hier.py --rate 1gbit --size "${HIER_SIZE:-64M}" \
+        --rounds "${HIER_ROUNDS:-5}" --out "$OUT"
 fi
 
 # verbs rails on soft-RoCE guests (issue 19): root and the QEMU testbed (scripts/rdma-deps.sh);

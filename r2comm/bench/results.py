@@ -802,6 +802,10 @@ def render(folder, elapsed_s=None):
     body += sec
     summary += [("torch.distributed", x) for x in t] or [("torch.distributed", (not_run_note(sec), None))]
     body += sim_section(res)[0]
+    from .results_hier import hier_section
+    sec, t = hier_section(res)
+    body += sec
+    summary += [("Hierarchical", x) for x in t] or [("Hierarchical", (not_run_note(sec), None))]
     from .results_verbs import verbs_section
     sec, t = verbs_section(res)
     body += sec
