@@ -37,7 +37,7 @@ export R2COMM_ASAN_BUILD=1
 
 LOG="$DIR/asan-pytest.log"
 if [ $# -eq 0 ]; then
-    set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_integrity.py \
+    set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_integrity.py tests/test_shm.py \
         tests/test_units.py tests/test_failover.py \
         -k "not test_random_faults_many_seeds and not atheris"
 fi

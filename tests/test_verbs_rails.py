@@ -140,7 +140,8 @@ def qp_error_checks(fab):
 
 @contextlib.contextmanager
 def link_cut_on_marker(fab, marker, host, nic, timeout=400):
-    """While the body runs, cut HOST's NIC when a rank writes MARKER.down (then answer with
+    nics = list(nic) if isinstance(nic, (list, tuple)) else [nic]
+    """While the body runs, cut HOST's NIC (or NICs) when a rank writes MARKER.down (then answer with
     MARKER.cut) and restore it a second after MARKER.up: a real link failure at the point of
     a job the job chooses. Yields the list of what was done ("down", "up"); the link is up and
     the markers gone afterwards, whatever happened."""
@@ -150,13 +151,15 @@ def link_cut_on_marker(fab, marker, host, nic, timeout=400):
         deadline = time.monotonic() + timeout
         while not stop.is_set() and time.monotonic() < deadline:
             if os.path.exists(marker + ".down") and "down" not in did:
-                fab.nic_down(host, nic)
+                for k in nics:
+                    fab.nic_down(host, k)
                 did.append("down")
                 with open(marker + ".cut", "w") as f:
                     f.write("cut")
             if os.path.exists(marker + ".up") and "down" in did and "up" not in did:
                 time.sleep(1.0)
-                fab.nic_up(host, nic)
+                for k in nics:
+                    fab.nic_up(host, k)
                 did.append("up")
                 return
             time.sleep(0.05)
@@ -168,7 +171,8 @@ def link_cut_on_marker(fab, marker, host, nic, timeout=400):
         stop.set()
         orch.join(30)
         if "down" in did and "up" not in did:
-            fab.nic_up(host, nic)
+            for k in nics:
+                fab.nic_up(host, k)
         for suffix in (".down", ".cut", ".up"):
             if os.path.exists(marker + suffix):
                 os.unlink(marker + suffix)
@@ -186,3 +190,16 @@ def link_down_checks(fab, host=1, nic=0):
     lines = ok_lines(out, "fault", 2)
     assert all("bitwise equal" in ln and "restored=True" in ln for ln in lines), lines
     print("\nverbs link down:", *lines, sep="\n  ")
+
+
+def partition_checks(fab, host=1):
+    """Every rail between the two hosts cut (both of host 1's NICs down) while a collective
+    waits: no common rail is left and no third rank to relay through, so both ranks raise
+    R2commNetworkError within the peer deadline, never hang."""
+    marker = str(fab.dir / f"part{os.getpid()}")
+    with link_cut_on_marker(fab, marker, host, (0, 1)) as did:
+        rc, out = rdma_job(fab, 2, ["partition", f"marker={marker}", "watchdog=200"])
+    assert rc == 0, out[-6000:]
+    assert did == ["down", "up"], did
+    lines = ok_lines(out, "partition", 2)
+    print("\nverbs partition:", *lines, sep="\n  ")

@@ -10,6 +10,8 @@ Every scenario checks its results bit for bit and prints `OK scenario rank detai
                 (mode=qp: the QP moved to error on one rank; mode=link: the host test cuts the
                 link when the marker file says so, and restores it); results of the two runs
                 must be bitwise equal; reports the pause and the events
+  partition     every rail to the other host cut during an allreduce: both ranks raise
+                R2commNetworkError within the peer deadline
   bw            allreduce and one-way Send/Recv throughput at SIZE (for the figures)
 Common arguments: rails=0+1 (which of the host's rails), transport=tcp|verbs, watchdog=S.
 """
@@ -188,6 +190,37 @@ def fault(comm, args):
             f"restored={restored is not None}")
 
 
+def partition(comm, args):
+    """All rails to the other host cut while an allreduce waits: R2commNetworkError on both
+    ranks within the peer deadline (plus detection), then the links come back."""
+    marker = args["marker"]
+    x = data(comm.rank, 100_000, np.int32)
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)                       # healthy first
+    if comm.rank == 0:
+        with open(marker + ".down", "w") as f:
+            f.write("go")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker + ".cut") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+        comm.Allreduce(x, y)
+    except r2comm.R2commNetworkError as exc:
+        took = time.monotonic() - t0
+        bound = float(os.environ.get("R2COMM_PEER_TIMEOUT_MS", "1500")) / 1e3 + 30
+        assert took < bound, f"raised after {took:.1f} s (bound {bound:.0f} s)"
+        if comm.rank == 0:
+            with open(marker + ".up", "w") as f:
+                f.write("go")
+        return f"R2commNetworkError after {took:.1f} s: {str(exc)[:160]}"
+    finally:
+        if comm.rank == 0 and not os.path.exists(marker + ".up"):
+            with open(marker + ".up", "w") as f:
+                f.write("go")
+    raise AssertionError("the allreduce across a partition did not raise")
+
+
 def bw(comm, args):
     n = int(args.get("size", 8 << 20))
     reps = int(args.get("reps", 5))
@@ -246,7 +279,8 @@ def main():
     comm = comm_from_env(**kw)
     watchdog(comm, float(args.get("watchdog", 0)))
     try:
-        detail = {"collectives": collectives, "fault": fault, "bw": bw}[scenario](comm, args)
+        detail = {"collectives": collectives, "fault": fault, "bw": bw,
+                  "partition": partition}[scenario](comm, args)
         print(f"OK {scenario} {comm.rank} {detail}", flush=True)
     except BaseException:
         for ev in comm.events:
