@@ -54,7 +54,10 @@ BUDGET=${BUDGET:-1320}         # seconds for all steps; the rest of 23 minutes i
 TESTBED=${TESTBED:-auto}       # auto: when root; 0: never
 export R2COMM_RAILS=${R2COMM_RAILS:-127.0.0.1,127.0.0.2}
 export R2COMM_TIMEOUT=${R2COMM_TIMEOUT:-30}  # a hung collective fails its step sooner
-TCP_ENV=(MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo)
+TCP_ENV=(MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo R2COMM_SHM=0)
+# the loopback rail benches (failover, acks) measure the rails: the 2 local ranks must not meet
+# through shared memory (the default between ranks of one host)
+RAILS_ENV=(R2COMM_SHM=0)
 
 mkdir -p "$OUT"
 failed=()
@@ -144,22 +147,22 @@ for coll in allgather reduce_scatter bcast alltoall; do
 done
 
 for mode in hard silent; do
-    step "failover_$mode" -- failover --size 4M "${FO[@]}" --rail 0 --mode "$mode" \
+    step "failover_$mode" "${RAILS_ENV[@]}" -- failover --size 4M "${FO[@]}" --rail 0 --mode "$mode" \
         --check --stall-timeout 60 --json "$OUT/failover_$mode.json" --plot "$OUT/failover_$mode.png"
 done
 
 # issue-3 figures: a healthy single rail (baseline for "after 1 of 2 rails failed") and the cost
 # of the acknowledgement machinery (peer r2comm-noack, R2COMM_ACKS=0, trusts TCP: benchmark only)
-step single_rail R2COMM_RAILS=127.0.0.1 -- failover --size 4M "${SR[@]}" --no-inject \
+step single_rail "${RAILS_ENV[@]}" R2COMM_RAILS=127.0.0.1 -- failover --size 4M "${SR[@]}" --no-inject \
     --check --stall-timeout 60 --json "$OUT/single_rail.json" --plot "$OUT/single_rail.png"
-step acks -- allreduce -m 16M:16M --peer r2comm-noack "${ACKS[@]}" -f --json "$OUT/acks.json"
-step acks_rev -- allreduce -m 16M:16M --peer r2comm-noack --r2comm-last "${ACKS[@]}" -f \
+step acks "${RAILS_ENV[@]}" -- allreduce -m 16M:16M --peer r2comm-noack "${ACKS[@]}" -f --json "$OUT/acks.json"
+step acks_rev "${RAILS_ENV[@]}" -- allreduce -m 16M:16M --peer r2comm-noack --r2comm-last "${ACKS[@]}" -f \
     --json "$OUT/acks_rev.json"
 # the same on one rail: both then stripe alike (without acks no rail rate is measured, and on
 # two rails r2comm-noack puts most bytes on one), so this is the machinery's own cost
-step acks1 R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noack "${ACKS[@]}" -f \
+step acks1 "${RAILS_ENV[@]}" R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noack "${ACKS[@]}" -f \
     --json "$OUT/acks1.json"
-step acks1_rev R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noack --r2comm-last \
+step acks1_rev "${RAILS_ENV[@]}" R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M --peer r2comm-noack --r2comm-last \
     "${ACKS[@]}" -f --json "$OUT/acks1_rev.json"
 
 # the simulator replaying the testbed's scenarios (issue 21; about 10 s, no root needed)
