@@ -585,7 +585,6 @@ def sc_sigkill(comm, args):
     dead rank."""
     import os
     import signal
-    import sys
     import threading
     n, r = comm.size, comm.rank
     # hydra, once it notices a rank killed by a signal, sends SIGUSR1 and then SIGKILL to the
@@ -625,13 +624,21 @@ def sc_sigkill(comm, args):
     # hydra kills the survivors (SIGUSR1, then SIGKILL to their process groups) as soon as it
     # notices the death, which is when its loop next wakes up, e.g. for output: each survivor
     # writes its line to a file, and nobody writes to stdout until every survivor has (bounded)
-    out = args["out"]
+    survivor_report(args["out"], r, n, line)
+
+
+def survivor_report(out, r, n, line, dead=1):
+    """A survivor of a killed rank (DEAD) reports LINE and exits: into OUT/rank<r>.txt first,
+    then, once every survivor has written its file (bounded), to stdout."""
+    import os
+    import sys
+    import time
     with open(os.path.join(out, f"rank{r}.tmp"), "w") as f:
         f.write(line)
     os.replace(os.path.join(out, f"rank{r}.tmp"), os.path.join(out, f"rank{r}.txt"))
     until = time.monotonic() + 15
     while time.monotonic() < until and not all(
-            os.path.exists(os.path.join(out, f"rank{k}.txt")) for k in range(n) if k != 1):
+            os.path.exists(os.path.join(out, f"rank{k}.txt")) for k in range(n) if k != dead):
         time.sleep(0.02)
     sys.stdout.flush()
     os.write(1, line.encode())

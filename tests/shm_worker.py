@@ -146,16 +146,8 @@ def sc_kill(comm, args):
     cause = lost[0].get("cause") if lost else None
     line = (f"OK kill rank={r} raised_at={t_raise:.6f} ops={ops} cause={cause} "
             f"local1={1 in want} {type(exc).__name__}: {exc}\n")
-    with open(os.path.join(out, f"rank{r}.tmp"), "w") as f:
-        f.write(line)
-    os.replace(os.path.join(out, f"rank{r}.tmp"), os.path.join(out, f"rank{r}.txt"))
-    until = time.monotonic() + 15
-    while time.monotonic() < until and not all(
-            os.path.exists(os.path.join(out, f"rank{k}.txt")) for k in range(n) if k != 1):
-        time.sleep(0.02)
-    sys.stdout.flush()
-    os.write(1, line.encode())
-    os._exit(0)
+    from fault_worker import survivor_report
+    survivor_report(out, r, n, line)
 
 
 def sc_relink(comm, args):
