@@ -54,3 +54,18 @@ def run_scenario(n, scenario, timeout=240, env=None, **kw):
     lines = [ln for ln in out.splitlines() if ln.startswith(f"OK {scenario} ")]
     assert lines, f"{scenario}: no OK line:\n{out[-4000:]}"
     return int(lines[-1].split()[2]), out
+
+
+@pytest.fixture(scope="module")
+def netns_ok():
+    """Skip, saying why, where network namespaces cannot be built (not root, no iproute2);
+    the testbed tests that need them take this fixture."""
+    from r2comm.testbed import TestbedError
+    from r2comm.testbed import _iproute as iproute
+    if os.geteuid() != 0:
+        pytest.skip("needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) to create network namespaces")
+    try:
+        iproute.tool("ip")
+        iproute.tool("tc")
+    except TestbedError as exc:
+        pytest.skip(str(exc))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from r2comm.testbed import Fabric, TestbedError, kill_job
+from r2comm.testbed import Fabric, kill_job
 from r2comm.testbed import _iproute as iproute
 
 pytestmark = [pytest.mark.netns, pytest.mark.mpi]
@@ -34,17 +34,6 @@ ENV = {"R2COMM_RAIL_TIMEOUT_MS": "300", "R2COMM_PROBE_MS": "50", "R2COMM_PROBE_M
        "R2COMM_ALGO": "flat"}
 JOB_TIMEOUT = 30
 
-
-@pytest.fixture(scope="module")
-def netns_ok():
-    """Skip, saying why, where namespaces cannot be built; otherwise they must work."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) to create network namespaces")
-    try:
-        iproute.tool("ip")
-        iproute.tool("tc")
-    except TestbedError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from r2comm.testbed import Fabric, TestbedError, kill_job
+from r2comm.testbed import Fabric, kill_job
 from r2comm.testbed import _iproute as iproute
 
 pytestmark = [pytest.mark.netns, pytest.mark.mpi]
@@ -21,16 +21,6 @@ WORKER = str(Path(__file__).parent / "hier_worker.py")
 TAG = f"hi{os.getpid() % 100000}"
 JOB_TIMEOUT = 150
 
-
-@pytest.fixture(scope="module")
-def netns_ok():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) to create network namespaces")
-    try:
-        iproute.tool("ip")
-        iproute.tool("tc")
-    except TestbedError as exc:
-        pytest.skip(str(exc))
 
 
 def _job(fab, n, scenario, **kw):
