@@ -585,7 +585,6 @@ def sc_sigkill(comm, args):
     dead rank."""
     import os
     import signal
-    import threading
     n, r = comm.size, comm.rank
     # hydra, once it notices a rank killed by a signal, sends SIGUSR1 and then SIGKILL to the
     # session of every other rank, even with -disable-auto-cleanup: the test starts each rank
@@ -598,13 +597,7 @@ def sc_sigkill(comm, args):
     comm.Allreduce(x, y)
     WORLD.Barrier()
     if r == 0:
-        def killer():
-            time.sleep(0.4)
-            t = time.time()
-            os.kill(pids[1], signal.SIGKILL)
-            with open(os.path.join(args["out"], "killed.txt"), "w") as f:
-                f.write(f"{t:.6f}\n")
-        threading.Thread(target=killer, daemon=True).start()
+        kill_soon(pids[1], args["out"])
     deadline = time.monotonic() + 30
     try:
         while time.monotonic() < deadline:
@@ -625,6 +618,23 @@ def sc_sigkill(comm, args):
     # notices the death, which is when its loop next wakes up, e.g. for output: each survivor
     # writes its line to a file, and nobody writes to stdout until every survivor has (bounded)
     survivor_report(args["out"], r, n, line)
+
+
+def kill_soon(pid, out, delay=0.4):
+    """SIGKILL process PID after DELAY s (from a thread, while the caller goes on into a
+    collective) and write the kill's wall-clock time to OUT/killed.txt."""
+    import os
+    import signal
+    import threading
+    import time
+
+    def killer():
+        time.sleep(delay)
+        t = time.time()
+        os.kill(pid, signal.SIGKILL)
+        with open(os.path.join(out, "killed.txt"), "w") as f:
+            f.write(f"{t:.6f}\n")
+    threading.Thread(target=killer, daemon=True).start()
 
 
 def survivor_report(out, r, n, line, dead=1):

@@ -103,7 +103,6 @@ def sc_kill(comm, args):
     """Rank 1 is SIGKILLed mid-stream (a large allreduce stream): every survivor raises
     R2commNetworkError. Rank 0 writes the kill time, each survivor its raise time, to `out`."""
     import signal
-    import threading
     n, r = comm.size, comm.rank
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     pids = WORLD.allgather(os.getpid())
@@ -119,13 +118,8 @@ def sc_kill(comm, args):
     comm.Allreduce(x, y)
     WORLD.Barrier()
     if r == 0:
-        def killer():
-            time.sleep(0.4)
-            t = time.time()
-            os.kill(pids[1], signal.SIGKILL)
-            with open(os.path.join(out, "killed.txt"), "w") as f:
-                f.write(f"{t:.6f}\n")
-        threading.Thread(target=killer, daemon=True).start()
+        from fault_worker import kill_soon
+        kill_soon(pids[1], out)
     deadline = time.monotonic() + 30
     exc = None
     ops = 0
