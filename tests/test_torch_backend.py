@@ -175,7 +175,12 @@ def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
     at both steps until the link has changed (R2T_GATE), however late its output reaches us."""
     gate = tempfile.mkdtemp(prefix="r2t-gate-")
     steps = ",".join(str(s) for s in (fail_at, restore_at) if s is not None)
+    # Width 256 and one bucket: some 280 KB of gradients per step, in 16 KiB chunks striped
+    # over both rails. With the tiny default model every allreduce is a single chunk, which
+    # the scheduler puts on the rail measured fastest: nic0 then may carry nothing while it is
+    # down, and no failure happens (CI, stop 24).
     env = _env({"R2T_STEPS": "20", "R2T_NO_GLOO": "1", "R2T_PRINT_STEPS": "1",
+                "R2T_WIDTH": "256", "R2T_BUCKET_MB": "4", "R2COMM_CHUNK_SIZE": "16K",
                 "R2T_STEP_SLEEP": "0.1", "R2COMM_TESTBED_FABRIC": fabric.tag,
                 "R2T_GATE": f"{gate}:{steps}"})
     cmd = [sys.executable, "-m", "r2comm.testbed", "torchrun", "--tag", fabric.tag,

@@ -331,14 +331,17 @@ def scenario_errors(rank, size, ck):
 
 
 def tiny_model():
+    """R2T_WIDTH sets the hidden width (32: 1.7 K parameters, every bucket one small chunk)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    w = int(os.environ.get("R2T_WIDTH", "32"))
+    return torch.nn.Sequential(torch.nn.Linear(16, w), torch.nn.Tanh(),
+                               torch.nn.Linear(w, w), torch.nn.Tanh(), torch.nn.Linear(w, 4))
 
 
 def train(group, steps, rank, size):
     from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(tiny_model(), process_group=group, bucket_cap_mb=0.005)
+    model = DDP(tiny_model(), process_group=group,
+                bucket_cap_mb=float(os.environ.get("R2T_BUCKET_MB", "0.005")))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(100 + rank)
     losses = []
@@ -370,7 +373,8 @@ def train(group, steps, rank, size):
         dist.all_reduce(reduced, group=group)
         losses.append(reduced.item())
         if os.environ.get("R2T_PRINT_STEPS") and rank == 0:
-            print(f"STEP {step}", flush=True)       # the test injects failures between steps
+            sent = " ".join(str(r.bytes_sent) for r in comm.rails) if comm is not None else ""
+            print(f"STEP {step} {sent}", flush=True)   # the test injects failures between steps
         time.sleep(float(os.environ.get("R2T_STEP_SLEEP", "0")))
     return model.module, losses
 
