@@ -5,8 +5,10 @@ Boots a 2-host x 2-NIC RDMA fabric (QEMU guests with rxe rails; or uses one from
   raw        perftest's ib_send_bw / ib_write_bw between the hosts on each rail (64 KiB
              messages, 32 deep), the best a verbs program gets from that rail;
   r2comm     one-way Send/Recv throughput of 8 MiB messages between ranks on different hosts
-             over verbs, on each rail alone and on both rails striped; the same over TCP rails
-             on the same guests (R2COMM_TRANSPORT=tcp);
+             over verbs, on each rail alone and on both rails striped, zero-copy from the
+             registered user buffer, and on each rail also with zero-copy off (the sender
+             copies into bounce slots: R2COMM_VERBS_ZCOPY=0), with the sender's CPU time; the
+             same over TCP rails on the same guests (R2COMM_TRANSPORT=tcp);
   failover   a 2-rank stream of 512 KiB allreduces with a rail failed mid-stream: its QP moved
              to error on one rank, and a real link cut in QEMU; the pause (slowest op minus the
              median) and the failure's cause, results bitwise equal to the fault-free run.
@@ -60,12 +62,12 @@ def job(fab, args, timeout=300):
     return {int(r): text for r, text in lines}, None
 
 
-def r2comm_bw(fab, rails, transport, size, reps):
+def r2comm_bw(fab, rails, transport, size, reps, zcopy=1):
     got, err = job(fab, ["bw", f"rails={rails}", f"transport={transport}", f"size={size}",
-                         f"reps={reps}"])
+                         f"reps={reps}", f"zcopy={zcopy}"])
     if got is None:
         return {"error": err}
-    return json.loads(got[0])
+    return {**json.loads(got[0]), "receiver": json.loads(got[1])}
 
 
 def failover(fab, mode, nic=0, host=1):
@@ -111,6 +113,7 @@ def main():
             row = {}
             row["ib_send_bw"] = perftest(fab, "ib_send_bw", k, 18950 + 2 * k, a.count)
             row["r2comm_verbs"] = r2comm_bw(fab, str(k), "verbs", a.size, a.reps)
+            row["r2comm_verbs_copy"] = r2comm_bw(fab, str(k), "verbs", a.size, a.reps, zcopy=0)
             row["ib_write_bw"] = perftest(fab, "ib_write_bw", k, 18951 + 2 * k, a.count)
             row["r2comm_tcp"] = r2comm_bw(fab, str(k), "tcp", a.size, a.reps)
             res["rails"][str(k)] = row

@@ -52,6 +52,14 @@ class _World:
         self.event_cursor = 0
         self.callbacks = []
         self.timers = []
+        self.regcache = None         # verbs rails: user memory registered for zero-copy sends
+        if getattr(boot, "transport", "tcp") == "verbs" and boot.rail_devices:
+            for d in boot.rail_devices:
+                d.zcopy = cfg.verbs_zcopy
+            if cfg.verbs_zcopy:
+                from .regcache import RegCache
+                self.regcache = RegCache(boot.rail_devices, cfg.verbs_reg_cache,
+                                         cfg.verbs_reg_min)
 
     def close(self):
         if self.closed:
@@ -62,6 +70,8 @@ class _World:
         self.engine.drain(min(self.cfg.timeout, 10.0))
         self.links.close()
         self.engine.close()
+        if self.regcache is not None:
+            self.regcache.clear()    # (the connections are closed: nothing reads them now)
 
 
 def _flush_events(world):
@@ -484,6 +494,16 @@ class Communicator:
         return out
 
     @property
+    def reg_cache(self):
+        """Verbs rails' registration cache (zero-copy sends from user memory): {"entries",
+        "entry_bytes", "zcopy_bytes", "copy_bytes", "zcopy_sends", "registered",
+        "deregistered", "live", "busy", "refused"}, summed over this rank's rail devices;
+        None on TCP rails or with R2COMM_VERBS_ZCOPY=0."""
+        self._check()
+        rc = self._world.regcache
+        return None if rc is None else rc.stats()
+
+    @property
     def shm_peers(self):
         """The ranks of this communicator reached through shared memory (same host, R2COMM_SHM
         on both), each with its link's live state: {rank: {"state", "bytes_sent",
@@ -729,6 +749,11 @@ class Communicator:
             if obj is not None:
                 keep[i] = eng.Buffer(obj, writable)
                 ptr[i] = keep[i].ptr
+        rc = self._world.regcache
+        if rc is not None:               # verbs: large user buffers go zero-copy
+            rc.note(work)
+            if separate:
+                rc.note(send)
         memcopy = eng.memcopy
         for (db, do, sb, so, n) in (*extra_pre, *sched.pre):
             if n:
@@ -993,6 +1018,8 @@ class Communicator:
         owned = kind == "send" and nbytes <= self._cfg.eager
         plan = Plan([(kind, gpeer, 0, WORK, 0, nbytes, 0, owned)], [], "p2p")
         b = Buffer(arr, kind == "recv")
+        if kind == "send" and not owned and self._world.regcache is not None:
+            self._world.regcache.note(arr)
         oid = self._engine.post(plan, b.ptr, 0, 0, dtype_code(arr.dtype), 0, self._id, 0, 0,
                                 self.timeout, [gpeer], 1, int(tag), nbytes,
                                 -1 if rail is None else int(rail))

@@ -85,6 +85,13 @@ class Config:
                                                    #   on every rank
     transport: str = "tcp"                         # R2COMM_TRANSPORT: tcp, verbs or auto (verbs
                                                    # where every rail has an RDMA device)
+    verbs_zcopy: bool = True                       # R2COMM_VERBS_ZCOPY: verbs rails send large
+                                                   #   user buffers straight from their pages
+                                                   #   (registered on first use); 0: all copied
+    verbs_reg_cache: int = 1 << 30                 # R2COMM_VERBS_REG_CACHE: user memory kept
+                                                   #   registered (pinned), bytes per device
+    verbs_reg_min: int = 64 << 10                  # R2COMM_VERBS_REG_MIN: smaller buffers are
+                                                   #   never registered (copied)
     gpu_staging: int = 32 << 20                    # R2COMM_GPU_STAGING: pinned host memory of the
                                                    #   device-buffer staging pool (bytes, per
                                                    #   process and device backend; >= 2 slots)
@@ -150,6 +157,9 @@ class Config:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_TRANSPORT={c.transport!r}: must be tcp, verbs or "
                                       "auto")
+        c.verbs_zcopy = os.environ.get("R2COMM_VERBS_ZCOPY", "1").strip() != "0"
+        c.verbs_reg_cache = _bytes("R2COMM_VERBS_REG_CACHE", c.verbs_reg_cache)
+        c.verbs_reg_min = max(16 << 10, _bytes("R2COMM_VERBS_REG_MIN", c.verbs_reg_min))
         c.gpu_staging = _bytes("R2COMM_GPU_STAGING", c.gpu_staging)
         c.gpu_segment = _bytes("R2COMM_GPU_SEGMENT", c.gpu_segment)
         if c.gpu_segment < 4096:

@@ -375,6 +375,11 @@ def test_engine_collectives_on_verbs_rails(rfab):
 
 
 @pytest.mark.rdma
+def test_engine_zero_copy_sends_and_registration_cache_on_verbs(rfab):
+    _verbs_rails().regcache_checks(rfab)
+
+
+@pytest.mark.rdma
 def test_engine_qp_error_failover_and_failback_on_verbs(rfab):
     _verbs_rails().qp_error_checks(rfab)
 

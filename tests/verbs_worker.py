@@ -13,6 +13,10 @@ Every scenario checks its results bit for bit and prints `OK scenario rank detai
   partition     every rail to the other host cut during an allreduce: both ranks raise
                 R2commNetworkError within the peer deadline
   bw            allreduce and one-way Send/Recv throughput at SIZE (for the figures)
+  regcache      zero-copy sends from registered user memory: arrays freed and allocated again
+                (the same addresses come back), overwritten between sends, more of them than
+                the cache holds (R2COMM_VERBS_REG_CACHE), then the same with zero-copy off;
+                every result exact, both passes equal
 Common arguments: rails=0+1 (which of the host's rails), transport=tcp|verbs, watchdog=S.
 """
 import hashlib
@@ -232,19 +236,94 @@ def bw(comm, args):
     for _ in range(reps):
         comm.Allreduce(x, y)
     ar = (time.monotonic() - t0) / reps
-    comm.Barrier()
+    zcopy = args.get("zcopy", "1") != "0"
+    for d in comm._world.boot.rail_devices or []:
+        d.zcopy = zcopy                   # zcopy=0: the sender copies into the bounce slots
     buf = np.ones(n, np.uint8)
-    t0 = time.monotonic()
+    if comm.rank == 0:                    # warm-up: registers buf (zero-copy) on first use
+        comm.Send(buf, 1, 6)
+    elif comm.rank == 1:
+        comm.Recv(buf, 0, 6)
+    comm.Barrier()
+    st0 = comm.reg_cache
+    t0, c0 = time.monotonic(), time.process_time()
     for _ in range(reps):
         if comm.rank == 0:
             comm.Send(buf, 1, 7)
         elif comm.rank == 1:
             comm.Recv(buf, 0, 7)
+    cpu = time.process_time() - c0
     comm.Barrier()
     p2p = (time.monotonic() - t0) / reps
+    st = comm.reg_cache
     res = {"size": n, "allreduce_s": ar, "p2p_s": p2p, "p2p_mbit": n * 8 / p2p / 1e6,
-           "busbw_mbit": n * 8 * 2 * (comm.size - 1) / comm.size / ar / 1e6}
+           "busbw_mbit": n * 8 * 2 * (comm.size - 1) / comm.size / ar / 1e6,
+           "zcopy": zcopy, "cpu_s_per_gib": cpu / (n * reps) * (1 << 30)}
+    if st is not None and st0 is not None:
+        res["zcopy_bytes"] = st["zcopy_bytes"] - st0["zcopy_bytes"]
+        res["copy_bytes"] = st["copy_bytes"] - st0["copy_bytes"]
     return json.dumps(res)
+
+
+def _regcache_pass(comm, iters, n, keep):
+    """ITERS rounds of Allreduce (int32: exact) and a Send/Recv from rank 0 to 1 of freshly
+    allocated arrays, the previous round's freed first (so their addresses come back), each
+    send repeated after overwriting the buffer; KEEP arrays stay alive in a ring (evictions).
+    Returns (digest of every result, addresses seen again)."""
+    rank, size = comm.rank, comm.size
+    h = hashlib.sha256()
+    seen, reused, ring = set(), 0, []
+    for i in range(iters):
+        x = data(rank, n, np.int32, salt=i)
+        y = np.empty_like(x)
+        if x.ctypes.data in seen:
+            reused += 1
+        seen.add(x.ctypes.data)
+        for again in range(2):
+            if again:
+                x[:] = data(rank, n, np.int32, salt=1000 + i)   # the same pages, new bytes
+            comm.Allreduce(x, y)
+            want = sum(data(r, n, np.int32, salt=(1000 if again else 0) + i).astype(np.int64)
+                       for r in range(size)).astype(np.int32)
+            check(f"allreduce round {i}.{again}", y, want)
+            h.update(y.tobytes())
+            if rank == 0:
+                comm.Send(x, 1, 5)
+            elif rank == 1:
+                comm.Recv(y, 0, 5)
+                check(f"send round {i}.{again}", y,
+                      data(0, n, np.int32, salt=(1000 if again else 0) + i))
+                h.update(y.tobytes())
+        ring.append(x)
+        if len(ring) > keep:
+            ring.pop(0)
+        del x, y
+    return h.hexdigest(), reused
+
+
+def regcache(comm, args):
+    iters, n, keep = int(args.get("iters", 12)), int(args.get("n", 262144)), int(args.get("keep", 3))
+    st0 = comm.reg_cache
+    assert st0 is not None, "verbs rails without a registration cache"
+    d_zc, reused = _regcache_pass(comm, iters, n, keep)
+    st = comm.reg_cache
+    assert st["zcopy_bytes"] > 0 and st["zcopy_sends"] > 0, st
+    assert st["registered"] >= iters and st["deregistered"] >= iters - keep - 1, st
+    assert st["refused"] == 0, st
+    devs = comm._world.boot.rail_devices
+    for d in devs:                        # the same pass through the bounce slots only
+        d.zcopy = False
+    before = comm.reg_cache
+    d_copy, _ = _regcache_pass(comm, iters, n, keep)
+    after = comm.reg_cache
+    for d in devs:
+        d.zcopy = True
+    assert after["zcopy_bytes"] == before["zcopy_bytes"], (before, after)
+    assert after["copy_bytes"] > before["copy_bytes"], (before, after)
+    assert d_zc == d_copy, "zero-copy and bounce passes differ"
+    return (f"digest {d_zc[:16]} equal reused={reused} zcopy={st['zcopy_bytes']} "
+            f"copy={st['copy_bytes']} registered={st['registered']} "
+            f"deregistered={st['deregistered']} live={st['live']}")
 
 
 def watchdog(comm, seconds):
@@ -280,7 +359,7 @@ def main():
     watchdog(comm, float(args.get("watchdog", 0)))
     try:
         detail = {"collectives": collectives, "fault": fault, "bw": bw,
-                  "partition": partition}[scenario](comm, args)
+                  "partition": partition, "regcache": regcache}[scenario](comm, args)
         print(f"OK {scenario} {comm.rank} {detail}", flush=True)
     except BaseException:
         for ev in comm.events:

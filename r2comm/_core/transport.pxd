@@ -83,9 +83,10 @@
 # of pre-posted receive slots in order and re-posts them. event_fd is an epoll set of the
 # completion channel, the companion socket and the device's async fd (TPF_WAKE_OUT); os_fd is
 # the companion socket, the rail's authenticated TCP connection kept open on the same NIC
-# (TPF_SIDE_SOCKET): failure notice, health probe, NIC checks. Not done: zero-copy posts from
-# registered user buffers (reg_mr), which need completions after isend and so several DATA
-# posts per rail and an operation kept alive until its posts complete.
+# (TPF_SIDE_SOCKET): failure notice, health probe, NIC checks. A payload inside user memory
+# that r2comm/regcache.py registered goes zero-copy (SENDs from the user's pages): that post
+# completes at its last send completion, after isend, and the rail holds the frame until then.
+# Registration is per device and owned by the cache, not by the engine (reg_mr stays unused).
 #
 # shm (shm.pxd, r2_shm.h; set-up in r2comm/shm.py): a pair of single-producer/single-consumer
 # byte rings in one POSIX shm segment per pair of local ranks, and a connected socket used as

@@ -28,6 +28,20 @@
 # event_fd is an epoll set of the completion channel (both CQs), the companion socket and the
 # device's async-event fd, so one fd wakes the engine for received data, freed send slots
 # (TPF_WAKE_OUT) and failures.
+#
+# Zero-copy sends from registered user memory (the registration cache). The Communicator
+# registers the memory of large user buffers with every rail device (r2comm/regcache.py: an
+# entry lives exactly as long as the numpy array that owns the memory, so a freed and re-used
+# address can never meet a stale registration). isend looks each large gather entry up in its
+# device's table (VReg, under the device's mutex): an entry inside a registered region is
+# posted as SENDs straight from the user's pages (<= VT_SLOT each, the receiver's slot size);
+# anything else is copied into slots as before (the bounce path). A zero-copy post completes
+# only when its last SEND's completion comes (RC completes in posting order), so its cookie
+# rides on that work request; until then the engine keeps the rail's frame outstanding, as the
+# interface allows. Every SEND takes a place in the work-request ring (VT_NWR: slot or
+# region); a region's registration is kept while its SENDs are outstanding (inflight), and an
+# owner that goes away meanwhile only marks it dead: it is deregistered at the last completion
+# (the pages stay pinned until then, so nothing reads freed memory).
 from libc.errno cimport EAGAIN as _EAGAIN
 
 cdef extern from "<sys/epoll.h>" nogil:
@@ -53,13 +67,30 @@ cdef extern from "<sys/socket.h>" nogil:
 cdef extern from "<unistd.h>" nogil:
     int vt_fd_close "close"(int fd)
 
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct vt_mutex_t "pthread_mutex_t":
+        pass
+    int vt_mutex_init "pthread_mutex_init"(vt_mutex_t*, void*)
+    int vt_lock "pthread_mutex_lock"(vt_mutex_t*)
+    int vt_unlock "pthread_mutex_unlock"(vt_mutex_t*)
+
 cdef enum:
     VT_SLOT = 65536          # bytes per send or receive slot (one SEND each)
     VT_NSEND = 16            # send slots: what may be on the wire per connection (1 MiB)
+    VT_NWR = 64              # send work requests outstanding per connection (slots + zero-copy)
+    VT_ZC_MIN = 16384        # gather entries at least this long are looked up for zero-copy
     VT_NRECV = 32            # receive slots kept posted (more than the peer's send slots)
     VT_ENETDOWN = 100
     VT_EIO = 5
     VT_ECONNRESET = 104
+
+cdef struct VReg:
+    char* base               # a registered user region (r2comm/regcache.py)
+    size_t len
+    ibv_mr* mr
+    int inflight             # zero-copy SENDs from it posted and not yet completed
+    int dead                 # its owner let go: deregistered when inflight reaches 0
+    VReg* next
 
 cdef struct VDev:
     ibv_context* ctx
@@ -67,6 +98,10 @@ cdef struct VDev:
     int port
     int port_down            # IBV_EVENT_PORT_ERR seen, no PORT_ACTIVE since
     uint32_t port_gen        # PORT_ERR events so far: a connection older than one fails
+    vt_mutex_t mu            # guards regs and every VReg's inflight/dead
+    VReg* regs               # live registrations (dead ones leave the list)
+    int zcopy                # 0: every byte goes through the slots (R2COMM_VERBS_ZCOPY=0)
+    uint64_t zc_bytes, zc_posts, copy_bytes, regs_made, regs_freed
 
 cdef struct VConn:
     VDev* dev
@@ -83,6 +118,10 @@ cdef struct VConn:
     uint32_t port_gen0
     unsigned s_unacked, r_unacked    # CQ events taken but not yet acknowledged
     int s_head, s_used       # send slots: oldest outstanding, how many outstanding
+    int w_head, w_used       # send work requests (slot or region), in posting order
+    VReg* w_reg[VT_NWR]      # NULL: a slot's SEND; else the region a zero-copy SEND reads
+    uint64_t w_cookie[VT_NWR]    # completes this engine post when the request completes
+    int zc_out               # zero-copy SENDs outstanding
     int r_head, r_ready      # receive slots: oldest posted, how many of them completed
     uint32_t r_off           # bytes of the head slot already copied out
     uint32_t r_len[VT_NRECV]
@@ -128,6 +167,53 @@ cdef void vt_async(VConn* c) noexcept nogil:
     if c.dev.port_gen != c.port_gen0:
         vt_fail(c, VT_ENETDOWN)
 
+cdef void vreg_release(VDev* d, VReg* g) noexcept nogil:
+    """One zero-copy SEND from g is over (completed, or its QP destroyed): a dead region whose
+    last SEND this was is deregistered now."""
+    cdef int gone
+    vt_lock(&d.mu)
+    g.inflight -= 1
+    gone = g.dead and g.inflight == 0
+    vt_unlock(&d.mu)
+    if gone:
+        ibv_dereg_mr(g.mr)
+        free(g)
+
+cdef void vt_wr_done(VConn* c) noexcept nogil:
+    """The oldest outstanding send work request completed (RC: in posting order)."""
+    cdef int w
+    cdef VReg* g
+    if c.w_used == 0:
+        return
+    w = c.w_head
+    g = c.w_reg[w]
+    if g == NULL:
+        if c.s_used > 0:
+            c.s_used -= 1
+            c.s_head = (c.s_head + 1) % VT_NSEND
+    else:
+        c.w_reg[w] = NULL
+        c.zc_out -= 1
+        vreg_release(c.dev, g)
+    if c.w_cookie[w] != 0:
+        tdone_push(&c.done, c.w_cookie[w])
+        c.w_cookie[w] = 0
+    c.w_head = (w + 1) % VT_NWR
+    c.w_used -= 1
+
+cdef VReg* vreg_find(VDev* d, const char* p, size_t n) noexcept nogil:
+    """The live registration holding [p, p+n), its inflight count raised (NULL: none)."""
+    cdef VReg* g
+    vt_lock(&d.mu)
+    g = d.regs
+    while g != NULL:
+        if p >= g.base and p + n <= g.base + g.len:
+            g.inflight += 1
+            break
+        g = g.next
+    vt_unlock(&d.mu)
+    return g
+
 cdef void vt_service(VConn* c) noexcept nogil:
     """Take what the hardware finished: completion-channel events (the CQs re-armed),
     send completions (slots free again), receive completions (in order), async events and
@@ -166,9 +252,7 @@ cdef void vt_service(VConn* c) noexcept nogil:
                 if c.last_status == 0:
                     c.last_status = wc[i].status
                 vt_fail(c, VT_EIO)
-            if c.s_used > 0:
-                c.s_used -= 1
-                c.s_head = (c.s_head + 1) % VT_NSEND
+            vt_wr_done(c)
         if n < 32:
             break
     while True:
@@ -208,45 +292,126 @@ cdef int vt_event_fd(void* conn) noexcept nogil:
 cdef int vt_os_fd(void* conn) noexcept nogil:
     return (<VConn*>conn).side
 
+cdef int vt_post_slot(VConn* c, char* dst, uint32_t n) noexcept nogil:
+    """Post one filled send slot (0, or the post's error)."""
+    cdef ibv_sge sge
+    cdef int w = (c.w_head + c.w_used) % VT_NWR
+    cdef int rc
+    sge.addr = <uint64_t>dst
+    sge.length = n
+    sge.lkey = c.mr.lkey
+    rc = r2v_post_send(c.qp, <uint64_t>w, &sge, 1, IBV_WR_SEND, 0, 0, 0, IBV_SEND_SIGNALED)
+    if rc != 0:
+        return rc
+    c.w_reg[w] = NULL
+    c.w_cookie[w] = 0
+    c.w_used += 1
+    c.s_used += 1
+    c.posts += 1
+    return 0
+
 cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcept nogil:
+    """Post the gather list as SENDs, a prefix of it when the slots or work requests run out
+    (stream semantics). Large entries inside a registered region go zero-copy; the rest is
+    copied into send slots, a slot posted when full, before a zero-copy entry, or at the end."""
     cdef VConn* c = <VConn*>conn
     cdef int64_t total = iov_total(iov, niov), accepted = 0
-    cdef int i = 0, slot, rc
-    cdef size_t off = 0, room, take
-    cdef char* dst
+    cdef int i, w, rc
+    cdef size_t off, take, fill = 0
+    cdef char* dst = NULL
+    cdef char* src
+    cdef VReg* g
     cdef ibv_sge sge
+    cdef int zc_here = 0
     if c.failed:
         return c.failed
-    if c.s_used == VT_NSEND:
+    if c.s_used == VT_NSEND or c.w_used == VT_NWR:
         vt_service(c)
         if c.failed:
             return c.failed
-    while c.s_used < VT_NSEND and accepted < total:
-        slot = (c.s_head + c.s_used) % VT_NSEND
-        dst = vt_sslot(c, slot)
-        room = VT_SLOT
-        while room > 0 and i < niov:
+    for i in range(niov):
+        src = <char*>iov[i].iov_base
+        off = 0
+        g = NULL
+        if c.dev.zcopy and cookie != 0 and iov[i].iov_len >= VT_ZC_MIN:
+            g = vreg_find(c.dev, src, iov[i].iov_len)
+        if g != NULL:
+            if fill > 0:                         # what the slot holds goes first (order)
+                rc = vt_post_slot(c, dst, <uint32_t>fill)
+                if rc != 0:
+                    vreg_release(c.dev, g)
+                    vt_fail(c, rc)
+                    return accepted if accepted > 0 else c.failed
+                accepted += fill
+                fill = 0
+                dst = NULL
+            while off < iov[i].iov_len and c.w_used < VT_NWR:
+                take = iov[i].iov_len - off
+                if take > VT_SLOT:
+                    take = VT_SLOT
+                w = (c.w_head + c.w_used) % VT_NWR
+                sge.addr = <uint64_t>(src + off)
+                sge.length = <uint32_t>take
+                sge.lkey = g.mr.lkey
+                rc = r2v_post_send(c.qp, <uint64_t>w, &sge, 1, IBV_WR_SEND, 0, 0, 0,
+                                   IBV_SEND_SIGNALED)
+                if rc != 0:
+                    if off == 0:
+                        vreg_release(c.dev, g)   # the lookup's count (later ones are the ring's)
+                    vt_fail(c, rc)
+                    return accepted if accepted > 0 else c.failed
+                if off > 0:                      # one inflight count per SEND
+                    vt_lock(&c.dev.mu)
+                    g.inflight += 1
+                    vt_unlock(&c.dev.mu)
+                c.w_reg[w] = g
+                c.w_cookie[w] = 0
+                c.w_used += 1
+                c.zc_out += 1
+                c.posts += 1
+                c.dev.zc_posts += 1
+                c.dev.zc_bytes += take
+                off += take
+                accepted += take
+                zc_here = 1
+            if off == 0:
+                vreg_release(c.dev, g)           # no room: the lookup's count is returned
+            if off < iov[i].iov_len:
+                return accepted                  # the rest when completions free requests
+            continue
+        while off < iov[i].iov_len:
+            if dst == NULL or fill == VT_SLOT:
+                if fill > 0:
+                    rc = vt_post_slot(c, dst, <uint32_t>fill)
+                    if rc != 0:
+                        vt_fail(c, rc)
+                        return accepted if accepted > 0 else c.failed
+                    accepted += fill
+                    fill = 0
+                    dst = NULL
+                if c.s_used == VT_NSEND or c.w_used == VT_NWR:
+                    return accepted
+                dst = vt_sslot(c, (c.s_head + c.s_used) % VT_NSEND)
             take = iov[i].iov_len - off
-            if take > room:
-                take = room
-            memcpy(dst + (VT_SLOT - room), <char*>iov[i].iov_base + off, take)
-            room -= take
+            if take > VT_SLOT - fill:
+                take = VT_SLOT - fill
+            memcpy(dst + fill, src + off, take)
+            fill += take
             off += take
-            if off == iov[i].iov_len:
-                i += 1
-                off = 0
-        sge.addr = <uint64_t>dst
-        sge.length = <uint32_t>(VT_SLOT - room)
-        sge.lkey = c.mr.lkey
-        rc = r2v_post_send(c.qp, <uint64_t>slot, &sge, 1, IBV_WR_SEND, 0, 0, 0, IBV_SEND_SIGNALED)
+            if cookie != 0:
+                c.dev.copy_bytes += take
+    if fill > 0:
+        rc = vt_post_slot(c, dst, <uint32_t>fill)
         if rc != 0:
             vt_fail(c, rc)
             return accepted if accepted > 0 else c.failed
-        c.posts += 1
-        c.s_used += 1
-        accepted += VT_SLOT - room
+        accepted += fill
     if cookie != 0 and accepted == total:
-        tdone_push(&c.done, cookie)      # the bytes are ours now: the engine's post is done
+        if c.zc_out > 0:
+            # the post still reads user memory: done when its last request completes
+            c.w_cookie[(c.w_head + c.w_used - 1) % VT_NWR] = cookie
+        else:
+            tdone_push(&c.done, cookie)  # the bytes are ours now: the engine's post is done
     return accepted
 
 cdef int vt_test(void* conn, uint64_t* out, int max) noexcept nogil:
@@ -288,10 +453,18 @@ cdef void vt_shutdown(void* conn) noexcept nogil:
     vt_fail(c, VT_ECONNRESET)
 
 cdef void vconn_free(VConn* c) noexcept nogil:
+    cdef int k, w
     if c == NULL:
         return
     if c.qp != NULL:
         ibv_destroy_qp(c.qp)
+    # the QP is gone, so nothing reads the regions of zero-copy SENDs that never completed
+    for k in range(c.w_used):
+        w = (c.w_head + k) % VT_NWR
+        if c.w_reg[w] != NULL:
+            vreg_release(c.dev, c.w_reg[w])
+            c.w_reg[w] = NULL
+    c.w_used = 0
     if c.scq != NULL:
         if c.s_unacked:
             ibv_ack_cq_events(c.scq, c.s_unacked)
@@ -359,6 +532,77 @@ cdef class RailDevice:
         self.dev.ctx = context.ctx
         self.dev.pd = self.pd.pd
         self.dev.port = context.port
+        self.dev.zcopy = 1
+        vt_mutex_init(&self.dev.mu, NULL)
+
+    def register(self, uint64_t addr, size_t length):
+        """Register [addr, addr+length) of user memory for zero-copy sends on this device's
+        connections; returns the handle for unregister(). The caller guarantees the memory
+        outlives the registration (r2comm/regcache.py ties it to the owning array)."""
+        cdef VReg* g = <VReg*>calloc(1, sizeof(VReg))
+        cdef ibv_mr* mr
+        if g == NULL:
+            raise MemoryError()
+        with nogil:
+            mr = ibv_reg_mr(self.dev.pd, <void*>addr, length, 0)   # local read: sends only
+        if mr == NULL:
+            free(g)
+            raise _err(f"ibv_reg_mr of {length} bytes at {addr:#x}", errno)
+        g.base = <char*>addr
+        g.len = length
+        g.mr = mr
+        with nogil:
+            vt_lock(&self.dev.mu)
+            g.next = self.dev.regs
+            self.dev.regs = g
+            self.dev.regs_made += 1
+            vt_unlock(&self.dev.mu)
+        return <uint64_t><intptr_t>g
+
+    def unregister(self, uint64_t handle):
+        """Forget a registration: no later send uses it; deregistered now, or at the completion
+        of the last zero-copy SEND still reading it."""
+        cdef VReg* g = <VReg*><intptr_t>handle
+        cdef VReg** pp
+        cdef int now_free = 0
+        with nogil:
+            vt_lock(&self.dev.mu)
+            pp = &self.dev.regs
+            while pp[0] != NULL and pp[0] != g:
+                pp = &pp[0].next
+            if pp[0] == g:
+                pp[0] = g.next
+                g.dead = 1
+                now_free = g.inflight == 0
+                self.dev.regs_freed += 1
+            vt_unlock(&self.dev.mu)
+            if now_free:
+                ibv_dereg_mr(g.mr)
+                free(g)
+
+    property zcopy:
+        """Whether large registered gather entries are sent zero-copy (else all via slots)."""
+        def __get__(self):
+            return bool(self.dev.zcopy)
+        def __set__(self, value):
+            self.dev.zcopy = 1 if value else 0
+
+    def zcopy_stats(self):
+        """Payload bytes sent zero-copy and through the slots, zero-copy SENDs, registrations
+        made and dropped, and live ones (with zero-copy SENDs still outstanding on them)."""
+        cdef VReg* g
+        cdef int live = 0, busy = 0
+        with nogil:
+            vt_lock(&self.dev.mu)
+            g = self.dev.regs
+            while g != NULL:
+                live += 1
+                busy += g.inflight > 0
+                g = g.next
+            vt_unlock(&self.dev.mu)
+        return {"zcopy_bytes": self.dev.zc_bytes, "copy_bytes": self.dev.copy_bytes,
+                "zcopy_sends": self.dev.zc_posts, "registered": self.dev.regs_made,
+                "deregistered": self.dev.regs_freed, "live": live, "busy": busy}
 
     @property
     def port_down(self):
@@ -412,7 +656,7 @@ cdef class VerbsConn:
             raise _err("ibv_create_comp_channel", errno)
         flags = fcntl(c.ch.fd, F_GETFL)
         fcntl(c.ch.fd, F_SETFL, flags | O_NONBLOCK)
-        c.scq = ibv_create_cq(c.dev.ctx, VT_NSEND * 2, NULL, c.ch, 0)
+        c.scq = ibv_create_cq(c.dev.ctx, VT_NWR * 2, NULL, c.ch, 0)
         c.rcq = ibv_create_cq(c.dev.ctx, VT_NRECV * 2, NULL, c.ch, 0)
         if c.scq == NULL or c.rcq == NULL:
             raise _err("ibv_create_cq", errno)
@@ -420,7 +664,7 @@ cdef class VerbsConn:
         ia.qp_context = <void*>c
         ia.send_cq = c.scq
         ia.recv_cq = c.rcq
-        ia.cap.max_send_wr = VT_NSEND
+        ia.cap.max_send_wr = VT_NWR
         ia.cap.max_recv_wr = VT_NRECV
         ia.cap.max_send_sge = 1
         ia.cap.max_recv_sge = 1

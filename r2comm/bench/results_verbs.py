@@ -48,6 +48,26 @@ def verbs_section(res):
                  _mbit((both.get("r2comm_tcp") or {}).get("p2p_mbit")), "–"])
     out += table(["", "raw ib_send_bw, Mbit/s", "raw ib_write_bw, Mbit/s", "r2comm verbs, Mbit/s",
                   "r2comm TCP, Mbit/s", "r2comm verbs / best raw"], rows) + [""]
+    zrows = []
+    for k, row in sorted((doc.get("rails") or {}).items()):
+        zc, cp = row.get("r2comm_verbs") or {}, row.get("r2comm_verbs_copy") or {}
+        if "p2p_mbit" not in zc or "p2p_mbit" not in cp:
+            continue
+        zrows.append([f"rail {k}", _mbit(zc["p2p_mbit"]), _mbit(cp["p2p_mbit"]),
+                      f"{zc['p2p_mbit'] / cp['p2p_mbit']:.2f}x",
+                      f"{zc.get('cpu_s_per_gib', 0):.2f}", f"{cp.get('cpu_s_per_gib', 0):.2f}",
+                      f"{zc.get('zcopy_bytes', 0) / max(1, zc.get('zcopy_bytes', 0) + zc.get('copy_bytes', 0)):.0%}"])
+    if zrows:
+        out += ["Zero-copy sends (the registration cache) against the bounce slots, one-way "
+                "`Send`/`Recv` as above, same rail back to back: the sender posts SENDs straight "
+                "from the registered user buffer, or copies it into registered slots first "
+                "(`R2COMM_VERBS_ZCOPY=0`). *CPU* is the sender process's CPU seconds per GiB sent "
+                "(user + system, inside the guest). Soft-RoCE copies every byte in the guest's "
+                "kernel either way, so this shows what the user-space copy costs, not what a "
+                "hardware NIC would gain.", ""]
+        out += table(["", "zero-copy, Mbit/s", "bounce, Mbit/s", "zero-copy / bounce",
+                      "CPU s/GiB zero-copy", "CPU s/GiB bounce", "payload sent zero-copy"],
+                     zrows) + [""]
     fo = doc.get("failover") or {}
     frows = []
     for mode, what in (("qp", "QP moved to error on rank 1 (`fail_rail(0, 'hard')`)"),
