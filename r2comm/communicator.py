@@ -54,9 +54,12 @@ class _World:
         self.timers = []
         self.regcache = None         # verbs rails: user memory registered for zero-copy sends
         if getattr(boot, "transport", "tcp") == "verbs" and boot.rail_devices:
+            # (not without acks: there a post's completion counts as delivery, and a zero-copy
+            # post completes before the NIC has read the pages)
+            zcopy = cfg.verbs_zcopy and cfg.acks
             for d in boot.rail_devices:
-                d.zcopy = cfg.verbs_zcopy
-            if cfg.verbs_zcopy:
+                d.zcopy = zcopy
+            if zcopy:
                 from .regcache import RegCache
                 self.regcache = RegCache(boot.rail_devices, cfg.verbs_reg_cache,
                                          cfg.verbs_reg_min)

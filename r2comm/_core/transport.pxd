@@ -84,9 +84,12 @@
 # completion channel, the companion socket and the device's async fd (TPF_WAKE_OUT); os_fd is
 # the companion socket, the rail's authenticated TCP connection kept open on the same NIC
 # (TPF_SIDE_SOCKET): failure notice, health probe, NIC checks. A payload inside user memory
-# that r2comm/regcache.py registered goes zero-copy (SENDs from the user's pages): that post
-# completes at its last send completion, after isend, and the rail holds the frame until then.
-# Registration is per device and owned by the cache, not by the engine (reg_mr stays unused).
+# that r2comm/regcache.py registered goes zero-copy (SENDs from the user's pages). Such a post
+# also completes inside isend, before the NIC has read the pages: the one exception to the
+# memory contract above, safe because the engine writes a chunk's region again only after the
+# peer acknowledged the chunk (verbs_transport.pxi's header has the argument), and because the
+# registration keeps the pages pinned until the SENDs complete. Registration is per device and
+# owned by the cache, not by the engine (reg_mr stays unused).
 #
 # shm (shm.pxd, r2_shm.h; set-up in r2comm/shm.py): a pair of single-producer/single-consumer
 # byte rings in one POSIX shm segment per pair of local ranks, and a connected socket used as
