@@ -157,16 +157,26 @@ def _topology(endpoints, members):
                                         [len(endpoints[g]["rails"]) for g in members])
 
 
+_IS_DEVICE = None
+
+
 def _is_gpu(obj):
-    from .gpu.backend import is_device
-    return is_device(obj)
+    global _IS_DEVICE
+    if _IS_DEVICE is None:
+        from .gpu.backend import is_device
+        _IS_DEVICE = is_device
+    return _IS_DEVICE(obj)
+
+
+_HOST_TYPES = (np.ndarray, bytes, bytearray, memoryview, type(None), int)
 
 
 def _device_args(args):
     """A collective's buffer arguments include a device array (the first two arguments are
-    the buffers; IN_PLACE, None and numbers are not)."""
+    the buffers; IN_PLACE, None and numbers are not). Plain numpy arrays and the other host
+    types are told apart by type alone: this runs on every call (small-message latency)."""
     for a in args[:2]:
-        if _is_gpu(a):
+        if type(a) not in _HOST_TYPES and _is_gpu(a):
             return True
     return False
 
