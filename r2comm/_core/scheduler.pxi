@@ -59,6 +59,9 @@ cdef void gate_release(State* e, Dep d, uint32_t c) noexcept nogil:
 cdef inline double max_d(double a, double b) noexcept nogil:
     return a if a > b else b
 
+cdef inline double min_d(double a, double b) noexcept nogil:
+    return a if a < b else b
+
 cdef double SLOW_RAIL = 0.25   # a rail this much slower than a busy one does not take its chunks
 
 cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
@@ -218,8 +221,10 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
                 best_speed = rate * r.weight
                 # idle for 4 of its chunk times (50 ms at least): its rate is stale, and only
                 # a chunk can measure it again (a NIC back at its rate after a degradation)
+                # (at most 1 s: a rail re-admitted after a link cut whose first chunk was
+                # measured at a crawl otherwise waited many seconds for its next one)
                 best_stale = r.inflight.empty() and r.ghosts == 0 and \
-                    now - r.last_progress > max_d(0.05, 4.0 * e.cs / rate)
+                    now - r.last_progress > max_d(0.05, min_d(4.0 * e.cs / rate, 1.0))
         # The chunk goes to the idle rail it would be through soonest on, unless that rail is
         # slow (under a quarter of the speed of a rail whose socket is still busy with a
         # frame) and the busy rail would have it through sooner: then it waits for that rail
