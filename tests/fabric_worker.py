@@ -160,7 +160,56 @@ def sc_stream(comm, args):
     return ops
 
 
-SCENARIOS = {"collectives": sc_collectives, "stream": sc_stream}
+def sc_idle(comm, args):
+    """A NIC that goes down while nothing runs: after one allreduce every rank stops calling
+    r2comm (rank 0 writes `marker` so the test takes host 1's NIC 0 down) and only watches
+    comm.rails; the rail must leave "up" on every rank without a single operation. Rank 0 then
+    writes `marker`.seen (the test brings the NIC back), every rail comes back up by fail-back
+    alone, and an allreduce over all rails is exact."""
+    n, r = comm.size, comm.rank
+    rail = int(args.get("rail", 0))
+    limit = float(args.get("limit", 5.0))
+    cnt = 1 << 16
+    x = data("idle", r, cnt, "float32", SUM)
+    ref = reduce_ref("idle", n, cnt, "float32", SUM)
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)
+    check(np.array_equal(y, ref), "warm-up allreduce")
+    check(all(ra.state == "up" for ra in comm.rails), f"rails up before the fault: {comm.rails}")
+    n0 = len(comm.events)
+    WORLD.Barrier()
+    if r == 0:
+        _write_marker(args["marker"], {"t0": time.time()})
+    seen, deadline = None, time.monotonic() + limit
+    while time.monotonic() < deadline:              # no r2comm operation in this loop
+        if comm.rails[rail].state != "up":
+            seen = time.time()
+            break
+        time.sleep(0.005)
+    failed = [e for e in comm.events[n0:] if e["kind"] == "rail_failed"]
+    row = {"rank": r, "seen": seen, "state": comm.rails[rail].state,
+           "failed": sorted({(e["peer"], e["rail"], e["detector"] == r, e.get("cause"))
+                             for e in failed}, key=str)}
+    rows = WORLD.allgather(row)
+    if r == 0:
+        for rw in rows:
+            print(f"IDLE {json.dumps(rw)}", flush=True)
+        _write_marker(args["marker"] + ".seen", {"rows": rows})
+    check(all(rw["seen"] is not None for rw in rows),
+          f"a NIC down on an idle rail was not noticed within {limit} s: {rows}")
+    check(all(any(f[1] == rail for f in rw["failed"]) for rw in rows),
+          f"every rank recorded rail {rail} failed: {rows}")
+    back = wait_rails_up(comm, float(args.get("restore_wait", 20)))
+    check(back, f"rank {r}: rails back up by fail-back: {comm.rails}")
+    WORLD.Barrier()
+    y.fill(np.float32(-1.0))
+    comm.Allreduce(x, y)
+    check(np.array_equal(y, ref), "allreduce after fail-back")
+    check(comm.rails[rail].bytes_sent > 0, "the restored rail carries traffic")
+    return 1                                        # (summed over the ranks by main)
+
+
+SCENARIOS = {"collectives": sc_collectives, "stream": sc_stream, "idle": sc_idle}
 
 
 def fabric_main():

@@ -74,6 +74,7 @@ cdef extern from "r2_health.h" nogil:
         unsigned long long bytes_acked, snd_wnd
     int r2_tcp_snap(int fd, r2_tcpsnap* s)
     int r2_local_nic(int fd, char* name, size_t n)
+    int r2_peer_local(int fd)
     int r2_drop_input(int fd)
 
 cdef extern from "<sys/epoll.h>" nogil:

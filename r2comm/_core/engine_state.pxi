@@ -423,6 +423,7 @@ cdef cppclass State:
     double fault_time
     int awaiting_redelivery
     double last_timer
+    double nic_idle_t        # when the local NICs under the rails were last looked at (idle check)
     int waiters
     int noack
     int mac                  # R2COMM_INTEGRITY=mac: frames carry a MAC (else the checksum only)
@@ -441,6 +442,7 @@ cdef cppclass State:
         this.hedge = HEDGE_SLOW
         this.waiters = 0
         this.last_timer = 0
+        this.nic_idle_t = 0
         this.next_op = 1
         this.stop = 0
         this.signal = 0
