@@ -1271,7 +1271,17 @@ cdef class Engine:
                                    e.peers[i].rails[k].tx_busy,
                                    e.peers[i].rails[k].dackq.size() // HDR_SIZE)
                                   for k in range(e.peers[i].nrails + 1)]
-                              for i in range(e.nranks) if e.peers[i] != NULL}}
+                              for i in range(e.nranks) if e.peers[i] != NULL},
+                   # what the chunk scheduler sees of each rail: measured rate (B/s), bytes in
+                   # flight, its window, a frame being written, posted, s since last progress
+                   "sched": {i: [(round(e.peers[i].rails[k].rate),
+                                  e.peers[i].rails[k].inflight_bytes,
+                                  rail_window(e, e.peers[i].rails[k]),
+                                  e.peers[i].rails[k].tx_busy, e.peers[i].rails[k].tx_posted,
+                                  round(mono() - e.peers[i].rails[k].last_progress, 3),
+                                  e.peers[i].rails[k].ghosts)
+                                 for k in range(e.peers[i].nrails)]
+                             for i in range(e.nranks) if e.peers[i] != NULL}}
         finally:
             pthread_mutex_unlock(&e.mu)
         return out
