@@ -110,8 +110,11 @@ def test_stopped_process_is_not_a_dead_nic(stop):
     stream resumes with exact results, and peer_stalled / peer_resumed name rank 1."""
     count, out = run_scenario(3, "stall", timeout=60, stop=stop)
     assert count == 3
-    rows = [ln for ln in out.splitlines() if ln.startswith("STALL ")]
-    assert len(rows) == 3 and "'failed': []" in rows[0], out[-3000:]
+    # one row per rank per round (a round that gave the engine nothing to judge is run again,
+    # up to 3): no rail failed in any of them
+    rows = [ln for ln in out.splitlines() if ln.startswith("STALL ") and "{'rank'" in ln]
+    assert rows and len(rows) % 3 == 0 and len(rows) <= 9, out[-3000:]
+    assert all("'failed': []" in r for r in rows), out[-3000:]
 
 
 @pytest.mark.slow

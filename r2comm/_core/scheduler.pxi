@@ -221,8 +221,11 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
                 best_speed = rate * r.weight
                 # idle for 4 of its chunk times (50 ms at least): its rate is stale, and only
                 # a chunk can measure it again (a NIC back at its rate after a degradation)
-                # (at most 1 s: a rail re-admitted after a link cut whose first chunk was
-                # measured at a crawl otherwise waited many seconds for its next one)
+                # (at most 1 s: a rail measured at a crawl, e.g. just after its re-admission
+                # under load, otherwise waited 4 of its slow chunk times, many seconds, before
+                # a busy faster rail let it have a chunk and be measured again. A stream of
+                # single-chunk messages with the faster rail idle still never tries it: each
+                # goes where it is through soonest, which is right for latency)
                 best_stale = r.inflight.empty() and r.ghosts == 0 and \
                     now - r.last_progress > max_d(0.05, min_d(4.0 * e.cs / rate, 1.0))
         # The chunk goes to the idle rail it would be through soonest on, unless that rail is
