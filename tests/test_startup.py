@@ -172,16 +172,9 @@ TB_JOB_TIMEOUT = 60
 
 
 @pytest.fixture
-def fab3():
-    from r2comm.testbed import Fabric, TestbedError
+def fab3(netns_ok):
+    from r2comm.testbed import Fabric
     from r2comm.testbed import _iproute as iproute
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) to create network namespaces")
-    try:
-        iproute.tool("ip")
-        iproute.tool("tc")
-    except TestbedError as exc:
-        pytest.skip(str(exc))
     fabric = Fabric(hosts=3, nics=2, rate="1gbit", tag=TAG).up()
     try:
         yield fabric

@@ -158,17 +158,6 @@ def test_ddp_losses_bitwise_through_nic_failure(how, clean_run):
     assert _losses(faulty) == _losses(clean_run)
 
 
-def _testbed_or_skip():
-    if os.geteuid() != 0:
-        pytest.skip("needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN) to create network namespaces")
-    from r2comm.testbed import _iproute as iproute
-    try:
-        iproute.tool("ip")
-        iproute.tool("tc")
-    except iproute.TestbedError as exc:
-        pytest.skip(str(exc))
-
-
 def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
     """torch_worker ddp on the fabric through `testbed torchrun` (2 hosts x 1 rank); from step
     fail_at to step restore_at, host 1's nic0 is down for real (ip link set down). Rank 0 waits
@@ -210,11 +199,10 @@ def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
 
 
 @pytest.mark.netns
-def test_testbed_torchrun_ddp_through_real_nic_failure():
+def test_testbed_torchrun_ddp_through_real_nic_failure(netns_ok):
     """`python -m r2comm.testbed torchrun`: one torchrun per host namespace, rendezvous over
     the management network. Host 1's nic0 goes down for real mid-training and comes back:
     the losses equal the healthy run's bitwise."""
-    _testbed_or_skip()
     from r2comm.testbed.fabric import Fabric
     fabric = Fabric(hosts=2, nics=2, rate="1gbit", tag=f"t18{os.getpid() % 1000}").up()
     try:

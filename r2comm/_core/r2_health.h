@@ -49,28 +49,24 @@ static inline int r2_tcp_snap(int fd, r2_tcpsnap* s) {
     return 0;
 }
 
-// The interface that holds fd's local address: 1 up with carrier, 0 down or without carrier
-// (its name in `name`), -1 unknown.
-static inline int r2_local_nic(int fd, char* name, size_t n) {
-    struct sockaddr_storage ss;
-    socklen_t sl = sizeof(ss);
+// The interface holding address `ss` on this host: 1 up with carrier, 0 down or without
+// carrier (its name in `name`), -1 not an address of this host (or unknown).
+static inline int r2_ifaddr_state(const struct sockaddr_storage* ss, char* name, size_t n) {
     struct ifaddrs* all = nullptr;
     int res = -1;
     if (n)
         name[0] = 0;
-    if (fd < 0 || getsockname(fd, (struct sockaddr*)&ss, &sl) != 0)
-        return -1;
-    if (ss.ss_family != AF_INET && ss.ss_family != AF_INET6)
+    if (ss->ss_family != AF_INET && ss->ss_family != AF_INET6)
         return -1;
     if (getifaddrs(&all) != 0)
         return -1;
     for (struct ifaddrs* a = all; a != nullptr; a = a->ifa_next) {
-        if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != ss.ss_family)
+        if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != ss->ss_family)
             continue;
-        bool same = ss.ss_family == AF_INET
-            ? ((struct sockaddr_in*)a->ifa_addr)->sin_addr.s_addr == ((struct sockaddr_in*)&ss)->sin_addr.s_addr
+        bool same = ss->ss_family == AF_INET
+            ? ((struct sockaddr_in*)a->ifa_addr)->sin_addr.s_addr == ((const struct sockaddr_in*)ss)->sin_addr.s_addr
             : std::memcmp(&((struct sockaddr_in6*)a->ifa_addr)->sin6_addr,
-                          &((struct sockaddr_in6*)&ss)->sin6_addr, sizeof(struct in6_addr)) == 0;
+                          &((const struct sockaddr_in6*)ss)->sin6_addr, sizeof(struct in6_addr)) == 0;
         if (!same)
             continue;
         if (n)
@@ -82,33 +78,29 @@ static inline int r2_local_nic(int fd, char* name, size_t n) {
     return res;
 }
 
+// The interface that holds fd's local address: 1 up with carrier, 0 down or without carrier
+// (its name in `name`), -1 unknown.
+static inline int r2_local_nic(int fd, char* name, size_t n) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    if (n)
+        name[0] = 0;
+    if (fd < 0 || getsockname(fd, (struct sockaddr*)&ss, &sl) != 0)
+        return -1;
+    return r2_ifaddr_state(&ss, name, n);
+}
+
 // 1 if the connection's peer address is one of this host's own (its bytes never leave the
 // host: two ranks of one host on a rail address go through the kernel's local route, also while
 // that NIC is down), 0 if not, -1 if unknown.
 static inline int r2_peer_local(int fd) {
     struct sockaddr_storage ss;
     socklen_t sl = sizeof(ss);
-    struct ifaddrs* all = nullptr;
-    int res = 0;
     if (fd < 0 || getpeername(fd, (struct sockaddr*)&ss, &sl) != 0)
         return -1;
     if (ss.ss_family != AF_INET && ss.ss_family != AF_INET6)
         return -1;
-    if (getifaddrs(&all) != 0)
-        return -1;
-    for (struct ifaddrs* a = all; a != nullptr; a = a->ifa_next) {
-        if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != ss.ss_family)
-            continue;
-        if (ss.ss_family == AF_INET
-                ? ((struct sockaddr_in*)a->ifa_addr)->sin_addr.s_addr == ((struct sockaddr_in*)&ss)->sin_addr.s_addr
-                : std::memcmp(&((struct sockaddr_in6*)a->ifa_addr)->sin6_addr,
-                              &((struct sockaddr_in6*)&ss)->sin6_addr, sizeof(struct in6_addr)) == 0) {
-            res = 1;
-            break;
-        }
-    }
-    freeifaddrs(all);
-    return res;
+    return r2_ifaddr_state(&ss, nullptr, 0) >= 0 ? 1 : 0;
 }
 
 // Make a connection's NIC look dead to both kernels (the injected silent fault): a socket

@@ -185,6 +185,16 @@ cdef void vreg_release(VDev* d, VReg* g) noexcept nogil:
         ibv_dereg_mr(g.mr)
         free(g)
 
+cdef void vreg_settle(VDev* d, VReg* g, int nz) noexcept nogil:
+    """vreg_find counted one SEND from g; nz were posted: one inflight count per SEND (the
+    engine thread polls completions only after isend returns, so they are settled in time)."""
+    if nz == 0:
+        vreg_release(d, g)
+    elif nz > 1:
+        vt_lock(&d.mu)
+        g.inflight += nz - 1
+        vt_unlock(&d.mu)
+
 cdef void vt_wr_done(VConn* c) noexcept nogil:
     """The oldest outstanding send work request completed (RC: in posting order)."""
     cdef int w
@@ -324,7 +334,7 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
     cdef char* src
     cdef VReg* g
     cdef ibv_sge sge
-    cdef int zc_here = 0
+    cdef int nz
     if c.failed:
         return c.failed
     if c.s_used == VT_NSEND or c.w_used == VT_NWR:
@@ -347,6 +357,7 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
                 accepted += fill
                 fill = 0
                 dst = NULL
+            nz = 0                               # zero-copy SENDs posted from g for this entry
             while off < iov[i].iov_len and c.w_used < VT_NWR:
                 take = iov[i].iov_len - off
                 if take > VT_SLOT:
@@ -358,14 +369,10 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
                 rc = r2v_post_send(c.qp, <uint64_t>w, &sge, 1, IBV_WR_SEND, 0, 0, 0,
                                    IBV_SEND_SIGNALED)
                 if rc != 0:
-                    if off == 0:
-                        vreg_release(c.dev, g)   # the lookup's count (later ones are the ring's)
+                    vreg_settle(c.dev, g, nz)
                     vt_fail(c, rc)
                     return accepted if accepted > 0 else c.failed
-                if off > 0:                      # one inflight count per SEND
-                    vt_lock(&c.dev.mu)
-                    g.inflight += 1
-                    vt_unlock(&c.dev.mu)
+                nz += 1
                 c.w_reg[w] = g
                 c.w_used += 1
                 c.zc_out += 1
@@ -374,9 +381,7 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
                 c.dev.zc_bytes += take
                 off += take
                 accepted += take
-                zc_here = 1
-            if off == 0:
-                vreg_release(c.dev, g)           # no room: the lookup's count is returned
+            vreg_settle(c.dev, g, nz)
             if off < iov[i].iov_len:
                 return accepted                  # the rest when completions free requests
             continue
