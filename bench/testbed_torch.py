@@ -76,7 +76,8 @@ class Job:
     TRIGGERS[text] runs (in its own thread) when a line starting with text appears."""
 
     def __init__(self, fab, argv, env, workdir, name, timeout):
-        from r2comm.testbed.launch import free_port, torchrun_commands
+        from r2comm.ports import free_port
+        from r2comm.testbed.launch import torchrun_commands
         self.name, self.timeout = name, timeout
         self.logs = [workdir / f"{name}-host{h}.log" for h in range(fab.hosts)]
         self.cmds = torchrun_commands(fab, [str(a) for a in argv], nproc=2, port=free_port())

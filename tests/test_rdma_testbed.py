@@ -75,7 +75,7 @@ def test_bad_shapes_and_missing_tools_are_clear_errors(monkeypatch):
 
 
 def test_hub_floods_frames_to_the_other_members_only(tmp_path):
-    ports = rdma.free_ports(6)
+    ports = rdma.free_ports(6, udp=True)
     guests = []
     for port in ports[:3]:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

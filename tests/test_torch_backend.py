@@ -3,7 +3,6 @@ launched by torchrun (env:// rendezvous, TCPStore) and by mpiexec (FileStore, no
 The scenarios are in tests/torch_worker.py."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,15 +18,10 @@ except ImportError as exc:
     _TORCH, _WHY = False, f"torch is not installed ({exc}); pip install -e '.[torch]'"
 
 from conftest import ROOT, mpiexec_path
+from r2comm.ports import free_port
 
 pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
 WORKER = os.path.join(ROOT, "tests", "torch_worker.py")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(extra):
@@ -49,11 +43,17 @@ def _run(cmd, env, timeout, what):
 
 
 def run_torchrun(n, scenario, env=None, timeout=180):
-    """torchrun (torch.distributed.run) on one node, static rendezvous on loopback."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-           str(n), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "--monitor-interval", "0.2", WORKER, scenario]
-    return _check(n, scenario, *_run(cmd, _env(env), timeout, f"torchrun {scenario}"))
+    """torchrun (torch.distributed.run) on one node, static rendezvous on loopback. A port
+    lost to another socket between choosing it and the rendezvous listening on it (before any
+    rank ran) is a launch failure, not a result: that launch is retried on a new port."""
+    for attempt in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "--monitor-interval", "0.2", WORKER, scenario]
+        rc, out = _run(cmd, _env(env), timeout, f"torchrun {scenario}")
+        lost_port = "EADDRINUSE" in out and "next_rendezvous" in out
+        if rc == 0 or not lost_port or attempt == 2:
+            return _check(n, scenario, rc, out)
 
 
 def run_mpiexec(n, scenario, tmp_path, env=None, timeout=180):
@@ -173,7 +173,7 @@ def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
                 "R2T_STEP_SLEEP": "0.1", "R2COMM_TESTBED_FABRIC": fabric.tag,
                 "R2T_GATE": f"{gate}:{steps}"})
     cmd = [sys.executable, "-m", "r2comm.testbed", "torchrun", "--tag", fabric.tag,
-           "--nproc-per-node", "1", "--port", str(_free_port()), "--timeout", str(timeout - 20),
+           "--nproc-per-node", "1", "--port", str(free_port()), "--timeout", str(timeout - 20),
            "--", WORKER, "ddp"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=env, cwd=ROOT)

@@ -17,9 +17,10 @@ Libraries:
 """
 import contextlib
 import os
-import socket
 
 import numpy as np
+
+from ..ports import free_port
 
 # Launch-time variables that decide how MPICH moves bytes between ranks on one host.
 MPI_ENV_PREFIXES = ("MPIR_CVAR_", "FI_", "UCX_", "MPICH_")
@@ -185,7 +186,7 @@ class Gloo:
         if addr.startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep Gloo's data sockets on loopback
         torch.set_num_threads(1)  # one core per rank on small machines
-        port = _free_port(addr) if world.rank == 0 else None
+        port = free_port(addr) if world.rank == 0 else None
         port = world.bcast(port, root=0)
         dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
                                 rank=world.rank, world_size=world.size)
@@ -224,12 +225,6 @@ class Gloo:
 
     def close(self):
         self.dist.destroy_process_group()
-
-
-def _free_port(addr):
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 def gloo_unavailable():

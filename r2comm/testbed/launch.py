@@ -7,18 +7,11 @@ Gloo, for comparison runs, picks its interface from GLOO_SOCKET_IFNAME, set to r
 unless given: Gloo then runs on one NIC, and a failure of that NIC hits it."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from ._iproute import TestbedError
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_commands(fabric, argv, nproc=1, port=None, tag=None):

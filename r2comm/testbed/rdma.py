@@ -41,6 +41,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..ports import free_ports
 from ._iproute import TestbedError
 from .fabric import MAX_NICS, _TAG_RE, mgmt_addr, rail_addr
 from .rates import format_rate, parse_rate, tbf_args
@@ -114,29 +115,6 @@ def preflight():
     if not os.path.isdir("/etc/libibverbs.d"):
         raise TestbedError("no libibverbs providers (/etc/libibverbs.d); " + DEPS_HINT)
     return find_vng(), find_kernel()
-
-
-def free_ports(count):
-    """COUNT distinct ports on 127.0.0.1 free for both TCP and UDP (bound, then released for
-    QEMU to take)."""
-    socks = []
-    try:
-        while len(socks) < count:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                u.bind(("127.0.0.1", s.getsockname()[1]))
-            except OSError:
-                s.close()
-                continue
-            finally:
-                u.close()
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _mac(tag_byte, segment, host):
@@ -252,7 +230,7 @@ class RdmaFabric:
         segments = list(range(self.nics)) + [MGMT]
         wiring = {str(seg): {"guest": None, "hub": None} for seg in segments}
         if self.hosts > 2:  # UDP ports of the guests and of the hub (two hosts: Unix sockets)
-            ports = iter(free_ports(2 * len(segments) * self.hosts))
+            ports = iter(free_ports(2 * len(segments) * self.hosts, udp=True))
             for seg in segments:
                 wiring[str(seg)] = {"guest": [next(ports) for _ in range(self.hosts)],
                                     "hub": [next(ports) for _ in range(self.hosts)]}
