@@ -13,6 +13,7 @@
 # Writes per step: <name>.txt (the table as printed), <name>.json, <name>.cmd (the exact command),
 # <name>.failed or <name>.skipped (why there is no JSON), and PNGs:
 #   allreduce_shm    r2comm vs MPI (shared memory) vs Gloo, 8 B .. 64 MiB
+#   allreduce_shm4   the same with 4 ranks, r2comm vs MPI (shared memory)
 #   allreduce_tcp    r2comm vs MPI forced onto TCP over 127.0.0.1, 8 B .. 64 MiB
 #   allreduce.png    busbw and time vs size, all of the above
 #   latency_*        ping-pong, same peers; latency.png
@@ -134,6 +135,9 @@ fi
 step allreduce_shm -- allreduce -m 8:$BIG --peer mpi,gloo "${SWEEP[@]}" --json "$OUT/allreduce_shm.json"
 step allreduce_tcp "${TCP_ENV[@]}" -- allreduce -m 8:$BIG --peer mpi "${SWEEP[@]}" --json "$OUT/allreduce_tcp.json"
 plot allreduce.png "$OUT/allreduce_shm.json" "$OUT/allreduce_tcp.json"
+
+# issue 20: 4 ranks on this host (oversubscribed on 2 CPUs, for MPICH alike)
+NP=4 step allreduce_shm4 -- allreduce -m 8:$BIG --peer mpi "${SWEEP[@]}" --json "$OUT/allreduce_shm4.json"
 
 step latency_shm -- latency -m 1:1M --peer mpi,gloo "${P2P[@]}" -f --json "$OUT/latency_shm.json"
 step latency_tcp "${TCP_ENV[@]}" -- latency -m 1:1M --peer mpi "${P2P[@]}" -f --json "$OUT/latency_tcp.json"

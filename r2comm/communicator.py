@@ -20,7 +20,7 @@ from .errors import (R2commArgumentError, R2commBufferError, R2commBuildError,
                      R2commClosedError, PEER_ARGUMENT_CODE)
 from .links import Links
 from . import verbs_rails
-from .ops import SUM, U8, as_op, dtype_code
+from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op
 from .rails import Rail
 from .request import Request, Status
 from .planner.schedule import WORK, SEND, SCRATCH, COPY
@@ -379,6 +379,7 @@ class Communicator:
         self._owner = owner
         self._seq = 0
         self._plans = {}
+        self._fast = {}                       # the small-allreduce fast path's plans (Allreduce)
         self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
         self._state = None                    # RailState the plans are made for (None: static)
         self._marks = None                    # this rank's rail marks when the epoch was agreed
@@ -711,6 +712,7 @@ class Communicator:
     def _adopt(self, state):
         self._state = state
         self._plans.clear()
+        self._fast.clear()
 
     def _rail_marks(self):
         stats = self._engine.rail_stats()
@@ -811,7 +813,66 @@ class Communicator:
         [buf, MPI.FLOAT], of the same size and dtype on every rank; the result is bitwise the same
         on every rank. Raises R2commMismatchError when ranks disagree, R2commTimeout after
         comm.timeout, R2commNetworkError when a peer is lost; rail failures are survived."""
+        if type(recvbuf) is np.ndarray and stream is None and \
+                self._fast_allreduce(sendbuf, recvbuf, op):
+            return
         self._call("allreduce", True, self._iallreduce, sendbuf, recvbuf, op, stream=stream)
+
+    def _fast_allreduce(self, sendbuf, recvbuf, op):
+        """Allreduce of numpy arrays in one engine call (Engine.run: export, post, wait,
+        release), for the latency-bound calls where the general path's Python (buffer
+        wrappers, Request, plan lookup by a long key) cost as much as the transfer. Returns
+        False, having done nothing, for anything it does not cover (other buffer kinds, a
+        dtype or op to convert or refuse, a re-plan check due, relayed members, registered
+        memory): the general path then handles the call and its errors."""
+        if self._engine is None or self._world.closed or self._state is not None or \
+                self._cfg.replan_every or self._world.regcache is not None:
+            return False
+        if sendbuf is IN_PLACE:
+            send = None
+        elif type(sendbuf) is np.ndarray and sendbuf.dtype == recvbuf.dtype and \
+                sendbuf.nbytes == recvbuf.nbytes:
+            send = sendbuf
+        else:
+            return False
+        if type(op) is not _Op:
+            op = mpi_op(op)
+            if op is None:
+                return False
+        dtc = _DTYPES.get(recvbuf.dtype)
+        nbytes = recvbuf.nbytes
+        flags = recvbuf.flags
+        if dtc is None or not nbytes or not (flags.c_contiguous and flags.writeable) or \
+                not (send is None or send.flags.c_contiguous):
+            return False
+        key = (nbytes, dtc, op.code, send is not None)
+        hit = self._fast.get(key)
+        if hit is None:
+            plan, sched, sig, desc = self._schedule("allreduce", nbytes, recvbuf.itemsize, 0, dtc,
+                                                    op.code, send is not None)
+            if len(self._fast) > 64:
+                self._fast.clear()
+            ok = not (sched.scratch or sched.pre or sched.post) and sched.fills_work
+            hit = self._fast[key] = (plan, sig, desc) if ok else False
+        if not hit:
+            return False
+        seq = self._seq
+        self._seq = seq + 1
+        try:
+            oid = self._engine.run(hit[0], recvbuf, send, nbytes, dtc, op.code, self._id, seq,
+                                   hit[1], self.timeout, self._members, hit[2])
+        except (ValueError, BufferError, TypeError) as exc:    # raised before anything posted
+            self._seq = seq
+            err = R2commBufferError(f"Allreduce: {exc}")
+            self._tell_peers(err, "allreduce", True)
+            raise err from exc
+        if oid:         # failed or timed out: a Request raises its error as Wait() would
+            eng = _engine()
+            keep = [eng.Buffer(recvbuf, True)] + ([eng.Buffer(send, False)] if send is not None else [])
+            req = Request(self, oid, keep)
+            req._settle(*self._engine.wait(oid, 0.0), self.timeout)
+            req.Wait()
+        return True
 
     def _call(self, kind, blocking, start, *args, stream=None):
         """Run a collective's start function; a bad argument on this rank is told to the peers

@@ -45,6 +45,25 @@ def as_op(op):
     raise R2commArgumentError(f"unknown reduction op {op!r}; r2comm supports SUM, PROD, MIN, MAX")
 
 
+_MPI_OPS = None
+
+
+def mpi_op(op):
+    """The r2comm Op of one of mpi4py's predefined op objects (compared by identity: they are
+    unhashable), or None. Cheap enough for a fast path; as_op() is the general converter."""
+    global _MPI_OPS
+    if _MPI_OPS is None:
+        try:
+            from mpi4py import MPI
+            _MPI_OPS = [(getattr(MPI, o.name), o) for o in OPS.values()]
+        except ImportError:
+            _MPI_OPS = []
+    for mop, o in _MPI_OPS:
+        if op is mop:
+            return o
+    return None
+
+
 def dtype_code(dt):
     code = DTYPES.get(np.dtype(dt))
     if code is None:

@@ -60,6 +60,16 @@ class Request:
         if self._status is not None:
             self._status.count = nrecv
 
+    def _settle(self, state, err, msg, nrecv, limit):
+        """The outcome of a wait of `limit` seconds: a timed-out operation is cancelled (and
+        raises R2commTimeout if even that does not end it), an ended one finished."""
+        if state == _ACTIVE:
+            self._comm._engine.cancel(self._oid, 1, f"operation timed out after {limit:g} s")
+            state, err, msg, nrecv = self._comm._engine.wait(self._oid, 5.0)
+            if state == _ACTIVE:
+                raise R2commTimeout(f"operation timed out after {limit:g} s")
+        self._finish(state, err, msg, nrecv)
+
     def Test(self):
         """True once the operation ended (raises its error, like Wait)."""
         if not self._done:
@@ -76,13 +86,7 @@ class Request:
             if self._comm._engine is None:
                 raise R2commClosedError("communicator was freed while the operation ran")
             limit = self._timeout if timeout is None else timeout
-            state, err, msg, nrecv = self._comm._engine.wait(self._oid, limit)
-            if state == _ACTIVE:
-                self._comm._engine.cancel(self._oid, 1, f"operation timed out after {limit:g} s")
-                state, err, msg, nrecv = self._comm._engine.wait(self._oid, 5.0)
-                if state == _ACTIVE:
-                    raise R2commTimeout(f"operation timed out after {limit:g} s")
-            self._finish(state, err, msg, nrecv)
+            self._settle(*self._comm._engine.wait(self._oid, limit), limit)
         if self._error is not None:
             raise self._error
         return self._result

@@ -446,9 +446,82 @@ def sc_contended(comm, args):
     return 1
 
 
+def sc_fastpath(comm, args):
+    """Blocking Allreduce of small numpy arrays goes through one engine call
+    (Communicator._fast_allreduce): exact results for every dtype and op (r2comm's and
+    mpi4py's op objects, in place and not), one sequence number per call, in step with
+    non-blocking and large calls in flight around it; its errors are the general path's, on
+    every rank: sizes that differ, a read-only or non-contiguous buffer, a timeout, a freed
+    communicator."""
+    n, r = comm.size, comm.rank
+    count = 0
+    mpi_ops = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX}
+    for dtype in DTYPES:
+        for op in OPS:
+            for cnt in (1, 3, 1000):
+                for how in ("r2", "mpi", "inplace"):
+                    case = f"fast-{dtype}-{op.name}-{cnt}-{how}"
+                    x = data(case, r, cnt, dtype, op)
+                    seq = comm._seq
+                    if how == "inplace":
+                        y = x.copy()
+                        comm.Allreduce(r2comm.IN_PLACE, y, op)
+                    else:
+                        y = np.frombuffer(np.random.bytes(x.nbytes), x.dtype).copy()
+                        comm.Allreduce(x, y, mpi_ops[op.name] if how == "mpi" else op)
+                    check(comm._seq == seq + 1, f"{case}: {comm._seq - seq} sequence numbers")
+                    check(np.array_equal(y, reduce_ref(case, n, cnt, dtype, op)), case)
+                    count += 1
+    check(len(comm._fast) > 0, "no call took the fast path")
+    # in step with operations around it: a large Iallreduce in flight, small blocking ones
+    big = np.full(300_000, r + 1, np.float64)
+    bigout = np.empty_like(big)
+    req = comm.Iallreduce(big, bigout)
+    small = np.array([r + 1], np.int64)
+    out = np.empty_like(small)
+    for i in range(20):
+        comm.Allreduce(small, out)
+        check(out[0] == n * (n + 1) // 2, f"small allreduce {i} beside a large one: {out}")
+    req.Wait()
+    check(np.all(bigout == n * (n + 1) / 2), "large Iallreduce beside small ones")
+    count += 21
+    # sizes that differ: every rank raises, and the next call is fine
+    x = np.ones(4 if r == 0 else 5, np.float32)
+    expect(r2comm.R2commMismatchError, lambda: comm.Allreduce(x, np.empty_like(x)), "sizes")
+    # a read-only receive buffer (this rank) or a strided one: an argument error here, a
+    # peer error on the others
+    ro = np.zeros(4, np.float64)
+    ro.flags.writeable = False
+    bad = ro if r == n - 1 else np.zeros(4, np.float64)
+    exc = expect(r2comm.R2commError, lambda: comm.Allreduce(np.ones(4), bad), "read-only")
+    want = r2comm.R2commArgumentError if r == n - 1 else r2comm.R2commPeerError
+    check(isinstance(exc, want), f"read-only on rank {n - 1}: {type(exc).__name__} here")
+    strided = np.zeros(8, np.float64)[::2] if r == 0 else np.zeros(4, np.float64)
+    exc = expect(r2comm.R2commError, lambda: comm.Allreduce(np.ones(4), strided), "strided")
+    want = r2comm.R2commArgumentError if r == 0 else r2comm.R2commPeerError
+    check(isinstance(exc, want), f"strided on rank 0: {type(exc).__name__} here")
+    out = np.empty(2, np.float64)
+    comm.Allreduce(np.full(2, r, np.float64), out)
+    check(np.all(out == n * (n - 1) / 2), "an allreduce after the errors")
+    count += 4
+    # a timeout: rank 0 calls alone on a duplicate and gives up after its timeout
+    d = comm.Dup()
+    d.timeout = 0.5
+    if r == 0:
+        t0 = time.monotonic()
+        expect(r2comm.R2commTimeout, lambda: d.Allreduce(np.ones(1), np.empty(1)), "timeout")
+        took = time.monotonic() - t0
+        check(0.4 < took < 6, f"timed out after {took:.2f} s")
+    WORLD.Barrier()
+    d.Free()
+    expect(r2comm.R2commClosedError, lambda: d.Allreduce(np.ones(1), np.empty(1)), "freed")
+    count += 2
+    return count
+
+
 SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_nonblocking,
              "errors": sc_errors, "comms": sc_comms, "drain": sc_drain, "contended": sc_contended,
-             "spinon": sc_spinon}
+             "spinon": sc_spinon, "fastpath": sc_fastpath}
 
 
 def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):

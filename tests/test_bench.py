@@ -553,6 +553,40 @@ def test_results_from_short_runs(runs, tmp_path):
     assert f"{tcp['machine']['cpus']} CPUs" in text and "took 12 s" in text
 
 
+def _fake_sweep(nranks, rows):
+    """An allreduce sweep JSON of r2comm vs MPICH over shared memory: rows (size, r2 us, mpi us)."""
+    def row(size, us, n=nranks):
+        return {"size": size, "time_us": us, "busbw_GBps": size / us / 1e3 * 2 * (n - 1) / n}
+    return {"nranks": nranks, "settings": {"rounds": 5},
+            "libraries": [{"name": "r2comm", "label": "r2comm"},
+                          {"name": "mpi", "transport": "shm", "label": "mpi-shm"}],
+            "results": {"r2comm": [row(s, a) for s, a, _ in rows],
+                        "mpi-shm": [row(s, b) for s, _, b in rows]}}
+
+
+def test_results_shm_section_from_fake_json(tmp_path):
+    """Issue 20's one-host targets, 2 and 4 ranks, met and not met, and their glance rows."""
+    M = 1 << 20
+    (tmp_path / "allreduce_shm.json").write_text(json.dumps(_fake_sweep(2, [
+        (8, 4.0, 2.5), (64 << 10, 30.0, 27.0), (M, 300.0, 320.0), (64 * M, 2e4, 2.1e4)])))
+    (tmp_path / "allreduce_shm4.json").write_text(json.dumps(_fake_sweep(4, [
+        (8, 9.0, 4.0), (64 << 10, 50.0, 35.0), (M, 500.0, 450.0)])))
+    text = results.render(str(tmp_path))
+    sec = text.split("## Shared memory on one host (issue 20)")[1].split("\n## ")[0]
+    assert "2 ranks: 8 B allreduce within 2× of MPICH over shared memory: **met** (4.0 µs vs 2.5 µs: 1.60×" in sec
+    assert "4 ranks: 8 B allreduce within 2× of MPICH over shared memory: **not met** (9.0 µs vs 4.0 µs: 2.25×" in sec
+    assert "2 ranks: busbw ≥ 0.8× MPICH over shared memory at 64 KiB–64 MiB: **met** — at every size measured" in sec
+    four = [ln for ln in sec.splitlines() if ln.startswith("- 4 ranks: busbw")][0]
+    assert "**not met**" in four and "not met at 64 KiB (0.70×)" in four and "not measured" in four
+    assert "| 1 MiB | busbw, GB/s |" in sec          # the 4-rank table (the 2-rank one is elsewhere)
+    glance = text.split("## Targets at a glance")[1].split("\n## ")[0]
+    assert glance.count("| Shared memory |") == 4 and glance.count("| Shared memory | 4 ranks") == 2
+    os.remove(tmp_path / "allreduce_shm4.json")
+    (tmp_path / "allreduce_shm4.failed").write_text("rc 124: stopped by its 900 s timeout")
+    sec = results.render(str(tmp_path)).split("## Shared memory on one host")[1].split("\n## ")[0]
+    assert "- `allreduce_shm4` (4 ranks): failed (rc 124: stopped by its 900 s timeout)" in sec
+
+
 def _fake_torch_doc():
     """A testbed_torch.json as bench/testbed_torch.py writes it (summary part), numbers made up."""
     def nic_down(during, base, own_before, hit=0.9):

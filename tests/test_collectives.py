@@ -15,6 +15,14 @@ def test_collectives_dtypes_ops_sizes(n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_small_allreduce_fast_path(n):
+    """Small blocking Allreduce in one engine call: exact for every dtype and op, in step with
+    calls around it, and every error of the general path on every rank."""
+    count, _ = run_scenario(n, "fastpath", timeout=60)
+    assert count == n * (11 * 4 * 3 * 3 + 27)
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_collectives_recursive_doubling_at_every_size(n):
     """The latency algorithm forced for big messages too (it then sends straight from the
     send buffer and reduces from it, with no copy into the result first)."""

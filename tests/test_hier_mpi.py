@@ -44,7 +44,8 @@ def test_flat_forced_on_emulated_hosts():
 def test_one_host_plans_flat():
     count, out = scenario(4, "topology", env={"R2COMM_ALGO": ""}, layout="0,0,0,0")
     assert count >= 300 * 4
-    assert "'hierarchical': False" in out and "'allreduce': 'ring'" in out
+    # flat: 4 ranks of one host take recursive halving/doubling (planner.halving_allreduce)
+    assert "'hierarchical': False" in out and "'allreduce': 'rabenseifner'" in out
 
 
 def test_nic_failure_of_one_host_mid_collective_bit_identical():

@@ -714,6 +714,45 @@ def test_every_new_schedule_is_consistent(n):
             assert consistent(planner.build_all(coll, n, 100, 4, root=n // 2, state=st))
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_recursive_halving_allreduce_is_exact_in_any_order(n):
+    """Rabenseifner (planner/algorithms.allreduce_halving) through the executor: exact and the
+    same bits on every rank, in place or not, blocks of unequal and zero length, any order
+    the dependencies allow (a receive overwriting a block a send has not read fails here)."""
+    for count in (37, 3, 1, 64):
+        xs = inputs(f"rh{n}-{count}", n, count, "int32")
+        sc = [algorithms.allreduce_halving(r, n, count * 4, 4) for r in range(n)]
+        assert consistent(sc) and all(s.fills_work for s in sc)
+        for pol in ("random", "skew", "fifo"):
+            for in_place in (False, True):
+                check_allreduce(sc, xs, chunk=8, seed=count, policy=pol, in_place=in_place)
+        steps = max(len({m[2] // n for m in s.msgs}) for s in sc)
+        assert steps == 2 * (n.bit_length() - 1)      # 2·log2(n) levels, the ring has 2(n-1)
+        ring = [algorithms.allreduce_ring(r, n, count * 4, 4) for r in range(n)]
+        assert sum(s.bytes_sent() for s in sc) == sum(s.bytes_sent() for s in ring)
+    with pytest.raises(ValueError, match="power-of-two"):
+        algorithms.allreduce_halving(0, 3, 100, 4)
+
+
+def test_one_host_of_four_or_eight_ranks_plans_recursive_halving():
+    """The static rule: ranks of one host, a power of two of 4 or more, eager < size <= 8 MiB;
+    several hosts, other counts and other sizes keep their plans; forcing it on 3 ranks runs
+    the ring."""
+    one = planner.Topology.from_labels(["h"] * 4)
+    two = planner.Topology.from_labels(["a", "a", "b", "b"])
+    E = 64 << 10
+    assert planner.build("allreduce", 0, 4, 1 << 20, 4, 0, E, topo=one).algo == "rabenseifner"
+    assert planner.build("allreduce", 0, 8, 8 << 20, 4, 0, E,
+                         topo=planner.Topology.from_labels(["h"] * 8)).algo == "rabenseifner"
+    assert planner.build("allreduce", 0, 4, 16 << 20, 4, 0, E, topo=one).algo == "ring"
+    assert planner.build("allreduce", 0, 4, 4096, 4, 0, E, topo=one).algo == "recursive_doubling"
+    assert planner.build("allreduce", 0, 3, 1 << 20, 4, 0, E,
+                         topo=planner.Topology.from_labels(["h"] * 3)).algo == "ring"
+    assert planner.build("allreduce", 0, 4, 1 << 20, 4, 0, E, topo=two).algo != "rabenseifner"
+    assert planner.build("allreduce", 0, 4, 1 << 20, 4, 0, E, "ring", topo=one).algo == "ring"
+    assert planner.build("allreduce", 0, 3, 1 << 20, 4, 0, E, "rabenseifner").algo == "ring"
+
+
 def test_without_state_nothing_changes():
     for n in (1, 3, 4):
         for r in range(n):

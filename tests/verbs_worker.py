@@ -177,7 +177,9 @@ def fault(comm, args):
             x = data(comm.rank, 1 << 18, np.int32)
             y = np.empty_like(x)
             comm.Allreduce(x, y)
-            if all(r.state == "up" for r in comm.rails):
+            # the ranks decide together: one that saw its rails up and left the loop while
+            # the other went round again would call a different collective (seen once)
+            if all(comm.allgather(all(r.state == "up" for r in comm.rails))):
                 restored = time.monotonic()
                 break
             time.sleep(0.1)

@@ -1078,6 +1078,70 @@ cdef class Engine:
         """Block (without the GIL) until the operation ends or `timeout` seconds pass.
         Returns (state, error code, message, bytes received)."""
         cdef State* e = self._live()
+        cdef int err = 0, state
+        cdef string msg
+        cdef uint64_t nrecv = 0
+        state = self.wait_op(e, oid, timeout, &err, &msg, &nrecv)
+        cdef bytes bmsg = msg
+        return state, err, bmsg.decode("utf-8", "replace"), nrecv
+
+    def run(self, Plan plan, object work, object send, Py_ssize_t nbytes, int dtype, int redop,
+            uint32_t comm, uint32_t seq, uint32_t sig, double timeout, members, int64_t desc):
+        """A blocking collective in one call, for plans that need no scratch and no local
+        copies (small allreduces: the front end's fast path): export `work` (writable) and
+        `send` (None: in place), post, wait, release. Returns 0 when it ended well (the
+        operation is forgotten), else its id: it failed or timed out and is still registered,
+        and the caller finishes it through a Request (which raises its error)."""
+        cdef State* e = self._live()
+        cdef Py_buffer wv, sv
+        cdef uint64_t bufs[3]
+        cdef vector[int] mem
+        cdef uint64_t oid, nrecv = 0
+        cdef int isz = itemsize(dtype), state, err = 0
+        cdef string msg
+        if isz == 0:
+            raise ValueError("unknown dtype code")
+        for x in members:
+            mem.push_back(x)
+        PyObject_GetBuffer(work, &wv, PyBUF_WRITABLE)
+        if send is not None:
+            try:
+                PyObject_GetBuffer(send, &sv, PyBUF_SIMPLE)
+            except BaseException:
+                PyBuffer_Release(&wv)
+                raise
+        try:
+            if wv.len != nbytes or (send is not None and sv.len != nbytes):
+                raise ValueError(f"buffers of {wv.len} and {sv.len if send is not None else wv.len}"
+                                 f" bytes for a plan of {nbytes}")
+            bufs[0] = <uint64_t>wv.buf
+            bufs[1] = <uint64_t>(sv.buf if send is not None else wv.buf)
+            bufs[2] = 0
+            with nogil:
+                pthread_mutex_lock(&e.mu)
+                oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, 0,
+                              <int><uint32_t>desc, 0, isz, -1)
+                pthread_mutex_unlock(&e.mu)
+            state = self.wait_op(e, oid, timeout, &err, &msg, &nrecv)
+            if state != ST_DONE:
+                return oid
+            with nogil:
+                pthread_mutex_lock(&e.mu)
+                it = e.ops.find(oid)
+                if it != e.ops.end():
+                    free_op(e, deref(it).second, 1)
+                    e.ops.erase(it)
+                pthread_mutex_unlock(&e.mu)
+            return 0
+        finally:
+            if send is not None:
+                PyBuffer_Release(&sv)
+            PyBuffer_Release(&wv)
+
+    cdef int wait_op(self, State* e, uint64_t oid, double timeout, int* perr, string* pmsg,
+                     uint64_t* pnrecv):
+        """wait()'s loop: the operation's state once it ended or `timeout` passed (ST_ACTIVE),
+        -1 if the engine stopped or the operation is unknown."""
         cdef Op* op
         cdef timespec ts
         cdef double until = mono() + timeout, t
@@ -1178,8 +1242,10 @@ cdef class Engine:
             pthread_mutex_lock(&e.mu)
             e.waiters -= 1
             pthread_mutex_unlock(&e.mu)
-        cdef bytes bmsg = msg
-        return state, err, bmsg.decode("utf-8", "replace"), nrecv
+        perr[0] = err
+        pmsg[0] = msg
+        pnrecv[0] = nrecv
+        return state
 
     def test(self, uint64_t oid):
         return self.wait(oid, 0.0)

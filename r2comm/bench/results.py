@@ -87,6 +87,15 @@ class Results:
             return f"failed ({failed}); see `{name}.txt`"
         return default or f"not run (no `{name}.json` in the results folder)"
 
+    def opening(self, name, title, default=None):
+        """(lines, doc) that open a section built from NAME.json: its title, and when the file
+        is missing the sentence that says why (then doc is None)."""
+        doc = self.doc(name)
+        out = [title, ""]
+        if not doc:
+            out += [f"{self.why_missing(name, default).capitalize()}.", ""]
+        return out, doc
+
     def command(self, name, doc):
         """The command line of a step: NAME.cmd from run_all.sh, else rebuilt from the JSON."""
         cmd = self.text(f"{name}.cmd")
@@ -258,7 +267,7 @@ def evaluate_sizes(pairs, lo, hi, threshold=1.0):
 
 def machine_facts(res):
     """Header lines: machine and versions from the first JSON that has them, dates of all."""
-    names = (["allreduce_shm", "allreduce_tcp", "latency_shm", "latency_tcp", "bw_shm"] + list(COLLECTIVES)
+    names = (["allreduce_shm", "allreduce_shm4", "allreduce_tcp", "latency_shm", "latency_tcp", "bw_shm"] + list(COLLECTIVES)
              + ["failover_hard", "failover_silent", "single_rail", "acks", "acks_rev", "acks1", "acks1_rev"])
     docs = [d for d in (res.doc(n) for n in names) if d]
     times = [d["time"] for d in docs if isinstance(d.get("time"), (int, float))]
@@ -802,6 +811,10 @@ def render(folder, elapsed_s=None):
     body += sec
     summary += [("torch.distributed", x) for x in t] or [("torch.distributed", (not_run_note(sec), None))]
     body += sim_section(res)[0]
+    from .results_shm import shm_section
+    sec, t = shm_section(res)
+    body += sec
+    summary += [("Shared memory", x) for x in t] or [("Shared memory", (not_run_note(sec), None))]
     from .results_hier import hier_section
     sec, t = hier_section(res)
     body += sec

@@ -10,10 +10,10 @@ OF_SURVIVING = 0.9       # issue 20: after a NIC of one host fails, >= 0.9x what
 
 def hier_section(res):
     """(lines, targets) of the hierarchical section."""
-    out = ["## Hierarchical allreduce in the testbed (issue 20)", ""]
-    doc = res.doc("testbed_hier")
+    out, doc = res.opening("testbed_hier", "## Hierarchical allreduce in the testbed (issue 20)",
+                           NOT_ROOT)
     if not doc:
-        return out + [f"{res.why_missing('testbed_hier', NOT_ROOT).capitalize()}.", ""], []
+        return out, []
     cfg = doc.get("config", {})
     size = cfg.get("size", 0)
     out += [f"{cfg.get('hosts')} hosts × {cfg.get('nics')} rail NICs at {cfg.get('rate')} (tbf) × "

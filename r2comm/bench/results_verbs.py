@@ -18,10 +18,10 @@ def _r2(row, key):
 
 def verbs_section(res):
     """(lines, targets) of the verbs section."""
-    out = ["## Verbs rails on soft-RoCE (issue 19)", ""]
-    doc = res.doc("testbed_verbs")
+    out, doc = res.opening("testbed_verbs", "## Verbs rails on soft-RoCE (issue 19)",
+                           "not run (needs root and the soft-RoCE testbed: scripts/rdma-deps.sh)")
     if not doc:
-        return out + [f"{res.why_missing('testbed_verbs', 'not run (needs root and the soft-RoCE testbed: scripts/rdma-deps.sh)').capitalize()}.", ""], []
+        return out, []
     cfg = doc.get("config", {})
     out += ["2 QEMU guests (software emulation, 1 vCPU each) × 2 rail NICs with a soft-RoCE (rxe) "
             "device each; ranks 0 and 1 on different guests. *raw* is perftest between the guests on "

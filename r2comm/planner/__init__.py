@@ -19,12 +19,22 @@ from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, R
 from .state import RailState, PartitionedError
 from .topology import Topology
 
-ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "degraded", "ring_rerouted", "hierarchical",
-                   "flat")
+ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "rabenseifner", "degraded", "ring_rerouted",
+                   "hierarchical", "flat")
 GENERIC_ALGOS = ("hierarchical", "flat")               # mean something for every collective
 STATE_ALGOS = ("degraded", "ring_rerouted")            # need a RailState
 DEFAULT_EAGER = 64 << 10
 PAIR_RD_MAX = 256 << 10     # 2 ranks: recursive doubling up to here (measured crossover)
+
+
+HALVING_MAX = 8 << 20       # one host, 4+ ranks: recursive halving/doubling up to here
+
+
+def halving_allreduce(n, nbytes, eager):
+    """Static rule for the ranks of one host, past latency_allreduce: with a power-of-two
+    count of 4 or more, recursive halving/doubling (Rabenseifner) rather than the ring: the
+    same bytes in 2·log2(n) steps instead of 2(n-1). See bench/NOTES.md for the measurement."""
+    return n >= 4 and not n & (n - 1) and eager < nbytes <= HALVING_MAX
 
 
 def latency_allreduce(n, nbytes, eager):
@@ -45,6 +55,8 @@ def allreduce(rank, n, nbytes, itemsize, eager, algo="", state=None, separate_se
         raise ValueError(f"allreduce algorithm {algo!r} needs the rail state (state=RailState)")
     if algo == "recursive_doubling" or (not algo and latency_allreduce(n, nbytes, eager)):
         return algorithms.allreduce_rd(rank, n, nbytes, itemsize, separate_send, eager)
+    if algo == "rabenseifner" and not n & (n - 1):     # other sizes: the ring
+        return algorithms.allreduce_halving(rank, n, nbytes, itemsize, eager)
     return algorithms.allreduce_ring(rank, n, nbytes, itemsize, eager)
 
 
@@ -77,6 +89,9 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
     schedules read their input from it instead of a copy (Schedule.fills_work).
     topo: the Topology (used without a RailState; a RailState carries its own hosts)."""
     if state is None:
+        if coll == "allreduce" and not algo and topo is not None and topo.nhosts == 1 and \
+                not latency_allreduce(n, nbytes, eager) and halving_allreduce(n, nbytes, eager):
+            algo = "rabenseifner"
         if topo is not None and algo in ("", "hierarchical") and \
                 hierarchical.applicable(coll, topo):
             scheds = build_topo(coll, n, nbytes, itemsize, root, eager, algo, topo,

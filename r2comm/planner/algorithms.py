@@ -40,6 +40,67 @@ def allreduce_ring(rank, n, nbytes, itemsize, eager=0):
     return s
 
 
+def allreduce_halving(rank, n, nbytes, itemsize, eager=0):
+    """Rabenseifner's allreduce for a power-of-two n: reduce-scatter by recursive halving,
+    then allgather by recursive doubling. It moves the ring's bytes (2(n-1)/n of the message
+    per rank) in 2·log2(n) dependent steps instead of 2(n-1), which counts where every step
+    waits for a peer to be scheduled (more ranks than CPUs on one host).
+
+    The message is cut into n blocks; rank r ends the reduce-scatter owning block r. At
+    halving level k the partner is r ^ (n >> (k+1)): each sends the half of its current range
+    that the partner keeps and reduces the half it keeps (the first level from SEND, so WORK
+    needs no copy of the input). Every message is one block, so each dependency joins two
+    messages of one block (the engine's dependencies are chunk by chunk between equal
+    lengths): a block's sends and receives wait for the last message that wrote it, and an
+    allgather receive waits until the block's earlier send is done with it. Each block is
+    reduced on one rank only, in an order the schedule fixes: bitwise the same everywhere."""
+    if n & (n - 1):
+        raise ValueError(f"recursive halving needs a power-of-two number of ranks, not {n}")
+    s = Schedule("rabenseifner")
+    if n == 1:
+        return s
+    s.fills_work = True
+    blk = blocks(nbytes // itemsize, n, itemsize)
+    own = nbytes // n <= eager
+    levels = n.bit_length() - 1
+    wrote = [None] * n              # the last message that wrote each block of WORK
+    sent = [None] * n               # the last send that read each block
+    lo, width = 0, n                # the range of blocks this rank still reduces
+    for k in range(levels):
+        d = width // 2
+        partner = rank ^ d
+        keep_lo = lo if not rank & d else lo + d
+        give_lo = lo + d if not rank & d else lo
+        for b in range(give_lo, give_lo + d):
+            if blk[b][1]:
+                sent[b] = si = s.send(partner, k * n + b, SEND if k == 0 else WORK, *blk[b],
+                                      owned=own)
+                s.dep(wrote[b], si)
+        for b in range(keep_lo, keep_lo + d):
+            if blk[b][1]:
+                ri = s.recv(partner, k * n + b, WORK, *blk[b], REDUCE_SEND if k == 0 else REDUCE)
+                s.dep(wrote[b], ri)
+                wrote[b] = ri
+        lo, width = keep_lo, d
+    for j in range(levels):         # allgather: ranges double back up
+        d = 1 << j
+        partner = rank ^ d
+        mine = range(rank & ~(d - 1), (rank & ~(d - 1)) + d)
+        for b in mine:
+            if blk[b][1]:
+                si = s.send(partner, (levels + j) * n + b, WORK, *blk[b], owned=own)
+                s.dep(wrote[b], si)
+                sent[b] = si
+        for b in mine:
+            t = b ^ d
+            if blk[t][1]:
+                ri = s.recv(partner, (levels + j) * n + t, WORK, *blk[t], COPY)
+                s.dep(sent[t], ri)
+                s.dep(wrote[t], ri)
+                wrote[t] = ri
+    return s
+
+
 def allreduce_rd(rank, n, nbytes, itemsize=1, separate_send=False, eager=0):
     """Recursive doubling on the largest power of two, extra ranks folded in first (latency
     optimal). Each level combines as (lower rank's value) op (higher rank's value) on both
