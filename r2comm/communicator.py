@@ -379,7 +379,6 @@ class Communicator:
         self._owner = owner
         self._seq = 0
         self._plans = {}
-        self._fast = {}                       # the small-allreduce fast path's plans (Allreduce)
         self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
         self._state = None                    # RailState the plans are made for (None: static)
         self._marks = None                    # this rank's rail marks when the epoch was agreed
@@ -712,7 +711,6 @@ class Communicator:
     def _adopt(self, state):
         self._state = state
         self._plans.clear()
-        self._fast.clear()
 
     def _rail_marks(self):
         stats = self._engine.rail_stats()
@@ -845,15 +843,15 @@ class Communicator:
         if dtc is None or not nbytes or not (flags.c_contiguous and flags.writeable) or \
                 not (send is None or send.flags.c_contiguous):
             return False
-        key = (nbytes, dtc, op.code, send is not None)
-        hit = self._fast.get(key)
+        # kept among the plans, so whatever drops those (a new rail state, a switched
+        # algorithm) drops these too
+        key = ("fast", nbytes, dtc, op.code, send is not None)
+        hit = self._plans.get(key)
         if hit is None:
             plan, sched, sig, desc = self._schedule("allreduce", nbytes, recvbuf.itemsize, 0, dtc,
                                                     op.code, send is not None)
-            if len(self._fast) > 64:
-                self._fast.clear()
             ok = not (sched.scratch or sched.pre or sched.post) and sched.fills_work
-            hit = self._fast[key] = (plan, sig, desc) if ok else False
+            hit = self._plans[key] = (plan, sig, desc) if ok else False
         if not hit:
             return False
         seq = self._seq

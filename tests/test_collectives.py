@@ -19,7 +19,7 @@ def test_small_allreduce_fast_path(n):
     """Small blocking Allreduce in one engine call: exact for every dtype and op, in step with
     calls around it, and every error of the general path on every rank."""
     count, _ = run_scenario(n, "fastpath", timeout=60)
-    assert count == n * (11 * 4 * 3 * 3 + 27)
+    assert count == n * (11 * 4 * 3 * 3 + 30)
 
 
 @pytest.mark.parametrize("n", [2, 3])
