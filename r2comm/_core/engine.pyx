@@ -1027,9 +1027,18 @@ cdef class Engine:
         assigned here and tag/cap describe the message. rail >= 0 pins every send of the
         operation to that rail while it is up (a bandwidth probe); if it fails, the chunks
         move to the surviving rails as usual."""
-        cdef State* e = self._live()
         cdef uint64_t bufs[3]
-        cdef Op* op
+        bufs[0] = b0
+        bufs[1] = b1
+        bufs[2] = b2
+        return self.post_c(plan, bufs, dtype, redop, comm, seq, sig, timeout, members, p2p,
+                           tag, cap, rail)
+
+    cdef uint64_t post_c(self, Plan plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
+                         uint32_t seq, uint32_t sig, double timeout, members, int p2p,
+                         int64_t tag, uint64_t cap, int rail) except 0:
+        """post() and run(): the operation posted under the mutex; its id (never 0)."""
+        cdef State* e = self._live()
         cdef vector[int] mem
         cdef uint64_t oid
         cdef int isz = itemsize(dtype)
@@ -1037,13 +1046,10 @@ cdef class Engine:
             raise ValueError("unknown dtype code")
         for x in members:
             mem.push_back(x)
-        bufs[0] = b0
-        bufs[1] = b1
-        bufs[2] = b2
         with nogil:
             pthread_mutex_lock(&e.mu)
-            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, p2p, <int><uint32_t>tag, cap,
-                          isz, rail)
+            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, p2p,
+                          <int><uint32_t>tag, cap, isz, rail)
             pthread_mutex_unlock(&e.mu)
         return oid
 
@@ -1095,14 +1101,9 @@ cdef class Engine:
         cdef State* e = self._live()
         cdef Py_buffer wv, sv
         cdef uint64_t bufs[3]
-        cdef vector[int] mem
         cdef uint64_t oid, nrecv = 0
-        cdef int isz = itemsize(dtype), state, err = 0
+        cdef int state, err = 0
         cdef string msg
-        if isz == 0:
-            raise ValueError("unknown dtype code")
-        for x in members:
-            mem.push_back(x)
         PyObject_GetBuffer(work, &wv, PyBUF_WRITABLE)
         if send is not None:
             try:
@@ -1117,21 +1118,13 @@ cdef class Engine:
             bufs[0] = <uint64_t>wv.buf
             bufs[1] = <uint64_t>(sv.buf if send is not None else wv.buf)
             bufs[2] = 0
-            with nogil:
-                pthread_mutex_lock(&e.mu)
-                oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, 0,
-                              <int><uint32_t>desc, 0, isz, -1)
-                pthread_mutex_unlock(&e.mu)
+            oid = self.post_c(plan, bufs, dtype, redop, comm, seq, sig, timeout, members, 0, desc,
+                              0, -1)
             state = self.wait_op(e, oid, timeout, &err, &msg, &nrecv)
             if state != ST_DONE:
                 return oid
             with nogil:
-                pthread_mutex_lock(&e.mu)
-                it = e.ops.find(oid)
-                if it != e.ops.end():
-                    free_op(e, deref(it).second, 1)
-                    e.ops.erase(it)
-                pthread_mutex_unlock(&e.mu)
+                forget_op(e, oid)
             return 0
         finally:
             if send is not None:
@@ -1266,12 +1259,7 @@ cdef class Engine:
         """Forget a finished operation (its buffers are the user's again)."""
         cdef State* e = self._live()
         with nogil:
-            pthread_mutex_lock(&e.mu)
-            it = e.ops.find(oid)
-            if it != e.ops.end():
-                free_op(e, deref(it).second, 1)
-                e.ops.erase(it)
-            pthread_mutex_unlock(&e.mu)
+            forget_op(e, oid)
 
     # -- observation ---------------------------------------------------------------------------
     def events_since(self, Py_ssize_t start):

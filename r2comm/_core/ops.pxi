@@ -60,6 +60,15 @@ cdef void free_op(State* e, Op* op, int unlink) noexcept nogil:
             e.active.erase(ita)
     del op
 
+cdef void forget_op(State* e, uint64_t oid) noexcept nogil:
+    """Take the mutex and drop a finished operation (its buffers are the user's again)."""
+    pthread_mutex_lock(&e.mu)
+    it = e.ops.find(oid)
+    if it != e.ops.end():
+        free_op(e, deref(it).second, 1)
+        e.ops.erase(it)
+    pthread_mutex_unlock(&e.mu)
+
 cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
                       uint32_t seq, uint32_t sig, double timeout, vector[int]& members, int p2p,
                       int tag, uint64_t cap, int isz, int pin) noexcept nogil:

@@ -31,7 +31,7 @@ HALVING_MAX = 8 << 20       # one host, 4+ ranks: recursive halving/doubling up 
 
 
 def halving_allreduce(n, nbytes, eager):
-    """Static rule for the ranks of one host, past latency_allreduce: with a power-of-two
+    """Static rule for the ranks of one host, above latency_allreduce's range: with a power-of-two
     count of 4 or more, recursive halving/doubling (Rabenseifner) rather than the ring: the
     same bytes in 2·log2(n) steps instead of 2(n-1). See bench/NOTES.md for the measurement."""
     return n >= 4 and not n & (n - 1) and eager < nbytes <= HALVING_MAX
@@ -90,7 +90,7 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
     topo: the Topology (used without a RailState; a RailState carries its own hosts)."""
     if state is None:
         if coll == "allreduce" and not algo and topo is not None and topo.nhosts == 1 and \
-                not latency_allreduce(n, nbytes, eager) and halving_allreduce(n, nbytes, eager):
+                halving_allreduce(n, nbytes, eager):
             algo = "rabenseifner"
         if topo is not None and algo in ("", "hierarchical") and \
                 hierarchical.applicable(coll, topo):
