@@ -26,13 +26,21 @@ and for each shape the runs (r2comm unless named):
             (stall, error, hang) is recorded as it happens
 
 plus `flap` (network shape, r2comm: the NIC goes down and up within --flap-s, twice, far apart;
-a step is slow when it takes over 1.5x the median of the steps before the first flap) and
-`serving` (examples/torch_tp_serving.py: tensor-parallel decoding, 8 allreduces of 32 KiB per
-token, NIC 0 of host 1 down at one token and up at another; per-token latency p50/p99 before,
-during and after, split by the times of the real fault).
+a step is slow when it takes over 1.5x the median of the steps before the first flap).
 
-The r2comm runs of one shape must print the same loss-curve digest (bitwise identical losses).
-Step times are rank 0's. Writes --out/testbed_torch.json and --out/testbed_torch.png.
+The interleaved runs (--part cycles, r2comm.bench.cycles) measure the two small overheads the
+issue sets targets for, which one fault per job cannot resolve on a shared machine (its load
+moves step times between jobs by more than 1%): within one job host 1's NIC 0 goes down and up
+in alternating blocks, and each item is compared with the healthy blocks around it.
+
+  cycle_compute  the compute shape, 4 ranks, CYCLE_LM: 64 cycles of 8 steps down, 8 up
+  serving        examples/torch_tp_serving.py (tensor-parallel decoding, 8 allreduces of 32 KiB
+                 per token), 2 ranks (one per host), CYCLE_SERVE: 32 cycles of 250 tokens
+
+each with a fault-free job of the same length (the placebo: its items labelled as the faulty
+job's). The r2comm runs of one shape must print the same loss-curve digest (bitwise identical
+losses). Step times are rank 0's. --part main writes --out/testbed_torch.json (and .png),
+--part cycles --out/testbed_torch_cycles.json, --part all (default) both runs in one file.
 """
 import argparse
 import json
@@ -46,6 +54,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from r2comm.bench import cycles  # noqa: E402
 LM = REPO / "examples" / "torch_ddp_lm.py"
 SERVE = REPO / "examples" / "torch_tp_serving.py"
 
@@ -55,6 +64,10 @@ SHAPES = {  # examples/torch_ddp_lm.py arguments
 }
 SLOW_FACTOR = 1.5   # a flap's slow step: over this x the median healthy step
 SERVE_WARMUP = 30   # serving tokens left out at the start
+# interleaved fault blocks (r2comm.bench.cycles) for the two small-overhead targets: items per
+# block, down/up cycles, items left out at the start, items after each repair counted apart
+CYCLE_LM = {"shape": "compute", "warm": 4, "block": 8, "cycles": 64, "settle": 1, "nproc": 2}
+CYCLE_SERVE = {"warm": SERVE_WARMUP, "block": 250, "cycles": 32, "settle": 100, "nproc": 1}
 
 
 def median(xs):
@@ -75,12 +88,12 @@ class Job:
     """One torchrun per host; rank 0's output (host 0) is followed line by line, and
     TRIGGERS[text] runs (in its own thread) when a line starting with text appears."""
 
-    def __init__(self, fab, argv, env, workdir, name, timeout):
+    def __init__(self, fab, argv, env, workdir, name, timeout, nproc=2):
         from r2comm.ports import free_port
         from r2comm.testbed.launch import torchrun_commands
         self.name, self.timeout = name, timeout
         self.logs = [workdir / f"{name}-host{h}.log" for h in range(fab.hosts)]
-        self.cmds = torchrun_commands(fab, [str(a) for a in argv], nproc=2, port=free_port())
+        self.cmds = torchrun_commands(fab, [str(a) for a in argv], nproc=nproc, port=free_port())
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
         self.lines, self.triggers, self.fired, self.threads = [], {}, {}, []
         self.timed_out = False
@@ -232,6 +245,75 @@ def lm_case(fab, args, workdir, shape, backend, fault, outage_s=None):
     return rec
 
 
+def lm_cycle_case(fab, args, workdir, fault=True):
+    """The compute-bound shape with host 1's NIC 0 down and up in alternating blocks of steps
+    (args.cycle_lm), or the same number of steps fault-free (the placebo: its steps labelled
+    like the faulty run's show how far two healthy block sets differ)."""
+    cy, sh = args.cycle_lm, SHAPES[args.cycle_lm["shape"]]
+    name = f"cycle_{cy['shape']}_r2comm_{'nic_down' if fault else 'healthy'}"
+    result = workdir / f"{name}.json"
+    result.unlink(missing_ok=True)
+    steps = cycles.total(cy["warm"], cy["block"], cy["cycles"])
+    argv = [LM, "--backend", "r2comm", "--size", sh["size"], "--batch", sh["batch"],
+            "--bucket-mb", sh["bucket_mb"], "--steps", steps, "--json", result]
+    job = Job(fab, argv, {}, workdir, name, max(args.job_timeout, 60 + 0.5 * steps),
+              nproc=cy["nproc"])
+    faults = []
+    act = fault_recorder(faults)
+    for k, what in cycles.marks(cy["warm"], cy["block"], cy["cycles"]) if fault else []:
+        fn = (lambda: fab.nic_down(1, 0)) if what == "down" else (lambda: fab.nic_up(1, 0))
+        job.on(step_line(k - 1), act(f"nic_{what}", fn))
+    started = time.time()
+    try:
+        rc = job.run()
+    finally:
+        fab.nic_up(1, 0)
+    rec = {"name": name, "backend": "r2comm", "fault": "cycles" if fault else None, "rc": rc,
+           "timed_out": job.timed_out, "wall_s": time.time() - started, "faults": faults}
+    if result.exists():
+        rec.update(json.loads(result.read_text()))
+    else:
+        rec["error"] = "no result written"
+    if fault and len(faults) != 2 * cy["cycles"]:
+        rec["error"] = rec.get("error") or f"{len(faults)} of {2 * cy['cycles']} link changes made"
+    if rc != 0 or rec.get("error") or job.timed_out:
+        rec["log_tail"] = job.tail()
+    return rec
+
+
+def cycle_analysis(rec, base, cy, key, q):
+    """Labels of REC's items (r2comm.bench.cycles) and the comparisons: the NIC down against
+    healthy-and-settled, the items just after a repair against the same, each also on the
+    fault-free run BASE under REC's labels (the placebo); q: the percentile compared."""
+    if rec.get("error") or not rec.get(key):
+        return {"error": rec.get("error") or "no items"}
+    if key == "step_s":
+        ends = rec["step_end"]
+        starts = [e - d for e, d in zip(ends, rec["step_s"])]
+    else:
+        starts = rec["token_start"]
+        ends = [t + d for t, d in zip(starts, rec["token_s"])]
+    labs = cycles.labels(starts, ends, rec["faults"], cy["warm"], cy["settle"])
+    vals = rec[key]
+    out = {"counts": cycles.counts(labs), "q": q, "phases": {},
+           "down": cycles.compare(vals, labs, cycles.DOWN, cycles.HEALTHY, q=q),
+           "after": cycles.compare(vals, labs, cycles.AFTER, cycles.HEALTHY, q=q),
+           "settle": cy["settle"], "block": cy["block"], "cycles": cy["cycles"],
+           "nproc": cy["nproc"]}
+    for lab in (cycles.BEFORE, cycles.HIT, cycles.DOWN, cycles.AFTER, cycles.HEALTHY):
+        v = [x for x, (la, _) in zip(vals, labs) if la == lab]
+        out["phases"][lab] = {"n": len(v), "p50_s": cycles.pct(v, 50), "p99_s": cycles.pct(v, 99),
+                              "max_s": max(v) if v else None}
+    if q != 50:
+        out["down_p50"] = cycles.compare(vals, labs, cycles.DOWN, cycles.HEALTHY, q=50)
+    bv = (base or {}).get(key) or []
+    if len(bv) >= len(vals) and not (base or {}).get("error"):
+        bl = labs[:len(vals)]
+        out["placebo_down"] = cycles.compare(bv[:len(vals)], bl, cycles.DOWN, cycles.HEALTHY, q=q)
+        out["placebo_after"] = cycles.compare(bv[:len(vals)], bl, cycles.AFTER, cycles.HEALTHY, q=q)
+    return out
+
+
 def phases(rec):
     """Step indices before / during / after the fault, by the wall times of the fault."""
     ends, secs = rec.get("step_end", []), rec.get("step_s", [])
@@ -340,24 +422,29 @@ def flap_analysis(rec, args):
 
 
 def serving_case(fab, args, workdir, fault=True):
+    """Tensor-parallel decoding with host 1's NIC 0 down and up in alternating blocks of tokens
+    (args.cycle_serve; the first block healthy), or as many tokens fault-free."""
+    cy = args.cycle_serve
     name = "serving" if fault else "serving_healthy"
     result = workdir / f"{name}.json"
     result.unlink(missing_ok=True)
-    argv = [SERVE, "--no-inject", "--tokens", args.tokens, "--fail-token",
-            args.tokens // 3, "--restore-token", 2 * args.tokens // 3, "--json", result]
-    job = Job(fab, argv, {}, workdir, name, args.job_timeout)
+    tokens = cycles.total(0, cy["block"], cy["cycles"])
+    argv = [SERVE, "--no-inject", "--tokens", tokens, "--fail-token", -1, "--restore-token", -1,
+            "--mark-every", cy["block"], "--json", result]
+    job = Job(fab, argv, {}, workdir, name, max(args.job_timeout, 60 + 0.06 * tokens),
+              nproc=cy["nproc"])
     faults = []
     act = fault_recorder(faults)
-    if fault:
-        job.on(f"[serve] at token {args.tokens // 3}", act("nic_down", lambda: fab.nic_down(1, 0)))
-        job.on(f"[serve] at token {2 * args.tokens // 3}", act("nic_up", lambda: fab.nic_up(1, 0)))
+    for k, what in cycles.marks(0, cy["block"], cy["cycles"]) if fault else []:
+        fn = (lambda: fab.nic_down(1, 0)) if what == "down" else (lambda: fab.nic_up(1, 0))
+        job.on(f"[serve] mark {k} ", act(f"nic_{what}", fn))
     started = time.time()
     try:
         rc = job.run()
     finally:
         fab.nic_up(1, 0)
     rec = {"name": name, "rc": rc, "timed_out": job.timed_out, "wall_s": time.time() - started,
-           "faults": faults, "printed": [ln for _, ln in job.lines if ln.startswith("[serve]")]}
+           "faults": faults}
     if not result.exists():
         rec["error"] = "no result written"
         rec["log_tail"] = job.tail()
@@ -365,45 +452,9 @@ def serving_case(fab, args, workdir, fault=True):
     d = json.loads(result.read_text())
     rec.update({k: d[k] for k in ("ranks", "layers", "allreduce_bytes", "tokens", "checksum")})
     rec["token_start"], rec["token_s"] = d["token_start"], d["token_s"]
-    f = {x["what"]: x for x in faults}
-    if fault and ("nic_down" not in f or "nic_up" not in f):
-        rec["error"] = "the fault was not injected"
+    if fault and len(faults) != 2 * cy["cycles"]:
+        rec["error"] = f"{len(faults)} of {2 * cy['cycles']} link changes made"
     return rec
-
-
-def serving_phases(rec, base):
-    """Token indices before / during / after the real fault (by its wall times; the first
-    SERVE_WARMUP tokens left out), and per phase p50/p99 of REC and of the fault-free run BASE
-    over the same tokens."""
-    f = {x["what"]: x for x in rec.get("faults", [])}
-    t_down, t_up = f["nic_down"]["t"], f["nic_up"]["done"]
-    ph = {"before": [], "during": [], "after": []}
-    for i, (t0, lat) in enumerate(zip(rec["token_start"], rec["token_s"])):
-        if i < SERVE_WARMUP:
-            continue
-        if t0 + lat < t_down:
-            ph["before"].append(i)
-        elif t0 < t_up:
-            ph["during"].append(i)
-        else:
-            ph["after"].append(i)
-    out = {}
-    for k, idx in ph.items():
-        v = [rec["token_s"][i] for i in idx]
-        row = {"tokens": len(idx), "first": idx[0] if idx else None,
-               "last": idx[-1] if idx else None, "p50_s": pct(v, 50), "p99_s": pct(v, 99),
-               "max_s": max(v) if v else None}
-        if base and base.get("token_s"):
-            bv = [base["token_s"][i] for i in idx if i < len(base["token_s"])]
-            row.update(base_p50_s=pct(bv, 50), base_p99_s=pct(bv, 99))
-            if row["p99_s"] and row["base_p99_s"]:
-                row["p99_vs_fault_free"] = row["p99_s"] / row["base_p99_s"] - 1
-        out[k] = row
-    b = out["before"]["p99_s"]
-    for k in ("during", "after"):
-        p = out[k]["p99_s"]
-        out[k]["p99_vs_before"] = p / b - 1 if p and b else None
-    return out
 
 
 # ------------------------------------------------------------------------------- figure
@@ -450,7 +501,8 @@ def driver(args):
                          "ranks_per_host": 2, "shapes": SHAPES, "steps": args.steps,
                          "fail_step": args.fail_step, "restore_step": args.restore_step,
                          "flap_steps": args.flap_steps, "flap_down_s": args.flap_s,
-                         "tokens": args.tokens, "gloo_timeout_s": args.gloo_timeout,
+                         "part": args.part, "cycle_lm": args.cycle_lm,
+                         "cycle_serve": args.cycle_serve, "gloo_timeout_s": args.gloo_timeout,
                          "gloo_dead_timeout_s": args.gloo_dead_timeout,
                          "serve_warmup_tokens": SERVE_WARMUP,
                          "gloo_ifnames": "nic0,nic1",
@@ -480,20 +532,23 @@ def driver(args):
         shutil.rmtree(workdir, ignore_errors=True)
     summarize(report, args)
     report["seconds"] = time.monotonic() - started
-    (out_dir / "testbed_torch.json").write_text(json.dumps(report, indent=1))
+    name = "testbed_torch_cycles" if args.part == "cycles" else "testbed_torch"
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1))
     try:
-        plot(report, out_dir / "testbed_torch.png")
+        if args.part != "cycles":
+            plot(report, out_dir / "testbed_torch.png")
     except Exception as exc:  # the JSON is what matters
         print(f"# no figure: {exc!r}")
     print_summary(report)
-    print(f"# wrote {out_dir / 'testbed_torch.json'} in {report['seconds']:.0f} s")
+    print(f"# wrote {out_dir / f'{name}.json'} in {report['seconds']:.0f} s")
     bad = [k for k, v in report["summary"].get("digests_equal", {}).items() if v is False]
     return 1 if bad else 0
 
 
 def run_cases(fab, args, workdir, cases, log):
     """The cases, in order (the Gloo NIC-down run takes the outage of r2comm's)."""
-    for shape in args.shapes:
+    main = args.part in ("main", "all")
+    for shape in args.shapes if main else []:
         log(lm_case(fab, args, workdir, shape, "r2comm", None))
         log(lm_case(fab, args, workdir, shape, "r2comm", "nic_down"))
         log(lm_case(fab, args, workdir, shape, "r2comm", "degraded"))
@@ -503,17 +558,22 @@ def run_cases(fab, args, workdir, cases, log):
         outage = (f["nic_up"]["done"] - f["nic_down"]["t"]) if len(f) == 2 else 5.0
         log(lm_case(fab, args, workdir, shape, "gloo", "nic_down",
                     outage_s=max(3.0, outage)))
-    if "network" in args.shapes:
+    if "network" in args.shapes and main:
         log(lm_case(fab, args, workdir, "network", "r2comm", "flap"))
         log(lm_case(fab, args, workdir, "network", "gloo", "nic_dead"))
-    if args.tokens:
+    if args.part == "main":
+        return
+    if args.cycle_lm["cycles"]:
+        log(lm_cycle_case(fab, args, workdir, fault=False))
+        log(lm_cycle_case(fab, args, workdir))
+    if args.cycle_serve["cycles"]:
         log(serving_case(fab, args, workdir, fault=False))
         log(serving_case(fab, args, workdir))
 
 
 def summarize(report, args):
     cases, summ = report["cases"], {"shapes": {}, "digests_equal": {}}
-    for shape in args.shapes:
+    for shape in args.shapes if args.part in ("main", "all") else []:
         g = lambda k: cases.get(f"{shape}_{k}", {})  # noqa: E731
         base = g("r2comm_healthy")
         s = {"r2comm_healthy_median_s": median(base.get("step_s", [])[2:]),
@@ -540,6 +600,14 @@ def summarize(report, args):
     if cases.get("network_gloo_nic_dead"):
         summ["gloo_nic_dead"] = gloo_outcome(cases["network_gloo_nic_dead"],
                                              cases.get("network_gloo_healthy", {}))
+    cy = args.cycle_lm
+    lc = cases.get(f"cycle_{cy['shape']}_r2comm_nic_down")
+    if lc:
+        summ["cycle_lm"] = cycle_analysis(lc, cases.get(f"cycle_{cy['shape']}_r2comm_healthy"),
+                                          cy, "step_s", 50)
+        summ["cycle_lm"]["digest"] = lc.get("digest")
+        summ["cycle_lm"]["fault_free_digest"] = (cases.get(
+            f"cycle_{cy['shape']}_r2comm_healthy") or {}).get("digest")
     sv, sb = cases.get("serving"), cases.get("serving_healthy")
     if sv:
         summ["serving"] = {"error": sv.get("error"), "checksum": sv.get("checksum"),
@@ -548,7 +616,7 @@ def summarize(report, args):
                            "allreduce_bytes": sv.get("allreduce_bytes"),
                            "tokens": sv.get("tokens")}
         if not sv.get("error") and sv.get("token_s"):
-            summ["serving"]["phases"] = serving_phases(sv, sb if sb and not sb.get("error") else None)
+            summ["serving"].update(cycle_analysis(sv, sb, args.cycle_serve, "token_s", 99))
     report["summary"] = summ
 
 
@@ -575,12 +643,18 @@ def print_summary(report):
             print(f"## flap at step {x['step']}: slow steps {x['slow_steps']} of "
                   f"{[round(v * 1e3) for v in x['step_s']]} ms (healthy "
                   f"{ms(f['healthy_median_s'])})")
-    if "serving" in summ and summ["serving"].get("phases"):
-        for k, v in summ["serving"]["phases"].items():
-            print(f"## serving {k}: {v['tokens']} tokens, p50 {ms(v['p50_s'])}, p99 "
-                  f"{ms(v['p99_s'])}, max {ms(v['max_s'])}; p99 vs before "
-                  f"{pc(v.get('p99_vs_before'))}, vs fault-free run {ms(v.get('base_p99_s'))} "
-                  f"{pc(v.get('p99_vs_fault_free'))}")
+    for key, what in (("cycle_lm", "compute step, median"), ("serving", "serving, p99")):
+        c = summ.get(key) or {}
+        for part in ("down", "after"):
+            x, pl = c.get(part) or {}, c.get(f"placebo_{part}") or {}
+            if "ratio" in x:
+                print(f"## {what}, {part} vs healthy (interleaved): {ms(x['a'])} vs {ms(x['b'])} = "
+                      f"{pc(x['ratio'])} [90% {pc(x.get('lo'))}, {pc(x.get('hi'))}], "
+                      f"n {x['n_a']}/{x['n_b']}; placebo {pc(pl.get('ratio'))} "
+                      f"[{pc(pl.get('lo'))}, {pc(pl.get('hi'))}]")
+        for lab, ph in (c.get("phases") or {}).items():
+            print(f"## {what}: {lab}: {ph['n']} items, p50 {ms(ph['p50_s'])}, p99 "
+                  f"{ms(ph['p99_s'])}, max {ms(ph['max_s'])}")
     if "gloo_nic_dead" in summ:
         print(f"## gloo, NIC never back: {summ['gloo_nic_dead'].get('text')}")
 
@@ -590,7 +664,15 @@ def main():
     ap.add_argument("--rate", default="500mbit", help="per-NIC rate (default 500mbit)")
     ap.add_argument("--shapes", default="compute,network")
     ap.add_argument("--quick", action="store_true", help="fewer steps and tokens (smoke run)")
-    ap.add_argument("--tokens", type=int, default=900, help="serving tokens (0: no serving run)")
+    ap.add_argument("--cycle-lm", dest="cycle_lm_set", metavar="KEY=N,...",
+                    help=f"change the interleaved compute runs' {sorted(CYCLE_LM)} (cycles=0: none)")
+    ap.add_argument("--cycle-serve", dest="cycle_serve_set", metavar="KEY=N,...",
+                    help=f"change the interleaved serving runs' {sorted(CYCLE_SERVE)} (cycles=0: none)")
+    ap.add_argument("--summarize", metavar="JSON",
+                    help="no runs: summarize this script's JSON again (after a change to the analysis)")
+    ap.add_argument("--part", choices=("main", "cycles", "all"), default="all",
+                    help="main: the DDP runs against Gloo, the flaps (testbed_torch.json); cycles: "
+                         "the interleaved runs, compute step and serving (testbed_torch_cycles.json)")
     ap.add_argument("--flap-s", type=float, default=0.3, help="seconds a flapping NIC is down")
     ap.add_argument("--gloo-timeout", type=float, default=30.0)
     ap.add_argument("--gloo-dead-timeout", type=float, default=15.0,
@@ -604,12 +686,30 @@ def main():
         args.fail_step = {"compute": 4, "network": 5}
         args.restore_step = {"compute": 8, "network": 11}
         args.flap_steps = [5, 11]
-        args.tokens = min(args.tokens, 300)
+        args.cycle_lm = {**CYCLE_LM, "block": 4, "cycles": 3}
+        args.cycle_serve = {**CYCLE_SERVE, "block": 60, "cycles": 3, "settle": 30}
     else:
         args.steps = {"compute": 32, "network": 40}
         args.fail_step = {"compute": 11, "network": 12}
         args.restore_step = {"compute": 22, "network": 26}
         args.flap_steps = [12, 26]
+        args.cycle_lm, args.cycle_serve = dict(CYCLE_LM), dict(CYCLE_SERVE)
+    for text, cfg in ((args.cycle_lm_set, args.cycle_lm), (args.cycle_serve_set, args.cycle_serve)):
+        for kv in filter(None, (text or "").split(",")):
+            key, _, val = kv.partition("=")
+            if key not in cfg or key == "shape":
+                ap.error(f"--cycle-*: no setting {key!r} (have {sorted(cfg)})")
+            cfg[key] = int(val)
+    if args.summarize:
+        report = json.loads(Path(args.summarize).read_text())
+        args.part = report["config"].get("part", "all")
+        args.cycle_lm = report["config"].get("cycle_lm", args.cycle_lm)
+        args.cycle_serve = report["config"].get("cycle_serve", args.cycle_serve)
+        args.shapes = [s for s in args.shapes if any(k.startswith(s) for k in report["cases"])]
+        summarize(report, args)
+        Path(args.summarize).write_text(json.dumps(report, indent=1))
+        print_summary(report)
+        return 0
     return driver(args)
 
 

@@ -13,7 +13,8 @@ rank 1 fails its rail 0 for real at token --fail-token and restores it at --rest
 phases are: before the failure, while the rail is down, after it is back. Rank 0 prints a
 checksum of the outputs: a run with a failure prints the same one as a run without. With
 --no-inject, rank 0 prints "[serve] at token N" when it reaches --fail-token and
---restore-token, so whoever takes the NIC down can follow the stream; --json PATH has rank 0
+--restore-token (and "[serve] mark N " every --mark-every tokens), so whoever takes the NIC
+down can follow the stream; --json PATH has rank 0
 write every token's start time and latency (bench/testbed_torch.py splits the phases by the
 times of the real fault)."""
 import argparse
@@ -40,6 +41,8 @@ def main():
     p.add_argument("--fail-token", type=int, default=100)
     p.add_argument("--restore-token", type=int, default=200)
     p.add_argument("--no-inject", action="store_true", help="no fail_rail (testbed: nic-down)")
+    p.add_argument("--mark-every", type=int, default=0,
+                   help="with --no-inject, rank 0 also prints '[serve] mark N ' every N tokens")
     p.add_argument("--json", default=None, help="rank 0 writes per-token times here")
     args = p.parse_args()
     if args.backend == "r2comm":
@@ -60,6 +63,8 @@ def main():
                 comm.restore_rail(0)
         if args.no_inject and rank == 0 and tok in (args.fail_token, args.restore_token):
             print(f"[serve] at token {tok}", flush=True)
+        if args.no_inject and rank == 0 and args.mark_every and tok % args.mark_every == 0:
+            print(f"[serve] mark {tok} ", flush=True)
         starts.append(time.time())
         t0 = time.perf_counter()
         x = h
