@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """torch.distributed on r2comm vs Gloo in the emulated cluster (r2comm.testbed), as root.
 
-    sudo .venv/bin/python bench/testbed_torch.py                 # everything, ~4-5 min
-    sudo .venv/bin/python bench/testbed_torch.py --quick         # fewer steps and tokens
+    sudo .venv/bin/python bench/testbed_torch.py --part main     # DDP vs Gloo, flaps: ~4 min
+    sudo .venv/bin/python bench/testbed_torch.py --part cycles   # interleaved faults: ~20 min
+    sudo .venv/bin/python bench/testbed_torch.py --quick         # both, fewer steps and tokens
 
 A fabric of 2 hosts x 2 rail NICs shaped to --rate (500mbit) by tbf; 4 ranks, 2 per host, each
 host's ranks started by one torchrun in its namespace (`python -m r2comm.testbed torchrun`'s
@@ -35,7 +36,7 @@ in alternating blocks, and each item is compared with the healthy blocks around 
 
   cycle_compute  the compute shape, 4 ranks, CYCLE_LM: 64 cycles of 8 steps down, 8 up
   serving        examples/torch_tp_serving.py (tensor-parallel decoding, 8 allreduces of 32 KiB
-                 per token), 2 ranks (one per host), CYCLE_SERVE: 32 cycles of 250 tokens
+                 per token), 2 ranks (one per host), CYCLE_SERVE: 64 cycles of 250 tokens
 
 each with a fault-free job of the same length (the placebo: its items labelled as the faulty
 job's). The r2comm runs of one shape must print the same loss-curve digest (bitwise identical
@@ -67,7 +68,7 @@ SERVE_WARMUP = 30   # serving tokens left out at the start
 # interleaved fault blocks (r2comm.bench.cycles) for the two small-overhead targets: items per
 # block, down/up cycles, items left out at the start, items after each repair counted apart
 CYCLE_LM = {"shape": "compute", "warm": 4, "block": 8, "cycles": 64, "settle": 1, "nproc": 2}
-CYCLE_SERVE = {"warm": SERVE_WARMUP, "block": 250, "cycles": 32, "settle": 100, "nproc": 1}
+CYCLE_SERVE = {"warm": SERVE_WARMUP, "block": 250, "cycles": 64, "settle": 100, "nproc": 1}
 
 
 def median(xs):
@@ -212,9 +213,12 @@ def lm_case(fab, args, workdir, shape, backend, fault, outage_s=None):
         job.on(step_line(fail - 1), act("degrade", lambda: fab.degrade(1, 0, slow)))
         job.on(step_line(restore - 1), act("restore_rate", lambda: fab.degrade(1, 0, fab.rate)))
     elif fault == "flap":
+        def flap():            # fab.flap(period=2 * flap_s, count=1) without its last wait
+            fab.nic_down(1, 0)
+            time.sleep(args.flap_s)
+            fab.nic_up(1, 0)
         for k in args.flap_steps:
-            job.on(step_line(k - 1), act(f"flap@{k}", lambda: fab.flap(1, 0, period=2 * args.flap_s,
-                                                                       count=1)))
+            job.on(step_line(k - 1), act(f"flap@{k}", flap))
 
     def watchdog(j):
         # Gloo may never reach the restore step: bring the NIC back after the r2comm outage
@@ -405,18 +409,32 @@ def gloo_outcome(rec, base):
     return out
 
 
-def flap_analysis(rec, args):
-    s = rec.get("step_s", [])
+def flap_analysis(rec, args, down_pace=None):
+    """Slow steps after each flap. A step is slow when it takes over SLOW_FACTOR x the pace it
+    had the bandwidth for: the median step before the first flap, or, for a step that ran
+    wholly while the NIC was down (a flap of --flap-s spans several steps), the median step of
+    the NIC-down run DOWN_PACE (half the bandwidth is not the flap's cost: the NIC-down target
+    judges it)."""
+    s, ends = rec.get("step_s", []), rec.get("step_end", [])
     first = min(args.flap_steps)
     base = median(s[2:first - 1]) if len(s) > first else None
-    out = {"healthy_median_s": base, "slow_factor": SLOW_FACTOR, "flaps": []}
+    out = {"healthy_median_s": base, "down_median_s": down_pace, "slow_factor": SLOW_FACTOR,
+           "flaps": []}
     if base is None:
         return out
+    faults = {f["what"]: f for f in rec.get("faults", [])}
     for k in args.flap_steps:
         window = list(range(k, min(len(s), k + 6)))   # the flap happens in step k
-        slow = [i for i in window if s[i] > SLOW_FACTOR * base]
+        f = faults.get(f"flap@{k}")
+        inside = [i for i in window if f and i < len(ends) and ends[i] - s[i] >= f["t"]
+                  and ends[i] <= f["done"]]
+        limit = {i: SLOW_FACTOR * (max(base, down_pace) if i in inside and down_pace else base)
+                 for i in window}
+        slow = [i for i in window if s[i] > limit[i]]
         out["flaps"].append({"step": k, "window": window, "step_s": [s[i] for i in window],
-                             "slow_steps": slow, "slow_count": len(slow)})
+                             "down_steps": inside, "limit_s": [limit[i] for i in window],
+                             "slow_steps": slow, "slow_count": len(slow),
+                             "over_healthy_x1.5": sum(1 for i in window if s[i] > SLOW_FACTOR * base)})
     out["max_slow_steps"] = max(f["slow_count"] for f in out["flaps"]) if out["flaps"] else None
     return out
 
@@ -596,7 +614,8 @@ def summarize(report, args):
         s["gloo_digest"] = gd
         summ["shapes"][shape] = s
     if cases.get("network_r2comm_flap"):
-        summ["flap"] = flap_analysis(cases["network_r2comm_flap"], args)
+        pace = (summ["shapes"].get("network", {}).get("nic_down") or {}).get("during_median_s")
+        summ["flap"] = flap_analysis(cases["network_r2comm_flap"], args, pace)
     if cases.get("network_gloo_nic_dead"):
         summ["gloo_nic_dead"] = gloo_outcome(cases["network_gloo_nic_dead"],
                                              cases.get("network_gloo_healthy", {}))

@@ -603,8 +603,9 @@ def _fake_torch_doc():
                     "nic_down": nic_down(0.240, 0.150, 0.55), "degraded": nic_down(0.2, 0.15, 0.3),
                     "digests": {"network_r2comm_healthy": "bb", "network_r2comm_nic_down": "bc"}},
     }
-    flap = {"healthy_median_s": 0.15, "slow_factor": 1.5, "flaps": [
-        {"step": 12, "window": [12, 13, 14], "step_s": [0.6, 0.15, 0.15], "slow_steps": [12], "slow_count": 1},
+    flap = {"healthy_median_s": 0.15, "down_median_s": 0.22, "slow_factor": 1.5, "flaps": [
+        {"step": 12, "window": [12, 13, 14], "step_s": [0.6, 0.3, 0.15], "down_steps": [13], "slow_steps": [12],
+         "slow_count": 1, "over_healthy_x1.5": 2},
         {"step": 26, "window": [26, 27, 28], "step_s": [0.6, 0.5, 0.15], "slow_steps": [26, 27], "slow_count": 2}]}
     return {"config": {"hosts": 2, "nics": 2, "rate": "500mbit", "ranks": 4, "ranks_per_host": 2,
                        "shapes": {"compute": {"size": "tiny", "batch": 96, "bucket_mb": 0.25},
@@ -667,6 +668,7 @@ def test_results_torch_section_from_fake_json(tmp_path):
     assert digests[0].endswith("✅ met |") and digests[1].endswith("❌ not met |") and "bb, bc" in digests[1]
     flaps = [line for line in glance.splitlines() if "NIC flap" in line]
     assert flaps[0].endswith("✅ met |") and flaps[1].endswith("❌ not met |") and "2 slow step(s)" in flaps[1]
+    assert "| 12 | 600, 300*, 150 | 12 | 1 | 2 |" in sec and "NIC-down run's median step (220.0 ms)" in sec
     # the section: table, Gloo's behaviour, digests, the command
     assert "| compute (tiny LM, 96 sequences per rank, 0.25 MiB buckets; 655 KiB of gradients) | 200.0 ms | 210.0 ms |" in sec
     assert "201.0 ms (+0.5%)" in sec and "| **no** |" in sec
@@ -768,3 +770,27 @@ def test_cycle_compare_sees_a_small_overhead_through_drift():
     noisy = cycles.compare(_cycle_run(block=8, n_cycles=10, noise=0.05)[3], labs,
                            cycles.DOWN, cycles.HEALTHY, q=99)
     assert noisy["hi"] - noisy["lo"] > 0.01 and noisy["q"] == 99
+
+
+def test_flap_analysis_judges_steps_inside_the_outage_by_the_nic_down_pace():
+    """bench/testbed_torch.py: a step that ran wholly while the flapped NIC was down is slow only
+    over 1.5x the NIC-down step; the one the flap hit, and those after it, over 1.5x healthy."""
+    import argparse
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "testbed_torch", os.path.join(os.path.dirname(__file__), "..", "bench", "testbed_torch.py"))
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    steps = [0.1] * 10 + [0.16, 0.16, 0.17, 0.1, 0.16, 0.1]     # flap before step 10, down 0.35 s
+    ends, t = [], 100.0
+    for v in steps:
+        t += v
+        ends.append(t)
+    flap_t = ends[9] + 0.001                                  # as step 10 starts
+    rec = {"step_s": steps, "step_end": ends,
+           "faults": [{"what": "flap@10", "t": flap_t, "done": flap_t + 0.35}]}
+    args = argparse.Namespace(flap_steps=[10])
+    got = tt.flap_analysis(rec, args, down_pace=0.14)["flaps"][0]
+    assert got["down_steps"] == [11]          # 10 began before the flap, 12 ended after the link was up
+    assert got["slow_steps"] == [10, 12, 14] and got["over_healthy_x1.5"] == 4
+    assert tt.flap_analysis(rec, args)["flaps"][0]["slow_count"] == 4    # no NIC-down run: healthy pace

@@ -172,19 +172,26 @@ def _flap_lines(summ, targets):
     f = summ.get("flap")
     if not f or not f.get("flaps"):
         return []
-    out = [f"**NIC flap** (network step, r2comm): the NIC goes down and comes back "
-           "quickly; a step is slow when it takes over "
-           f"{f.get('slow_factor')}× the median step before the first flap ({fms(f.get('healthy_median_s'))}).", ""]
+    down = f.get("down_median_s")
+    out = [f"**NIC flap** (network step, r2comm): the NIC goes down and comes back quickly; a step is slow when "
+           f"it takes over {f.get('slow_factor')}× the pace it had the bandwidth for: the median step before the "
+           f"first flap ({fms(f.get('healthy_median_s'))})"
+           + (f", or for a step that ran wholly while the NIC was down the NIC-down run's median step "
+              f"({fms(down)}): half the bandwidth is not the flap's cost, the NIC-down target above judges it"
+              if down else "") + ".", ""]
     rows = []
     for x in f["flaps"]:
-        rows.append([x["step"], ", ".join(f"{v * 1e3:.0f}" for v in x["step_s"]),
-                     ", ".join(str(i) for i in x["slow_steps"]) or "none", x["slow_count"]])
+        inside = set(x.get("down_steps") or [])
+        times = ", ".join(f"{v * 1e3:.0f}{'*' if i in inside else ''}" for i, v in zip(x["window"], x["step_s"]))
+        rows.append([x["step"], times, ", ".join(str(i) for i in x["slow_steps"]) or "none", x["slow_count"],
+                     x.get("over_healthy_x1.5", "–")])
         ok = x["slow_count"] <= FLAP_SLOW_STEPS
         targets.append((f"a NIC flap (before step {x['step']}) costs at most one slow step: **{verdict(ok)}** — "
                         f"{x['slow_count']} slow step(s) of {len(x['step_s'])} from step {x['window'][0]} "
-                        f"({', '.join(f'{v * 1e3:.0f}' for v in x['step_s'])} ms; healthy "
-                        f"{fms(f.get('healthy_median_s'))})", ok))
-    out += table(["flap before step", "step times from the step the flap hit (ms)", "slow steps", "count"], rows)
+                        f"({times} ms, * while the NIC was down; healthy {fms(f.get('healthy_median_s'))}"
+                        + (f", NIC down {fms(down)}" if down else "") + ")", ok))
+    out += table(["flap before step", "step times from the step the flap hit (ms; * wholly while the NIC was down)",
+                  "slow steps", "count", f"steps over {f.get('slow_factor')}× the healthy step"], rows)
     return out + [""]
 
 
