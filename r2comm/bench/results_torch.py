@@ -265,21 +265,18 @@ def _cycle_lines(res, doc, targets):
         out.append(f"- serving: output checksum `{sv['checksum']}`, {'equal to' if same else 'differs from'} "
                    "the fault-free job's.")
     out.append("")
-    x = lm.get("down") or {}
-    ok, word = _judge(x, COMPUTE_OVERHEAD)
-    if ok is not None:
-        targets.append((f"compute-bound DDP step, one of 2 NICs failed: overhead < {COMPUTE_OVERHEAD:.0%} "
-                        f"(interleaved, its 90% interval under the target): **{word}** — {_interval(x)}, "
-                        f"{fms(x.get('a'))} vs {fms(x.get('b'))} healthy over {x.get('n_a')} / {x.get('n_b')} steps; "
-                        f"placebo {_interval(lm.get('placebo_down') or {})}", ok))
-    for key, what in (("down", "with the NIC down"), ("after", "after the NIC came back")):
-        x = sv.get(key) or {}
-        ok, word = _judge(x, SERVE_P99_OVERHEAD)
+    rows = [("compute-bound DDP step, one of 2 NICs failed: overhead", "", COMPUTE_OVERHEAD, lm, "down", "steps", 1)]
+    rows += [("serving p99 per-token latency overhead", f" {what}", SERVE_P99_OVERHEAD, sv, key, "tokens", 2)
+             for key, what in (("down", "with the NIC down"), ("after", "after the NIC came back"))]
+    for head, tail, target, c, key, unit, digits in rows:
+        x = c.get(key) or {}
+        ok, word = _judge(x, target)
         if ok is not None:
-            targets.append((f"serving p99 per-token latency overhead < {SERVE_P99_OVERHEAD:.0%} {what} "
-                            f"(interleaved, its 90% interval under the target): **{word}** — {_interval(x)}, "
-                            f"p99 {fms(x.get('a'), 2)} vs {fms(x.get('b'), 2)} healthy over {x.get('n_a')} / "
-                            f"{x.get('n_b')} tokens; placebo {_interval(sv.get(f'placebo_{key}') or {})}", ok))
+            targets.append((f"{head} < {target:.0%}{tail} (interleaved, its 90% interval under the target): "
+                            f"**{word}** — {_interval(x)}, {'p99 ' if unit == 'tokens' else ''}"
+                            f"{fms(x.get('a'), digits)} vs {fms(x.get('b'), digits)} "
+                            f"healthy over {x.get('n_a')} / {x.get('n_b')} {unit}; placebo "
+                            f"{_interval(c.get(f'placebo_{key}') or {})}", ok))
     return out
 
 
