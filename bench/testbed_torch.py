@@ -56,6 +56,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from r2comm.bench import cycles  # noqa: E402
+from r2comm.bench.cycles import median  # noqa: E402
 LM = REPO / "examples" / "torch_ddp_lm.py"
 SERVE = REPO / "examples" / "torch_tp_serving.py"
 
@@ -69,19 +70,6 @@ SERVE_WARMUP = 30   # serving tokens left out at the start
 # block, down/up cycles, items left out at the start, items after each repair counted apart
 CYCLE_LM = {"shape": "compute", "warm": 4, "block": 8, "cycles": 64, "settle": 1, "nproc": 2}
 CYCLE_SERVE = {"warm": SERVE_WARMUP, "block": 250, "cycles": 64, "settle": 100, "nproc": 1}
-
-
-def median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    if not n:
-        return None
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
 
 
 # ------------------------------------------------------------------------------- one job
@@ -249,6 +237,23 @@ def lm_case(fab, args, workdir, shape, backend, fault, outage_s=None):
     return rec
 
 
+def cycle_faults(job, fab, marks, line):
+    """Host 1's NIC 0 down / up as rank 0 prints LINE(item) for each of MARKS (cycles.marks());
+    returns the list the link changes' wall times go to."""
+    faults = []
+    act = fault_recorder(faults)
+    change = {"down": lambda: fab.nic_down(1, 0), "up": lambda: fab.nic_up(1, 0)}
+    for k, what in marks:
+        job.on(line(k), act(f"nic_{what}", change[what]))
+    return faults
+
+
+def cycle_faults_missing(faults, cy):
+    """An error text when fewer link changes were made than the cycles need, else None."""
+    want = 2 * cy["cycles"]
+    return None if len(faults) == want else f"{len(faults)} of {want} link changes made"
+
+
 def lm_cycle_case(fab, args, workdir, fault=True):
     """The compute-bound shape with host 1's NIC 0 down and up in alternating blocks of steps
     (args.cycle_lm), or the same number of steps fault-free (the placebo: its steps labelled
@@ -262,11 +267,8 @@ def lm_cycle_case(fab, args, workdir, fault=True):
             "--bucket-mb", sh["bucket_mb"], "--steps", steps, "--json", result]
     job = Job(fab, argv, {}, workdir, name, max(args.job_timeout, 60 + 0.5 * steps),
               nproc=cy["nproc"])
-    faults = []
-    act = fault_recorder(faults)
-    for k, what in cycles.marks(cy["warm"], cy["block"], cy["cycles"]) if fault else []:
-        fn = (lambda: fab.nic_down(1, 0)) if what == "down" else (lambda: fab.nic_up(1, 0))
-        job.on(step_line(k - 1), act(f"nic_{what}", fn))
+    faults = cycle_faults(job, fab, cycles.marks(cy["warm"], cy["block"], cy["cycles"]) if fault else [],
+                          lambda k: step_line(k - 1))
     started = time.time()
     try:
         rc = job.run()
@@ -278,8 +280,8 @@ def lm_cycle_case(fab, args, workdir, fault=True):
         rec.update(json.loads(result.read_text()))
     else:
         rec["error"] = "no result written"
-    if fault and len(faults) != 2 * cy["cycles"]:
-        rec["error"] = rec.get("error") or f"{len(faults)} of {2 * cy['cycles']} link changes made"
+    if fault:
+        rec["error"] = rec.get("error") or cycle_faults_missing(faults, cy)
     if rc != 0 or rec.get("error") or job.timed_out:
         rec["log_tail"] = job.tail()
     return rec
@@ -451,11 +453,8 @@ def serving_case(fab, args, workdir, fault=True):
             "--mark-every", cy["block"], "--json", result]
     job = Job(fab, argv, {}, workdir, name, max(args.job_timeout, 60 + 0.06 * tokens),
               nproc=cy["nproc"])
-    faults = []
-    act = fault_recorder(faults)
-    for k, what in cycles.marks(0, cy["block"], cy["cycles"]) if fault else []:
-        fn = (lambda: fab.nic_down(1, 0)) if what == "down" else (lambda: fab.nic_up(1, 0))
-        job.on(f"[serve] mark {k} ", act(f"nic_{what}", fn))
+    faults = cycle_faults(job, fab, cycles.marks(0, cy["block"], cy["cycles"]) if fault else [],
+                          lambda k: f"[serve] mark {k} ")
     started = time.time()
     try:
         rc = job.run()
@@ -470,8 +469,8 @@ def serving_case(fab, args, workdir, fault=True):
     d = json.loads(result.read_text())
     rec.update({k: d[k] for k in ("ranks", "layers", "allreduce_bytes", "tokens", "checksum")})
     rec["token_start"], rec["token_s"] = d["token_start"], d["token_s"]
-    if fault and len(faults) != 2 * cy["cycles"]:
-        rec["error"] = f"{len(faults)} of {2 * cy['cycles']} link changes made"
+    if fault:
+        rec["error"] = cycle_faults_missing(faults, cy)
     return rec
 
 
