@@ -287,10 +287,13 @@ def lm_cycle_case(fab, args, workdir, fault=True):
     return rec
 
 
-def cycle_analysis(rec, base, cy, key, q):
+def cycle_analysis(rec, base, cy, key, q, method="bootstrap"):
     """Labels of REC's items (r2comm.bench.cycles) and the comparisons: the NIC down against
     healthy-and-settled, the items just after a repair against the same, each also on the
-    fault-free run BASE under REC's labels (the placebo); q: the percentile compared."""
+    fault-free run BASE under REC's labels (the placebo), and the method's calibration on BASE
+    (cycles.calibrate); q: the percentile compared; method: 'bootstrap' (cycles.compare,
+    medians of steps) or 'groups' (cycles.compare_groups, tokens: their p99 and p50 are set by
+    load bursts that the bootstrap takes for independent draws)."""
     if rec.get("error") or not rec.get(key):
         return {"error": rec.get("error") or "no items"}
     if key == "step_s":
@@ -301,9 +304,14 @@ def cycle_analysis(rec, base, cy, key, q):
         ends = [t + d for t, d in zip(starts, rec["token_s"])]
     labs = cycles.labels(starts, ends, rec["faults"], cy["warm"], cy["settle"])
     vals = rec[key]
-    out = {"counts": cycles.counts(labs), "q": q, "phases": {},
-           "down": cycles.compare(vals, labs, cycles.DOWN, cycles.HEALTHY, q=q),
-           "after": cycles.compare(vals, labs, cycles.AFTER, cycles.HEALTHY, q=q),
+
+    def measure(values, labels, lab, q=q, boot=2000):
+        if method == "groups":
+            return cycles.compare_groups(values, labels, lab, cycles.HEALTHY, q=q)
+        return cycles.compare(values, labels, lab, cycles.HEALTHY, q=q, boot=boot)
+
+    out = {"counts": cycles.counts(labs), "q": q, "phases": {}, "method": method,
+           "down": measure(vals, labs, cycles.DOWN), "after": measure(vals, labs, cycles.AFTER),
            "settle": cy["settle"], "block": cy["block"], "cycles": cy["cycles"],
            "nproc": cy["nproc"]}
     for lab in (cycles.BEFORE, cycles.HIT, cycles.DOWN, cycles.AFTER, cycles.HEALTHY):
@@ -311,12 +319,14 @@ def cycle_analysis(rec, base, cy, key, q):
         out["phases"][lab] = {"n": len(v), "p50_s": cycles.pct(v, 50), "p99_s": cycles.pct(v, 99),
                               "max_s": max(v) if v else None}
     if q != 50:
-        out["down_p50"] = cycles.compare(vals, labs, cycles.DOWN, cycles.HEALTHY, q=50)
+        out["down_p50"] = measure(vals, labs, cycles.DOWN, q=50)
     bv = (base or {}).get(key) or []
     if len(bv) >= len(vals) and not (base or {}).get("error"):
         bl = labs[:len(vals)]
-        out["placebo_down"] = cycles.compare(bv[:len(vals)], bl, cycles.DOWN, cycles.HEALTHY, q=q)
-        out["placebo_after"] = cycles.compare(bv[:len(vals)], bl, cycles.AFTER, cycles.HEALTHY, q=q)
+        out["placebo_down"] = measure(bv[:len(vals)], bl, cycles.DOWN)
+        out["placebo_after"] = measure(bv[:len(vals)], bl, cycles.AFTER)
+        out["calibration"] = cycles.calibrate(bv, cy["warm"], cy["block"], cy["settle"], cy["cycles"],
+                                              lambda v, la, lab: measure(v, la, lab, boot=500))
     return out
 
 
@@ -634,7 +644,7 @@ def summarize(report, args):
                            "allreduce_bytes": sv.get("allreduce_bytes"),
                            "tokens": sv.get("tokens")}
         if not sv.get("error") and sv.get("token_s"):
-            summ["serving"].update(cycle_analysis(sv, sb, args.cycle_serve, "token_s", 99))
+            summ["serving"].update(cycle_analysis(sv, sb, args.cycle_serve, "token_s", 99, "groups"))
     report["summary"] = summ
 
 
@@ -667,9 +677,14 @@ def print_summary(report):
             x, pl = c.get(part) or {}, c.get(f"placebo_{part}") or {}
             if "ratio" in x:
                 print(f"## {what}, {part} vs healthy (interleaved): {ms(x['a'])} vs {ms(x['b'])} = "
-                      f"{pc(x['ratio'])} [90% {pc(x.get('lo'))}, {pc(x.get('hi'))}], "
-                      f"n {x['n_a']}/{x['n_b']}; placebo {pc(pl.get('ratio'))} "
+                      f"{pc(x['ratio'])} [{x.get('coverage', 0.9):.0%} {pc(x.get('lo'))}, "
+                      f"{pc(x.get('hi'))}], n {x['n_a']}/{x['n_b']}; placebo {pc(pl.get('ratio'))} "
                       f"[{pc(pl.get('lo'))}, {pc(pl.get('hi'))}]")
+        cal = c.get("calibration") or {}
+        if cal.get("runs"):
+            print(f"## {what}: calibration ({c.get('method')}) on the fault-free job relabelled "
+                  f"{cal['runs']} ways: intervals held 0 in {cal['held']}, median width "
+                  f"{cal['width']:.1%}, median |ratio| {cal['abs_ratio']:.1%}")
         for lab, ph in (c.get("phases") or {}).items():
             print(f"## {what}: {lab}: {ph['n']} items, p50 {ms(ph['p50_s'])}, p99 "
                   f"{ms(ph['p99_s'])}, max {ms(ph['max_s'])}")
