@@ -703,6 +703,11 @@ def test_results_torch_section_from_fake_json(tmp_path):
     assert "loss-curve digest of the job with 128 link changes `cc`, equal to the fault-free job's" in sec
     assert "output checksum `0x1p+0`, equal to the fault-free job's" in sec
     doc = _fake_cycles_doc()
+    doc["summary"]["serving"]["calibration"]["held"] = 23          # 72% against a stated 89%
+    (tmp_path / "testbed_torch_cycles.json").write_text(json.dumps(doc))
+    serve = [line for line in results.render(str(tmp_path)).splitlines() if line.startswith("| torch.distributed | serving p99")]
+    assert all("not resolved (the run failed its calibration" in r and r.endswith("❌ not met |") for r in serve)
+    doc = _fake_cycles_doc()
     doc["summary"]["cycle_lm"]["down"].update(ratio=0.012, hi=0.02)
     (tmp_path / "testbed_torch_cycles.json").write_text(json.dumps(doc))
     text = results.render(str(tmp_path))

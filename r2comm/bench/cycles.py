@@ -1,8 +1,9 @@
 """Interleaved fault blocks for small overheads: a NIC goes down for BLOCK items (training steps,
 served tokens), comes back for BLOCK items, and so on, within one job. On a shared machine the
 load drifts by more than the 1-3% to be judged between jobs and even between the halves of one;
-alternating the states every few seconds puts the same drift into both, and a bootstrap over the
-cycles says how far the estimate can be trusted. Pure Python: bench/testbed_torch.py records the
+alternating the states every few seconds puts the same drift into both. A bootstrap over the
+cycles says how far a median can be trusted, groups of cycles how far a p99 can (compare_groups),
+and calibrate() checks either on a fault-free job. Pure Python: bench/testbed_torch.py records the
 items and the wall times of the link changes, this module labels and compares them."""
 import math
 import random
@@ -167,8 +168,8 @@ def compare_groups(values, labs, a, b, q=99, groups=GROUPS, k=GROUP_K, detrend=T
     these GROUPS ratios; the interval runs from the k-th smallest to the k-th largest of them,
     distribution-free (sign_coverage: 89% for 10 and 3). Why not compare()'s bootstrap: a p99
     of a few thousand tokens is set by a few load bursts of seconds, which it takes for
-    independent draws; relabelled fault-free jobs showed its 90% intervals holding zero in 73%
-    of cases, these in 87% (bench/NOTES.md). Same keys as compare() ('a', 'b': the pooled
+    independent draws; on three fault-free jobs, relabelled, its 90% intervals held zero in
+    about 75% of cases, these in 84% (bench/NOTES.md). Same keys as compare() ('a', 'b': the pooled
     percentiles, for show), plus 'groups' and 'coverage'."""
     if detrend:
         values = relative(values, labs)

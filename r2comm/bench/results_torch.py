@@ -209,10 +209,18 @@ def _interval(x):
             if x.get("ratio") is not None else "–")
 
 
-def _judge(x, target):
-    """Met only when the interval's top is under the target: the run must resolve it."""
+CALIBRATION_SLACK = 0.15   # intervals may hold zero this much less often than they claim (the
+                           # relabellings overlap, so the count is rough) before a run is distrusted
+
+
+def _judge(x, target, cal=None):
+    """Met only when the interval's top is under the target: the run must resolve it; and no
+    verdict where the method failed its calibration on the fault-free job (cycles.calibrate)."""
     if x.get("ratio") is None or x.get("hi") is None:
         return None, "not measured"
+    cal = cal or {}
+    if cal.get("runs") and cal["held"] / cal["runs"] < x.get("coverage", 0.9) - CALIBRATION_SLACK:
+        return False, "not resolved (the run failed its calibration: its intervals cannot be trusted)"
     if x["hi"] < target:
         return True, "met"
     if x["ratio"] < target:
@@ -285,7 +293,7 @@ def _cycle_lines(res, doc, targets):
              for key, what in (("down", "with the NIC down"), ("after", "after the NIC came back"))]
     for head, tail, target, c, key, unit, digits in rows:
         x = c.get(key) or {}
-        ok, word = _judge(x, target)
+        ok, word = _judge(x, target, c.get("calibration"))
         if ok is not None:
             targets.append((f"{head} < {target:.0%}{tail} (interleaved, its {x.get('coverage', 0.9):.0%} "
                             f"interval under the target): "
