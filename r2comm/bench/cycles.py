@@ -100,18 +100,24 @@ def relative(values, labs):
     return [v / x * scale if x else v for v, x in zip(values, level)]
 
 
-def compare(values, labs, a, b, q=50, boot=2000, seed=1, ci=90, detrend=True):
-    """The q-th percentile of VALUES labelled A against those labelled B, each value taken
-    relative to baseline(): {'a', 'b' (in VALUES' unit: the percentiles of the relative values
-    times the median healthy level), 'n_a', 'n_b', 'ratio' (a / b - 1), 'lo', 'hi' (the CI%
-    bootstrap interval of the ratio, cycles drawn with replacement, each taking all its A and
-    B items)}. Calibrated for medians (bench/NOTES.md); for a tail use compare_groups()."""
+def by_cycle(values, labs, a, b, detrend=True):
+    """{cycle: {A: [values], B: [values]}}, the values relative() first if DETREND."""
     if detrend:
         values = relative(values, labs)
     by = {}
     for v, (lab, cyc) in zip(values, labs):
         if lab in (a, b):
             by.setdefault(cyc, {a: [], b: []})[lab].append(v)
+    return by
+
+
+def compare(values, labs, a, b, q=50, boot=2000, seed=1, ci=90, detrend=True):
+    """The q-th percentile of VALUES labelled A against those labelled B, each value taken
+    relative to baseline(): {'a', 'b' (in VALUES' unit: the percentiles of the relative values
+    times the median healthy level), 'n_a', 'n_b', 'ratio' (a / b - 1), 'lo', 'hi' (the CI%
+    bootstrap interval of the ratio, cycles drawn with replacement, each taking all its A and
+    B items)}. Calibrated for medians (bench/NOTES.md); for a tail use compare_groups()."""
+    by = by_cycle(values, labs, a, b, detrend)
     f = median if q == 50 else (lambda xs: pct(xs, q))
     xa = [v for c in by.values() for v in c[a]]
     xb = [v for c in by.values() for v in c[b]]
@@ -171,12 +177,7 @@ def compare_groups(values, labs, a, b, q=99, groups=GROUPS, k=GROUP_K, detrend=T
     independent draws; on three fault-free jobs, relabelled, its 90% intervals held zero in
     about 75% of cases, these in 84% (bench/NOTES.md). Same keys as compare() ('a', 'b': the pooled
     percentiles, for show), plus 'groups' and 'coverage'."""
-    if detrend:
-        values = relative(values, labs)
-    by = {}
-    for v, (lab, cyc) in zip(values, labs):
-        if lab in (a, b):
-            by.setdefault(cyc, {a: [], b: []})[lab].append(v)
+    by = by_cycle(values, labs, a, b, detrend)
     xa = [v for c in by.values() for v in c[a]]
     xb = [v for c in by.values() for v in c[b]]
     out = {"a": quantile(xa, q), "b": quantile(xb, q), "n_a": len(xa), "n_b": len(xb),
