@@ -176,7 +176,7 @@ def compare_groups(values, labs, a, b, q=99, groups=GROUPS, k=GROUP_K, detrend=T
     of a few thousand tokens is set by a few load bursts of seconds, which it takes for
     independent draws; on three fault-free jobs, relabelled, its 90% intervals held zero in
     about 75% of cases, these in 84% (bench/NOTES.md). Same keys as compare() ('a', 'b': the pooled
-    percentiles, for show), plus 'groups' and 'coverage'."""
+    percentiles, for show), plus 'groups', 'coverage' and 'ratios' (the group ratios, sorted)."""
     by = by_cycle(values, labs, a, b, detrend)
     xa = [v for c in by.values() for v in c[a]]
     xb = [v for c in by.values() for v in c[b]]

@@ -305,7 +305,7 @@ def _cycle_lines(res, doc, targets):
 
 
 def _calibration(c):
-    """'; the method on the fault-free job: ...' from cycles.calibrate's figures, if any."""
+    """The calibration (cycles.calibrate's figures, if any) as a clause for a target's line."""
     cal = c.get("calibration") or {}
     if not cal.get("runs"):
         return ""
