@@ -1,0 +1,1 @@
+.venv/bin/python bench/testbed_torch.py --part main --out bench/out

@@ -1,0 +1,1 @@
+.venv/bin/python bench/testbed_verbs.py --out bench/out
