@@ -1,1 +1,0 @@
-.venv/bin/mpiexec -n 2 .venv/bin/python -m r2comm.bench allreduce -m 8:64M --peer mpi,gloo --rounds 5 --budget 0.2 -f --json bench/out/allreduce_shm.json

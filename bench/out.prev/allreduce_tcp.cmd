@@ -1,1 +1,0 @@
-MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=lo R2COMM_SHM=0 .venv/bin/mpiexec -n 2 .venv/bin/python -m r2comm.bench allreduce -m 8:64M --peer mpi --rounds 5 --budget 0.2 -f --json bench/out/allreduce_tcp.json

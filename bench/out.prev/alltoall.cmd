@@ -1,1 +1,0 @@
-.venv/bin/mpiexec -n 2 .venv/bin/python -m r2comm.bench alltoall -m 8:16M --peer mpi --rounds 2 --budget 0.1 --check --json bench/out/alltoall.json --plot bench/out/alltoall.png

@@ -1,1 +1,0 @@
-R2COMM_SHM=0 .venv/bin/mpiexec -n 2 .venv/bin/python -m r2comm.bench failover --size 4M --duration 6 --fail-at 2 --rail 0 --mode hard --check --stall-timeout 60 --json bench/out/failover_hard.json --plot bench/out/failover_hard.png

@@ -1,1 +1,0 @@
-.venv/bin/python -m r2comm.sim validate --json bench/out/sim_validate.json

@@ -1,1 +1,0 @@
-R2COMM_SHM=0 R2COMM_RAILS=127.0.0.1 .venv/bin/mpiexec -n 2 .venv/bin/python -m r2comm.bench failover --size 4M --duration 4 --no-inject --check --stall-timeout 60 --json bench/out/single_rail.json --plot bench/out/single_rail.png

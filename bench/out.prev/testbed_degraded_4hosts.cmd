@@ -1,1 +1,0 @@
-.venv/bin/python bench/testbed_degraded.py --hosts 4 --rate 500mbit --mib 64 --out bench/out

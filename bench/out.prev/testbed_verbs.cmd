@@ -1,1 +1,0 @@
-.venv/bin/python bench/testbed_verbs.py --out bench/out
