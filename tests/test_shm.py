@@ -2,6 +2,7 @@
 clean-up, and real mpiexec jobs: every collective exact over shared memory with 2-4 ranks on
 one host, local and remote peers mixed (R2COMM_HOST per rank emulates hosts), NIC faults that
 leave shared memory alone, and a local rank killed mid-collective."""
+import ast
 import contextlib
 import errno
 import mmap
@@ -587,6 +588,44 @@ def test_local_rank_killed_mid_collective(tmp_path, n, hosts):
     left = [f for f in os.listdir("/dev/shm") if f.startswith("r2comm-") and
             any(f"-{p}-" in f for p in pids)]
     assert not left, left
+
+
+@pytest.mark.mpi
+def test_small_dev_shm_falls_back_to_tcp_for_the_pairs_that_do_not_fit():
+    """/dev/shm too small for every local pair's segment (a 12 MiB tmpfs mounted over it in a
+    private mount namespace, as a container's small /dev/shm; 3 ranks at the default 4 MiB
+    rings need 3 x 8 MiB): start-up still succeeds, the pairs whose segment did not fit get a
+    TCP link instead, the same on both ends, every collective is exact over both kinds, and
+    the opener warns naming the fixes. The old code failed start-up (no path between ranks)."""
+    import shutil
+    from conftest import mpiexec_path
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs over /dev/shm")
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e["MPIEXEC_TIMEOUT"] = "90"
+    e.pop("R2COMM_SHM_RING", None)
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           'mount -t tmpfs -o size=12m r2comm-test /dev/shm && exec "$@"', "sh",
+           mpiexec_path(), "-n", "3", sys.executable, SHM_WORKER, "small_shm"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                       timeout=150)
+    out = p.stdout
+    assert p.returncode == 0 and "OK small_shm " in out, out[-4000:]
+    assert int(re.search(r"OK small_shm (\d+)", out).group(1)) >= 300 * 3
+    kinds = {}
+    for m in re.finditer(r"LINKS rank=(\d) (\{.*\})", out):
+        kinds[int(m.group(1))] = ast.literal_eval(m.group(2))
+    assert set(kinds) == {0, 1, 2}, out[-3000:]
+    tcp_pairs = {(a, b) for a in kinds for b, k in kinds[a].items() if k == "tcp" and a < b}
+    for a in kinds:
+        for b, k in kinds[a].items():
+            assert kinds[b][a] == k, kinds             # both ends agree on the pair's link
+    assert tcp_pairs, kinds
+    warned = set(re.findall(r"rank (\d): no shared-memory link to local rank (\d)", out))
+    assert {(int(a), int(b)) for a, b in warned} == tcp_pairs, (warned, tcp_pairs)
+    for fix in ("R2COMM_SHM_RING", "--shm-size", "R2COMM_SHM=0"):
+        assert fix in out, fix
 
 
 @pytest.mark.mpi
