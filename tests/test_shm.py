@@ -293,6 +293,23 @@ def _ends(a, b):
     return E.ShmEnd(s1.detach(), *a, 0), E.ShmEnd(s2.detach(), *b, 1)
 
 
+def test_adopt_refuses_a_length_that_is_no_segments():
+    """The rings' size comes from the mapped length: a length no valid ring size gives is
+    refused before anything is adopted (ShmEnd here, Engine.attach_shm the same way)."""
+    a, b, name = _pair_mapped(0x40)
+    _unlinked(name)
+    s1, s2 = socket.socketpair()
+    try:
+        for n in (4096, 4096 + 5000, 4096 + 2 * 2048, 4096 + 2 * 4096 + 1):
+            with pytest.raises(ValueError):
+                _engine().ShmEnd(s1.fileno(), a[0], n, 0)
+    finally:
+        s1.close()
+        s2.close()
+        _engine().shm_unmap(*a)
+        _engine().shm_unmap(*b)
+
+
 def test_counters_far_out_of_range_at_set_up_fail_the_link():
     """Counters in the segment set far out of range before either side adopts it (equal heads
     and tails, so the ring looks empty): both sides start their own counters at 0 and never
