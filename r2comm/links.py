@@ -166,6 +166,10 @@ class Links:
             shm.accept_link(self.engine, self.boot, peer, fd, conn_id)
             self._seen_add(peer, 0)
             return
+        if rail == shm.TCP_RAIL:       # a local pair's link over TCP (no room in /dev/shm)
+            shm.accept_tcp_link(self.engine, self.boot, peer, fd, conn_id)
+            self._seen_add(peer, 0)
+            return
         keys = tcp.take_keys(fd)
         if rail != tcp.CTRL_RAIL and self.verbs:
             # the authenticated socket carries the queue-pair exchange, then stays beside
@@ -242,7 +246,7 @@ class Links:
                     return False
                 if rail == tcp.CTRL_RAIL:
                     return lindex == ctrl_index
-                if rail == shm.SHM_RAIL:       # only a local, lower rank opens one
+                if rail in (shm.SHM_RAIL, shm.TCP_RAIL):   # only a local, lower rank opens one
                     return lindex == ctrl_index and peer in self.shm_peers and peer < self.me
                 if peer in self.shm_peers:
                     return False               # a local peer has no NIC rails
@@ -270,7 +274,7 @@ class Links:
             return
         if res is not None:
             self._forget(sel, fd)          # fd now belongs to the engine
-            if res[1] not in (tcp.CTRL_RAIL, shm.SHM_RAIL) and self.verbs:
+            if res[1] not in (tcp.CTRL_RAIL, shm.SHM_RAIL, shm.TCP_RAIL) and self.verbs:
                 # the queue-pair exchange waits for the peer: not on this thread, which
                 # drives every other handshake
                 threading.Thread(target=self._attach_verbs, args=res, daemon=True,

@@ -10,33 +10,63 @@ remote peers, comm.shm_peers names the local ones.
 
 Set-up (cold path, Python; the lower rank opens, as for TCP rails):
   1. the opener creates a POSIX shm segment (O_EXCL, mode 0600) named
-     /r2comm-<job id>-<opener pid>-<lo>-<hi>-<connection id> holding both rings; its header
-     carries the job id and connection id;
+     /r2comm-<job id>-<pid namespace>-<opener pid>-<lo>-<hi>-<connection id> holding both
+     rings; its header carries the job id, connection id and ring size;
   2. it opens a TCP connection to the peer's control listener (loopback or the management
      address) and runs tcp.py's HMAC handshake with rail code SHM_RAIL and that connection id:
      both sides prove the job secret before anything is mapped;
-  3. the accepting side derives the segment name from the authenticated HELLO, maps it, checks
-     the header (job, connection id, sizes), and answers one byte;
+  3. the accepting side derives the segment name from the authenticated HELLO, maps it after
+     checking that it is this user's with no group/other permission bits, checks the header
+     (job, connection id, a ring size within bounds that matches the length), and answers one
+     byte; a segment that fails a check fails the link with SegmentError;
   4. the opener unlinks the name as soon as that byte arrives (or on any failure): once both
      have mapped it nothing is left in /dev/shm, so a crash later leaves nothing behind.
   The connection then stays open as the doorbell (written only towards a peer that announced
   it is going to sleep) and as liveness: a local peer that dies closes it, and its rail fails
   (EOF) exactly like a TCP rail whose peer died.
 
+Trust. Whoever can write a mapped segment (the peer, or a same-user process that opened the
+name before it was unlinked) can rewrite its header and counters at any time. So neither side
+reads the header after the check in 3: each adopts the rings' size from the length it mapped
+and starts every counter at 0, and the counters the other side publishes are bounds-checked on
+every read (r2_shm.h); a bad one fails the link (EPROTO), never a copy outside the mapping.
+
+No room. If the segment cannot be made (a container's /dev/shm of 64 MiB holds 7 links at the
+default 4 MiB rings; 8 local ranks need 28), the pair's link is a TCP connection over the
+control listener instead (rail code TCP_RAIL, attached as the pair's data rail 0), with a
+warning naming the fixes: a smaller R2COMM_SHM_RING, a larger /dev/shm (docker --shm-size), or
+R2COMM_SHM=0. Fail-back of that link tries shared memory first again.
+
 Clean-up: a process that dies between 1 and 4 leaves a segment; cleanup_stale() (run at every
-Communicator start) unlinks r2comm segments whose creator process no longer exists.
+Communicator start) unlinks the r2comm segments of this user, made in this pid namespace, older
+than any set-up can take (SETUP_MAX_AGE_S), whose creator process no longer exists. Another
+job's segment (another user, another pid namespace under a shared /dev/shm, one still in its
+set-up) is left alone.
 """
 import errno
+import functools
+import logging
 import os
 import select
+import stat
 import struct
 import time
 
 from ._core import tcp
+from .errors import R2commProtocolError
+
+log = logging.getLogger("r2comm")
 
 SHM_RAIL = 0xFFFE          # the HELLO's rail code of a shared-memory link's doorbell connection
+TCP_RAIL = 0xFFFD          # ... of a local pair's link over TCP (no room for a segment)
 PREFIX = "r2comm-"
 SHM_DIR = "/dev/shm"
+SETUP_MAX_AGE_S = 60.0     # a segment younger than this may still be in its set-up (which is
+                           # bounded by the connect / probe timeouts and the 2 s handshake)
+
+
+class SegmentError(R2commProtocolError, OSError):
+    """A peer's shared-memory segment failed a check (owner, mode, header or size)."""
 
 
 def _engine():
@@ -81,24 +111,37 @@ def data_rails(endpoints, a, b):
     return min(len(endpoints[a]["rails"]), len(endpoints[b]["rails"]))
 
 
+@functools.lru_cache(maxsize=1)
+def pid_namespace():
+    """This process's pid namespace (the inode of /proc/self/ns/pid), 0 if unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def segment_name(job, pid, lo, hi, conn_id):
-    return f"/{PREFIX}{job.hex()}-{int(pid)}-{int(lo)}-{int(hi)}-{conn_id:08x}"
+    """The link's segment name: the creator's pid namespace and pid say who may clean it up."""
+    return (f"/{PREFIX}{job.hex()}-{pid_namespace():x}-{int(pid)}-{int(lo)}-{int(hi)}-"
+            f"{conn_id:08x}")
 
 
 def _parse(entry):
-    """(job hex, pid) of an r2comm segment file name, or None."""
+    """(job hex, pid namespace, pid) of an r2comm segment file name, or None."""
     if not entry.startswith(PREFIX):
         return None
     parts = entry[len(PREFIX):].split("-")
-    if len(parts) != 5:
+    if len(parts) != 6:
         return None
     try:
-        return parts[0], int(parts[1])
+        return parts[0], int(parts[1], 16), int(parts[2])
     except ValueError:
         return None
 
 
 def _alive(pid):
+    if pid <= 0:
+        return True               # not a process of ours to judge
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -108,20 +151,38 @@ def _alive(pid):
     return True
 
 
-def cleanup_stale(directory=SHM_DIR):
-    """Unlink r2comm shm segments whose creating process is gone (a job that crashed during
-    set-up). Returns the names removed."""
+def _stale(path, pid, uid, now, min_age):
+    """The segment at path is this user's, older than min_age and its creator is gone."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_uid == uid and now - st.st_mtime >= min_age
+            and not _alive(pid))
+
+
+def cleanup_stale(directory=SHM_DIR, min_age=SETUP_MAX_AGE_S):
+    """Unlink the r2comm shm segments that this user's processes of this pid namespace created
+    at least min_age s ago and left when they died (a job that crashed during set-up). Returns
+    the names removed."""
     removed = []
+    ns = pid_namespace()
+    if ns == 0:
+        return removed            # whose pids the names carry is unknown: touch nothing
     try:
         entries = os.listdir(directory)
     except OSError:
         return removed
+    uid, now = os.geteuid(), time.time()
     for entry in entries:
         parsed = _parse(entry)
-        if parsed is None or _alive(parsed[1]):
+        if parsed is None or parsed[1] != ns:
+            continue
+        path = os.path.join(directory, entry)
+        if not _stale(path, parsed[2], uid, now, min_age):
             continue
         try:
-            os.unlink(os.path.join(directory, entry))
+            os.unlink(path)
             removed.append(entry)
         except OSError:
             pass
@@ -163,13 +224,19 @@ def _wait_byte(fd, deadline):
 
 def open_link(engine, boot, cfg, peer, timeout):
     """The opener (lower rank): create the segment, authenticate over the peer's control
-    listener, wait for it to map the segment, unlink the name, attach. Raises OSError or
+    listener, wait for it to map the segment, unlink the name, attach. With no room for the
+    segment, a TCP connection takes its place (open_tcp_link). Raises OSError or
     tcp.HandshakeError."""
     eng = _engine()
     me, job = boot.rank, boot.job
     conn_id = struct.unpack("!I", os.urandom(4))[0]
     name = segment_name(job, os.getpid(), me, peer, conn_id)
-    base, n = eng.shm_create(name.encode(), cfg.shm_ring, conn_id, job, os.getpid())
+    try:
+        base, n = eng.shm_create(name.encode(), cfg.shm_ring, conn_id, job, os.getpid())
+    except OSError as exc:
+        _warn_no_room(me, peer, cfg.shm_ring, exc)
+        open_tcp_link(engine, boot, cfg, peer, timeout)
+        return
     fd = None
     try:
         deadline = time.monotonic() + timeout
@@ -189,10 +256,65 @@ def open_link(engine, boot, cfg, peer, timeout):
         raise
 
 
+_warned = set()             # peers whose link fell back to TCP (one warning each)
+
+
+def _warn_no_room(me, peer, ring, exc):
+    """Say once per peer that its link is TCP for want of a segment, and how to fix that."""
+    if peer in _warned:
+        return
+    _warned.add(peer)
+    log.warning("r2comm rank %d: no shared-memory link to local rank %d (%d MiB segment: %s); "
+                "using TCP for this pair. Fix: a smaller R2COMM_SHM_RING (each local pair "
+                "needs 2 x the ring), a larger /dev/shm (docker run --shm-size), or "
+                "R2COMM_SHM=0 for TCP between all local ranks", me, peer,
+                max(1, (2 * ring) >> 20), exc.strerror or exc)
+
+
+def open_tcp_link(engine, boot, cfg, peer, timeout):
+    """The opener's fallback: a local pair's data rail 0 as a TCP connection to the peer's
+    control listener (rail code TCP_RAIL). Raises OSError or tcp.HandshakeError."""
+    addr, port = boot.endpoints[peer]["ctrl"]
+    fd, conn_id = tcp.connect(addr, port, None, boot.secret, boot.job, boot.rank, peer,
+                              TCP_RAIL, timeout, cfg.rail_timeout_ms, cfg.sockbuf,
+                              cfg.notsent_lowat)
+    keys = tcp.take_keys(fd)
+    try:
+        engine.attach(peer, 0, fd, conn_id, *keys)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def accept_tcp_link(engine, boot, peer, fd, conn_id):
+    """The accepting side of open_tcp_link, after the handshake on fd: attach it as the pair's
+    data rail 0. On failure fd is closed and the error raised."""
+    keys = tcp.take_keys(fd)
+    try:
+        if peer >= boot.rank:
+            raise tcp.HandshakeError(f"rank {peer} opened a local link to a lower rank")
+        engine.attach(peer, 0, fd, conn_id, *keys)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _map_peer_segment(name, conn_id, job, peer):
+    """shm_attach, with its refusals (owner, mode, header, size) as SegmentError."""
+    eng = _engine()
+    try:
+        return eng.shm_attach(name.encode(), conn_id, job)
+    except OSError as exc:
+        if exc.errno in (eng.SHM_EOWNER, eng.SHM_EBADSEG):
+            raise SegmentError(exc.errno, f"rank {peer}'s shared-memory segment refused: "
+                                          f"{exc.strerror}") from None
+        raise
+
+
 def accept_link(engine, boot, peer, fd, conn_id):
     """The accepting side (higher rank), after the handshake on fd: map the segment that the
     authenticated HELLO names, answer one byte, attach. On failure fd is closed and the error
-    raised (the opener then sees EOF)."""
+    raised (the opener then sees EOF): SegmentError for a segment that fails its checks."""
     eng = _engine()
     keys = tcp.take_keys(fd)
     base = 0
@@ -204,7 +326,7 @@ def accept_link(engine, boot, peer, fd, conn_id):
         if pid is None:
             raise tcp.HandshakeError(f"rank {peer} announced no process id")
         name = segment_name(boot.job, pid, peer, boot.rank, conn_id)
-        base, n = eng.shm_attach(name.encode(), conn_id, boot.job)
+        base, n = _map_peer_segment(name, conn_id, boot.job, peer)
         if os.write(fd, b"\x01") != 1:
             raise OSError(errno.EAGAIN, "could not answer the shared-memory set-up")
         engine.attach_shm(peer, 0, fd, conn_id, base, n, 1, *keys)

@@ -6,6 +6,9 @@ others over the TCP rails. Without it every rank is on this host. Scenarios:
 collectives   mpi_worker's every-collective check and point-to-point, then: the shm links are
               exactly the same-host peers, carried traffic, and nothing of it went over a NIC
               rail when every peer is local; no segment of this job is left in /dev/shm
+small_shm     /dev/shm too small for every local pair's segment (a small tmpfs mounted over it
+              by the test): every local pair still has a link, shared memory or TCP, at least
+              one is TCP, and every collective is exact over them
 kill          rank 1 is SIGKILLed mid-stream (as fault_worker's sigkill): every survivor raises
               R2commNetworkError (times written to `out` for the test to bound)
 """
@@ -178,7 +181,28 @@ def sc_relink(comm, args):
     return ops
 
 
-SCENARIOS = {"collectives": sc_collectives, "kill": sc_kill, "relink": sc_relink}
+def sc_small_shm(comm, args):
+    """Not every local pair's segment fits in /dev/shm: those pairs' links are TCP, up, and
+    carry the collectives (exact) like the shared-memory ones."""
+    n, r = comm.size, comm.rank
+    links = comm.shm_peers
+    check(set(links) == set(range(n)) - {r}, f"rank {r}: local peers {sorted(links)}")
+    check(all(v["state"] == "up" and v["transport"] in ("shm", "tcp") for v in links.values()),
+          f"rank {r}: a local pair without a working link: {links}")
+    count = mpi_worker.sc_collectives(comm, args)
+    count += mpi_worker.sc_p2p(comm, args)
+    links = comm.shm_peers
+    for p, v in links.items():
+        check(v["bytes_sent"] > 0 and v["bytes_recv"] > 0 and v["failures"] == 0,
+              f"rank {r}: link to {p}: {v}")
+    kinds = {p: v["transport"] for p, v in sorted(links.items())}
+    print(f"LINKS rank={r} {kinds}", flush=True)
+    comm.Barrier()
+    return count
+
+
+SCENARIOS = {"collectives": sc_collectives, "kill": sc_kill, "relink": sc_relink,
+             "small_shm": sc_small_shm}
 
 if __name__ == "__main__":
     main(SCENARIOS)

@@ -2,10 +2,15 @@
 clean-up, and real mpiexec jobs: every collective exact over shared memory with 2-4 ranks on
 one host, local and remote peers mixed (R2COMM_HOST per rank emulates hosts), NIC faults that
 leave shared memory alone, and a local rank killed mid-collective."""
+import ast
+import contextlib
+import errno
+import mmap
 import os
 import random
 import re
 import socket
+import struct
 import subprocess
 import sys
 
@@ -135,30 +140,394 @@ def test_segment_is_checked_and_named_per_job():
         E.shm_create(b"/r2comm-x", 5000, 1, JOB, 1)   # not a power of two
 
 
+# -- hostile segments (issue 28) -----------------------------------------------------------
+MAGIC = 0x3130474E495232           # r2_shm.h's header: magic, version, conn id, ring bytes,
+HEADER = struct.Struct("<QIIQQ8s")  # creator pid, job id; then ring[0] at 128, ring[1] at 640
+RING_AT = (128, 640)                # each: head at +0, tail at +128
+EPROTO, EPERM = errno.EPROTO, errno.EPERM
+
+
+def _craft(name, size, ring_bytes, conn_id=7, job=JOB):
+    """A segment made by hand (as an attacker would): any length, any header."""
+    fd = os.open("/dev/shm" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.pwrite(fd, HEADER.pack(MAGIC, 1, conn_id, ring_bytes, os.getpid(), job), 0)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _writable_header(name):
+    """The header page of segment `name`, mapped again for writing (what its peer sees)."""
+    fd = os.open("/dev/shm" + name, os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def _poke(m, ring, field, value):
+    struct.pack_into("<Q", m, RING_AT[ring] + (128 if field == "tail" else 0), value)
+
+
+def _unlinked(name):
+    if os.path.exists("/dev/shm" + name):
+        os.unlink("/dev/shm" + name)
+
+
+@pytest.mark.parametrize("ring_bytes,size", [
+    (2 ** 63, 4096),                 # 4096 + 2 * 2**63 wraps to 4096: the old check passed
+    (2 ** 63 + 2048, 8192),          # wraps to 8192
+    (0, 4096),
+    (5000, 4096 + 10000),            # not a power of two
+    (2048, 4096 + 4096),             # under the minimum
+    (8192, 4096 + 4096),             # the length does not match
+    (2 ** 31, 4096 + 2 ** 32),       # over the 1 GiB cap (a sparse file)
+])
+def test_attach_refuses_bad_ring_sizes(ring_bytes, size):
+    """A header whose ring size overflows the length check, is out of bounds, or does not match
+    the segment's length is refused (EPROTO) before anything is used; with 2**63 in a 4096-byte
+    segment the old attach accepted it and adopt put the rings far outside the mapping."""
+    E = _engine()
+    name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-00000007"
+    _craft(name, size, ring_bytes)
+    try:
+        with pytest.raises(OSError) as ei:
+            E.shm_attach(name.encode(), 7, JOB)
+        assert ei.value.errno == EPROTO, ei.value
+        assert "header or size" in str(ei.value)
+    finally:
+        _unlinked(name)
+
+
+def test_attach_refuses_another_users_or_a_shared_mode_segment():
+    """A segment that another user owns, or that group/other may open, is refused (EPERM) even
+    when its header is right: someone else could rewrite it under us. The old attach mapped
+    both."""
+    E = _engine()
+    name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-00000008"
+    base, n = E.shm_create(name.encode(), 4096, 8, JOB, os.getpid())
+    fd = os.open("/dev/shm" + name, os.O_RDONLY)
+    try:
+        for mode, owner in ((0o644, 0), (0o640, 0), (0o606, 0), (0o600, 12345)):
+            os.fchmod(fd, mode)
+            os.fchown(fd, owner, -1)
+            with pytest.raises(OSError) as ei:
+                E.shm_attach(name.encode(), 8, JOB)
+            assert ei.value.errno == EPERM, (oct(mode), owner, ei.value)
+            assert "not this user's" in str(ei.value)
+        os.fchown(fd, os.geteuid(), -1)
+        os.fchmod(fd, 0o600)
+        b2, n2 = E.shm_attach(name.encode(), 8, JOB)     # the same segment, put right: mapped
+        E.shm_unmap(b2, n2)
+    finally:
+        os.close(fd)
+        _unlinked(name)
+        E.shm_unmap(base, n)
+
+
+class _Boot:
+    """What accept_link reads of the bootstrap: this is rank 1, rank 0 is this process."""
+    rank = 1
+    job = JOB
+    endpoints = [{"pid": os.getpid()}, {"pid": os.getpid()}]
+
+
+@pytest.mark.parametrize("hostile", ["overflow", "mode", "owner"])
+def test_hostile_segment_fails_the_link_with_a_protocol_error(hostile):
+    """The accepting side of a link, handed a hostile segment under the name the authenticated
+    HELLO derives: shm.accept_link raises SegmentError (an R2commProtocolError, and an OSError
+    for the links thread), names the peer, closes the doorbell socket and maps nothing, so the
+    opener sees the link refused. The old code attached the overflowing segment."""
+    from r2comm import shm
+    from r2comm.errors import R2commProtocolError
+    E = _engine()
+    conn_id = 0x55
+    name = shm.segment_name(JOB, os.getpid(), 0, 1, conn_id)
+    mapped = None
+    if hostile == "overflow":
+        _craft(name, 4096, 2 ** 63, conn_id)
+    else:
+        mapped = E.shm_create(name.encode(), 4096, conn_id, JOB, os.getpid())
+        if hostile == "mode":
+            os.chmod("/dev/shm" + name, 0o666)
+        else:
+            os.chown("/dev/shm" + name, 12345, -1)
+    s1, s2 = socket.socketpair()
+    fd = s2.detach()
+    try:
+        with pytest.raises(shm.SegmentError) as ei:
+            shm.accept_link(None, _Boot(), 0, fd, conn_id)   # no engine: never reached
+        assert isinstance(ei.value, R2commProtocolError) and isinstance(ei.value, OSError)
+        assert "rank 0's shared-memory segment refused" in str(ei.value), str(ei.value)
+        with pytest.raises(OSError):
+            os.fstat(fd)                                     # the doorbell socket is closed
+        assert s1.recv(1) == b""                             # the opener sees EOF, no answer
+    finally:
+        s1.close()
+        _unlinked(name)
+        if mapped:
+            E.shm_unmap(*mapped)
+
+
+def _pair_mapped(conn_id):
+    """A created and an attached mapping of one fresh segment, not adopted yet, and its name
+    (still linked, so the test can map the header again as the peer would)."""
+    E = _engine()
+    name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-{conn_id:08x}"
+    a = E.shm_create(name.encode(), 4096, conn_id, JOB, os.getpid())
+    b = E.shm_attach(name.encode(), conn_id, JOB)
+    return a, b, name
+
+
+def _ends(a, b):
+    E = _engine()
+    s1, s2 = socket.socketpair()
+    s1.setblocking(False)
+    s2.setblocking(False)
+    return E.ShmEnd(s1.detach(), *a, 0), E.ShmEnd(s2.detach(), *b, 1)
+
+
+def test_adopt_refuses_a_length_that_is_no_segments():
+    """The rings' size comes from the mapped length: a length no valid ring size gives is
+    refused before anything is adopted (ShmEnd here, Engine.attach_shm the same way)."""
+    a, b, name = _pair_mapped(0x40)
+    _unlinked(name)
+    s1, s2 = socket.socketpair()
+    try:
+        for n in (4096, 4096 + 5000, 4096 + 2 * 2048, 4096 + 2 * 4096 + 1):
+            with pytest.raises(ValueError):
+                _engine().ShmEnd(s1.fileno(), a[0], n, 0)
+    finally:
+        s1.close()
+        s2.close()
+        _engine().shm_unmap(*a)
+        _engine().shm_unmap(*b)
+
+
+def test_counters_far_out_of_range_at_set_up_fail_the_link():
+    """Counters in the segment set far out of range before either side adopts it (equal heads
+    and tails, so the ring looks empty): both sides start their own counters at 0 and never
+    read them back, so the first read sees a head 2**63 ahead and fails the link (EPROTO);
+    writes then fail too. The old adopt took the segment's values as its starting point."""
+    a, b, name = _pair_mapped(0x41)
+    try:
+        with _writable_header(name) as m:
+            for ring in (0, 1):
+                _poke(m, ring, "head", 2 ** 63 - 100)
+                _poke(m, ring, "tail", 2 ** 63 - 100)
+    finally:
+        _unlinked(name)
+    x, y = _ends(a, b)
+    try:
+        for end in (x, y):
+            assert end.recv(100) == -EPROTO
+            assert end.dead == -EPROTO
+            assert end.send(b"z" * 10) == -EPROTO
+    finally:
+        x.close()
+        y.close()
+
+
+def test_counters_moved_out_of_range_after_set_up_fail_the_link():
+    """Counters moved after set-up (a head 2**40 ahead, a tail past the head) are caught on the
+    next read of them, every time: the link fails (EPROTO), nothing is copied."""
+    a, b, name = _pair_mapped(0x42)
+    x, y = _ends(a, b)
+    try:
+        assert x.send(b"q" * 100) == 100 and y.recv(100) == b"q" * 100
+        with _writable_header(name) as m:
+            _poke(m, 1, "head", 2 ** 40)          # peer -> creator: far ahead of the tail
+            assert x.recv(10) == -EPROTO
+            assert y.send(b"w" * 4096) == 4096    # the peer's own ring: fills it
+            _poke(m, 1, "tail", 2 ** 50)          # creator's tail, as the peer sees it: past
+            assert y.send(b"w") == -EPROTO        # its head; read when the ring is full
+    finally:
+        _unlinked(name)
+        x.close()
+        y.close()
+
+
+_REWRITER = r"""
+import os, sys, mmap, socket, struct
+sys.path.insert(0, sys.argv[1])
+from r2comm._core import engine as E
+job = b"testjob!"
+name = "/r2comm-%s-%d-0-1-00000043" % (job.hex(), os.getpid())
+a = E.shm_create(name.encode(), 4096, 0x43, job, os.getpid())
+b = E.shm_attach(name.encode(), 0x43, job)
+# the peer mapped it: now it rewrites the header before the creator adopts
+fd = os.open("/dev/shm" + name, os.O_RDWR)
+m = mmap.mmap(fd, 4096)
+os.close(fd)
+os.unlink("/dev/shm" + name)
+struct.pack_into("<Q", m, 16, 1 << 40)          # ring_bytes: 1 TiB
+s1, s2 = socket.socketpair()
+x = E.ShmEnd(s1.detach(), *a, 0)                # the creator
+y = E.ShmEnd(s2.detach(), *b, 1)                # the peer (it attached before the rewrite)
+canary = bytearray(b"C" * (1 << 20))
+blob = os.urandom(100_000)
+for src, dst in ((y, x), (x, y)):
+    sent, got = 0, bytearray()
+    for _ in range(10_000):
+        if len(got) == len(blob):
+            break
+        r = src.send(blob[sent:sent + 3000])
+        assert r >= 0, r
+        sent += r
+        got += dst.recv(5000)
+    assert bytes(got) == blob
+assert canary == b"C" * (1 << 20)
+print("RESULT ok", flush=True)
+"""
+
+
+def test_header_rewritten_after_create_is_not_used():
+    """The peer rewrites the ring size in the header after it mapped the segment and before
+    the creator adopts it (1 TiB in a 12 KiB segment): neither side takes the size from the
+    header, so 100 KB stream through both rings intact and nothing outside the mapping is
+    written. The old adopt read the size back and its first write landed 1 TiB past the rings
+    (SIGSEGV, or another mapping of the process silently overwritten). In a child process, so
+    a crash is a failed test."""
+    p = subprocess.run([sys.executable, "-c", _REWRITER, ROOT], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "RESULT ok" in p.stdout, (p.returncode, p.stderr[-3000:])
+
+
+def _dead_pid():
+    """The pid of a process that has exited (and was reaped)."""
+    p = subprocess.Popen(["true"])
+    p.wait(timeout=30)
+    return p.pid
+
+
+def _age(name, seconds=300):
+    """Make the segment `name` look created `seconds` ago (its mtime)."""
+    t = __import__("time").time() - seconds
+    os.utime("/dev/shm" + name, (t, t))
+
+
 def test_stale_segments_of_dead_processes_are_removed():
     """A process that dies between creating a segment and its peer mapping it leaves the name
-    behind: cleanup_stale() removes it (its creator's pid is in the name), and leaves a live
-    process's segment alone."""
+    behind: cleanup_stale() removes it once it is older than any set-up (its creator's pid and
+    pid namespace are in the name), and leaves a live process's segment alone."""
     from r2comm import shm
     code = ("import os, sys; sys.path.insert(0, %r); from r2comm._core import engine as E; "
-            "n = '/r2comm-%s-%%d-0-1-00000001' %% os.getpid(); "
+            "from r2comm import shm; n = shm.segment_name(%r, os.getpid(), 0, 1, 1); "
             "E.shm_create(n.encode(), 4096, 1, %r, os.getpid()); print(n, flush=True); "
-            "os._exit(0)") % (ROOT, JOB.hex(), JOB)
+            "os._exit(0)") % (ROOT, JOB, JOB)
     out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                          timeout=60, check=True).stdout.split()
     dead = out[0]
     assert os.path.exists("/dev/shm" + dead)
-    live = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-00000002"
+    live = shm.segment_name(JOB, os.getpid(), 0, 1, 2)
     E = _engine()
     base, n = E.shm_create(live.encode(), 4096, 2, JOB, os.getpid())
     try:
+        _age(dead)
+        _age(live)
         removed = shm.cleanup_stale()
         assert dead[1:] in removed
         assert not os.path.exists("/dev/shm" + dead)
         assert os.path.exists("/dev/shm" + live)
     finally:
+        if os.path.exists("/dev/shm" + dead):
+            os.unlink("/dev/shm" + dead)
         os.unlink("/dev/shm" + live)
         E.shm_unmap(base, n)
+
+
+def test_cleanup_spares_young_foreign_and_other_users_segments():
+    """cleanup_stale() removes only what this user's dead processes of this pid namespace left
+    longer ago than any set-up takes: a dead creator's segment that is still young (in its
+    set-up as far as anyone can tell), one owned by another user, one named in another pid
+    namespace (a job sharing /dev/shm with --ipc=host) all stay; the old one of ours goes."""
+    from r2comm import shm
+    E = _engine()
+    pid = _dead_pid()
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    names = {"young": shm.segment_name(JOB, pid, 0, 1, 0x21),
+             "other_user": shm.segment_name(JOB, pid, 0, 1, 0x22),
+             "other_ns": shm.segment_name(JOB, pid, 0, 1, 0x23).replace(f"-{ns:x}-",
+                                                                         f"-{ns + 1:x}-"),
+             "stale": shm.segment_name(JOB, pid, 0, 1, 0x24)}
+    maps = []
+    try:
+        for key, name in names.items():
+            maps.append(E.shm_create(name.encode(), 4096, 1, JOB, pid))
+            if key != "young":
+                _age(name)
+        fd = os.open("/dev/shm" + names["other_user"], os.O_RDONLY)
+        try:
+            os.fchown(fd, 12345, 12345)
+        finally:
+            os.close(fd)
+        removed = shm.cleanup_stale()
+        left = {k for k, v in names.items() if os.path.exists("/dev/shm" + v)}
+        assert left == {"young", "other_user", "other_ns"}, (left, removed)
+        assert names["stale"][1:] in removed
+    finally:
+        for name in names.values():
+            if os.path.exists("/dev/shm" + name):
+                os.unlink("/dev/shm" + name)
+        for base, n in maps:
+            E.shm_unmap(base, n)
+
+
+_OTHER_NS_CREATOR = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from r2comm._core import engine as E
+from r2comm import shm
+job = sys.argv[2].encode()
+name = shm.segment_name(job, os.getpid(), 0, 1, 0x31)
+E.shm_create(name.encode(), 4096, 0x31, job, os.getpid())
+print(name, os.getpid(), flush=True)
+sys.stdin.readline()            # "in set-up" until the test says
+os.unlink("/dev/shm" + name)
+"""
+
+
+def test_cleanup_spares_an_in_setup_segment_of_another_pid_namespace():
+    """Two jobs share /dev/shm (--ipc=host) but not their pid namespace: a process of the other
+    job (here: in a pid namespace of its own, with a pid that does not exist in ours) holds a
+    segment in its set-up. This job's cleanup_stale() must leave it alone even when it looks
+    old, because the pid in its name says nothing about liveness here. The old cleanup
+    unlinked it (its pid is not alive in this namespace)."""
+    import shutil
+    from r2comm import shm
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a pid namespace")
+    # a fork in the new namespace, after moving its last pid high: a pid unused in ours
+    script = ('echo 3999990 > /proc/sys/kernel/ns_last_pid && "$0" -c "$1" "$2" "$3"; :')
+    child = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script,
+                              sys.executable, _OTHER_NS_CREATOR, ROOT, JOB.decode()],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline().split()
+        assert len(line) == 2, line
+        name, pid = line[0], int(line[1])
+        assert os.path.exists("/dev/shm" + name)
+        assert not shm._alive(pid), "precondition: the other namespace's pid is unused here"
+        _age(name)
+        shm.cleanup_stale()
+        assert os.path.exists("/dev/shm" + name), "another pid namespace's segment removed"
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 0
+        assert not os.path.exists("/dev/shm" + name)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+        for f in os.listdir("/dev/shm"):
+            if f.startswith(f"r2comm-{JOB.hex()}-") and f.endswith("-0-1-00000031"):
+                os.unlink("/dev/shm/" + f)
 
 
 def test_local_pairs_follow_host_keys_and_r2comm_shm():
@@ -236,6 +605,44 @@ def test_local_rank_killed_mid_collective(tmp_path, n, hosts):
     left = [f for f in os.listdir("/dev/shm") if f.startswith("r2comm-") and
             any(f"-{p}-" in f for p in pids)]
     assert not left, left
+
+
+@pytest.mark.mpi
+def test_small_dev_shm_falls_back_to_tcp_for_the_pairs_that_do_not_fit():
+    """/dev/shm too small for every local pair's segment (a 12 MiB tmpfs mounted over it in a
+    private mount namespace, as a container's small /dev/shm; 3 ranks at the default 4 MiB
+    rings need 3 x 8 MiB): start-up still succeeds, the pairs whose segment did not fit get a
+    TCP link instead, the same on both ends, every collective is exact over both kinds, and
+    the opener warns naming the fixes. The old code failed start-up (no path between ranks)."""
+    import shutil
+    from conftest import mpiexec_path
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs over /dev/shm")
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e["MPIEXEC_TIMEOUT"] = "90"
+    e.pop("R2COMM_SHM_RING", None)
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           'mount -t tmpfs -o size=12m r2comm-test /dev/shm && exec "$@"', "sh",
+           mpiexec_path(), "-n", "3", sys.executable, SHM_WORKER, "small_shm"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                       timeout=150)
+    out = p.stdout
+    assert p.returncode == 0 and "OK small_shm " in out, out[-4000:]
+    assert int(re.search(r"OK small_shm (\d+)", out).group(1)) >= 300 * 3
+    kinds = {}
+    for m in re.finditer(r"LINKS rank=(\d) (\{.*\})", out):
+        kinds[int(m.group(1))] = ast.literal_eval(m.group(2))
+    assert set(kinds) == {0, 1, 2}, out[-3000:]
+    tcp_pairs = {(a, b) for a in kinds for b, k in kinds[a].items() if k == "tcp" and a < b}
+    for a in kinds:
+        for b, k in kinds[a].items():
+            assert kinds[b][a] == k, kinds             # both ends agree on the pair's link
+    assert tcp_pairs, kinds
+    warned = set(re.findall(r"rank (\d): no shared-memory link to local rank (\d)", out))
+    assert {(int(a), int(b)) for a, b in warned} == tcp_pairs, (warned, tcp_pairs)
+    for fix in ("R2COMM_SHM_RING", "--shm-size", "R2COMM_SHM=0"):
+        assert fix in out, fix
 
 
 @pytest.mark.mpi

@@ -16,6 +16,7 @@ GIL. With R2COMM_INTEGRITY=mac every frame ends in a Poly1305 tag (r2_mac.h) key
 connection, direction and frame counter; a frame is acted on only once its tag verifies, and one
 that does not fails its rail like any other malformed frame.
 """
+import errno
 import os
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
@@ -36,6 +37,7 @@ from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
                                      TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC)
 from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_conn, r2_shm_seg_len,
+                               r2_shm_ring_ok, r2_shm_ring_of,
                                r2_shm_create, r2_shm_attach, r2_shm_adopt, r2_shm_write,
                                r2_shm_read, r2_shm_arm, r2_shm_wake, r2_shm_close, ShmConn)
 from r2comm._core.tcp cimport (tcp_transport, TcpConn, tcp_adopt, tcp_sendv, tcp_recv1, tcp_test,
@@ -332,15 +334,15 @@ cdef extern from "<sys/mman.h>" nogil:
 
 def shm_create(bytes name, uint64_t ring_bytes, uint32_t conn_id, bytes job, uint64_t pid):
     """Create, size and map the POSIX shm segment `name` of a shared-memory link (two rings of
-    ring_bytes each, a power of two; mode 0600, O_EXCL) and fill its header: (address, length).
-    Raises OSError (the name is gone again then)."""
+    ring_bytes each, a power of two from 4 KiB to 1 GiB; mode 0600, O_EXCL) and fill its header:
+    (address, length). Raises OSError (the name is gone again then)."""
     cdef size_t n = 0
     cdef int err = 0
     cdef char* base
     cdef const char* cname = name
     cdef const char* cjob
-    if ring_bytes < 4096 or (ring_bytes & (ring_bytes - 1)) != 0:
-        raise ValueError(f"ring size {ring_bytes}: a power of two >= 4096")
+    if not r2_shm_ring_ok(ring_bytes):
+        raise ValueError(f"ring size {ring_bytes}: a power of two from 4096 to 2**30")
     if len(job) != 8:
         raise ValueError("job id: 8 bytes")
     cjob = job
@@ -351,9 +353,15 @@ def shm_create(bytes name, uint64_t ring_bytes, uint32_t conn_id, bytes job, uin
     return <uint64_t>base, n
 
 
+SHM_EOWNER = errno.EPERM     # shm_attach: the segment is another user's or open to group/other
+SHM_EBADSEG = errno.EPROTO   # shm_attach: its header or size is not what the handshake named
+
+
 def shm_attach(bytes name, uint32_t conn_id, bytes job):
-    """Map the existing segment `name` and check that its header names this job and connection:
-    (address, length). Raises OSError (EPROTO: not the segment the handshake announced)."""
+    """Map the existing segment `name` after checking that only this user can open it and that
+    its header names this job and connection with a valid ring size matching its length:
+    (address, length). Raises OSError: errno SHM_EOWNER (owner or mode), SHM_EBADSEG (header or
+    size), or that of shm_open / mmap."""
     cdef size_t n = 0
     cdef int err = 0
     cdef char* base
@@ -365,7 +373,9 @@ def shm_attach(bytes name, uint32_t conn_id, bytes job):
     with nogil:
         base = r2_shm_attach(cname, conn_id, cjob, &n, &err)
     if base == NULL:
-        raise OSError(err, f"shm segment {name.decode()}: {os.strerror(err)}")
+        why = {SHM_EOWNER: "not this user's, or group/other may open it",
+               SHM_EBADSEG: "its header or size is not the segment the handshake named"}
+        raise OSError(err, f"shm segment {name.decode()}: {why.get(err, os.strerror(err))}")
     return <uint64_t>base, n
 
 
@@ -386,6 +396,8 @@ cdef class ShmEnd:
         st.side = side
         st.base = <char*>base
         st.map_len = map_len
+        if side not in (0, 1) or base == 0 or r2_shm_ring_of(map_len) == 0:
+            raise ValueError("ShmEnd: side 0 or 1 and a mapped segment of a valid length")
         self.c = r2_shm_adopt(&st)
         if self.c == NULL:
             raise MemoryError()
@@ -657,8 +669,8 @@ cdef class Engine:
         st.side = side
         st.base = <char*>base
         st.map_len = map_len
-        if side not in (0, 1) or base == 0:
-            raise ValueError("attach_shm: side 0 or 1 and a mapped segment")
+        if side not in (0, 1) or base == 0 or r2_shm_ring_of(map_len) == 0:
+            raise ValueError("attach_shm: side 0 or 1 and a mapped segment of a valid length")
         self._attach(peer, rail, &SHM_TP, <intptr_t>&st, conn_id, tx_key, rx_key)
 
     def set_shm_peer(self, int peer, bint on=True):

@@ -32,6 +32,10 @@
 #define R2_SHM_VERSION 1
 #define R2_SHM_PUBLISH (64u << 10)            /* bytes copied between head publications */
 #define R2_SHM_HDR 4096                       /* header page; the rings' data follow */
+#define R2_SHM_MIN_RING 4096ULL               /* each ring's data size: a power of two ... */
+#define R2_SHM_MAX_RING (1ULL << 30)          /* ... in [4 KiB, 1 GiB] (R2COMM_SHM_RING's bounds) */
+#define R2_SHM_EBADSEG EPROTO                 /* attach: not the segment the handshake named */
+#define R2_SHM_EOWNER EPERM                   /* attach: another user's, or group/other can open it */
 #define R2_SHM_EOF (-1000)                    /* == T_EOF of transport.pxd */
 
 struct r2_ring_ctl {                          // one direction's counters, each on its own lines
@@ -74,11 +78,26 @@ struct r2_shm_setup {                         // what adopt() is handed (by addr
     int fd;
     int side;                                 // 0: creator (lower rank), 1: the peer
     char* base;
-    size_t map_len;
+    size_t map_len;                           // the mapping's length: the rings' size follows
 };
+
+// A ring size this side accepts: a power of two within the bounds (so the segment's length
+// below cannot wrap).
+static inline int r2_shm_ring_ok(uint64_t ring_bytes) {
+    return ring_bytes >= R2_SHM_MIN_RING && ring_bytes <= R2_SHM_MAX_RING &&
+           (ring_bytes & (ring_bytes - 1)) == 0;
+}
 
 static inline size_t r2_shm_seg_len(uint64_t ring_bytes) {
     return R2_SHM_HDR + 2 * (size_t)ring_bytes;
+}
+
+// The rings' size of a mapping of map_len bytes, or 0 if no valid ring size gives that length.
+// Adopt takes the size from here (what this process mapped), never from the shared header.
+static inline uint64_t r2_shm_ring_of(size_t map_len) {
+    if (map_len <= R2_SHM_HDR || (map_len - R2_SHM_HDR) % 2 != 0) return 0;
+    uint64_t rb = (uint64_t)(map_len - R2_SHM_HDR) / 2;
+    return r2_shm_ring_ok(rb) ? rb : 0;
 }
 
 // -- cold path: segments ------------------------------------------------------------------------
@@ -86,6 +105,7 @@ static inline size_t r2_shm_seg_len(uint64_t ring_bytes) {
 // (the name is unlinked again then).
 static inline char* r2_shm_create(const char* name, uint64_t ring_bytes, uint32_t conn_id,
                                   const char* job, uint64_t pid, size_t* len, int* err) {
+    if (!r2_shm_ring_ok(ring_bytes)) { *err = EINVAL; return NULL; }
     size_t n = r2_shm_seg_len(ring_bytes);
     int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) { *err = errno; return NULL; }
@@ -111,15 +131,23 @@ static inline char* r2_shm_create(const char* name, uint64_t ring_bytes, uint32_
     return (char*)p;
 }
 
-// Map an existing segment and check it is the one the handshake named: magic, version, job,
-// connection id, and a size that matches its header. NULL and *err on failure.
+// Map an existing segment and check it is the one the handshake named and that nobody else
+// can open it: a regular file of this user with no group/other permission bits (else *err =
+// R2_SHM_EOWNER), then magic, version, job, connection id, a valid ring size read once and a
+// length that matches it exactly (else R2_SHM_EBADSEG). NULL and *err on failure. The mapping is
+// HDR + 2 * ring bytes long; adopt works from that length, not from the header (which whoever
+// holds the segment can still rewrite).
 static inline char* r2_shm_attach(const char* name, uint32_t conn_id, const char* job,
                                   size_t* len, int* err) {
     struct stat st;
-    int fd = shm_open(name, O_RDWR | O_CLOEXEC, 0);
+    int fd = shm_open(name, O_RDWR | O_CLOEXEC | O_NOFOLLOW, 0);
     if (fd < 0) { *err = errno; return NULL; }
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size < R2_SHM_HDR) {
-        *err = EPROTO; close(fd); return NULL;
+    if (fstat(fd, &st) != 0) { *err = errno; close(fd); return NULL; }
+    if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+        *err = R2_SHM_EOWNER; close(fd); return NULL;
+    }
+    if (st.st_size < (off_t)R2_SHM_HDR || r2_shm_ring_of((size_t)st.st_size) == 0) {
+        *err = R2_SHM_EBADSEG; close(fd); return NULL;
     }
     size_t n = (size_t)st.st_size;
     void* p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -128,12 +156,11 @@ static inline char* r2_shm_attach(const char* name, uint32_t conn_id, const char
     if (p == MAP_FAILED) { *err = e; return NULL; }
     r2_seg_hdr* h = (r2_seg_hdr*)p;
     int ok = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) == R2_SHM_MAGIC;   // then the rest
-    uint64_t rb = h->ring_bytes;
+    uint64_t rb = __atomic_load_n(&h->ring_bytes, __ATOMIC_RELAXED);         // read once
     if (!ok || h->version != R2_SHM_VERSION || h->conn_id != conn_id ||
-            memcmp(h->job, job, 8) != 0 || rb == 0 || (rb & (rb - 1)) != 0 ||
-            r2_shm_seg_len(rb) != n) {
+            memcmp(h->job, job, 8) != 0 || !r2_shm_ring_ok(rb) || r2_shm_seg_len(rb) != n) {
         munmap(p, n);
-        *err = EPROTO;
+        *err = R2_SHM_EBADSEG;
         return NULL;
     }
     *len = n;
@@ -141,24 +168,29 @@ static inline char* r2_shm_attach(const char* name, uint32_t conn_id, const char
 }
 
 // -- the connection -----------------------------------------------------------------------------
+// Take over a mapped segment (create's or attach's). Nothing is read from the segment: the
+// rings' size comes from the mapping's length (NULL if that is not a valid segment length) and
+// every counter starts at 0, as create wrote them; what the other side publishes later is
+// bounds-checked on every read (r2_shm_write, r2_shm_read).
 static inline r2_shm_conn* r2_shm_adopt(const r2_shm_setup* s) {
+    uint64_t rb = r2_shm_ring_of(s->map_len);
+    if (rb == 0 || (s->side != 0 && s->side != 1) || s->base == NULL) return NULL;
     r2_shm_conn* c = (r2_shm_conn*)calloc(1, sizeof(r2_shm_conn));
     if (c == NULL) return NULL;
     r2_seg_hdr* h = (r2_seg_hdr*)s->base;
     c->fd = s->fd;
     c->base = s->base;
     c->map_len = s->map_len;
-    c->size = h->ring_bytes;
-    c->mask = h->ring_bytes - 1;
+    c->size = rb;
+    c->mask = rb - 1;
     int t = s->side, r = 1 - s->side;
     c->tx = &h->ring[t];
-    c->txd = s->base + R2_SHM_HDR + (size_t)t * h->ring_bytes;
+    c->txd = s->base + R2_SHM_HDR + (size_t)t * rb;
     c->rx = &h->ring[r];
-    c->rxd = s->base + R2_SHM_HDR + (size_t)r * h->ring_bytes;
-    // a re-used segment is never adopted twice: the counters are where the creator left them
-    c->tx_head = __atomic_load_n(&c->tx->head, __ATOMIC_ACQUIRE);
-    c->tx_tail = __atomic_load_n(&c->tx->tail, __ATOMIC_ACQUIRE);
-    c->rx_tail = __atomic_load_n(&c->rx->tail, __ATOMIC_ACQUIRE);
+    c->rxd = s->base + R2_SHM_HDR + (size_t)r * rb;
+    c->tx_head = 0;                           // a segment is adopted once per side, fresh
+    c->tx_tail = 0;
+    c->rx_tail = 0;
     return c;
 }
 

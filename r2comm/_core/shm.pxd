@@ -22,7 +22,9 @@ cdef extern from "r2_shm.h" nogil:
         int side
         char* base
         size_t map_len
+    int r2_shm_ring_ok(uint64_t ring_bytes)
     size_t r2_shm_seg_len(uint64_t ring_bytes)
+    uint64_t r2_shm_ring_of(size_t map_len)
     char* r2_shm_create(const char* name, uint64_t ring_bytes, uint32_t conn_id, const char* job,
                         uint64_t pid, size_t* len, int* err)
     char* r2_shm_attach(const char* name, uint32_t conn_id, const char* job, size_t* len,
