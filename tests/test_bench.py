@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from r2comm.bench import data, failover, osu, peers, report, results, sizes
+from r2comm.bench import (data, failover, osu, peers, report, results, results_failover, results_format,
+                          sizes)
 from r2comm.bench.cli import build_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -352,12 +353,12 @@ def test_ack_overhead_in_one_job(tmp_path):
     assert proc.returncode == 0, proc.stderr
     line = [ln for ln in md.read_text().splitlines() if ln.startswith("- Ack overhead")][0]
     assert "at 1 MiB" in line and "r2comm built first; round by round" in line and "over 3 rounds" in line
-    one = results.ack_overhead(doc)
+    one = results_failover.ack_overhead(doc)
     # the other build order, in a second job: the figure becomes the geometric mean of both
     rev = tmp_path / "acks_rev.json"
     bench(["allreduce", "--peer", "r2comm-noack", "--r2comm-last", "-m", "1M:1M", "--rounds", "3",
            "--budget", "0.05", "--json", str(rev)])
-    two = results.ack_overhead(load(rev))
+    two = results_failover.ack_overhead(load(rev))
     assert set(load(rev)["results"]) == {"r2comm", "r2comm-noack"}
     assert [lib["built"] for lib in doc["libraries"]] == [0, 1]
     assert [(lib["name"], lib["built"]) for lib in load(rev)["libraries"]] == [("r2comm", 1), ("r2comm-noack", 0)]
@@ -366,7 +367,7 @@ def test_ack_overhead_in_one_job(tmp_path):
     assert proc.returncode == 0, proc.stderr
     line = [ln for ln in md.read_text().splitlines() if ln.startswith("- Ack overhead")][0]
     both = 1 - ((1 - one[1]) * (1 - two[1])) ** 0.5
-    assert f"— {results.fpct(both).replace('-', '−')}" in line, line
+    assert f"— {results_format.fpct(both).replace('-', '−')}" in line, line
     assert "both build orders" in line and "over 6 rounds" in line
     # on one rail both stripe alike: that figure is the target's, the two-rail one is told next to it
     one_rail = tmp_path / "acks1.json"
@@ -377,11 +378,11 @@ def test_ack_overhead_in_one_job(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     line = [ln for ln in md.read_text().splitlines() if ln.startswith("- Ack overhead")][0]
-    single = results.ack_overhead(load(one_rail))[1]
-    assert f"— on one rail {results.fpct(single).replace('-', '−')}" in line, line
-    assert f"On two loopback rails {results.fpct(both).replace('-', '−')}" in line, line
+    single = results_failover.ack_overhead(load(one_rail))[1]
+    assert f"— on one rail {results_format.fpct(single).replace('-', '−')}" in line, line
+    assert f"On two loopback rails {results_format.fpct(both).replace('-', '−')}" in line, line
     assert "r2comm's bytes went" in line and "r2comm-noack's" in line
-    assert ("**met**" in line) == (single <= results.ACK_OVERHEAD)
+    assert ("**met**" in line) == (single <= results_failover.ACK_OVERHEAD)
 
 
 @needs_mpiexec
@@ -464,13 +465,13 @@ def test_failover_external_fault_is_found_from_events(tmp_path):
 
 def test_results_target_sentences():
     M = 1 << 20
-    text, ok = results.evaluate_sizes([(M, 1.1), (2 * M, 1.2), (4 * M, 1.05), (8 * M, 0.93), (64 << 10, 0.5)],
+    text, ok = results_format.evaluate_sizes([(M, 1.1), (2 * M, 1.2), (4 * M, 1.05), (8 * M, 0.93), (64 << 10, 0.5)],
                                       M, 8 * M)
     assert not ok and text == "met at 1, 2, 4 MiB (1.05–1.20×), not met at 8 MiB (0.93×)"
-    text, ok = results.evaluate_sizes([(M, 1.1), (4 * M, 1.3)], M, 4 * M)
+    text, ok = results_format.evaluate_sizes([(M, 1.1), (4 * M, 1.3)], M, 4 * M)
     assert ok and "not measured: 2 MiB" in text
-    assert results.evaluate_sizes([(64 << 10, 2.0)], M, 4 * M)[1] is None
-    assert results.fsize(8) == "8 B" and results.fsize(64 << 20) == "64 MiB"
+    assert results_format.evaluate_sizes([(64 << 10, 2.0)], M, 4 * M)[1] is None
+    assert results_format.fsize(8) == "8 B" and results_format.fsize(64 << 20) == "64 MiB"
 
 
 def test_ratio_is_per_round_median_and_disagreement_is_named():
@@ -481,14 +482,14 @@ def test_ratio_is_per_round_median_and_disagreement_is_named():
     mpi = {"time_us": 213.0, "round_us": [284, 346, 209, 213, 210]}
     assert report.speed_ratio(r2, mpi) == pytest.approx(210 / 178)   # median of the five ratios
     assert report.medians_ratio(r2, mpi) == pytest.approx(213 / 231)
-    assert results.speed(r2, mpi) == pytest.approx(210 / 178)
-    assert results.speed(r2, mpi, paired=False) == pytest.approx(213 / 231)
+    assert results_format.speed(r2, mpi) == pytest.approx(210 / 178)
+    assert results_format.speed(r2, mpi, paired=False) == pytest.approx(213 / 231)
     # rounds that do not pair (older files, or a different count): the ratio of the medians
     assert report.speed_ratio({"time_us": 2.0}, {"time_us": 3.0}) == 1.5
     assert report.speed_ratio({"time_us": 2.0, "round_us": [1, 2]}, {"time_us": 3.0, "round_us": [3]}) == 1.5
-    assert results.disagreement({M: r2}, {M: mpi}) == "; the ratio of the two medians is 0.92× at 1 MiB"
-    assert results.disagreement({M: r2}, {M: dict(mpi, time_us=300.0)}) == ""
-    assert results.disagreement({64 << 10: r2}, {64 << 10: mpi}) == ""   # outside the target range
+    assert results_format.disagreement({M: r2}, {M: mpi}) == "; the ratio of the two medians is 0.92× at 1 MiB"
+    assert results_format.disagreement({M: r2}, {M: dict(mpi, time_us=300.0)}) == ""
+    assert results_format.disagreement({64 << 10: r2}, {64 << 10: mpi}) == ""   # outside the target range
 
 
 def test_results_with_nothing_measured_says_not_run(tmp_path):
@@ -512,6 +513,29 @@ def test_results_with_nothing_measured_says_not_run(tmp_path):
     assert not (tmp_path / "figures").exists()
 
 
+def test_results_section_is_one_registration(tmp_path, monkeypatch):
+    """A section added to results.SECTIONS appears in the document, in order, with its targets
+    (or its 'not run' sentence) listed under its area in 'Targets at a glance'."""
+    def scale(res):
+        doc = res.doc("planner_scale")
+        out, targets = ["## Planner at scale", ""], []
+        if doc:
+            out += [f"{doc['ranks']} ranks planned.", ""]
+            targets.append((f"plans {doc['ranks']} ranks: **met**", True))
+        else:
+            out += [f"{res.why_missing('planner_scale').capitalize()}.", ""]
+        return out, targets
+
+    monkeypatch.setattr(results, "SECTIONS", results.SECTIONS + (results.Section(scale, "Planner at scale"),))
+    text = results.render(str(tmp_path))
+    assert text.rstrip().endswith("Not run (no `planner_scale.json` in the results folder).")
+    assert "| Planner at scale | Not run (no `planner_scale.json` in the results folder) | – not evaluated |" in text
+    (tmp_path / "planner_scale.json").write_text(json.dumps({"ranks": 4096}))
+    text = results.render(str(tmp_path))
+    assert "| Planner at scale | plans 4096 ranks: met | ✅ met |" in text
+    assert text.index("## A slow (degraded) rail") < text.index("## Planner at scale")
+
+
 @needs_mpiexec
 @pytest.mark.mpi
 def test_results_from_short_runs(runs, tmp_path):
@@ -529,7 +553,7 @@ def test_results_from_short_runs(runs, tmp_path):
     # the 1 MiB busbw row: r2comm and MPI-TCP busbw and their ratio, from the TCP job
     row = [line for line in text.splitlines() if line.startswith("| 1 MiB |")][0].split(" | ")
     ratio = report.speed_ratio(r2[1 << 20], mpi[1 << 20])  # per round, median over rounds
-    assert row[1:4] == [f"{r2[1 << 20]['busbw_GBps']:.3f}", f"{mpi[1 << 20]['busbw_GBps']:.3f}", results.fratio(ratio)]
+    assert row[1:4] == [f"{r2[1 << 20]['busbw_GBps']:.3f}", f"{mpi[1 << 20]['busbw_GBps']:.3f}", results_format.fratio(ratio)]
     target = [line for line in text.splitlines() if line.startswith("- busbw ≥ 1.0× MPI over TCP")][0]
     assert ("**met**" if ratio >= 1 else "**not met**") in target and "not measured: 2, 4, 8, 16, 32, 64 MiB" in target
     lat = r2[8]["time_us"] / mpi[8]["time_us"]

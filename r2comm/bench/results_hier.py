@@ -2,7 +2,7 @@
 of bench/testbed_hier.py: hierarchical vs flat-ring allreduce on the netns testbed, healthy and
 with one NIC of one host down. Called by results.render(); a missing or partial file makes the
 section say so, never raise."""
-from .results import NOT_ROOT, code, table
+from .results_format import NOT_ROOT, code, table
 
 HIER_OVER_FLAT = 1.3     # issue 20: hierarchical busbw >= 1.3x the flat ring at 64 MiB
 OF_SURVIVING = 0.9       # issue 20: after a NIC of one host fails, >= 0.9x what the NICs allow

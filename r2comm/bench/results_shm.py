@@ -2,8 +2,8 @@
 against MPICH over its shared memory in the same job, 2 ranks (allreduce_shm, also shown in
 the loopback section) and 4 ranks (allreduce_shm4), judged against the issue's targets.
 Called by results.render(); a missing file makes the section say so, never raise."""
-from .results import (MiB, SMALL, code, evaluate_sizes, fgb, fratio, fsize, fus, label_of,
-                      rows_by_size, speed, table)
+from .results_format import (MiB, SMALL, code, evaluate_sizes, fgb, fratio, fsize, fus,
+                             label_of, rows_by_size, speed, table)
 
 BUSBW_OF_MPI = 0.8                 # issue 20: busbw >= 0.8x MPICH over shared memory
 BUSBW_RANGE = (64 << 10, 64 * MiB)  # ... at 64 KiB - 64 MiB

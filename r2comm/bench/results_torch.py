@@ -4,7 +4,7 @@ from sim_validate.json of `python -m r2comm.sim validate --json`). Called by res
 like the rest of the generator, a missing or partial file makes a section say so, never raise."""
 import os
 
-from .results import NOT_ROOT, code, fms, fratio, fsize, table, verdict
+from .results_format import NOT_ROOT, code, fms, fratio, fsize, table, verdict
 
 COMPUTE_OVERHEAD = 0.01   # issue 18: compute-bound step, one NIC of 2 failed: < 1%
 SERVE_P99_OVERHEAD = 0.03  # issue 18: serving p99 per-token latency overhead < 3% after the failure

@@ -2,7 +2,7 @@
 bench/testbed_verbs.py: r2comm on soft-RoCE rails against raw verbs (perftest) on the same
 rails, against TCP rails on the same guests, and the failover pause on verbs. Called by
 results.render(); a missing or partial file makes the section say so, never raise."""
-from .results import code, table
+from .results_format import code, table
 
 RAW_RATIO = 0.8      # issue 19: r2comm-verbs >= 0.8x raw verbs on the same emulated rails
 
