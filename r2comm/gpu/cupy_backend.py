@@ -13,7 +13,7 @@ import cupy
 from cupy.cuda import runtime
 
 from ..errors import R2commBufferError
-from .backend import DeviceBackend
+from .device import DeviceBackend
 
 _H2D = getattr(runtime, "memcpyHostToDevice", 1)      # cudaMemcpyKind
 _D2H = getattr(runtime, "memcpyDeviceToHost", 2)

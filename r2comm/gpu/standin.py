@@ -19,7 +19,7 @@ from collections import deque
 import numpy as np
 
 from ..errors import R2commBufferError, R2commError
-from .backend import DeviceBackend, reduce_blocks
+from .device import DeviceBackend, reduce_blocks
 
 
 class DeviceError(R2commError):
