@@ -21,7 +21,7 @@ from .errors import (R2commArgumentError, R2commBufferError, R2commBuildError,
 from .links import Links
 from . import verbs_rails
 from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op
-from .rails import Rail
+from . import rails as _rails
 from .request import Request, Status
 from .planner.schedule import WORK, SEND, SCRATCH, COPY
 
@@ -488,23 +488,12 @@ class Communicator:
     def rails(self):
         """This rank's rails with live state, summed over the communicator's peers."""
         self._check()
-        stats = self._engine.rail_stats()
-        eps = self._world.boot.endpoints
-        me = self._world.boot.rank
+        boot = self._world.boot
+        eps, me = boot.endpoints, boot.rank
         # NIC rails: remote peers only (a local peer's link is shared memory, see shm_peers)
         peers = [g for g in self._members if g != me and not shm.is_local(eps, me, g)]
-        out = []
-        boot = self._world.boot
-        for k, addr in enumerate(boot.rail_addrs):
-            rows = [stats[p][k] for p in peers if k < len(stats[p])]
-            up = sum(1 for r in rows if r[0] == "up")
-            state = "up" if up == len(rows) else ("down" if up == 0 else "degraded")
-            out.append(Rail(k, addr, state, rows[0][5] if rows else 1.0,
-                            sum(r[1] for r in rows), sum(r[2] for r in rows),
-                            sum(r[3] for r in rows), sum(r[6] for r in rows), up, len(rows),
-                            sum(r[8] for r in rows), boot.transport,
-                            boot.rail_devices[k].describe() if boot.rail_devices else ""))
-        return out
+        return _rails.summarize(_rails.rail_stats(self._engine), peers, boot.rail_addrs,
+                                boot.transport, boot.rail_devices)
 
     @property
     def reg_cache(self):
@@ -522,7 +511,7 @@ class Communicator:
         on both), each with its link's live state: {rank: {"state", "bytes_sent",
         "bytes_recv", "failures"}}. NIC rails (comm.rails) and NIC faults concern the others."""
         self._check()
-        stats = self._engine.rail_stats()
+        stats = _rails.rail_stats(self._engine)
         kinds = self._engine.transports()
         eps = self._world.boot.endpoints
         me = self._world.boot.rank
@@ -530,8 +519,9 @@ class Communicator:
         for i, g in enumerate(self._members):
             if g != me and shm.is_local(eps, me, g):
                 row = stats[g][0]
-                out[i] = {"state": row[0], "bytes_sent": row[1], "bytes_recv": row[2],
-                          "failures": row[6], "transport": kinds[g][0]}
+                out[i] = {"state": row.state, "bytes_sent": row.bytes_sent,
+                          "bytes_recv": row.bytes_recv, "failures": row.failures,
+                          "transport": kinds[g][0]}
         return out
 
     def fail_rail(self, index, mode="hard", peer=None, after_bytes=None):
@@ -713,8 +703,8 @@ class Communicator:
         self._plans.clear()
 
     def _rail_marks(self):
-        stats = self._engine.rail_stats()
-        return tuple((g, tuple((row[0], row[6]) for row in stats[g]))
+        stats = _rails.rail_stats(self._engine)
+        return tuple((g, tuple((row.state, row.failures) for row in stats[g]))
                      for g in self._members if g in stats)
 
     def _maybe_replan(self):

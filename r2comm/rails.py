@@ -5,6 +5,7 @@ import socket
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import R2commArgumentError
 
@@ -85,3 +86,38 @@ class Rail:
     device: str = ""            # verbs: the RDMA device and port (e.g. "rxe0:1")
     gpu_path: str = "staged-pipelined"   # how device buffers reach this rail: staged through
                                          # pinned host memory (GPUDirect RDMA: not implemented)
+
+
+class RailStats(NamedTuple):
+    """One row of Engine.rail_stats(): one peer's connection on one rail (still a tuple, so
+    positional readers keep working)."""
+    state: str              # "up" or "down"
+    bytes_sent: int
+    bytes_recv: int
+    bytes_resent: int
+    inflight: int           # bytes sent and not yet acknowledged
+    weight: float           # the engine's striping weight
+    failures: int
+    rate: float             # measured bytes/s (0: none yet)
+    bytes_hedged: int
+
+
+def rail_stats(engine):
+    """engine.rail_stats() with named rows: {global rank: [RailStats of each rail]}."""
+    return {peer: [RailStats(*row) for row in rows] for peer, rows in engine.rail_stats().items()}
+
+
+def summarize(stats, peers, addrs, transport, devices):
+    """This rank's Rail per NIC address in `addrs`, summed over `peers` (global ranks) from
+    `stats` (rail_stats()); `devices`: each rail's verbs device, or empty."""
+    out = []
+    for k, addr in enumerate(addrs):
+        rows = [stats[p][k] for p in peers if k < len(stats[p])]
+        up = sum(1 for r in rows if r.state == "up")
+        state = "up" if up == len(rows) else ("down" if up == 0 else "degraded")
+        out.append(Rail(k, addr, state, rows[0].weight if rows else 1.0,
+                        sum(r.bytes_sent for r in rows), sum(r.bytes_recv for r in rows),
+                        sum(r.bytes_resent for r in rows), sum(r.failures for r in rows), up,
+                        len(rows), sum(r.bytes_hedged for r in rows), transport,
+                        devices[k].describe() if devices else ""))
+    return out
