@@ -8,7 +8,7 @@ so that segment k+1's copy overlaps segment k on the wire. Reductions either run
 (R2COMM_GPU_REDUCE=device, the default: all-to-all of the segment, a reduction kernel in rank
 order, all-gather of the reduced blocks) or in the engine on the pinned host copies (=host).
 
-Everything device-specific sits behind a small interface (backend.DeviceBackend) with two
+Everything device-specific sits behind a small interface (device.DeviceBackend) with two
 implementations: cupy (cupy_backend.py, imported only when a cupy array is passed) and a host
 stand-in (standin.py: numpy memory, one worker thread per stream acting as the copy engine, with
 settable delays) on which the pipeline's logic is tested without a GPU.

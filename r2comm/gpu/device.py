@@ -6,8 +6,8 @@ returns from `flat`, addressed by byte offsets) and on pinned host memory (numpy
 `pinned`). Every copy and kernel is enqueued on a stream and returns at once; completion is seen
 through events (record / query / synchronize). The pipeline never touches device memory itself.
 
-The implementations (cupy_backend.py, standin.py) import this module; the dispatch from an array
-to its backend (backend.py) imports them, so nothing here imports back."""
+The implementations (cupy_backend.py, standin.py) import this module, and backend.py (the
+dispatch from an array to its backend) imports cupy_backend.py; nothing here imports back."""
 import numpy as np
 
 # the dtypes a device reduction knows: numpy's, plus bfloat16 (stored as uint16)
