@@ -4,7 +4,8 @@ Light on import: the engine and mpi4py load only when a Communicator is created,
 `python -m r2comm.testbed exec` can place a process in its namespace before MPI starts."""
 from .errors import (R2commError, R2commArgumentError, R2commBufferError, R2commClosedError,
                      R2commTimeout, R2commNetworkError, R2commMismatchError, R2commTruncateError,
-                     R2commProtocolError, R2commBuildError, R2commPeerError)
+                     R2commProtocolError, R2commBuildError, R2commPeerError,
+                     R2commResourceError)
 from .ops import SUM, PROD, MIN, MAX, Op
 
 __version__ = "0.1.0"
@@ -23,4 +24,5 @@ def __getattr__(name):
 __all__ = ["Communicator", "Request", "Status", "Rail", "IN_PLACE", "ANY_TAG", "SUM", "PROD",
            "MIN", "MAX", "Op", "R2commError", "R2commArgumentError", "R2commBufferError",
            "R2commClosedError", "R2commTimeout", "R2commNetworkError", "R2commMismatchError",
-           "R2commTruncateError", "R2commProtocolError", "R2commBuildError", "R2commPeerError"]
+           "R2commTruncateError", "R2commProtocolError", "R2commBuildError", "R2commPeerError",
+           "R2commResourceError"]

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from . import bootstrap, planner, shm, startup
+from . import bootstrap, fdlimit, planner, shm, startup
 from . import buffers as _buffers
 from . import faults as _faults
 from .config import Config
@@ -242,6 +242,13 @@ class Communicator:
             from mpi4py import MPI
             mpi_comm = MPI.COMM_WORLD
         boot = bootstrap.run(mpi_comm, cfg, rails)
+        try:                               # the fd limit raised, and checked for the mesh
+            fdlimit.check(mpi_comm, _bootstrap_consts(mpi_comm)[0], boot.endpoints, boot.rank,
+                          boot.transport)
+        except BaseException:
+            for sock in boot.listeners:
+                sock.close()
+            raise
         if boot.transport == "verbs":
             # a queue pair retransmits a lost packet only after its local ACK timeout: a rail
             # deadline shorter than two of them would fail healthy verbs rails

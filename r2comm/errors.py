@@ -44,6 +44,11 @@ class R2commProtocolError(R2commError):
     """A peer broke the protocol (e.g. a different chunk size)."""
 
 
+class R2commResourceError(R2commError):
+    """A resource limit of this machine is too small for the job (file descriptors at start-up:
+    r2comm/fdlimit.py)."""
+
+
 class R2commBuildError(R2commError, ImportError):
     """The compiled engine (r2comm/_core/engine.pyx) is not built for this Python."""
 

@@ -1,0 +1,106 @@
+"""File descriptors for the connection mesh (issue 31).
+
+Today a rank connects to every peer at start-up: per peer it holds one socket per common data
+rail plus the control connection (a shared-memory peer: its doorbell and the control
+connection), and a verbs rail adds its completion channel and its epoll fd to the socket kept
+beside the queue pair. At a few hundred ranks that passes a common `ulimit -n` of 1,024, so
+before the mesh is built each rank
+
+  * raises its soft RLIMIT_NOFILE to the hard limit (once per process, raise_soft_limit), and
+  * counts the fds it is about to hold (fds_needed); the ranks agree on the worst ratio to the
+    limit (one MAX allreduce, O(log n) rounds): above WARN_FRACTION rank 0 logs a warning, above
+    the limit every rank raises R2commResourceError with the same message, instead of EMFILE
+    in some rank's connection attempt."""
+import logging
+import os
+import resource
+
+from . import shm
+from .errors import R2commResourceError
+
+log = logging.getLogger("r2comm")
+WARN_FRACTION = 0.8      # warn when a rank would hold more than this share of its fd limit
+VERBS_RAIL_FDS = 3       # a verbs rail connection: TCP side socket, completion channel, epoll fd
+NR_OPEN_FALLBACK = 1 << 20
+
+_limits = None           # (soft before, soft now, hard) once raise_soft_limit ran
+
+
+def raise_soft_limit():
+    """Lift the soft RLIMIT_NOFILE to the hard limit, once per process -> (soft before, soft
+    now, hard). An unlimited hard limit lifts it to the kernel's nr_open."""
+    global _limits
+    if _limits is None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = hard if hard != resource.RLIM_INFINITY else _nr_open()
+        now = soft
+        if soft != resource.RLIM_INFINITY and soft < target:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                now = target
+            except (ValueError, OSError) as exc:
+                log.debug("r2comm: could not raise RLIMIT_NOFILE to %d: %s", target, exc)
+        _limits = (soft, now, hard)
+    return _limits
+
+
+def _nr_open():
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return NR_OPEN_FALLBACK
+
+
+def open_fds():
+    """The fds this process has open now (/proc/self/fd; 0 where it cannot be read)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1      # less the directory's own fd
+    except OSError:
+        return 0
+
+
+def connection_fds(endpoints, me, transport):
+    """The fds rank `me` holds for its connections once the mesh is up (endpoints: the
+    bootstrap's, transport "tcp" or "verbs")."""
+    per_rail = VERBS_RAIL_FDS if transport == "verbs" else 1
+    total = 0
+    for peer in range(len(endpoints)):
+        if peer == me:
+            continue
+        rails = shm.data_rails(endpoints, me, peer)
+        total += 1 + (rails if shm.is_local(endpoints, me, peer) else rails * per_rail)
+    return total
+
+
+def fds_needed(endpoints, me, transport):
+    """What this rank will hold: the fds it has open now plus its connections."""
+    return open_fds() + connection_fds(endpoints, me, transport)
+
+
+def check(mpi_comm, max_op, endpoints, me, transport):
+    """Agree on the fd budget before the mesh is built: a warning (rank 0) when a rank would
+    hold more than WARN_FRACTION of its limit, R2commResourceError on every rank when one would
+    hold more than its limit. max_op: the bootstrap communicator's MAX."""
+    _, limit, hard = raise_soft_limit()
+    need = fds_needed(endpoints, me, transport)
+    cap = limit if limit != resource.RLIM_INFINITY else NR_OPEN_FALLBACK
+    worst = mpi_comm.allreduce((need / cap, need, cap, hard, me), op=max_op)
+    ratio, need, cap, hard, rank = worst
+    if ratio > 1.0:
+        raise R2commResourceError(
+            f"r2comm start-up: rank {rank} would hold about {need} file descriptors "
+            f"({len(endpoints) - 1} peers, every peer connected on every rail and for control), "
+            f"over its limit of {cap} (RLIMIT_NOFILE, hard limit {_show(hard)}, already raised "
+            f"to it): raise the hard limit (`ulimit -n` / `ulimit -Hn`, limits.conf or the "
+            f"launcher's), or run fewer ranks or rails")
+    if ratio > WARN_FRACTION and me == 0:
+        log.warning("r2comm: rank %d will hold about %d file descriptors, %.0f%% of its limit "
+                    "of %d (RLIMIT_NOFILE, hard limit %s): more sockets (fail-back, user files) "
+                    "may fail with EMFILE; raise `ulimit -n`", rank, need, ratio * 100, cap,
+                    _show(hard))
+    return worst
+
+
+def _show(limit):
+    return "unlimited" if limit == resource.RLIM_INFINITY else str(limit)

@@ -1,0 +1,66 @@
+"""File descriptors at start-up (issue 31): the soft RLIMIT_NOFILE is raised to the hard
+limit, a rank near its limit is warned about, one over it fails start-up on every rank with
+R2commResourceError (not EMFILE in some connection attempt). The jobs really run several
+ranks, launched with a lowered limit (tests/fdlimit_worker.py does the checks inside)."""
+import json
+import shutil
+import sys
+
+import pytest
+
+from conftest import run_mpi, ROOT
+
+WORKER = f"{ROOT}/tests/fdlimit_worker.py"
+
+
+PRLIMIT = shutil.which("prlimit")     # util-linux: every rank starts under the lowered limit
+
+
+def _job(n, scenario, soft, hard, **kw):
+    if PRLIMIT is None:
+        pytest.fail("prlimit (util-linux) not found: it sets the ranks' RLIMIT_NOFILE")
+    argv = [f"--nofile={soft}:{hard}", sys.executable, WORKER, scenario]
+    rc, out = run_mpi(n, argv + [f"{k}={v}" for k, v in kw.items()], timeout=90,
+                      executable=PRLIMIT)
+    assert f"OK {scenario} {n}" in out, out[-4000:]
+    return [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines()
+            if ln.startswith("FDLIMIT ")]
+
+
+@pytest.mark.mpi
+def test_soft_limit_raised_to_hard():
+    """Launched with soft 256 / hard 2048: every rank runs with soft = hard = 2048 once its
+    Communicator is built, and holds what its connections need (3 ranks, 2 rails)."""
+    rows = _job(3, "raise", 256, 2048)
+    assert len(rows) == 3
+    for r in rows:
+        assert r["before"] == [256, 2048], r
+        assert r["after"] == [2048, 2048], r
+        assert r["raised"] == [256, 2048, 2048], r
+        assert r["exact"] and r["fds"] < 256, r
+
+
+@pytest.mark.mpi
+def test_over_the_limit_fails_on_every_rank():
+    """Rank 1 has 6 fds left below its limit of 192 (soft = hard), fewer than its listeners and
+    connections need: every rank raises R2commResourceError with the same message, naming rank
+    1, the limit and `ulimit -n`, before any connection is tried."""
+    rows = _job(4, "hog", 192, 192, rank=1, room=6)
+    assert len(rows) == 4
+    msgs = {r["message"] for r in rows if r["outcome"] == "R2commResourceError"}
+    assert len(msgs) == 1 and all(r["outcome"] == "R2commResourceError" for r in rows), rows
+    msg = msgs.pop()
+    assert "rank 1 " in msg and "limit of 192" in msg and "ulimit -n" in msg, msg
+
+
+@pytest.mark.mpi
+def test_near_the_limit_warns_and_runs():
+    """Rank 2 fills about 90% of its limit (counting the connections it will open): the job
+    starts and computes exactly, and rank 0 warns once, naming rank 2, the limit and
+    `ulimit -n`."""
+    rows = _job(4, "hog", 200, 200, rank=2, fill=0.9)
+    assert all(r["outcome"] == "ok" and r["exact"] for r in rows), rows
+    warned = rows[0]["warnings"]
+    assert len(warned) == 1 and "rank 2 " in warned[0], rows[0]
+    assert "limit of 200" in warned[0] and "ulimit -n" in warned[0], warned
+    assert not any(r["warnings"] for r in rows[1:]), rows
