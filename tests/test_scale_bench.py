@@ -1,0 +1,45 @@
+"""bench/scale.py (issue 31): real 2- and 4-rank jobs on loopback; the table's fields are sane
+and r2comm's fds follow today's full mesh (3 per peer with 2 rails, plus listeners and the
+engine's own), as the model says."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, f"{ROOT}/bench")
+import scale  # noqa: E402
+
+
+def test_model_full_mesh():
+    """The model's figures at the issue's scale: 1,024 ranks x 8 NICs."""
+    tcp = scale.model(1024, 8)
+    verbs = scale.model(1024, 8, "verbs")
+    assert tcp["fds"] == 1023 * 9 + 9 + scale.ENGINE_FDS and tcp["qps"] == 0
+    assert verbs["qps"] == 8184 and verbs["pinned_bytes"] == 8184 * 3 * 2**20
+    assert verbs["fds"] == 1023 * (8 * 3 + 1) + 9 + scale.ENGINE_FDS
+    assert scale.model(64, 8, "verbs")["qps"] == 504
+
+
+@pytest.mark.mpi
+def test_scale_bench_small(tmp_path):
+    cmd = [sys.executable, f"{ROOT}/bench/scale.py", "--ns", "2,4", "--out", str(tmp_path),
+           "--timeout", "90", "--budget", "200"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "first 1 MiB ms" in p.stdout and "tcp   1024" in p.stdout, p.stdout
+    report = json.loads((tmp_path / "scale.json").read_text())
+    assert report["skipped"] == {}, report["skipped"]
+    by_n = {s["n"]: s for s in report["summaries"]}
+    assert sorted(by_n) == [2, 4]
+    for n, s in by_n.items():
+        assert s["ranks"] == n and s["rails_down"]["max"] == 0, s
+        assert 0 < s["startup_s"]["median"] <= s["startup_s"]["max"] < 60, s
+        assert 0 < s["first_ms"]["median"] < 10_000 and s["pinned_kib"]["max"] == 0, s
+        assert 20 < s["rss_mib"]["median"] < 4096, s
+        assert s["fds_start"]["median"] > s["fds_before"]["median"], s
+        assert s["fds_r2comm"]["median"] == s["fds_r2comm"]["max"] == s["model_fds"], s
+    # two more peers: 2 x (2 rails + control) more fds per rank
+    assert by_n[4]["fds_r2comm"]["median"] - by_n[2]["fds_r2comm"]["median"] == 6
