@@ -123,14 +123,20 @@ def decide(offers):
     return "verbs"
 
 
+def _readable(sock, timeout):
+    """Wait up to timeout s for sock to be readable (poll: select() fails on fds >= 1024)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(timeout, 0) * 1e3))
+
+
 def _recv_exact(sock, n, deadline):
     buf = bytearray()
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"queue-pair exchange: peer sent {len(buf)} of {n} bytes in time")
-        r, _, _ = select.select([sock], [], [], left)
-        if not r:
+        if not _readable(sock, left):
             continue
         part = sock.recv(n - len(buf))
         if not part:

@@ -3,8 +3,12 @@ limit, a rank near its limit is warned about, one over it fails start-up on ever
 R2commResourceError (not EMFILE in some connection attempt). The jobs really run several
 ranks, launched with a lowered limit (tests/fdlimit_worker.py does the checks inside)."""
 import json
+import os
 import shutil
+import socket
 import sys
+import threading
+import time
 
 import pytest
 
@@ -64,3 +68,49 @@ def test_near_the_limit_warns_and_runs():
     assert len(warned) == 1 and "rank 2 " in warned[0], rows[0]
     assert "limit of 200" in warned[0] and "ulimit -n" in warned[0], warned
     assert not any(r["warnings"] for r in rows[1:]), rows
+
+
+@pytest.fixture
+def high_fds():
+    """Holds /dev/null open on every fd up to 1100, so new sockets get numbers past 1024 (where
+    select() fails); the soft limit is raised as r2comm does."""
+    from r2comm import fdlimit
+    if fdlimit.raise_soft_limit()[1] < 1200:
+        pytest.fail(f"this machine's hard RLIMIT_NOFILE is below 1200: {fdlimit.raise_soft_limit()}")
+    held = []
+    while not held or held[-1] < 1100:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+    yield
+    for fd in held:
+        os.close(fd)
+
+
+def test_handshake_waits_work_past_fd_1024(high_fds):
+    """With the limit raised a rank may hold fds >= 1024: the handshake's wait (tcp.accept) and
+    the verbs queue-pair exchange's (verbs_rails) poll instead of select()."""
+    from r2comm import verbs_rails
+    from r2comm._core import tcp
+    secret, job = os.urandom(32), os.urandom(8)
+    lst = tcp.listen("127.0.0.1")
+    got = {}
+
+    def acceptor():
+        try:
+            got["ok"] = tcp.accept(lst, secret, job, 1, 5.0, 500)
+        except Exception as exc:             # reported below
+            got["err"] = repr(exc)
+    t = threading.Thread(target=acceptor)
+    t.start()
+    fd, cid = tcp.connect("127.0.0.1", lst.getsockname()[1], None, secret, job, 0, 1, 0, 5.0, 500)
+    t.join(10)
+    assert "err" not in got and got["ok"][0] == 0 and got["ok"][3] == cid, got
+    assert fd > 1024 and got["ok"][2] > 1024
+    os.close(fd)
+    os.close(got["ok"][2])
+    lst.close()
+    a, b = socket.socketpair()
+    assert a.fileno() > 1024
+    threading.Timer(0.1, b.sendall, (b"qp-address",)).start()
+    assert verbs_rails._recv_exact(a, 10, time.monotonic() + 5) == b"qp-address"
+    a.close()
+    b.close()

@@ -216,7 +216,9 @@ def accept(listener, secret, job, me, timeout, rail_timeout_ms, admit=None, sock
             res = hs.step()
             if res is not None:
                 return res
-            select.select([hs.sock], [], [], max(hs.deadline - time.monotonic(), 0))
+            poller = select.poll()           # not select(): it fails on fds >= 1024
+            poller.register(hs.sock, select.POLLIN)
+            poller.poll(max(hs.deadline - time.monotonic(), 0) * 1e3)
     except BaseException:
         hs.close()
         raise
