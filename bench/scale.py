@@ -1,17 +1,19 @@
 """What a rank holds and how long start-up takes as the job grows (issue 31), on loopback.
 
-    python bench/scale.py [--ns 8,16,32,48] [--rails 2] [--hosts 0] [--timeout 240]
-                          [--budget 540] [--out DIR]
+    python bench/scale.py [--ns 8,16,32,48] [--rails 2] [--hosts 0] [--algo ALGO]
+                          [--timeout 240] [--budget 540] [--out DIR]
 
 For each n one mpiexec job of n ranks runs on this machine, shared memory off (R2COMM_SHM=0:
 every pair is a network pair, as between hosts) on --rails loopback rails (127.0.0.1,
-127.0.0.2, ...); --hosts H sets R2COMM_HOST so that the planner sees H hosts. Each rank measures
+127.0.0.2, ...); --hosts H sets R2COMM_HOST so that the planner sees H hosts; --algo sets
+R2COMM_ALGO for the job (e.g. `ring`; default: the planner's choice, which on this machine is
+Rabenseifner's at 1-4 MiB up to 32 ranks and the ring at 48). Each rank measures
 
   startup_s   its Communicator() (after an MPI barrier: from the same start on every rank)
   fds_before  its open fds (/proc/self/fd) before (MPI's, Python's)
   fds_start   the same once the Communicator is built
-  fds_mix     the same after a mix: 4 MiB allreduce (the ring at that size), 1 MiB bcast,
-              64 KiB-per-rank allgather, 8 B allreduce
+  fds_mix     the same after a mix: 4 MiB allreduce, 1 MiB bcast, 64 KiB-per-rank
+              allgather, 8 B allreduce (mix_algo: the 4 MiB allreduce's algorithm)
   rss_mib     VmRSS after the mix
   pinned_kib  VmPin (memory the kernel holds pinned: verbs registrations; 0 on TCP)
   first_ms    its first 1 MiB allreduce (after a barrier), before the mix
@@ -142,7 +144,7 @@ def _mpiexec():
 
 def run_job(n, a, json_path):
     """One n-rank job; -> (rows or None, why not)."""
-    env = dict(os.environ, R2COMM_SHM="0", MPIEXEC_TIMEOUT=str(a.timeout),
+    env = dict(os.environ, R2COMM_SHM="0", MPIEXEC_TIMEOUT=str(a.timeout), R2COMM_ALGO=a.algo,
                R2COMM_RAILS=",".join(f"127.0.0.{k + 1}" for k in range(a.rails)),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [_mpiexec(), "-n", str(n), sys.executable, str(Path(__file__).resolve()), "--rank",
@@ -202,7 +204,7 @@ def driver(a):
         summaries.append(summary(n, rows, a.rails))
         print(table(summaries[-1:]).splitlines()[-1], flush=True)
     models, text = model_table()
-    report = {"config": {"ns": ns, "rails": a.rails, "hosts": a.hosts, "shm": 0,
+    report = {"config": {"ns": ns, "rails": a.rails, "hosts": a.hosts, "shm": 0, "algo": a.algo,
                          "argv": sys.argv[1:]},
               "summaries": summaries, "skipped": skipped, "model_1024": models}
     (out / "scale.json").write_text(json.dumps(report, indent=1))
@@ -219,6 +221,7 @@ def main(argv=None):
     p.add_argument("--ns", default="8,16,32,48", help="rank counts, comma-separated")
     p.add_argument("--rails", type=int, default=2, help="loopback rails per rank")
     p.add_argument("--hosts", type=int, default=0, help="emulated hosts (R2COMM_HOST), 0: off")
+    p.add_argument("--algo", default="", help="R2COMM_ALGO for the job (default: the planner's)")
     p.add_argument("--timeout", type=int, default=240, help="s per job")
     p.add_argument("--budget", type=float, default=540, help="s: no job starts after this")
     p.add_argument("--out", default=str(HERE / "out"))

@@ -91,8 +91,8 @@ def check(mpi_comm, max_op, endpoints, me, transport):
         raise R2commResourceError(
             f"r2comm start-up: rank {rank} would hold about {need} file descriptors "
             f"({len(endpoints) - 1} peers, every peer connected on every rail and for control), "
-            f"over its limit of {cap} (RLIMIT_NOFILE, hard limit {_show(hard)}, already raised "
-            f"to it): raise the hard limit (`ulimit -n` / `ulimit -Hn`, limits.conf or the "
+            f"over its limit of {cap} (RLIMIT_NOFILE; r2comm lifts the soft limit to the hard "
+            f"one, {_show(hard)}): raise the hard limit (`ulimit -n` / `ulimit -Hn`, limits.conf or the "
             f"launcher's), or run fewer ranks or rails")
     if ratio > WARN_FRACTION and me == 0:
         log.warning("r2comm: rank %d will hold about %d file descriptors, %.0f%% of its limit "
