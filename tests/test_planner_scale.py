@@ -1,0 +1,61 @@
+"""The planner at scale (issue 32): the double-binary-tree hierarchical allreduce exact under
+adversarial interleavings, one rank's plan built alone and fast, the closed-form prices against
+cost.py's model, and the choice against the simulator's replay."""
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from r2comm import planner
+from r2comm.planner import cost, hierarchical, price
+from r2comm.planner.topology import Topology
+
+from test_planner import inputs, reference, run_allreduce, check_allreduce, consistent
+from test_hierarchical import regular, tid, UNEVEN
+
+MB = 1 << 20
+TREE_TOPOS = [regular(3, 2), regular(4, 3), regular(5, 2), regular(7, 1 + 1), regular(3, 4, True),
+              Topology.from_labels(UNEVEN[1]), Topology.from_labels(UNEVEN[3]),
+              Topology.from_labels([0, 0, 1, 2, 3, 3, 4])]
+
+
+@pytest.mark.parametrize("topo", TREE_TOPOS, ids=tid)
+def test_tree_allreduce_exact(topo):
+    n = topo.n
+    pols = itertools.cycle(("random", "skew", "fifo"))
+    for count in (1, 7, 101):
+        for op, (dtype, eager) in zip(("SUM", "PROD", "MAX"), (("int32", 0), ("float64", 1 << 20),
+                                                               ("uint8", 64))):
+            isz = np.dtype(dtype).itemsize
+            sc = [hierarchical.tree_allreduce(r, topo, count * isz, isz, eager) for r in range(n)]
+            assert consistent(sc) and all(s.fills_work for s in sc)
+            xs = inputs(f"tree{tid(topo)}{count}{op}", n, count, dtype, op)
+            pol = next(pols)
+            check_allreduce(sc, xs, op, chunk=3 * isz, seed=count, policy=pol)
+            ref = reference(xs, op, xs[0].dtype)
+            for y in run_allreduce(sc, xs, op, chunk=2 * isz, seed=count + 1, policy=pol,
+                                   in_place=True):
+                assert np.array_equal(y, ref)
+
+
+def test_tree_allreduce_bits_fixed_by_the_schedule():
+    topo = regular(5, 3)
+    n, count = topo.n, 203
+    xs = inputs("treebits", n, count, "float32", exact=False)
+    sc = [hierarchical.tree_allreduce(r, topo, count * 4, 4, 0) for r in range(n)]
+    first = None
+    for seed, pol in enumerate(("random", "skew", "fifo", "random")):
+        y = check_allreduce(sc, xs, "SUM", exact=False, chunk=8 * (seed + 1), seed=seed,
+                            policy=pol)
+        first = y.tobytes() if first is None else first
+        assert y.tobytes() == first
+
+
+def test_tree_units_each_host_an_inner_node_of_one_tree_at_most():
+    for H in range(2, 70):
+        u = price.tree_units(H)
+        assert max(u) <= 4 and len(u) == H
+        inner0 = {p for p in range(H) if 2 * p + 1 < H}
+        inner1 = {H - 1 - q for q in range(H) if 2 * q + 1 < H}
+        assert not inner0 & inner1
