@@ -59,3 +59,18 @@ def test_tree_units_each_host_an_inner_node_of_one_tree_at_most():
         inner0 = {p for p in range(H) if 2 * p + 1 < H}
         inner1 = {H - 1 - q for q in range(H) if 2 * q + 1 < H}
         assert not inner0 & inner1
+
+
+@pytest.mark.parametrize("topo", [regular(2, 3), regular(3, 4), Topology.from_labels(UNEVEN[1])],
+                         ids=tid)
+def test_resized_hierarchical_plan_equals_a_fresh_build(topo):
+    """A later size of a size class reuses the plan's structure (hierarchical.resize): the same
+    schedule as built from scratch for that size."""
+    n = topo.n
+    for old, new, eager in ((4000, 4004, 0), (1 << 20, (1 << 20) + 400, 64 << 10),
+                            (900, 960, 64)):
+        for r in range(n):
+            a = hierarchical.allreduce(r, topo, old, 4, eager)
+            b = hierarchical.resize(a, topo, old, new, 4, eager)
+            want = hierarchical.allreduce(r, topo, new, 4, eager)
+            assert b.msgs == want.msgs and b.deps == want.deps

@@ -119,7 +119,7 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
                 halving_allreduce(n, nbytes, eager):
             algo = "rabenseifner"
         if topo is not None and algo in ("", *HIER_ALGOS) and \
-                hierarchical.applicable(coll, topo):
+                hierarchical.applicable(coll, topo, algo):
             if topo.n != n:
                 raise ValueError(f"the topology describes {topo.n} ranks, the communicator "
                                  f"has {n}")
@@ -128,10 +128,10 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
             name = _CHOICE.get(key)
             if name is None:
                 name = _remember(key, _choose_topo(coll, n, nbytes, root, eager, algo, topo))
-            s = _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_send,
-                            topo)
+            s = _build_or_resize(key + (rank, name), coll, rank, name, n, nbytes, itemsize, root,
+                                 eager, separate_send, topo)
             s.cost = _topo_price(coll, name, n, nbytes, root, eager, topo)
-            return s.validate()
+            return s
         return _static(coll, rank, n, nbytes, itemsize, root, eager, algo, separate_send)
     if coll == "allreduce" and algo not in ("", *ALLREDUCE_ALGOS):
         raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
@@ -148,15 +148,49 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
                 costs = _allreduce_prices(net, nbytes, flat_only=algo == "flat")
                 name = _remember(key, price.cheapest(costs))
         if name != "ring_rerouted":
-            topo = Topology.from_state(state) if name in HIER_ALGOS else None
-            s = _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_send,
-                            topo, state)
+            topo = _state_topo(state) if name in HIER_ALGOS else None
+            s = _build_or_resize(key + (rank, name), coll, rank, name, n, nbytes, itemsize,
+                                 root, eager, separate_send, topo, state)
             s.cost = _allreduce_prices(net, nbytes, names=(name,)).get(name, 0.0)
             return s.validate()
     scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send)
     s = scheds[rank]
     return Schedule(s.algo, list(s.msgs), list(s.deps), s.scratch, list(s.pre), list(s.post),
                     s.cost, s.fills_work)
+
+
+_TEMPLATES = {}             # size class + rank -> (nbytes, Schedule) of the long schedules
+
+
+def _build_or_resize(key, coll, rank, name, n, nbytes, itemsize, root, eager, separate_send,
+                     topo, state=None):
+    """_build_rank(), or for a hierarchical allreduce of a size class already built on this
+    rank, that schedule moved to the new size's regions (hierarchical.resize: no rebuilding)."""
+    if coll == "allreduce" and name == "hierarchical":
+        hit = _TEMPLATES.get(key)
+        if hit is not None:
+            s = hierarchical.resize(hit[1], topo, hit[0], nbytes, itemsize, eager)
+            if s is not None:
+                return s
+    s = _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_send, topo,
+                    state).validate()
+    if coll == "allreduce" and name == "hierarchical":
+        if len(_TEMPLATES) >= 256:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = (nbytes, s)
+    return s
+
+
+def _state_topo(state):
+    """Topology.from_state(), made once per state object."""
+    t = getattr(state, "_planner_topo", None)
+    if t is None:
+        t = Topology.from_state(state)
+        try:
+            state._planner_topo = t
+        except AttributeError:
+            pass
+    return t
 
 
 def _net(state):
@@ -207,7 +241,8 @@ def _topo_price(coll, name, n, nbytes, root, eager, topo):
 def _choose_topo(coll, n, nbytes, root, eager, algo, topo):
     """Without a RailState: the static flat plan or a hierarchical one, by their closed-form
     prices on the topology's default figures (algo "hierarchical": one of those)."""
-    names = list(HIER_ALGOS) if coll == "allreduce" else ["hierarchical"]
+    names = [a for a in HIER_ALGOS if hierarchical.applicable(coll, topo, a)] \
+        if coll == "allreduce" else ["hierarchical"]
     if algo in HIER_ALGOS and coll == "allreduce":
         names = [algo] if algo == "hierarchical_tree" else names
     elif algo == "":

@@ -41,13 +41,16 @@ HIER_COLLS = ("allreduce", "allgather", "reduce_scatter_block", "bcast")
 MAX_STEP = 1 << 23            # routing.RELAY_STEP0: relayed messages use the steps above
 
 
-def applicable(coll, topo):
+def applicable(coll, topo, algo="hierarchical"):
     """True when `coll` has a hierarchical schedule for `topo` (several hosts, some host with
-    several ranks; allgather and reduce_scatter also need equal rank counts per host)."""
+    several ranks; allgather and reduce_scatter also need equal rank counts per host); algo
+    "hierarchical_tree" (allreduce only): the tree between hosts, whose steps never overflow."""
     if coll not in HIER_COLLS or not topo.hierarchical:
         return False
     if coll in ("allgather", "reduce_scatter_block") and not topo.regular:
         return False
+    if coll == "allreduce" and algo != "hierarchical":
+        return algo in ("", "hierarchical_tree") or _steps(coll, topo) < MAX_STEP
     return _steps(coll, topo) < MAX_STEP
 
 
@@ -108,6 +111,35 @@ def _ring_ag(s, order, me, blk, step0, stride, own, last, shift, buf=WORK):
 
 def _owned(eager):
     return lambda ln: ln <= eager
+
+
+def allreduce_regions(topo, nbytes, itemsize):
+    """{region id: (byte offset, length)} of allreduce()'s regions (non-empty only)."""
+    hosts = topo.hosts
+    H, S = len(hosts), topo.max_local
+    reg = {}
+    for j, (so, sl) in enumerate(blocks(nbytes // itemsize, S, itemsize)):
+        for b, (o, ln) in enumerate(blocks(sl // itemsize, H, itemsize)):
+            if ln:
+                reg[j * H + b] = (so + o, ln)
+    return reg
+
+
+def resize(sched, topo, old_nbytes, nbytes, itemsize, eager):
+    """allreduce()'s schedule for nbytes made from the one for old_nbytes (same rank and
+    topology) by moving its messages to the new regions, or None where the regions differ in
+    number (a size too small to give every region an element). O(messages), no rebuilding."""
+    old = allreduce_regions(topo, old_nbytes, itemsize)
+    new = allreduce_regions(topo, nbytes, itemsize)
+    if len(old) != len(new) or len(new) != topo.max_local * topo.nhosts:
+        return None
+    where = {old[rid][0]: new[rid] for rid in old}
+    msgs = []
+    for k, p, st, buf, off, ln, mode, own in sched.msgs:
+        o, n = where[off]
+        msgs.append((k, p, st, buf, o, n, mode, n <= eager))
+    return Schedule(sched.algo, msgs, list(sched.deps), sched.scratch, list(sched.pre),
+                    list(sched.post), sched.cost, sched.fills_work)
 
 
 def allreduce(rank, topo, nbytes, itemsize, eager=0):

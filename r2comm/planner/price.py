@@ -18,6 +18,7 @@ and `build(rank, net, nbytes, itemsize, eager)` -> Schedule, and register it:
     price.register(price.Candidate("tree_fold", applies, price_fn, build_fn))
 `applies(coll, net)` says when it is offered. choose() then compares it with the others, and
 planner.build() builds it for one rank when it wins (nothing else to change)."""
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -70,6 +71,23 @@ class Net:
             if n > 1 else INF
         return cls(state.hosts, hbw, intra if intra < INF else 0.0, state.alpha, state.chunk,
                    state, ring, state.degraded_ranks(), state.rank_bw)
+
+    def degraded_split(self):
+        """(full-ring fraction, slowest degraded rank's bandwidth, median healthy rank's) of
+        degraded.py's split, computed once."""
+        if getattr(self, "_split", None) is None:
+            from .degraded import state_fraction
+            bad = set(self.degraded)
+            per_host = {}
+            for r in range(self.n):
+                h = self.host_of[r]
+                if h not in per_host:
+                    per_host[h] = self.rank_bw(r)
+            ok = sorted(per_host[self.host_of[r]] for r in range(self.n) if r not in bad)
+            self._split = (state_fraction(self.state, self.n),
+                           min(per_host[self.host_of[r]] for r in self.degraded),
+                           ok[(len(ok) - 1) // 2])
+        return self._split
 
     # -- helpers ---------------------------------------------------------------------------------
     def bw_of(self, r):
@@ -213,13 +231,14 @@ def hierarchical(net, nbytes):
                max(v / bmin, ti) + hops * net.alpha)
 
 
+@functools.lru_cache(maxsize=64)
 def tree_units(H):
     """Per tree position, the larger of (bytes in, bytes out) of both trees of the double
     binary tree (hierarchical.tree_allreduce), in units of half a slice."""
     def role(p):
         kids = sum(1 for c in (2 * p + 1, 2 * p + 2) if c < H)
         return kids + (1 if p else 0) if kids else 1
-    return [role(p) + role(H - 1 - p) for p in range(H)]
+    return tuple(role(p) + role(H - 1 - p) for p in range(H))
 
 
 def tree_depth(H):
@@ -245,19 +264,15 @@ def hierarchical_tree(net, nbytes):
 def degraded(net, nbytes):
     """degraded.py's split: part A a ring over all ranks, part B a ring among the healthy ranks
     with the slow ranks folded in; both run together."""
-    from .degraded import state_fraction, volumes
+    from .degraded import volumes
     st, n = net.state, net.n
     deg = net.degraded
     k = len(deg)
     if st is None or not deg or k >= n or n <= 2:
         return INF
     m = n - k
-    x = state_fraction(st, n)
+    x, b_d, b_ok = net.degraded_split()
     vd, vh = volumes(x, n, k)
-    okset = set(deg)
-    bw_ok = sorted(net.rank_bw(r) for r in range(n) if r not in okset)
-    b_ok = bw_ok[(len(bw_ok) - 1) // 2]
-    b_d = min(net.rank_bw(r) for r in deg)
     tv = nbytes * max(vd / b_d, vh / b_ok)
     hops_a = 2 * (n - 1) if x > 0 else 0
     hops_b = 2 * (m - 1) + k + 1 if x < 1 else 0
@@ -292,13 +307,18 @@ def _ar(coll, net):
 
 
 def _hier(coll, net):
+    return coll == "allreduce" and 1 < net.H < net.n and \
+        (2 * (net.S - 1) + 2 * (net.H - 1)) * net.S * net.H < (1 << 23)   # its step numbers
+
+
+def _hier_any(coll, net):
     return coll == "allreduce" and 1 < net.H < net.n
 
 
 register(Candidate("ring", _ar, ring))
 register(Candidate("recursive_doubling", _ar, recursive_doubling))
 register(Candidate("hierarchical", _hier, hierarchical))
-register(Candidate("hierarchical_tree", lambda c, net: _hier(c, net) and net.H >= 3,
+register(Candidate("hierarchical_tree", lambda c, net: _hier_any(c, net) and net.H >= 3,
                    hierarchical_tree))
 register(Candidate("degraded", lambda c, net: _ar(c, net) and net.state is not None and
                    net.n > 2 and 0 < len(net.degraded) < net.n, degraded))

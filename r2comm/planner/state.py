@@ -392,15 +392,20 @@ class NicRailState(RailState):
             col = sorted(((row[k], i) for i, row in enumerate(self.nic)), reverse=True)[:2]
             self._top2.append(col)
         self._hbw = None
+        self._fp = None
+        self._broken = None
 
     def copy(self):
         return type(self)(self.hosts, self.nic, self.intra_bw, self.alpha, self.chunk,
                           self.degraded_tol, self.exceptions)
 
     def fingerprint(self):
-        return ("nic", tuple(self.hosts), self.nrails, self.alpha, self.chunk,
-                self.degraded_tol, self.intra_bw, tuple(tuple(r) for r in self.nic),
-                tuple(sorted(self.exceptions.items())))
+        """Made once (set_link() makes it again): equal fingerprints plan identically."""
+        if self._fp is None:
+            self._fp = ("nic", tuple(self.hosts), self.nrails, self.alpha, self.chunk,
+                        self.degraded_tol, self.intra_bw, tuple(tuple(r) for r in self.nic),
+                        tuple(sorted(self.exceptions.items())))
+        return self._fp
 
     def set_link(self, a, b, rail, up=None, bw=None):
         """A per-pair exception (both directions)."""
@@ -410,6 +415,7 @@ class NicRailState(RailState):
         self.exceptions[key] = (old_up if up is None else bool(up),
                                 old_bw if bw is None else float(bw))
         self._pbw.clear()
+        self._fp = self._broken = None
         return self
 
     def _base_rail(self, a, b, k):
@@ -484,6 +490,11 @@ class NicRailState(RailState):
         return [sum(1 << k for k, v in enumerate(row) if v > 0) for row in self.nic]
 
     def has_broken_pairs(self):
+        if self._broken is None:
+            self._broken = self._find_broken()
+        return self._broken
+
+    def _find_broken(self):
         if any(not (e[0] and e[1] > 0) for e in self.exceptions.values()):
             if self.broken_pairs():
                 return True
