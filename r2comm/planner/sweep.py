@@ -1,0 +1,44 @@
+"""The choice against the simulator's replay (issue 32, item 4): on host-level fabrics (one rank
+per host, H hosts x K NICs, one NIC of one host losing `loss` of its rate, 1: down), the
+planner's closed-form choice is replayed with every other candidate, and the ratio of the chosen
+one's replay to the best replay is reported. Used by tests/test_planner_scale.py and
+bench/planner_scale.py."""
+import itertools
+import random
+
+MiB = 1 << 20
+HOSTS = (3, 4, 5, 6, 8, 12, 16, 24)
+NICS = (2, 4, 8)
+LOSSES = (0.125, 0.25, 0.5, 0.75, 1.0)
+SIZES = (1 * MiB, 8 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB)
+ISSUE_CASES = ((16, 8, 1.0, 256 * MiB), (4, 8, 1.0, 1024 * MiB))
+
+
+def grid(sample=40, seed=32):
+    """The issue's two cases, every corner of the grid, and `sample` more drawn at random."""
+    full = list(itertools.product(HOSTS, NICS, LOSSES, SIZES))
+    corners = [c for c in full if c[0] in (HOSTS[0], HOSTS[-1]) and c[1] in (NICS[0], NICS[-1])
+               and c[2] in (LOSSES[0], LOSSES[-1]) and c[3] in (SIZES[0], SIZES[-1])]
+    rest = [c for c in full if c not in corners and c not in ISSUE_CASES]
+    return list(ISSUE_CASES) + corners + random.Random(seed).sample(rest, sample)
+
+
+def case(H, K, loss, nbytes, rate=50e9, alpha=25e-6, segments=8):
+    """{"chosen", "replay": {algo: seconds}, "ratio"} for one point of the sweep."""
+    from .. import planner
+    from ..config import Config
+    from ..sim.cluster import Cluster
+    from ..sim.fabric import Fabric
+    from ..sim.predict import EFFICIENCY
+    fab = Fabric(H, K, rate, 1, EFFICIENCY, alpha)
+    fab.degrade(H - 1, 0, 1.0 - loss)
+    st = fab.state()
+    eager = Config().eager
+    chosen = planner.choose("allreduce", H, nbytes, 4, st, eager=eager)
+    replay = {}
+    for a in planner.candidates("allreduce", H, st):
+        sc = planner.build_all("allreduce", H, nbytes, 4, eager=eager, algo=a, state=st)
+        replay[a] = Cluster(fab, segments=segments).run_schedules(sc)["time_s"]
+    return {"hosts": H, "nics": K, "loss": loss, "bytes": nbytes, "chosen": chosen,
+            "prices": planner.evaluate("allreduce", H, nbytes, 4, st, eager=eager),
+            "replay": replay, "ratio": replay[chosen] / min(replay.values())}
