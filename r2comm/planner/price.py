@@ -172,19 +172,25 @@ def ring(net, nbytes):
 
 
 def recursive_doubling(net, nbytes):
+    """Levels over the largest power of two (each moves the whole buffer over that level's
+    bottleneck, chunk-pipelined from level to level); the ranks above it hand their input over
+    first and get the result back (one more hop on the chain: the hand-over overlaps)."""
     n = net.n
     if n <= 1:
         return 0.0
     lv = net.rd_levels()
-    rem = n - (1 << (n.bit_length() - 1))
-    bmin = min(lv) if lv else INF
-    hops = len(lv) + (2 if rem else 0)
+    p2 = 1 << (n.bit_length() - 1)
+    rem = n - p2
+    bs = list(lv)
     if rem:
-        bmin = min(bmin, net.link(n - 1, n - 1 - (1 << (n.bit_length() - 1))))
-    t = sum(nbytes / b for b in lv) + hops * net.alpha
-    if rem:                           # the extra rank's hand-over and return share its NIC
-        t += nbytes / bmin
-    return max(t, chain(hops, nbytes, bmin, net.alpha, net.chunk))
+        bs.append(net.link(n - 1, n - 1 - p2))
+    bmin = min(bs) if bs else INF
+    c, a = net.chunk, net.alpha
+    ch = sum(a + min(c, nbytes) / b for b in bs) + max(nbytes - c, 0) / bmin
+    # levels inside a host use their own links, those between hosts share the NICs
+    nic = sum(nbytes / b for b in bs if b != net.intra)
+    local = max((nbytes / b for b in bs if b == net.intra), default=0.0)
+    return max(ch, max(nic, local) + len(bs) * a)
 
 
 def rabenseifner(net, nbytes):
@@ -227,7 +233,7 @@ def hierarchical(net, nbytes):
     hops = hi + 2 * (H - 1)
     m = nbytes / (S * H)
     v = 2 * (H - 1) / H * nbytes
-    return max(chain(2 * (H - 1), m, bmin / S, net.alpha, net.chunk) + _intra_chain(net, hi, m),
+    return max(chain(2 * (H - 1), m, bmin, net.alpha, net.chunk) + _intra_chain(net, hi, m),
                max(v / bmin, ti) + hops * net.alpha)
 
 
@@ -255,7 +261,7 @@ def hierarchical_tree(net, nbytes):
     tv = max(u * nbytes / 2 / b if b > 0 else INF for u, b in zip(units, net.hbw))
     d = tree_depth(H)
     m = nbytes / (2 * S)
-    b = min(net.hbw) / S / 2
+    b = min(net.hbw)                  # a chunk alone on the pair: the NICs' rate
     hops = hi + 2 * d
     return max(chain(2 * d, m, b, net.alpha, net.chunk) + _intra_chain(net, hi, m),
                max(tv, ti) + hops * net.alpha)

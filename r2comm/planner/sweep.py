@@ -42,3 +42,31 @@ def case(H, K, loss, nbytes, rate=50e9, alpha=25e-6, segments=8):
     return {"hosts": H, "nics": K, "loss": loss, "bytes": nbytes, "chosen": chosen,
             "prices": planner.evaluate("allreduce", H, nbytes, 4, st, eager=eager),
             "replay": replay, "ratio": replay[chosen] / min(replay.values())}
+
+
+def crosscheck(H, K, G, loss, nbytes, rate=1.25e9, alpha=25e-6, segments=8):
+    """The closed-form prices (choose()) against cost.py's model over every rank's schedules on
+    a small fabric (H hosts x G ranks, K NICs, NIC 0 of the last host losing `loss`): both
+    choices and prices, and where the choices differ, both replayed (the simulator decides)."""
+    from .. import planner
+    from ..config import Config
+    from ..sim.cluster import Cluster
+    from ..sim.fabric import Fabric
+    from ..sim.predict import EFFICIENCY
+    fab = Fabric(H, K, rate, G, EFFICIENCY, alpha, intra_bw=8e9)
+    fab.degrade(H - 1, 0, 1.0 - loss)
+    flat = G > 1
+    st = fab.state(flat=flat)
+    n, eager = st.n, Config().eager
+    new = planner.evaluate("allreduce", n, nbytes, 4, st, eager=eager)
+    old = {a: planner.build_all("allreduce", n, nbytes, 4, eager=eager, algo=a, state=st)[0].cost
+           for a in new}
+    cn, co = planner.price.cheapest(new), planner.price.cheapest(old)
+    out = {"hosts": H, "nics": K, "ranks_per_host": G, "loss": loss, "bytes": nbytes,
+           "new": new, "old": old, "chosen": cn, "old_choice": co, "replay": {}}
+    if cn != co:
+        for a in (cn, co):
+            sc = planner.build_all("allreduce", n, nbytes, 4, eager=eager, algo=a, state=st)
+            out["replay"][a] = Cluster(fab, flat=flat, segments=segments).run_schedules(sc)[
+                "time_s"]
+    return out
