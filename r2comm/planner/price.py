@@ -76,17 +76,19 @@ class Net:
         """(full-ring fraction, slowest degraded rank's bandwidth, median healthy rank's) of
         degraded.py's split, computed once."""
         if getattr(self, "_split", None) is None:
-            from .degraded import state_fraction
+            from .degraded import split_fraction
             bad = set(self.degraded)
             per_host = {}
             for r in range(self.n):
                 h = self.host_of[r]
                 if h not in per_host:
                     per_host[h] = self.rank_bw(r)
-            ok = sorted(per_host[self.host_of[r]] for r in range(self.n) if r not in bad)
-            self._split = (state_fraction(self.state, self.n),
-                           min(per_host[self.host_of[r]] for r in self.degraded),
-                           ok[(len(ok) - 1) // 2])
+            bad_hosts = {self.host_of[r] for r in bad}
+            ok = sorted(v for h, v in per_host.items() if h not in bad_hosts
+                        for _ in range(len(self.hosts[self.hidx[h]])))
+            b_d = min(per_host[h] for h in bad_hosts)
+            b_ok = ok[(len(ok) - 1) // 2]
+            self._split = (split_fraction(self.n, len(bad), b_d, b_ok), b_d, b_ok)
         return self._split
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -125,15 +127,18 @@ class Net:
         n = self.n
         if n in self._levels:
             return self._levels[n]
+        import numpy as np
         p2 = 1 << (n.bit_length() - 1)
+        hi = np.array([self.hidx[h] for h in self.host_of[:p2]])
+        hbw = np.array(self.hbw, dtype=float)
+        idx = np.arange(p2)
         out, d = [], 1
         while d < p2:
-            cross = [0] * self.H
-            for r in range(p2):
-                if self.host_of[r] != self.host_of[r ^ d]:
-                    cross[self.hidx[self.host_of[r]]] += 1
-            if any(cross):
-                b = min(self.hbw[i] / c for i, c in enumerate(cross) if c)
+            cross = hi != hi[idx ^ d]
+            if cross.any():
+                cnt = np.bincount(hi[cross], minlength=self.H)
+                used = cnt > 0
+                b = float((hbw[used] / cnt[used]).min())
                 b = min(b, min(self.link(r, r ^ d) for r in (0, p2 - 1)))
             else:
                 b = self.intra if self.intra > 0 else INF

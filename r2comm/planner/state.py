@@ -460,6 +460,10 @@ class NicRailState(RailState):
     def host_list(self):
         return list(self._hl)
 
+    def host_indices(self):
+        """The host index of every rank (hosts numbered in order of their lowest rank)."""
+        return list(self._hi)
+
     def nic_bw(self, host, k):
         """As RailState.nic_bw (exceptions aside): the best usable figure towards another
         host's NIC k."""
@@ -474,9 +478,24 @@ class NicRailState(RailState):
 
     def host_bw(self, host):
         if self._hbw is None:
-            self._hbw = {h: sum(self.nic_bw(h, k) for k in range(self.nrails))
-                         for h in self._hl}
+            self._hbw = self._host_bws()
         return self._hbw[host]
+
+    def _host_bws(self):
+        """{host: sum of nic_bw over its NICs}, every host at once in O(H·K)."""
+        if len(self._hl) == 1:
+            return {h: sum(self.nic_bw(h, k) for k in range(self.nrails)) for h in self._hl}
+        tot = [0.0] * len(self._hl)
+        for k in range(self.nrails):
+            top = self._top2[k]
+            v1, i1 = top[0]
+            v2 = top[1][0] if len(top) > 1 else 0.0
+            for i, row in enumerate(self.nic):
+                mine = row[k]
+                best = v2 if i == i1 else v1
+                if mine > 0 and best > 0:
+                    tot[i] += mine if mine < best else best
+        return {h: tot[i] for i, h in enumerate(self._hl)}
 
     def rank_bw(self, r):
         h = self.hosts[r]

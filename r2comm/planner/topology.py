@@ -45,6 +45,9 @@ class Topology:
     @classmethod
     def from_state(cls, state):
         """The topology of a RailState (its hosts; rails: its nrails on every host)."""
+        if hasattr(state, "host_indices"):            # NicRailState: already numbered
+            host_of = tuple(state.host_indices())
+            return cls(host_of, (state.nrails,) * (max(host_of, default=-1) + 1))
         t = cls.from_labels(state.hosts)
         return cls(t.host_of, (state.nrails,) * t.nhosts)
 
