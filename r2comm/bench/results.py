@@ -819,6 +819,10 @@ def render(folder, elapsed_s=None):
     sec, t = hier_section(res)
     body += sec
     summary += [("Hierarchical", x) for x in t] or [("Hierarchical", (not_run_note(sec), None))]
+    from .results_planner import planner_section
+    sec, t = planner_section(res)
+    body += sec
+    summary += [("Planner at scale", x) for x in t] or [("Planner at scale", (not_run_note(sec), None))]
     from .results_verbs import verbs_section
     sec, t = verbs_section(res)
     body += sec
