@@ -106,3 +106,68 @@ def test_closed_form_prices_against_cost_model_and_replay():
             new_total += r["replay"][r["chosen"]]
             old_total += r["replay"][r["old_choice"]]
     assert new_total <= old_total * 1.0001, (new_total, old_total)
+
+
+def _dense_states():
+    from r2comm.planner.state import RailState
+    from test_planner_measured import stats_for
+    out = [RailState.uniform(5, 2)]
+    st = RailState.uniform(6, 2, hosts=[0, 0, 1, 1, 2, 2])
+    st.fail_rail(0, 1)
+    st.fail_rail(1, 1)
+    out.append(st)
+    st = RailState.uniform(5, 3)
+    st.break_pair(0, 3)
+    st.set_link(1, 2, 0, bw=1e8)
+    out.append(st)
+    st = RailState.uniform(4, 2).scale_host(2, 0.5)
+    out.append(st)
+    out.append(RailState.from_rail_stats([0, 0, 1, 1, 2, 2], stats_for(
+        6, 2, lambda r, p, k: 1e9 if r != 3 else 3e8, 0.2, 5, down={(5, 0)})))
+    out.append(regular(3, 2).default_state(nrails=2))
+    return out
+
+
+@pytest.mark.parametrize("dense", _dense_states(), ids=lambda s: f"{s.n}r")
+def test_compact_rail_state_answers_like_the_dense_one(dense):
+    """Issue 32 item 2: RailState.compact() (per host and NIC plus per-pair exceptions) keeps
+    the meaning: every rail, pair and host figure, the degraded and broken sets, and the plan."""
+    from r2comm.planner.state import NicRailState
+    c = dense.compact()
+    assert isinstance(c, NicRailState) and not c.link
+    n, K = dense.n, dense.nrails
+    for a in range(n):
+        for b in range(n):
+            for k in range(K):
+                assert c.rail_bw(a, b, k) == pytest.approx(dense.rail_bw(a, b, k)), (a, b, k)
+            assert c.pair_bw(a, b) == pytest.approx(dense.pair_bw(a, b))
+    for h in dense.host_list():
+        assert c.host_bw(h) == pytest.approx(dense.host_bw(h))
+    assert c.degraded_ranks() == dense.degraded_ranks()
+    assert c.broken_pairs() == dense.broken_pairs()
+    assert c.has_broken_pairs() == bool(dense.broken_pairs())
+    assert c.healthy() == dense.healthy() and c.beta() == pytest.approx(dense.beta())
+    assert len(c.exceptions) < len(dense.link)
+    for nb in (4096, 4 * MB, 64 * MB):
+        assert planner.choose("allreduce", n, nb, 4, c) == planner.choose("allreduce", n, nb, 4,
+                                                                          dense)
+        for r in range(n):
+            a = planner.build("allreduce", r, n, nb, 4, 0, 64 << 10, state=c)
+            b = planner.build("allreduce", r, n, nb, 4, 0, 64 << 10, state=dense)
+            assert a.msgs == b.msgs and a.deps == b.deps
+
+
+def test_compact_state_size_grows_with_hosts_and_changes_not_pairs():
+    from r2comm.planner.state import NicRailState
+    from r2comm.planner.topology import INTRA_BW
+    H, G, K = 1024, 8, 8
+    nic = [[1.25e9] * K for _ in range(H)]
+    nic[5][3] = 0.0
+    st = NicRailState([r // G for r in range(H * G)], nic, INTRA_BW)
+    st.set_link(0, 100, 2, bw=1e8)                  # one slow path: one exception
+    assert len(st.exceptions) == 1 and sum(map(len, st.nic)) == H * K
+    assert st.rail_bw(0, 100, 2) == 1e8 and st.rail_bw(40, 8, 3) == 0.0
+    assert st.degraded_ranks() == list(range(40, 48)) and not st.has_broken_pairs()
+    t0 = time.perf_counter()
+    s = planner.build("allreduce", 3, H * G, 64 * MB, 4, 0, 64 << 10, state=st)
+    assert time.perf_counter() - t0 < 2.0 and s.hierarchical and len(s.msgs) < 100

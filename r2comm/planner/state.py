@@ -191,7 +191,7 @@ class RailState:
 
     @classmethod
     def gather(cls, allgather, rank, members, rail_stats, hosts, rail_bw=None,
-               nominal_bw=DEFAULT_BW, rates="nic", **kw):
+               nominal_bw=DEFAULT_BW, rates="nic", compact=False, **kw):
         """The live RailState of a communicator, identical on every rank (collective).
 
         allgather: e.g. mpi_comm.allgather; rank: this rank in the communicator; members: the
@@ -207,11 +207,43 @@ class RailState:
                 for g, rows in rail_stats.items() if g in g2c and g != me}
         stats = allgather(mine)
         hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
-        return cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates, **kw)
+        st = cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates, **kw)
+        return st.compact() if compact else st
 
     def copy(self):
         return RailState(list(self.hosts), self.nrails, dict(self.link), self.alpha, self.chunk,
                          self.degraded_tol, dict(self.measured))
+
+    def compact(self):
+        """The same state as a NicRailState: per host and NIC the best figure towards another
+        host (nic_bw), ranks of one host at the most common local pair bandwidth, and every
+        (pair, rail) that differs from that as an exception. Every query answers the same."""
+        hl = self.host_list()
+        hidx = {h: i for i, h in enumerate(hl)}
+        nic = [[0.0] * self.nrails for _ in hl]
+        local = {}
+        for (a, b, k) in self.link:
+            if a < b:
+                v = self.rail_bw(a, b, k)
+                if self.hosts[a] != self.hosts[b]:
+                    for r in (a, b):
+                        row = nic[hidx[self.hosts[r]]]
+                        row[k] = max(row[k], v)
+                else:
+                    pb = self.pair_bw(a, b)
+                    local[pb] = local.get(pb, 0) + 1
+        intra = max(sorted(local), key=lambda v: local[v]) if local else 0.0
+        out = NicRailState(self.hosts, nic, intra, self.alpha, self.chunk, self.degraded_tol)
+        exc = {}
+        for a in range(self.n):
+            for b in range(a + 1, self.n):
+                for k in range(self.nrails):
+                    v = self.rail_bw(a, b, k)
+                    if v != out.rail_bw(a, b, k):
+                        exc[(a, b, k)] = (v > 0, v)
+        out.exceptions = exc
+        out.measured = dict(self.measured)
+        return out
 
     # -- mutation (tests, simulations) -------------------------------------------------------------
     def set_link(self, a, b, rail, up=None, bw=None):
