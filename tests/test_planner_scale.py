@@ -78,7 +78,7 @@ def test_resized_hierarchical_plan_equals_a_fresh_build(topo):
 
 def test_choice_within_3_percent_of_the_best_replay():
     """Issue 32 item 4: over a sample of hosts 3-24, NICs 2-8, loss 1/8-1 of one NIC, sizes
-    1 MiB-1 GiB (the issue's two cases, the grid's corners and 12 random points), the chosen
+    1 MiB-1 GiB (the issue's two cases, the grid's 16 corners and 12 random points), the chosen
     plan's replay is within 3% of the best candidate's replay."""
     from r2comm.planner import sweep
     worst = max((sweep.case(*c) for c in sweep.grid(12)), key=lambda r: r["ratio"])
