@@ -171,3 +171,16 @@ def test_compact_state_size_grows_with_hosts_and_changes_not_pairs():
     t0 = time.perf_counter()
     s = planner.build("allreduce", 3, H * G, 64 * MB, 4, 0, 64 << 10, state=st)
     assert time.perf_counter() - t0 < 2.0 and s.hierarchical and len(s.msgs) < 100
+
+
+def test_build_follows_choose_with_a_slow_pair():
+    """A slow pair (no broken one): build() re-ranks the ring as choose() does."""
+    from r2comm.planner.state import RailState
+    st = RailState.uniform(5, 1, bw=1e9)
+    st.set_link(0, 1, 0, bw=1e8)
+    want = planner.choose("allreduce", 5, 64 * MB, 4, st)
+    assert want == "ring_rerouted"
+    for r in range(5):
+        s = planner.build("allreduce", r, 5, 64 * MB, 4, 0, 64 << 10, state=st)
+        ref = planner.build_all("allreduce", 5, 64 * MB, 4, eager=64 << 10, algo=want, state=st)
+        assert s.algo == want and s.msgs == ref[r].msgs

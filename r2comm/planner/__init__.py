@@ -145,8 +145,13 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
         if name is None:
             name = algo
             if algo in ("", "flat") or (algo in HIER_ALGOS and net.H in (1, n)):
-                costs = _allreduce_prices(net, nbytes, flat_only=algo == "flat")
-                name = _remember(key, price.cheapest(costs))
+                if _needs_reroute(state):       # a ring in rank order would take a slow pair
+                    name = choose(coll, n, nbytes, itemsize, state, root, eager,
+                                  flat_only=algo == "flat")
+                else:
+                    name = price.cheapest(_allreduce_prices(net, nbytes,
+                                                            flat_only=algo == "flat"))
+                _remember(key, name)
         if name != "ring_rerouted":
             topo = _state_topo(state) if name in HIER_ALGOS else None
             s = _build_or_resize(key + (rank, name), coll, rank, name, n, nbytes, itemsize,
