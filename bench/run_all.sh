@@ -35,6 +35,7 @@
 #                             compute step's and the serving p99's overhead, with intervals
 # and always:
 #   sim_validate     the simulator's replay of the testbed scenarios (python -m r2comm.sim validate)
+#   planner_scale    one rank's plan time, 64-8,192 ranks, and the choice against the replay
 #
 # MPI over TCP: the MPICH wheel uses shared memory between local ranks, and with
 # MPIR_CVAR_NOLOCAL=1 alone its UCX netmod still picks shared memory.  The OFI
@@ -173,6 +174,11 @@ step acks1_rev "${RAILS_ENV[@]}" R2COMM_RAILS=127.0.0.1 -- allreduce -m 16M:16M 
 
 # the simulator replaying the testbed's scenarios (issue 21; about 10 s, no root needed)
 run sim_validate 120 TERM "$PY" -m r2comm.sim validate --json "$OUT/sim_validate.json"
+
+# the planner at scale (issue 32; about 1-3 min, no root needed): plan time per rank 64-8,192
+# ranks, and the choice against the simulator's replay
+run planner_scale 600 TERM "$PY" -m r2comm.bench.planner_scale --old --sweep 12 \
+    --json "$OUT/planner_scale.json"
 
 # the netns testbed (issue 4, 5, 18): root and iproute2 only; bounded by the budget
 TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts testbed_torch testbed_hier

@@ -684,7 +684,7 @@ class Communicator:
         return planner.RailState.gather(lambda mine: control.gather_rails(ctl, mine, nrails),
                                         self.rank, self._members, stats,
                                         hosts, self._cfg.rail_bw or None,
-                                        rates="scale" if loop else "nic")
+                                        rates="scale" if loop else "nic", compact=True)
 
     @property
     def epoch(self):

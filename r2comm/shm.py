@@ -208,8 +208,9 @@ def _wait_byte(fd, deadline):
         left = deadline - time.monotonic()
         if left <= 0:
             raise tcp.HandshakeError("no answer to the shared-memory set-up in time")
-        r, _, _ = select.select([fd], [], [], left)
-        if not r:
+        poller = select.poll()  # not select(): fds past 1024 once the fd limit was raised
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(left * 1e3):
             continue
         try:
             b = os.read(fd, 1)

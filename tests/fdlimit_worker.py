@@ -9,7 +9,8 @@ hog       rank `rank` first opens fds (/dev/null): with room=K until K are left 
           with fill=F until it holds about F x its limit counting the connections it will open;
           then every rank creates
           a Communicator and prints "FDLIMIT <json>" with what came of it: "ok" (and an
-          allreduce's result) or the error's class and message.
+          allreduce's result) or the error's class and message. high=F: every rank first
+          holds fds up to number F, so its connections get numbers past it.
 Prints "OK <scenario> <count>" on rank 0."""
 import json
 import logging
@@ -61,6 +62,8 @@ def scenario_hog(args):
     hog, fill = int(args.get("rank", 1)), float(args.get("fill", 0))
     room = int(args.get("room", 0))
     held = []
+    while "high" in args and (not held or held[-1] < int(args["high"])):
+        held.append(os.open(os.devnull, os.O_RDONLY))
     if WORLD.rank == hog:
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         # fill: about that share of the limit once the connections (n-1 peers x (2 rails +

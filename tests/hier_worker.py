@@ -89,7 +89,8 @@ def sc_topology(comm, args):
     check(t["rails_per_host"] == [len(comm.rails)] * len(hosts), f"rails {t['rails_per_host']}")
     hier = t["hierarchical"]
     check(hier == (1 < len(hosts) < n), f"hierarchical={hier}")
-    force = args.get("force") == "1"
+    force = args.get("force") in ("1", "tree")    # tree: R2COMM_ALGO=hierarchical_tree, which
+    tree = args.get("force") == "tree"             # forces the allreduces only
     flat = args.get("force") == "flat"            # R2COMM_ALGO=flat: never hierarchical
     big = {"allreduce": (8 * MB, 0), "allgather": (2 * MB, 0),
            "reduce_scatter_block": (2 * MB, 0), "bcast": (8 * MB, n - 1)}
@@ -98,7 +99,7 @@ def sc_topology(comm, args):
         p = comm.plan(coll, nb, 4, root)
         plans[coll] = p.algo
         want = hier and not flat and (coll in ("allreduce", "bcast") or t["regular"])
-        if coll == "bcast" and not force and not flat:
+        if coll == "bcast" and (not force or tree) and not flat:
             continue                     # bcast: hierarchical only where the flat tree is worse
         check(p.hierarchical == want, f"{coll} {nb} B planned {p.algo}, hierarchical={want}")
         if want:

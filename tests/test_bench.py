@@ -516,24 +516,24 @@ def test_results_with_nothing_measured_says_not_run(tmp_path):
 def test_results_section_is_one_registration(tmp_path, monkeypatch):
     """A section added to results.SECTIONS appears in the document, in order, with its targets
     (or its 'not run' sentence) listed under its area in 'Targets at a glance'."""
-    def scale(res):
-        doc = res.doc("planner_scale")
-        out, targets = ["## Planner at scale", ""], []
+    def example(res):
+        doc = res.doc("example_section")
+        out, targets = ["## Example area", ""], []
         if doc:
-            out += [f"{doc['ranks']} ranks planned.", ""]
-            targets.append((f"plans {doc['ranks']} ranks: **met**", True))
+            out += [f"{doc['ranks']} items.", ""]
+            targets.append((f"holds {doc['ranks']} items: **met**", True))
         else:
-            out += [f"{res.why_missing('planner_scale').capitalize()}.", ""]
+            out += [f"{res.why_missing('example_section').capitalize()}.", ""]
         return out, targets
 
-    monkeypatch.setattr(results, "SECTIONS", results.SECTIONS + (results.Section(scale, "Planner at scale"),))
+    monkeypatch.setattr(results, "SECTIONS", results.SECTIONS + (results.Section(example, "Example area"),))
     text = results.render(str(tmp_path))
-    assert text.rstrip().endswith("Not run (no `planner_scale.json` in the results folder).")
-    assert "| Planner at scale | Not run (no `planner_scale.json` in the results folder) | – not evaluated |" in text
-    (tmp_path / "planner_scale.json").write_text(json.dumps({"ranks": 4096}))
+    assert text.rstrip().endswith("Not run (no `example_section.json` in the results folder).")
+    assert "| Example area | Not run (no `example_section.json` in the results folder) | – not evaluated |" in text
+    (tmp_path / "example_section.json").write_text(json.dumps({"ranks": 4096}))
     text = results.render(str(tmp_path))
-    assert "| Planner at scale | plans 4096 ranks: met | ✅ met |" in text
-    assert text.index("## A slow (degraded) rail") < text.index("## Planner at scale")
+    assert "| Example area | holds 4096 items: met | ✅ met |" in text
+    assert text.index("## A slow (degraded) rail") < text.index("## Example area")
 
 
 @needs_mpiexec
@@ -894,3 +894,29 @@ def test_flap_analysis_judges_steps_inside_the_outage_by_the_nic_down_pace():
     assert got["down_steps"] == [11]          # 10 began before the flap, 12 ended after the link was up
     assert got["slow_steps"] == [10, 12, 14] and got["over_healthy_x1.5"] == 4
     assert tt.flap_analysis(rec, args)["flaps"][0]["slow_count"] == 4    # no NIC-down run: healthy pace
+
+
+def test_results_planner_section_from_fake_json(tmp_path):
+    """Issue 32's plan-time targets rendered from planner_scale.json: met, not met, the sweep."""
+    def row(n, down, first, later, algo="hierarchical_tree"):
+        return {"hosts": n // 8, "ranks": n, "nic_down": down, "algo": algo, "later_algo": algo,
+                "messages": 62, "first_ms": first, "later_ms": later, "predicted_ms": 15.0}
+    doc = {"rows": [row(64, False, 0.5, 0.1), row(64, True, 0.6, 0.1),
+                    row(1024, False, 5.0, 0.2), row(1024, True, 25.0, 0.3),
+                    row(8192, False, 40.0, 0.4), row(8192, True, 150.0, 0.5)],
+           "bytes": 64 << 20, "later_bytes": (64 << 20) + 4096, "ranks_per_host": 8, "nics": 8,
+           "sweep": {"points": 34, "cpu_s": 100.0, "ratios": [],
+                     "worst": {"hosts": 3, "nics": 4, "loss": 0.125, "bytes": 256 << 20,
+                               "chosen": "ring", "ratio": 1.004}}}
+    (tmp_path / "planner_scale.json").write_text(json.dumps(doc))
+    text = results.render(str(tmp_path))
+    sec = text.split("## Planner at scale (issue 32)")[1].split("\n## ")[0]
+    assert "first plan at 1024 ranks ≤ 20 ms (healthy and a NIC down): **not met** (5.00 / 25 ms)" in sec
+    assert "first plan at 8192 ranks ≤ 200 ms (healthy and a NIC down): **met**" in sec
+    assert "a later size of the same class ≤ 1 ms at 1,024 and 8,192 ranks: **met**" in sec
+    assert "no flat plan over every rank at 1,024 ranks and more: **met**" in sec
+    assert "worst 1.004" in sec and "| 8192 | 1024 | hierarchical_tree |" in sec
+    glance = text.split("## Targets at a glance")[1].split("\n## ")[0]
+    assert glance.count("| Planner at scale |") == 5
+    os.remove(tmp_path / "planner_scale.json")
+    assert "Planner at scale" in results.render(str(tmp_path))

@@ -20,12 +20,12 @@ WORKER = f"{ROOT}/tests/fdlimit_worker.py"
 PRLIMIT = shutil.which("prlimit")     # util-linux: every rank starts under the lowered limit
 
 
-def _job(n, scenario, soft, hard, **kw):
+def _job(n, scenario, soft, hard, env=None, **kw):
     if PRLIMIT is None:
         pytest.fail("prlimit (util-linux) not found: it sets the ranks' RLIMIT_NOFILE")
     argv = [f"--nofile={soft}:{hard}", sys.executable, WORKER, scenario]
     rc, out = run_mpi(n, argv + [f"{k}={v}" for k, v in kw.items()], timeout=90,
-                      executable=PRLIMIT)
+                      executable=PRLIMIT, env=env)
     assert f"OK {scenario} {n}" in out, out[-4000:]
     return [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines()
             if ln.startswith("FDLIMIT ")]
@@ -68,6 +68,15 @@ def test_near_the_limit_warns_and_runs():
     assert len(warned) == 1 and "rank 2 " in warned[0], rows[0]
     assert "limit of 200" in warned[0] and "ulimit -n" in warned[0], warned
     assert not any(r["warnings"] for r in rows[1:]), rows
+
+
+@pytest.mark.mpi
+def test_shared_memory_set_up_past_fd_1024():
+    """Every rank holds fds up to 1100 before it starts, so its links get numbers past 1024:
+    the shared-memory set-up's wait for the peer's answer polls (select() raised ValueError
+    there and start-up failed with "disconnected groups")."""
+    rows = _job(3, "hog", 2048, 2048, env={"R2COMM_SHM": "1"}, rank=-1, high=1100)
+    assert all(r["outcome"] == "ok" and r["exact"] for r in rows), rows
 
 
 @pytest.fixture

@@ -53,3 +53,14 @@ def test_nic_failure_of_one_host_mid_collective_bit_identical():
     assert count == 2 * 4 * 4
     lines = [ln for ln in out.splitlines() if ln.startswith("FAILOVER ")]
     assert len(lines) == 2 and all("bit-identical" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("n,layout", [(6, "0,0,1,1,2,2"), (5, "0,0,1,2,2")])
+def test_tree_allreduce_on_emulated_hosts(n, layout):
+    """Issue 32: the double-binary-tree hierarchical allreduce (3 hosts) on the real engine,
+    every collective exact (R2COMM_ALGO=hierarchical_tree forces it for the allreduces)."""
+    count, out = scenario(n, "topology", env={"R2COMM_ALGO": "hierarchical_tree"},
+                          layout=layout, force="tree", timeout=240)
+    assert count >= 300 * n
+    top = [ln for ln in out.splitlines() if ln.startswith("TOPOLOGY ")]
+    assert top and "'allreduce': 'hierarchical_tree'" in top[0]

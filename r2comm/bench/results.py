@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple, Optional
 from .results_failover import failover_section
 from .results_format import Results, glance_rows, not_run_note
 from .results_hier import hier_section
+from .results_planner import planner_section
 from .results_loopback import COLLECTIVES, allreduce_section, collectives_section, p2p_section
 from .results_shm import shm_section
 from .results_testbed import degraded_section, slow_rail_section, testbed_section
@@ -58,6 +59,7 @@ SECTIONS = (
     Section(sim_section),
     Section(shm_section, "Shared memory"),
     Section(hier_section, "Hierarchical"),
+    Section(planner_section, "Planner at scale"),
     Section(verbs_section, "Verbs rails"),
     Section(slow_rail_section),
 )

@@ -14,13 +14,17 @@ without a RailState the static flat plan and the hierarchical one are priced on 
 default state (NICs at DEFAULT_BW per rail, local pairs at topology.INTRA_BW) and the cheaper one
 is used; with a RailState, choose() prices them among the other candidates. algo "hierarchical"
 forces it where the topology allows one (otherwise the flat plan is used), "flat" excludes it."""
-from . import algorithms, cost, degraded, hierarchical, routing
+import math
+
+from . import algorithms, cost, degraded, hierarchical, price, routing
 from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, REDUCE_SEND, REDUCE_SEND_REV
 from .state import RailState, PartitionedError
-from .topology import Topology
+from .topology import Topology, INTRA_BW
+from .state import DEFAULT_BW, DEFAULT_ALPHA, DEFAULT_CHUNK
 
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "rabenseifner", "degraded", "ring_rerouted",
-                   "hierarchical", "flat")
+                   "hierarchical", "hierarchical_tree", "flat")
+HIER_ALGOS = ("hierarchical", "hierarchical_tree")
 GENERIC_ALGOS = ("hierarchical", "flat")               # mean something for every collective
 STATE_ALGOS = ("degraded", "ring_rerouted")            # need a RailState
 DEFAULT_EAGER = 64 << 10
@@ -44,6 +48,9 @@ def latency_allreduce(n, nbytes, eager):
     return nbytes <= (max(eager, PAIR_RD_MAX) if n == 2 else eager)
 _CACHE = {}
 _CACHE_MAX = 128
+_CHOICE = {}                # size class -> (algorithm, how to build it): planner.build's plans
+_CHOICE_MAX = 4096
+_NETS = {}                  # fingerprint -> price.Net
 
 
 def allreduce(rank, n, nbytes, itemsize, eager, algo="", state=None, separate_send=False):
@@ -80,6 +87,21 @@ def _static(coll, rank, n, nbytes, itemsize, root, eager, algo, separate_send=Fa
     raise ValueError(f"no schedule for {coll!r}")
 
 
+def size_class(n, nbytes, eager):
+    """Sizes that get the same plan structure: a quarter of an octave of nbytes, and the same
+    side of every threshold a static rule or an owned (eager) message depends on."""
+    q = int(4 * math.log2(nbytes)) if nbytes > 0 else -1
+    return (q, nbytes <= eager, nbytes // max(n, 1) <= eager, latency_allreduce(n, nbytes, eager),
+            halving_allreduce(n, nbytes, eager))
+
+
+def _remember(key, value):
+    if len(_CHOICE) >= _CHOICE_MAX:
+        _CHOICE.clear()
+    _CHOICE[key] = value
+    return value
+
+
 def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
           separate_send=False, topo=None):
     """Schedule for one rank. nbytes is the per-rank message size (a block for the
@@ -87,22 +109,181 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
     picks the cheapest candidate (choose()), and messages over broken pairs are relayed.
     separate_send: the send buffer is not the result buffer (not IN_PLACE), which lets some
     schedules read their input from it instead of a copy (Schedule.fills_work).
-    topo: the Topology (used without a RailState; a RailState carries its own hosts)."""
+    topo: the Topology (used without a RailState; a RailState carries its own hosts).
+
+    Only this rank's schedule is built (in time proportional to its length) wherever no pair
+    is broken: the algorithm is chosen by the closed-form prices of price.py, once per size
+    class (size_class()) of the arguments, so a new size of a known class only builds."""
     if state is None:
         if coll == "allreduce" and not algo and topo is not None and topo.nhosts == 1 and \
                 halving_allreduce(n, nbytes, eager):
             algo = "rabenseifner"
-        if topo is not None and algo in ("", "hierarchical") and \
-                hierarchical.applicable(coll, topo):
-            scheds = build_topo(coll, n, nbytes, itemsize, root, eager, algo, topo,
-                                separate_send)
-        else:
-            return _static(coll, rank, n, nbytes, itemsize, root, eager, algo, separate_send)
-    else:
-        scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send)
+        if topo is not None and algo in ("", *HIER_ALGOS) and \
+                hierarchical.applicable(coll, topo, algo):
+            if topo.n != n:
+                raise ValueError(f"the topology describes {topo.n} ranks, the communicator "
+                                 f"has {n}")
+            key = ("topo", coll, n, itemsize, root, eager, algo, topo.fingerprint(),
+                   separate_send, size_class(n, nbytes, eager))
+            name = _CHOICE.get(key)
+            if name is None:
+                name = _remember(key, _choose_topo(coll, n, nbytes, root, eager, algo, topo))
+            s = _build_or_resize(key + (rank, name), coll, rank, name, n, nbytes, itemsize, root,
+                                 eager, separate_send, topo)
+            s.cost = _topo_price(coll, name, n, nbytes, root, eager, topo)
+            return s
+        return _static(coll, rank, n, nbytes, itemsize, root, eager, algo, separate_send)
+    if coll == "allreduce" and algo not in ("", *ALLREDUCE_ALGOS):
+        raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
+    if state.n != n:
+        raise ValueError(f"RailState describes {state.n} ranks, the communicator has {n}")
+    if coll == "allreduce" and not state.has_broken_pairs():
+        net = _net(state)
+        key = ("state", coll, n, itemsize, root, eager, algo, net.key, separate_send,
+               size_class(n, nbytes, eager))
+        name = _CHOICE.get(key)
+        if name is None:
+            name = algo
+            if algo in ("", "flat") or (algo in HIER_ALGOS and net.H in (1, n)):
+                if _needs_reroute(state):       # a ring in rank order would take a slow pair
+                    name = choose(coll, n, nbytes, itemsize, state, root, eager,
+                                  flat_only=algo == "flat")
+                else:
+                    name = price.cheapest(_allreduce_prices(net, nbytes,
+                                                            flat_only=algo == "flat"))
+                _remember(key, name)
+        if name != "ring_rerouted":
+            topo = _state_topo(state) if name in HIER_ALGOS else None
+            s = _build_or_resize(key + (rank, name), coll, rank, name, n, nbytes, itemsize,
+                                 root, eager, separate_send, topo, state)
+            s.cost = _allreduce_prices(net, nbytes, names=(name,)).get(name, 0.0)
+            return s.validate()
+    scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send)
     s = scheds[rank]
     return Schedule(s.algo, list(s.msgs), list(s.deps), s.scratch, list(s.pre), list(s.post),
                     s.cost, s.fills_work)
+
+
+_TEMPLATES = {}             # size class + rank -> (nbytes, Schedule) of the long schedules
+
+
+def _build_or_resize(key, coll, rank, name, n, nbytes, itemsize, root, eager, separate_send,
+                     topo, state=None):
+    """_build_rank(), or for a hierarchical allreduce of a size class already built on this
+    rank, that schedule moved to the new size's regions (hierarchical.resize: no rebuilding)."""
+    if coll == "allreduce" and name == "hierarchical":
+        hit = _TEMPLATES.get(key)
+        if hit is not None:
+            s = hierarchical.resize(hit[1], topo, hit[0], nbytes, itemsize, eager)
+            if s is not None:
+                return s
+    s = _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_send, topo,
+                    state).validate()
+    if coll == "allreduce" and name == "hierarchical":
+        if len(_TEMPLATES) >= 256:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = (nbytes, s)
+    return s
+
+
+def _state_topo(state):
+    """Topology.from_state(), made once per state object."""
+    t = getattr(state, "_planner_topo", None)
+    if t is None:
+        t = Topology.from_state(state)
+        try:
+            state._planner_topo = t
+        except AttributeError:
+            pass
+    return t
+
+
+def _net(state):
+    """price.Net of a RailState, made once per fingerprint."""
+    fp = state.fingerprint()
+    net = _NETS.get(fp)
+    if net is None:
+        if len(_NETS) >= 64:
+            _NETS.clear()
+        net = _NETS[fp] = price.Net.from_state(state)
+        net.key = fp
+    return net
+
+
+def _topo_net(topo):
+    key = ("topo", topo.fingerprint())
+    net = _NETS.get(key)
+    if net is None:
+        if len(_NETS) >= 64:
+            _NETS.clear()
+        net = _NETS[key] = price.Net.from_topology(topo, DEFAULT_BW, INTRA_BW, DEFAULT_ALPHA,
+                                                   DEFAULT_CHUNK)
+        net.key = key
+    return net
+
+
+def _allreduce_prices(net, nbytes, names=None, flat_only=False):
+    costs = price.prices("allreduce", net, nbytes, names)
+    if flat_only:
+        costs = {a: c for a, c in costs.items() if a not in HIER_ALGOS} or costs
+    return costs
+
+
+def _static_name(coll, n, nbytes, eager):
+    """The name of the static flat plan _static() builds."""
+    if coll != "allreduce":
+        return "flat"
+    return "recursive_doubling" if latency_allreduce(n, nbytes, eager) else "ring"
+
+
+def _topo_price(coll, name, n, nbytes, root, eager, topo):
+    net = _topo_net(topo)
+    if coll == "allreduce":
+        return _allreduce_prices(net, nbytes, names=(name,)).get(name, math.inf)
+    return price.collective(coll, name, net, nbytes, root)
+
+
+def _choose_topo(coll, n, nbytes, root, eager, algo, topo):
+    """Without a RailState: the static flat plan or a hierarchical one, by their closed-form
+    prices on the topology's default figures (algo "hierarchical": one of those)."""
+    names = [a for a in HIER_ALGOS if hierarchical.applicable(coll, topo, a)] \
+        if coll == "allreduce" else ["hierarchical"]
+    if algo in HIER_ALGOS and coll == "allreduce":
+        names = [algo] if algo == "hierarchical_tree" else names
+    elif algo == "":
+        names = [_static_name(coll, n, nbytes, eager)] + names
+    costs = {a: _topo_price(coll, a, n, nbytes, root, eager, topo) for a in names}
+    costs = {a: c for a, c in costs.items() if c < math.inf}
+    return price.cheapest(costs) if costs else names[0]
+
+
+def _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_send, topo,
+                state=None):
+    """One rank's schedule of the named algorithm (no pair broken)."""
+    if name == "hierarchical_tree":
+        return hierarchical.tree_allreduce(rank, topo, nbytes, itemsize, eager)
+    if name == "hierarchical":
+        return hierarchical.build(coll, rank, topo, nbytes, itemsize, root, eager)
+    cand = price.REGISTRY.get(name)
+    if cand is not None and cand.build is not None:
+        return cand.build(rank, _net(state) if state is not None else _topo_net(topo), nbytes,
+                          itemsize, eager)
+    if coll == "allreduce" and name == "degraded":
+        deg = state.degraded_ranks()
+        ok = [r for r in range(n) if r not in deg]
+        return degraded.allreduce_degraded(
+            rank, n, nbytes, itemsize, eager, state, degraded=deg,
+            frac=degraded.state_fraction(state), order_all=_ring_order(state),
+            order_ok=_ring_order(state, ok))
+    if coll == "allreduce" and name == "ring":
+        return routing.allreduce_ring_ordered(rank, list(range(n)), nbytes, itemsize, eager,
+                                              "ring")
+    if coll == "allreduce" and name == "recursive_doubling":
+        return algorithms.allreduce_rd(rank, n, nbytes, itemsize, separate_send, eager)
+    if coll == "allreduce" and name == "rabenseifner" and not n & (n - 1):
+        return algorithms.allreduce_halving(rank, n, nbytes, itemsize, eager)
+    return _static(coll, rank, n, nbytes, itemsize, root, eager,
+                   "" if name in ("flat", "rabenseifner") else name, separate_send)
 
 
 def build_topo(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", topo=None,
@@ -140,15 +321,23 @@ def build_topo(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", 
 
 def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send=False):
     """Every rank's schedule for one named algorithm, relayed around broken pairs."""
-    if algo == "hierarchical" and hierarchical.applicable(coll, Topology.from_state(state)):
+    if algo in HIER_ALGOS and hierarchical.applicable(coll, Topology.from_state(state)):
         topo = Topology.from_state(state)
-        sc = [hierarchical.build(coll, r, topo, nbytes, itemsize, root, eager) for r in range(n)]
+        if coll == "allreduce" and algo == "hierarchical_tree":
+            sc = [hierarchical.tree_allreduce(r, topo, nbytes, itemsize, eager) for r in range(n)]
+        else:
+            sc = [hierarchical.build(coll, r, topo, nbytes, itemsize, root, eager)
+                  for r in range(n)]
+    elif coll == "allreduce" and algo in price.REGISTRY and \
+            price.REGISTRY[algo].build is not None:
+        net = _net(state)
+        sc = [price.REGISTRY[algo].build(r, net, nbytes, itemsize, eager) for r in range(n)]
     elif coll == "allreduce" and algo == "degraded":
         deg = state.degraded_ranks()
         ok = [r for r in range(n) if r not in deg]
         kw = dict(degraded=deg, frac=degraded.state_fraction(state),
-                  order_all=routing.best_ring_order(state),
-                  order_ok=routing.best_ring_order(state, ok) if ok else None)
+                  order_all=_ring_order(state),
+                  order_ok=_ring_order(state, ok) if ok else None)
         sc = [degraded.allreduce_degraded(r, n, nbytes, itemsize, eager, state, **kw)
               for r in range(n)]
     elif coll == "allreduce" and algo == "ring_rerouted":
@@ -167,42 +356,67 @@ def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state, separate_sen
     return routing.relay(sc, state)
 
 
+RING_SEARCH_MAX = 64     # ranks: above, rings follow rank order (no Hamiltonian search)
+
+
+def _ring_order(state, members=None):
+    """routing.best_ring_order() for up to RING_SEARCH_MAX ranks (and wherever a pair is
+    broken); the members in rank order above that, where the search's O(n^2) pair scan is
+    unaffordable and a host-level rail state leaves nothing for it to find (every ring passes
+    the slowest host)."""
+    if state.n <= RING_SEARCH_MAX or state.has_broken_pairs():
+        return routing.best_ring_order(state, members)
+    return list(range(state.n)) if members is None else sorted(members)
+
+
+def _needs_reroute(state):
+    n = state.n
+    if state.has_broken_pairs():
+        return True
+    return n <= RING_SEARCH_MAX and routing.ring_order(state) not in (None, list(range(n)))
+
+
 def candidates(coll, n, state):
     """The algorithm names choose() compares for `coll` on `state` ("flat": the static plan
-    of a collective other than allreduce)."""
-    hier = hierarchical.applicable(coll, Topology.from_state(state))
+    of a collective other than allreduce): the registered closed-form candidates that apply
+    (price.REGISTRY), and ring_rerouted where a ring in rank order would cross a broken pair
+    or a slower link than needed."""
     if coll != "allreduce":
+        hier = hierarchical.applicable(coll, Topology.from_state(state))
         return ["flat", "hierarchical"] if hier else [""]
-    out = ["ring", "recursive_doubling"]
-    if hier:
-        out.append("hierarchical")
-    if n > 2 and state.degraded_ranks() and len(state.degraded_ranks()) < n:
-        out.append("degraded")
-    if state.broken_pairs() or routing.ring_order(state) not in (None, list(range(n))):
+    out = [a for a, c in price.REGISTRY.items() if c.applies(coll, _net(state))]
+    if _needs_reroute(state):
         out.append("ring_rerouted")
     return out
 
 
 def evaluate(coll, n, nbytes, itemsize, state, root=0, eager=DEFAULT_EAGER):
-    """{algorithm: predicted seconds} over candidates(coll, n, state)."""
+    """{algorithm: predicted seconds} over candidates(coll, n, state): the closed-form prices
+    (price.py) for an allreduce with no broken pair; otherwise cost.py's model over every
+    rank's schedule (relays change the schedules themselves)."""
+    names = candidates(coll, n, state)
+    if coll == "allreduce" and not state.has_broken_pairs():
+        costs = _allreduce_prices(_net(state), nbytes)
+        out = {a: costs[a] for a in names if a in costs}
+        for a in names:
+            if a not in out:
+                out[a] = build_all(coll, n, nbytes, itemsize, root, eager, a, state)[0].cost
+        return out
     return {a: build_all(coll, n, nbytes, itemsize, root, eager, a, state)[0].cost
-            for a in candidates(coll, n, state)}
+            for a in names}
 
 
 def choose(coll, n, nbytes, itemsize, state, root=0, eager=DEFAULT_EAGER, flat_only=False):
     """The algorithm with the lowest predicted time on `state` (ties: the earlier candidate,
-    i.e. the plain ring first; flat_only: not the hierarchical one). Raises PartitionedError
+    i.e. the plain ring first; flat_only: not a hierarchical one). Raises PartitionedError
     when no schedule can reach every rank."""
     if state.n != n:
         raise ValueError(f"RailState describes {state.n} ranks, the communicator has {n}")
     state.check_connected()
     costs = evaluate(coll, n, nbytes, itemsize, state, root, eager)
     if flat_only:
-        costs = {a: c for a, c in costs.items() if a != "hierarchical"}
-    best = min(costs.values())
-    for a, c in costs.items():
-        if c <= best * (1 + 1e-9):
-            return a
+        costs = {a: c for a, c in costs.items() if a not in HIER_ALGOS}
+    return price.cheapest(costs)
 
 
 def build_all(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", state=None,

@@ -41,13 +41,16 @@ HIER_COLLS = ("allreduce", "allgather", "reduce_scatter_block", "bcast")
 MAX_STEP = 1 << 23            # routing.RELAY_STEP0: relayed messages use the steps above
 
 
-def applicable(coll, topo):
+def applicable(coll, topo, algo="hierarchical"):
     """True when `coll` has a hierarchical schedule for `topo` (several hosts, some host with
-    several ranks; allgather and reduce_scatter also need equal rank counts per host)."""
+    several ranks; allgather and reduce_scatter also need equal rank counts per host); algo
+    "hierarchical_tree" (allreduce only): the tree between hosts, whose steps never overflow."""
     if coll not in HIER_COLLS or not topo.hierarchical:
         return False
     if coll in ("allgather", "reduce_scatter_block") and not topo.regular:
         return False
+    if coll == "allreduce" and algo != "hierarchical":
+        return algo in ("", "hierarchical_tree") or _steps(coll, topo) < MAX_STEP
     return _steps(coll, topo) < MAX_STEP
 
 
@@ -110,6 +113,35 @@ def _owned(eager):
     return lambda ln: ln <= eager
 
 
+def allreduce_regions(topo, nbytes, itemsize):
+    """{region id: (byte offset, length)} of allreduce()'s regions (non-empty only)."""
+    hosts = topo.hosts
+    H, S = len(hosts), topo.max_local
+    reg = {}
+    for j, (so, sl) in enumerate(blocks(nbytes // itemsize, S, itemsize)):
+        for b, (o, ln) in enumerate(blocks(sl // itemsize, H, itemsize)):
+            if ln:
+                reg[j * H + b] = (so + o, ln)
+    return reg
+
+
+def resize(sched, topo, old_nbytes, nbytes, itemsize, eager):
+    """allreduce()'s schedule for nbytes made from the one for old_nbytes (same rank and
+    topology) by moving its messages to the new regions, or None where the regions differ in
+    number (a size too small to give every region an element). O(messages), no rebuilding."""
+    old = allreduce_regions(topo, old_nbytes, itemsize)
+    new = allreduce_regions(topo, nbytes, itemsize)
+    if len(old) != len(new) or len(new) != topo.max_local * topo.nhosts:
+        return None
+    where = {old[rid][0]: new[rid] for rid in old}
+    msgs = []
+    for k, p, st, buf, off, ln, mode, own in sched.msgs:
+        o, n = where[off]
+        msgs.append((k, p, st, buf, o, n, mode, n <= eager))
+    return Schedule(sched.algo, msgs, list(sched.deps), sched.scratch, list(sched.pre),
+                    list(sched.post), sched.cost, sched.fills_work)
+
+
 def allreduce(rank, topo, nbytes, itemsize, eager=0):
     """This rank's hierarchical allreduce (see the module docstring). Reads the input from
     SEND (fills_work): every byte of WORK is written by a reduction or a copy."""
@@ -150,6 +182,79 @@ def allreduce(rank, topo, nbytes, itemsize, eager=0):
         _ring_rs(s, group, rank, inter, base, nreg, own, last, from_send=L == 1)
         _ring_ag(s, group, rank, inter, base + (H - 1) * nreg, nreg, own, last, shift=1)
     _ring_ag(s, mine, rank, intra, base + 2 * (H - 1) * nreg, nreg, own, last, shift=1)
+    return s
+
+
+def _tree_region(s, at, p, H, rid, region, step, own, last, from_send):
+    """One region through a binary tree of H positions (heap order: the children of p are 2p+1
+    and 2p+2; at(q) is the rank at position q): reduced up to position 0 (this rank's value,
+    then its children's in order), then copied back down. Chunk-pipelined both ways."""
+    off, ln = region
+    kids = [c for c in (2 * p + 1, 2 * p + 2) if c < H]
+    fresh = from_send and rid not in last              # WORK does not hold the input yet
+    prev = last.get(rid)
+    for c in kids:
+        ri = s.recv(at(c), step, WORK, off, ln, REDUCE_SEND if fresh else REDUCE)
+        s.dep(prev, ri)
+        prev, fresh = ri, False
+    if p:
+        si = s.send(at((p - 1) // 2), step, SEND if fresh else WORK, off, ln, owned=own(ln))
+        s.dep(prev, si)
+        ri = s.recv(at((p - 1) // 2), step + 1, WORK, off, ln, COPY)
+        s.dep(si, ri)                                  # the partial sum has left first
+        prev = ri
+    for c in kids:
+        s.dep(prev, s.send(at(c), step + 1, WORK, off, ln, owned=own(ln)))
+    last[rid] = prev
+
+
+def tree_allreduce(rank, topo, nbytes, itemsize, eager=0):
+    """The allreduce with a double binary tree between hosts: intra-host ring reduce-scatter
+    into S slices (as allreduce()), then per slice, among the ranks holding it (one per host),
+    each half of the slice through its own binary tree of the hosts (tree 0 in host order, tree 1
+    in reverse order, so that a host is an inner node of at most one of them and every host
+    moves about one slice each way), then the intra-host ring allgather. log2(H) dependent steps
+    between hosts instead of the ring's 2(H-1), and O(S) messages per rank at any host count.
+    Every region is reduced by one chain the schedule fixes (the host ring, then the tree) and
+    then only copied: bitwise the same on every rank."""
+    s = Schedule("hierarchical_tree")
+    hosts = topo.hosts
+    H, n = len(hosts), topo.n
+    if n <= 1:
+        return s
+    s.fills_work = True
+    S = topo.max_local
+    count = nbytes // itemsize
+    reg = {}
+    for j, (so, sl) in enumerate(blocks(count, S, itemsize)):
+        for t, (o, ln) in enumerate(blocks(sl // itemsize, 2, itemsize)):
+            if ln:
+                reg[2 * j + t] = (so + o, ln)
+    nreg = 2 * S
+    own = _owned(eager)
+    h = topo.host_of[rank]
+    mine = hosts[h]
+    L, i = len(mine), mine.index(rank)
+
+    def slice_regions(j):
+        return [(2 * j + t, *reg[2 * j + t]) for t in (0, 1) if 2 * j + t in reg]
+    intra = [[x for j in range(S) if j % L == (b - 1) % L for x in slice_regions(j)]
+             for b in range(L)]
+    last = {}
+    _ring_rs(s, mine, rank, intra, 0, nreg, own, last, from_send=True)
+    base = max(S - 1, 1) * nreg
+    for j in range(S):
+        if j % L != i:
+            continue
+        group = [rs[j % len(rs)] for rs in hosts]     # one rank per host, in host order
+        for t in (0, 1):
+            rid = 2 * j + t
+            if rid not in reg:
+                continue
+            at = group.__getitem__ if t == 0 else (lambda q, g=group: g[H - 1 - q])
+            _tree_region(s, at, h if t == 0 else H - 1 - h, H, rid, reg[rid], base + 2 * rid,
+                         own, last, from_send=L == 1)
+    _ring_ag(s, mine, rank, intra, base + 2 * nreg, nreg, own, last, shift=1)
     return s
 
 
@@ -240,6 +345,8 @@ def build(coll, rank, topo, nbytes, itemsize, root=0, eager=0):
     allgather / reduce_scatter_block, as planner.build)."""
     if coll == "allreduce":
         return allreduce(rank, topo, nbytes, itemsize, eager)
+    if coll == "allreduce_tree":
+        return tree_allreduce(rank, topo, nbytes, itemsize, eager)
     if coll == "allgather":
         return allgather(rank, topo, nbytes, eager)
     if coll == "reduce_scatter_block":

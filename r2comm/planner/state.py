@@ -191,7 +191,7 @@ class RailState:
 
     @classmethod
     def gather(cls, allgather, rank, members, rail_stats, hosts, rail_bw=None,
-               nominal_bw=DEFAULT_BW, rates="nic", **kw):
+               nominal_bw=DEFAULT_BW, rates="nic", compact=False, **kw):
         """The live RailState of a communicator, identical on every rank (collective).
 
         allgather: e.g. mpi_comm.allgather; rank: this rank in the communicator; members: the
@@ -207,11 +207,43 @@ class RailState:
                 for g, rows in rail_stats.items() if g in g2c and g != me}
         stats = allgather(mine)
         hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
-        return cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates, **kw)
+        st = cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates, **kw)
+        return st.compact() if compact else st
 
     def copy(self):
         return RailState(list(self.hosts), self.nrails, dict(self.link), self.alpha, self.chunk,
                          self.degraded_tol, dict(self.measured))
+
+    def compact(self):
+        """The same state as a NicRailState: per host and NIC the best figure towards another
+        host (nic_bw), ranks of one host at the most common local pair bandwidth, and every
+        (pair, rail) that differs from that as an exception. Every query answers the same."""
+        hl = self.host_list()
+        hidx = {h: i for i, h in enumerate(hl)}
+        nic = [[0.0] * self.nrails for _ in hl]
+        local = {}
+        for (a, b, k) in self.link:
+            if a < b:
+                v = self.rail_bw(a, b, k)
+                if self.hosts[a] != self.hosts[b]:
+                    for r in (a, b):
+                        row = nic[hidx[self.hosts[r]]]
+                        row[k] = max(row[k], v)
+                else:
+                    pb = self.pair_bw(a, b)
+                    local[pb] = local.get(pb, 0) + 1
+        intra = max(sorted(local), key=lambda v: local[v]) if local else 0.0
+        out = NicRailState(self.hosts, nic, intra, self.alpha, self.chunk, self.degraded_tol)
+        exc = {}
+        for a in range(self.n):
+            for b in range(a + 1, self.n):
+                for k in range(self.nrails):
+                    v = self.rail_bw(a, b, k)
+                    if v != out.rail_bw(a, b, k):
+                        exc[(a, b, k)] = (v > 0, v)
+        out.exceptions = exc
+        out.measured = dict(self.measured)
+        return out
 
     # -- mutation (tests, simulations) -------------------------------------------------------------
     def set_link(self, a, b, rail, up=None, bw=None):
@@ -276,6 +308,11 @@ class RailState:
         """Pairs (a < b) with no common working rail."""
         return [(a, b) for a in range(self.n) for b in range(a + 1, self.n)
                 if self.pair_bw(a, b) <= 0]
+
+    def has_broken_pairs(self):
+        """Some pair has no common working rail (then the planner relays, over every rank's
+        schedule)."""
+        return bool(self.broken_pairs())
 
     def working(self, a, b):
         return a != b and self.pair_bw(a, b) > 0
@@ -347,3 +384,212 @@ class RailState:
         return (f"RailState({self.n} ranks on {len(self.host_list())} hosts, {self.nrails} rails, "
                 f"beta={self.beta():.3g}, degraded={self.degraded_ranks()}, "
                 f"broken={self.broken_pairs()})")
+
+
+class NicRailState(RailState):
+    """A RailState held per host and NIC plus per-pair exceptions, not per (rank, peer, rail):
+    O(H·K + changes) data for any number of ranks, with the same meaning and queries.
+
+        nic[i][k]    bytes/s of NIC k of the i-th host (hosts in order of their lowest rank;
+                     0: down); a rail between ranks of two hosts runs at the slower NIC
+        intra_bw     bytes/s between two ranks of one host (spread evenly over the rails)
+        exceptions   {(a, b, k): (up, bytes/s)} for one pair (a < b): a slow or broken path
+
+    A NIC failure is a fact about one host's NIC (one entry of `nic`), a slow path one entry of
+    `exceptions`: agreeing on a change moves that entry, not a table over every pair. `link`
+    stays empty; rail_bw(), pair_bw(), host_bw() ... answer in O(K) or O(1)."""
+
+    def __init__(self, hosts, nic, intra_bw=0.0, alpha=DEFAULT_ALPHA, chunk=DEFAULT_CHUNK,
+                 degraded_tol=0.02, exceptions=None):
+        super().__init__(list(hosts), len(nic[0]) if nic else 0, {}, alpha, chunk, degraded_tol)
+        self.nic = [list(map(float, row)) for row in nic]
+        self.intra_bw = float(intra_bw)
+        self.exceptions = dict(exceptions or {})
+        hl = []
+        self._hidx = {}
+        for h in self.hosts:
+            if h not in self._hidx:
+                self._hidx[h] = len(hl)
+                hl.append(h)
+        if len(self.nic) != len(hl):
+            raise ValueError(f"{len(self.nic)} NIC rows for {len(hl)} hosts")
+        self._hl = hl
+        self._hr = {h: [] for h in hl}
+        for r, h in enumerate(self.hosts):
+            self._hr[h].append(r)
+        self._hi = [self._hidx[h] for h in self.hosts]
+        self._pbw = {}
+        self._top2 = []                       # per rail: the best two NIC figures (value, host)
+        for k in range(self.nrails):
+            col = sorted(((row[k], i) for i, row in enumerate(self.nic)), reverse=True)[:2]
+            self._top2.append(col)
+        self._hbw = None
+        self._fp = None
+        self._broken = None
+
+    def copy(self):
+        return type(self)(self.hosts, self.nic, self.intra_bw, self.alpha, self.chunk,
+                          self.degraded_tol, self.exceptions)
+
+    def fingerprint(self):
+        """Made once (set_link() makes it again): equal fingerprints plan identically."""
+        if self._fp is None:
+            self._fp = ("nic", tuple(self.hosts), self.nrails, self.alpha, self.chunk,
+                        self.degraded_tol, self.intra_bw, tuple(tuple(r) for r in self.nic),
+                        tuple(sorted(self.exceptions.items())))
+        return self._fp
+
+    def set_link(self, a, b, rail, up=None, bw=None):
+        """A per-pair exception (both directions)."""
+        key = (min(a, b), max(a, b), rail)
+        old_up, old_bw = self.exceptions.get(key, (self._base_rail(a, b, rail) > 0,
+                                                   self._base_rail(a, b, rail)))
+        self.exceptions[key] = (old_up if up is None else bool(up),
+                                old_bw if bw is None else float(bw))
+        self._pbw.clear()
+        self._fp = self._broken = None
+        return self
+
+    def _base_rail(self, a, b, k):
+        ha, hb = self._hi[a], self._hi[b]
+        if ha == hb:
+            return self.intra_bw / self.nrails if self.nrails else 0.0
+        x, y = self.nic[ha][k], self.nic[hb][k]
+        return min(x, y) if x > 0 and y > 0 else 0.0
+
+    def rail_bw(self, a, b, k):
+        if a == b:
+            return 0.0
+        if self.exceptions:
+            e = self.exceptions.get((min(a, b), max(a, b), k))
+            if e is not None:
+                return e[1] if e[0] and e[1] > 0 else 0.0
+        return self._base_rail(a, b, k)
+
+    def pair_bw(self, a, b):
+        if a == b:
+            return 0.0
+        if self.exceptions and any((min(a, b), max(a, b), k) in self.exceptions
+                                   for k in range(self.nrails)):
+            return sum(self.rail_bw(a, b, k) for k in range(self.nrails))
+        ha, hb = self._hi[a], self._hi[b]
+        if ha == hb:
+            return self.intra_bw
+        key = (ha, hb) if ha < hb else (hb, ha)
+        v = self._pbw.get(key)
+        if v is None:
+            x, y = self.nic[ha], self.nic[hb]
+            v = self._pbw[key] = sum(min(p, q) for p, q in zip(x, y) if p > 0 and q > 0)
+        return v
+
+    def healthy(self):
+        return all(v > 0 for row in self.nic for v in row) and not self.degraded_hosts() and \
+            all(up for up, _ in self.exceptions.values())
+
+    def host_ranks(self, host):
+        return list(self._hr.get(host, []))
+
+    def host_list(self):
+        return list(self._hl)
+
+    def host_indices(self):
+        """The host index of every rank (hosts numbered in order of their lowest rank)."""
+        return list(self._hi)
+
+    def nic_bw(self, host, k):
+        """As RailState.nic_bw (exceptions aside): the best usable figure towards another
+        host's NIC k."""
+        i = self._hidx[host]
+        mine = self.nic[i][k]
+        if len(self._hl) == 1:
+            return self.intra_bw / self.nrails if len(self._hr[host]) > 1 and self.nrails else 0.0
+        if mine <= 0:
+            return 0.0
+        best = next((v for v, j in self._top2[k] if j != i), 0.0)
+        return min(mine, best) if best > 0 else 0.0
+
+    def host_bw(self, host):
+        if self._hbw is None:
+            self._hbw = self._host_bws()
+        return self._hbw[host]
+
+    def _host_bws(self):
+        """{host: sum of nic_bw over its NICs}, every host at once in O(H·K)."""
+        if len(self._hl) == 1:
+            return {h: sum(self.nic_bw(h, k) for k in range(self.nrails)) for h in self._hl}
+        tot = [0.0] * len(self._hl)
+        for k in range(self.nrails):
+            top = self._top2[k]
+            v1, i1 = top[0]
+            v2 = top[1][0] if len(top) > 1 else 0.0
+            for i, row in enumerate(self.nic):
+                mine = row[k]
+                best = v2 if i == i1 else v1
+                if mine > 0 and best > 0:
+                    tot[i] += mine if mine < best else best
+        return {h: tot[i] for i, h in enumerate(self._hl)}
+
+    def rank_bw(self, r):
+        h = self.hosts[r]
+        return self.host_bw(h) / len(self._hr[h])
+
+    def degraded_ranks(self):
+        bad = set(self.degraded_hosts())
+        return [r for r in range(self.n) if self.hosts[r] in bad] if bad else []
+
+    def _masks(self):
+        return [sum(1 << k for k, v in enumerate(row) if v > 0) for row in self.nic]
+
+    def has_broken_pairs(self):
+        if self._broken is None:
+            self._broken = self._find_broken()
+        return self._broken
+
+    def _find_broken(self):
+        if any(not (e[0] and e[1] > 0) for e in self.exceptions.values()):
+            if self.broken_pairs():
+                return True
+        masks = self._masks()
+        if len(set(masks)) == 1:
+            return not masks[0] and len(self._hl) > 1 or \
+                (self.intra_bw <= 0 and any(len(r) > 1 for r in self._hr.values()))
+        distinct = sorted(set(masks))
+        if any(not a & b for a in distinct for b in distinct if a != b) or 0 in distinct:
+            return True
+        return self.intra_bw <= 0 and any(len(r) > 1 for r in self._hr.values())
+
+    def broken_pairs(self):
+        masks = self._masks()
+        H = len(masks)
+        bad = [] if all(m == masks[0] for m in masks) and masks[0] else \
+            [(i, j) for i in range(H) for j in range(i + 1, H) if not masks[i] & masks[j]]
+        out = set()
+        for i, j in bad:
+            for a in self._hr[self._hl[i]]:
+                for b in self._hr[self._hl[j]]:
+                    out.add((min(a, b), max(a, b)))
+        if self.intra_bw <= 0:
+            for h in self._hl:
+                rs = self._hr[h]
+                out.update((a, b) for x, a in enumerate(rs) for b in rs[x + 1:])
+        for (a, b, k) in self.exceptions:
+            if self.pair_bw(a, b) <= 0:
+                out.add((a, b))
+            else:
+                out.discard((a, b))
+        return sorted(out)
+
+    def neighbours(self, a):
+        return [b for b in range(self.n) if b != a and self.pair_bw(a, b) > 0]
+
+    def to_dense(self):
+        """The same state as a plain RailState (every (rank, peer, rail)): small n only."""
+        st = RailState(list(self.hosts), self.nrails, {}, self.alpha, self.chunk,
+                       self.degraded_tol)
+        for a in range(self.n):
+            for b in range(self.n):
+                if a != b:
+                    for k in range(self.nrails):
+                        v = self.rail_bw(a, b, k)
+                        st.link[(a, b, k)] = (v > 0, v)
+        return st

@@ -8,6 +8,7 @@ A topology is *hierarchical* when it has several hosts and some host runs severa
 the planner offers the hierarchical schedules (hierarchical.py), which keep the traffic between
 local ranks on the host and move each byte across the NICs once."""
 from dataclasses import dataclass
+from functools import cached_property
 
 from .state import RailState, DEFAULT_BW
 
@@ -44,6 +45,9 @@ class Topology:
     @classmethod
     def from_state(cls, state):
         """The topology of a RailState (its hosts; rails: its nrails on every host)."""
+        if hasattr(state, "host_indices"):            # NicRailState: already numbered
+            host_of = tuple(state.host_indices())
+            return cls(host_of, (state.nrails,) * (max(host_of, default=-1) + 1))
         t = cls.from_labels(state.hosts)
         return cls(t.host_of, (state.nrails,) * t.nhosts)
 
@@ -52,29 +56,37 @@ class Topology:
     def n(self):
         return len(self.host_of)
 
-    @property
+    @cached_property
     def nhosts(self):
         return max(self.host_of, default=-1) + 1
 
-    @property
-    def hosts(self):
-        """Ranks of every host, in rank order (a list of lists)."""
+    @cached_property
+    def _hosts(self):
         out = [[] for _ in range(self.nhosts)]
         for r, h in enumerate(self.host_of):
             out[h].append(r)
         return out
 
+    @property
+    def hosts(self):
+        """Ranks of every host, in rank order (a list of lists; computed once, O(n))."""
+        return self._hosts
+
+    @cached_property
+    def max_local(self):
+        """The most ranks any host runs."""
+        return max((len(rs) for rs in self._hosts), default=0)
+
     def local_rank(self, rank):
-        h = self.host_of[rank]
-        return sum(1 for r in range(rank) if self.host_of[r] == h)
+        return self._hosts[self.host_of[rank]].index(rank)
 
     def local_size(self, rank):
-        return self.host_of.count(self.host_of[rank])
+        return len(self._hosts[self.host_of[rank]])
 
     @property
     def regular(self):
         """Every host runs the same number of ranks."""
-        return len({len(rs) for rs in self.hosts}) <= 1
+        return len({len(rs) for rs in self._hosts}) <= 1
 
     @property
     def hierarchical(self):

@@ -12,108 +12,25 @@ FabricState is a planner.RailState computed from per-NIC figures instead of a di
 fail_rail()/scale_host() would (tests check it), in O(1) per query, so the real planner runs on
 hundreds of hosts."""
 from ..config import Config
-from ..planner.state import RailState, DEFAULT_ALPHA
+from ..planner.state import NicRailState, DEFAULT_ALPHA
 
 _CFG = Config()
 
 
-class FabricState(RailState):
+class FabricState(NicRailState):
     """RailState of `hosts` (one host label per rank) from per-NIC figures:
     nic[h][k] = bytes/s of host h's NIC k as the engines measure it (0: down). A rail between
     ranks on different hosts runs at the slower NIC; ranks on one host (flat plans) talk at
-    intra_bw, spread evenly over the rails."""
+    intra_bw, spread evenly over the rails (planner.state.NicRailState, the engine's chunk)."""
 
     def __init__(self, hosts, nic, intra_bw=0.0, alpha=DEFAULT_ALPHA, chunk=None,
-                 degraded_tol=0.02):
-        super().__init__(list(hosts), len(nic[0]) if nic else 0, {}, alpha,
-                         chunk if chunk is not None else _CFG.chunk_size, degraded_tol)
-        self.nic = [list(map(float, row)) for row in nic]
-        self.intra_bw = float(intra_bw)
-        self._pbw = {}                    # (host i, host j) -> pair bandwidth (nic is fixed)
-        hl = RailState.host_list(self)
-        self._hidx = {h: i for i, h in enumerate(hl)}
-        self._hl = hl
-        self._hr = {h: [r for r in range(len(self.hosts)) if self.hosts[r] == h] for h in hl}
-        self._hi = [self._hidx[h] for h in self.hosts]
-        if len(self.nic) != len(hl):
-            raise ValueError(f"{len(self.nic)} NIC rows for {len(hl)} hosts")
-
-    def copy(self):
-        return FabricState(self.hosts, self.nic, self.intra_bw, self.alpha, self.chunk,
-                           self.degraded_tol)
-
-    def fingerprint(self):
-        return ("fabric", tuple(self.hosts), self.nrails, self.alpha, self.chunk,
-                self.degraded_tol, self.intra_bw, tuple(tuple(r) for r in self.nic))
+                 degraded_tol=0.02, exceptions=None):
+        super().__init__(hosts, nic, intra_bw, alpha,
+                         chunk if chunk is not None else _CFG.chunk_size, degraded_tol,
+                         exceptions)
 
     def set_link(self, *a, **k):
         raise NotImplementedError("FabricState changes per NIC: edit .nic")
-
-    def rail_bw(self, a, b, k):
-        if a == b:
-            return 0.0
-        ha, hb = self._hi[a], self._hi[b]
-        if ha == hb:
-            return self.intra_bw / self.nrails if self.nrails else 0.0
-        x, y = self.nic[ha][k], self.nic[hb][k]
-        return min(x, y) if x > 0 and y > 0 else 0.0
-
-    def pair_bw(self, a, b):
-        if a == b:
-            return 0.0
-        ha, hb = self._hi[a], self._hi[b]
-        if ha == hb:
-            return self.intra_bw
-        key = (ha, hb) if ha < hb else (hb, ha)
-        v = self._pbw.get(key)
-        if v is None:
-            x, y = self.nic[ha], self.nic[hb]
-            v = self._pbw[key] = sum(min(p, q) for p, q in zip(x, y) if p > 0 and q > 0)
-        return v
-
-    def healthy(self):
-        return all(v > 0 for row in self.nic for v in row) and not self.degraded_hosts()
-
-    def host_ranks(self, host):
-        return list(self._hr.get(host, []))
-
-    def host_list(self):
-        return list(self._hl)
-
-    def nic_bw(self, host, k):
-        """As RailState.nic_bw: the best usable figure towards another host's NIC k."""
-        i = self._hidx[host]
-        mine = self.nic[i][k]
-        if len(self._hl) == 1:
-            return self.intra_bw / self.nrails if len(self._hr[host]) > 1 and self.nrails else 0.0
-        if mine <= 0:
-            return 0.0
-        best = max((row[k] for j, row in enumerate(self.nic) if j != i), default=0.0)
-        return min(mine, best) if best > 0 else 0.0
-
-    def _masks(self):
-        return [sum(1 << k for k, v in enumerate(row) if v > 0) for row in self.nic]
-
-    def broken_pairs(self):
-        masks = self._masks()
-        H = len(masks)
-        if all(m == masks[0] for m in masks) and masks[0]:
-            bad = []
-        else:
-            bad = [(i, j) for i in range(H) for j in range(i + 1, H) if not masks[i] & masks[j]]
-        out = []
-        for i, j in bad:
-            for a in self._hr[self._hl[i]]:
-                for b in self._hr[self._hl[j]]:
-                    out.append((min(a, b), max(a, b)))
-        if self.intra_bw <= 0:
-            for h in self._hl:
-                rs = self._hr[h]
-                out += [(a, b) for x, a in enumerate(rs) for b in rs[x + 1:]]
-        return sorted(out)
-
-    def neighbours(self, a):
-        return [b for b in range(self.n) if b != a and self.pair_bw(a, b) > 0]
 
 
 class Fabric:

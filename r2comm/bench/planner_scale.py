@@ -1,0 +1,109 @@
+"""Plan time per rank at scale (issue 32): one rank's planner.build() of a 64 MiB float32
+allreduce for H hosts x 8 ranks, 64 to 8,192 ranks, healthy (a Topology, no rail state) and with
+NIC 3 of host H/2 down (a planner.state.NicRailState of 8 NICs per host); the first plan of a
+new size (every planner cache cleared, the Topology or rail state made inside the timing) and a
+later size of the same size class; with --old, every rank's schedules priced by cost.py as
+before (planner.build_topo), where that takes seconds, not hours. --sweep adds the choice
+against the simulator's replay (sim/sweep.py). JSON for bench/RESULTS.md
+(results_planner.py).
+
+    python -m r2comm.bench.planner_scale --json bench/out/planner_scale.json [--old] [--sweep N]
+"""
+import argparse
+import json
+import platform
+import statistics
+import time
+
+HOSTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+G, NICS = 8, 8
+NBYTES = 64 << 20
+LATER = NBYTES + 4096                  # the same size class (a quarter octave)
+OLD_MAX = 128                          # ranks: the old path above this takes minutes
+
+
+def _clear():
+    from .. import planner
+    for cache in (planner._CACHE, planner._CHOICE, planner._NETS, planner._TEMPLATES):
+        cache.clear()
+
+
+def _context(H, down):
+    from ..planner.state import NicRailState
+    from ..planner.topology import Topology, INTRA_BW, DEFAULT_BW
+    labels = [r // G for r in range(H * G)]
+    if not down:
+        return {"topo": Topology.from_labels(labels, [NICS] * len(labels))}
+    nic = [[DEFAULT_BW] * NICS for _ in range(H)]
+    nic[H // 2][3] = 0.0
+    return {"state": NicRailState(labels, nic, INTRA_BW)}
+
+
+def plan_times(H, down, reps_first=3, reps_later=5):
+    """{"ranks", "first_ms", "later_ms", "algo", "messages", ...} for one row."""
+    from .. import planner
+    n = H * G
+    firsts, s = [], None
+    for _ in range(reps_first):
+        _clear()
+        t0 = time.perf_counter()
+        ctx = _context(H, down)
+        s = planner.build("allreduce", 0, n, NBYTES, 4, 0, 64 << 10, **ctx)
+        firsts.append(time.perf_counter() - t0)
+    laters = []
+    for i in range(reps_later):
+        t0 = time.perf_counter()
+        s2 = planner.build("allreduce", 0, n, LATER + 4 * i, 4, 0, 64 << 10, **ctx)
+        laters.append(time.perf_counter() - t0)
+    return {"hosts": H, "ranks": n, "nic_down": down, "algo": s.algo, "later_algo": s2.algo,
+            "messages": len(s.msgs), "first_ms": 1e3 * statistics.median(firsts),
+            "later_ms": 1e3 * statistics.median(laters), "predicted_ms": 1e3 * s.cost}
+
+
+def old_time(H):
+    """Seconds of the old path: every rank's schedules, priced by cost.py (build_topo)."""
+    from .. import planner
+    _clear()
+    ctx = _context(H, False)
+    t0 = time.perf_counter()
+    planner.build_topo("allreduce", H * G, NBYTES, 4, 0, 64 << 10, "", ctx["topo"])
+    return time.perf_counter() - t0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json")
+    p.add_argument("--hosts", default=",".join(map(str, HOSTS)))
+    p.add_argument("--old", action="store_true", help="time the old path up to 128 ranks")
+    p.add_argument("--sweep", type=int, default=0, metavar="N",
+                   help="also the sweep against the replay with N random points")
+    a = p.parse_args(argv)
+    rows = []
+    for H in [int(x) for x in a.hosts.split(",")]:
+        for down in (False, True):
+            row = plan_times(H, down)
+            if a.old and not down and H * G <= OLD_MAX:
+                row["old_s"] = old_time(H)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    doc = {"rows": rows, "bytes": NBYTES, "later_bytes": LATER, "ranks_per_host": G,
+           "nics": NICS, "machine": platform.processor() or platform.machine(),
+           "command": "python -m r2comm.bench.planner_scale " + " ".join(argv or [])}
+    if a.sweep:
+        from ..sim import sweep
+        t0 = time.process_time()
+        pts = [sweep.case(*c) for c in sweep.grid(a.sweep)]
+        doc["sweep"] = {"points": len(pts), "cpu_s": time.process_time() - t0,
+                        "worst": max(pts, key=lambda r: r["ratio"]),
+                        "ratios": [[r["hosts"], r["nics"], r["loss"], r["bytes"], r["chosen"],
+                                    r["ratio"]] for r in pts]}
+        print(json.dumps(doc["sweep"]["worst"]), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1:]))

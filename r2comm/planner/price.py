@@ -1,0 +1,388 @@
+"""Closed-form α-β prices of the allreduce candidates, from a host-level summary of the rails.
+
+choose() (planner/__init__.py) prices every candidate here instead of building every rank's
+schedule and running cost.py's message-level model over them: a price costs O(H) or less once
+the summary (Net) is made, and Net is made once per rail state (or topology) in O(n), with no
+pair loop. cost.py stays the reference: tests/test_planner_scale.py checks that both pick the
+same algorithm on small cases, with costs within a few percent, and that the choice is within
+3% of the best candidate in the simulator's replay (r2comm/sim).
+
+Every price is max(chain, volume) where, for h dependent hops of messages of m bytes over a
+bottleneck bandwidth b, with α per message and the engine's chunk c:
+    chain  = h·(α + min(c, m)/b) + max(m - c, 0)/b     (the first chunk walks every hop,
+                                                         the rest streams behind it)
+    volume = V/B + h·α                                   (the busiest NIC or link's bytes)
+
+Adding a candidate (e.g. the degraded-server tree fold): write `price(net, nbytes)` -> seconds
+and `build(rank, net, nbytes, itemsize, eager)` -> Schedule, and register it:
+    price.register(price.Candidate("tree_fold", applies, price_fn, build_fn))
+`applies(coll, net)` says when it is offered. choose() then compares it with the others, and
+planner.build() builds it for one rank when it wins (nothing else to change)."""
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+INF = math.inf
+
+
+class Net:
+    """Host-level summary of a RailState (or of a Topology's default state): what the closed
+    forms need, made in O(n) without looking at pairs of hosts."""
+
+    def __init__(self, host_of, hbw, intra_bw, alpha, chunk, state=None, ring_bw=None,
+                 degraded=(), rank_bw=None):
+        self.host_of = list(host_of)
+        self.n = len(self.host_of)
+        hosts = {}
+        for r, h in enumerate(self.host_of):
+            hosts.setdefault(h, []).append(r)
+        self.hosts = list(hosts.values())             # ranks of each host, in order of first rank
+        self.hidx = {h: i for i, h in enumerate(hosts)}
+        self.H = len(self.hosts)
+        self.S = max((len(rs) for rs in self.hosts), default=1)
+        self.hbw = list(hbw)                           # NIC bandwidth of every host (index order)
+        self.intra = float(intra_bw)
+        self.alpha, self.chunk = float(alpha), int(chunk)
+        self.state = state
+        self.degraded = list(degraded)                 # slow ranks (RailState.degraded_ranks)
+        self.rank_bw = rank_bw
+        self.ring_bw = ring_bw if ring_bw is not None else self._ring_bw()
+        self._levels = {}
+
+    @classmethod
+    def from_topology(cls, topo, nic_bw, intra_bw, alpha, chunk):
+        k = max(1, min(topo.rails) if topo.rails else 1)
+        return cls(topo.host_of, [k * nic_bw] * topo.nhosts, intra_bw, alpha, chunk)
+
+    @classmethod
+    def from_state(cls, state):
+        """The summary of a RailState: host NIC figures (host_bw), the ranks' local pair
+        bandwidth, the identity ring's slowest link."""
+        hl = state.host_list()
+        hbw = [state.host_bw(h) for h in hl]
+        intra = INF
+        for h in hl:
+            rs = state.host_ranks(h)
+            if len(rs) > 1:
+                intra = min(intra, state.pair_bw(rs[0], rs[1]))
+        n = state.n
+        ring = min((state.pair_bw(r, (r + 1) % n) for r in range(n)), default=0.0) \
+            if n > 1 else INF
+        return cls(state.hosts, hbw, intra if intra < INF else 0.0, state.alpha, state.chunk,
+                   state, ring, state.degraded_ranks(), state.rank_bw)
+
+    def degraded_split(self):
+        """(full-ring fraction, slowest degraded rank's bandwidth, median healthy rank's) of
+        degraded.py's split, computed once."""
+        if getattr(self, "_split", None) is None:
+            from .degraded import split_fraction
+            bad = set(self.degraded)
+            per_host = {}
+            for r in range(self.n):
+                h = self.host_of[r]
+                if h not in per_host:
+                    per_host[h] = self.rank_bw(r)
+            bad_hosts = {self.host_of[r] for r in bad}
+            ok = sorted(v for h, v in per_host.items() if h not in bad_hosts
+                        for _ in range(len(self.hosts[self.hidx[h]])))
+            b_d = min(per_host[h] for h in bad_hosts)
+            b_ok = ok[(len(ok) - 1) // 2]
+            self._split = (split_fraction(self.n, len(bad), b_d, b_ok), b_d, b_ok)
+        return self._split
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def bw_of(self, r):
+        """Bandwidth of rank r towards another host: its host's NICs shared by its ranks."""
+        i = self.hidx[self.host_of[r]]
+        return self.hbw[i] / len(self.hosts[i])
+
+    def link(self, a, b):
+        """Bandwidth between ranks a and b as the closed forms see it."""
+        if self.state is not None:
+            return self.state.pair_bw(a, b)
+        if self.host_of[a] == self.host_of[b]:
+            return self.intra
+        return min(self.hbw[self.hidx[self.host_of[a]]], self.hbw[self.hidx[self.host_of[b]]])
+
+    def _ring_bw(self):
+        n = self.n
+        if n <= 1:
+            return INF
+        return min(self.link(r, (r + 1) % n) for r in range(n))
+
+    def ring_host_bw(self):
+        """Bandwidth a flat ring's busiest host NIC gives one ring edge: hbw over the ring
+        edges leaving the host (1 when its ranks are consecutive)."""
+        out = [0] * self.H
+        for r in range(self.n):
+            p = (r + 1) % self.n
+            if self.host_of[r] != self.host_of[p]:
+                out[self.hidx[self.host_of[r]]] += 1
+        return min((self.hbw[i] / c for i, c in enumerate(out) if c), default=INF)
+
+    def rd_levels(self, members=None):
+        """[(bottleneck bytes/s of one rank's message)] per recursive-doubling level over the
+        largest power of two: the host whose ranks send the most over its NICs at that level."""
+        n = self.n
+        if n in self._levels:
+            return self._levels[n]
+        import numpy as np
+        p2 = 1 << (n.bit_length() - 1)
+        hi = np.array([self.hidx[h] for h in self.host_of[:p2]])
+        hbw = np.array(self.hbw, dtype=float)
+        idx = np.arange(p2)
+        out, d = [], 1
+        while d < p2:
+            cross = hi != hi[idx ^ d]
+            if cross.any():
+                cnt = np.bincount(hi[cross], minlength=self.H)
+                used = cnt > 0
+                b = float((hbw[used] / cnt[used]).min())
+                b = min(b, min(self.link(r, r ^ d) for r in (0, p2 - 1)))
+            else:
+                b = self.intra if self.intra > 0 else INF
+            out.append(b)
+            d *= 2
+        self._levels[n] = out
+        return out
+
+
+def chain(hops, m, b, alpha, c):
+    """Seconds for the first chunk of m bytes to walk `hops` hops at b, the rest behind it."""
+    if hops <= 0 or m <= 0:
+        return hops * alpha
+    if b <= 0:
+        return INF
+    return hops * (alpha + min(c, m) / b) + max(m - c, 0) / b
+
+
+def volume(v, b, hops, alpha):
+    return (v / b if b > 0 else INF) + hops * alpha
+
+
+# -- the candidates' prices ---------------------------------------------------------------------
+def ring(net, nbytes):
+    n = net.n
+    if n <= 1:
+        return 0.0
+    b = min(net.ring_bw, net.ring_host_bw())
+    h = 2 * (n - 1)
+    m = nbytes / n
+    cross = min(h, 2 * (n - 1) * net.H // n) if 1 < net.H < n else h   # hops between hosts
+    ch = chain(cross, m, b, net.alpha, net.chunk)
+    if h > cross and net.intra > 0:
+        ch += (h - cross) * (net.alpha + min(net.chunk, m) / net.intra)
+    return max(ch, volume(2 * (n - 1) / n * nbytes, b, h, net.alpha))
+
+
+def recursive_doubling(net, nbytes):
+    """Levels over the largest power of two (each moves the whole buffer over that level's
+    bottleneck, chunk-pipelined from level to level); the ranks above it hand their input over
+    first and get the result back (one more hop on the chain: the hand-over overlaps)."""
+    n = net.n
+    if n <= 1:
+        return 0.0
+    lv = net.rd_levels()
+    p2 = 1 << (n.bit_length() - 1)
+    rem = n - p2
+    bs = list(lv)
+    if rem:
+        bs.append(net.link(n - 1, n - 1 - p2))
+    bmin = min(bs) if bs else INF
+    c, a = net.chunk, net.alpha
+    ch = sum(a + min(c, nbytes) / b for b in bs) + max(nbytes - c, 0) / bmin
+    # levels inside a host use their own links, those between hosts share the NICs
+    nic = sum(nbytes / b for b in bs if b != net.intra)
+    local = max((nbytes / b for b in bs if b == net.intra), default=0.0)
+    return max(ch, max(nic, local) + len(bs) * a)
+
+
+def rabenseifner(net, nbytes):
+    n = net.n
+    if n <= 1 or n & (n - 1):
+        return INF
+    lv = net.rd_levels()              # lv[j]: pairs at distance 2^j
+    L = len(lv)
+    t = 0.0
+    for k in range(L):                # halving level k (and its allgather mirror): distance
+        t += 2 * (net.alpha + nbytes / (1 << (k + 1)) / lv[L - 1 - k])   # n/2^(k+1), N/2^(k+1)
+    return t
+
+
+def _hier_intra(net, nbytes):
+    """(hops, seconds of bandwidth) of the intra-host ring reduce-scatter + allgather."""
+    L = net.S
+    if L <= 1:
+        return 0, 0.0
+    b = net.intra if net.intra > 0 else INF
+    return 2 * (L - 1), 2 * (L - 1) / L * nbytes / b
+
+
+def _intra_chain(net, hops, m):
+    """Seconds the first chunk of m bytes spends on `hops` hops inside a host."""
+    if hops <= 0:
+        return 0.0
+    return hops * (net.alpha + (min(net.chunk, m) / net.intra if net.intra > 0 else 0.0))
+
+
+def hierarchical(net, nbytes):
+    """Intra-host ring, a ring per slice between hosts (rail rings), intra-host ring."""
+    H, S = net.H, net.S
+    if H <= 1:
+        return INF
+    hi, ti = _hier_intra(net, nbytes)
+    bmin = min(net.hbw)
+    if net.state is not None:
+        bmin = min(bmin, net.ring_bw * S)           # the ring's links between hosts
+    hops = hi + 2 * (H - 1)
+    m = nbytes / (S * H)
+    v = 2 * (H - 1) / H * nbytes
+    return max(chain(2 * (H - 1), m, bmin, net.alpha, net.chunk) + _intra_chain(net, hi, m),
+               max(v / bmin, ti) + hops * net.alpha)
+
+
+@functools.lru_cache(maxsize=64)
+def tree_units(H):
+    """Per tree position, the larger of (bytes in, bytes out) of both trees of the double
+    binary tree (hierarchical.tree_allreduce), in units of half a slice."""
+    def role(p):
+        kids = sum(1 for c in (2 * p + 1, 2 * p + 2) if c < H)
+        return kids + (1 if p else 0) if kids else 1
+    return tuple(role(p) + role(H - 1 - p) for p in range(H))
+
+
+def tree_depth(H):
+    return max(0, (H).bit_length() - 1)
+
+
+def hierarchical_tree(net, nbytes):
+    """Intra-host ring, a double binary tree per slice between hosts, intra-host ring."""
+    H, S = net.H, net.S
+    if H <= 1:
+        return INF
+    hi, ti = _hier_intra(net, nbytes)
+    units = tree_units(H)
+    tv = max(u * nbytes / 2 / b if b > 0 else INF for u, b in zip(units, net.hbw))
+    d = tree_depth(H)
+    m = nbytes / (2 * S)
+    b = min(net.hbw)                  # a chunk alone on the pair: the NICs' rate
+    hops = hi + 2 * d
+    return max(chain(2 * d, m, b, net.alpha, net.chunk) + _intra_chain(net, hi, m),
+               max(tv, ti) + hops * net.alpha)
+
+
+def degraded(net, nbytes):
+    """degraded.py's split: part A a ring over all ranks, part B a ring among the healthy ranks
+    with the slow ranks folded in; both run together."""
+    from .degraded import volumes
+    st, n = net.state, net.n
+    deg = net.degraded
+    k = len(deg)
+    if st is None or not deg or k >= n or n <= 2:
+        return INF
+    m = n - k
+    x, b_d, b_ok = net.degraded_split()
+    vd, vh = volumes(x, n, k)
+    tv = nbytes * max(vd / b_d, vh / b_ok)
+    hops_a = 2 * (n - 1) if x > 0 else 0
+    hops_b = 2 * (m - 1) + k + 1 if x < 1 else 0
+    hops = max(hops_a, hops_b)
+    ch = max(chain(hops_a, x * nbytes / n, b_d, net.alpha, net.chunk),
+             chain(hops_b, (1 - x) * nbytes / m, b_d, net.alpha, net.chunk))
+    return (FOLD_FACTOR if x > 0 else 1.0) * max(ch, tv + hops * net.alpha)
+
+
+# The degraded schedule's replay runs 4-34% over its α-β volume (the slow host streams its part
+# to every healthy rank at once and gets nothing back before it has sent all of it, issue 32
+# item 3), where part of the buffer still goes round the full ring (a small loss), so its price
+# is scaled there by the mean gap measured in the sweep (sim/sweep.py).
+FOLD_FACTOR = 1.25
+
+
+@dataclass
+class Candidate:
+    """An allreduce algorithm choose() can pick: applies(coll, net) -> bool, price(net,
+    nbytes) -> seconds, build(rank, net, nbytes, itemsize, eager) -> Schedule (None: the
+    planner builds it by name)."""
+    name: str
+    applies: Callable
+    price: Callable
+    build: Callable = None
+
+
+REGISTRY = {}
+
+
+def register(cand):
+    """Add (or replace) a candidate; choose() offers it wherever cand.applies(coll, net)."""
+    REGISTRY[cand.name] = cand
+    return cand
+
+
+def _ar(coll, net):
+    return coll == "allreduce"
+
+
+def _hier(coll, net):
+    return coll == "allreduce" and 1 < net.H < net.n and \
+        (2 * (net.S - 1) + 2 * (net.H - 1)) * net.S * net.H < (1 << 23)   # its step numbers
+
+
+def _hier_any(coll, net):
+    return coll == "allreduce" and 1 < net.H < net.n
+
+
+register(Candidate("ring", _ar, ring))
+register(Candidate("recursive_doubling", _ar, recursive_doubling))
+register(Candidate("hierarchical", _hier, hierarchical))
+register(Candidate("hierarchical_tree", lambda c, net: _hier_any(c, net) and net.H >= 3,
+                   hierarchical_tree))
+register(Candidate("degraded", lambda c, net: _ar(c, net) and net.state is not None and
+                   net.n > 2 and 0 < len(net.degraded) < net.n, degraded))
+
+
+def prices(coll, net, nbytes, names=None):
+    """{name: seconds} of the registered candidates that apply (in registration order)."""
+    out = {}
+    for name, c in REGISTRY.items():
+        if (names is None or name in names) and c.applies(coll, net):
+            out[name] = c.price(net, nbytes)
+    return out
+
+
+def cheapest(costs):
+    """The first name whose price is within 1e-9 of the lowest (ties: the earlier one)."""
+    best = min(costs.values())
+    for a, c in costs.items():
+        if c <= best * (1 + 1e-9):
+            return a
+
+
+# -- the other collectives, flat (static) plan against the hierarchical one --------------------
+def collective(coll, name, net, nbytes, root=0):
+    """Closed-form seconds of `coll`'s static flat plan ("flat") or hierarchical plan; nbytes
+    is the per-rank size (a block for allgather / reduce_scatter_block)."""
+    n, H, S, a, c = net.n, net.H, net.S, net.alpha, net.chunk
+    intra = net.intra if net.intra > 0 else INF
+    bmin = min(net.hbw) if net.hbw else INF
+    if coll in ("allgather", "reduce_scatter_block"):
+        if name != "hierarchical":
+            b = min(net.ring_bw, net.ring_host_bw())
+            return max(chain(n - 1, nbytes, b, a, c), volume((n - 1) * nbytes, b, n - 1, a))
+        t_inter = volume(S * (H - 1) * nbytes, bmin, H - 1, a)
+        return t_inter + volume((S - 1) * H * nbytes, intra, S - 1, a)
+    if coll == "bcast":
+        if name != "hierarchical":
+            out = [0] * H                         # binomial tree edges leaving each host
+            for v in range(1, n):
+                p = v - (1 << (v.bit_length() - 1))
+                ha, hb = net.host_of[(p + root) % n], net.host_of[(v + root) % n]
+                if ha != hb:
+                    out[net.hidx[ha]] += 1
+            depth = max(1, (n - 1).bit_length())
+            b = min((net.hbw[i] / k for i, k in enumerate(out) if k), default=intra)
+            return chain(depth, nbytes, min(b, intra), a, c)
+        depth = (H - 1).bit_length() + (S - 1).bit_length()
+        return chain(depth, nbytes, min(bmin / max(1, (H - 1).bit_length()), intra), a, c)
+    return 0.0

@@ -1,0 +1,186 @@
+"""The planner at scale (issue 32): the double-binary-tree hierarchical allreduce exact under
+adversarial interleavings, one rank's plan built alone and fast, the closed-form prices against
+cost.py's model, and the choice against the simulator's replay."""
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+from r2comm import planner
+from r2comm.planner import cost, hierarchical, price
+from r2comm.planner.topology import Topology
+
+from test_planner import inputs, reference, run_allreduce, check_allreduce, consistent
+from test_hierarchical import regular, tid, UNEVEN
+
+MB = 1 << 20
+TREE_TOPOS = [regular(3, 2), regular(4, 3), regular(5, 2), regular(7, 1 + 1), regular(3, 4, True),
+              Topology.from_labels(UNEVEN[1]), Topology.from_labels(UNEVEN[3]),
+              Topology.from_labels([0, 0, 1, 2, 3, 3, 4])]
+
+
+@pytest.mark.parametrize("topo", TREE_TOPOS, ids=tid)
+def test_tree_allreduce_exact(topo):
+    n = topo.n
+    pols = itertools.cycle(("random", "skew", "fifo"))
+    for count in (1, 7, 101):
+        for op, (dtype, eager) in zip(("SUM", "PROD", "MAX"), (("int32", 0), ("float64", 1 << 20),
+                                                               ("uint8", 64))):
+            isz = np.dtype(dtype).itemsize
+            sc = [hierarchical.tree_allreduce(r, topo, count * isz, isz, eager) for r in range(n)]
+            assert consistent(sc) and all(s.fills_work for s in sc)
+            xs = inputs(f"tree{tid(topo)}{count}{op}", n, count, dtype, op)
+            pol = next(pols)
+            check_allreduce(sc, xs, op, chunk=3 * isz, seed=count, policy=pol)
+            ref = reference(xs, op, xs[0].dtype)
+            for y in run_allreduce(sc, xs, op, chunk=2 * isz, seed=count + 1, policy=pol,
+                                   in_place=True):
+                assert np.array_equal(y, ref)
+
+
+def test_tree_allreduce_bits_fixed_by_the_schedule():
+    topo = regular(5, 3)
+    n, count = topo.n, 203
+    xs = inputs("treebits", n, count, "float32", exact=False)
+    sc = [hierarchical.tree_allreduce(r, topo, count * 4, 4, 0) for r in range(n)]
+    first = None
+    for seed, pol in enumerate(("random", "skew", "fifo", "random")):
+        y = check_allreduce(sc, xs, "SUM", exact=False, chunk=8 * (seed + 1), seed=seed,
+                            policy=pol)
+        first = y.tobytes() if first is None else first
+        assert y.tobytes() == first
+
+
+def test_tree_units_each_host_an_inner_node_of_one_tree_at_most():
+    for H in range(2, 70):
+        u = price.tree_units(H)
+        assert max(u) <= 4 and len(u) == H
+        inner0 = {p for p in range(H) if 2 * p + 1 < H}
+        inner1 = {H - 1 - q for q in range(H) if 2 * q + 1 < H}
+        assert not inner0 & inner1
+
+
+@pytest.mark.parametrize("topo", [regular(2, 3), regular(3, 4), Topology.from_labels(UNEVEN[1])],
+                         ids=tid)
+def test_resized_hierarchical_plan_equals_a_fresh_build(topo):
+    """A later size of a size class reuses the plan's structure (hierarchical.resize): the same
+    schedule as built from scratch for that size."""
+    n = topo.n
+    for old, new, eager in ((4000, 4004, 0), (1 << 20, (1 << 20) + 400, 64 << 10),
+                            (900, 960, 64)):
+        for r in range(n):
+            a = hierarchical.allreduce(r, topo, old, 4, eager)
+            b = hierarchical.resize(a, topo, old, new, 4, eager)
+            want = hierarchical.allreduce(r, topo, new, 4, eager)
+            assert b.msgs == want.msgs and b.deps == want.deps
+
+
+def test_choice_within_3_percent_of_the_best_replay():
+    """Issue 32 item 4: over a sample of hosts 3-24, NICs 2-8, loss 1/8-1 of one NIC, sizes
+    1 MiB-1 GiB (the issue's two cases, the grid's 16 corners and 12 random points), the chosen
+    plan's replay is within 3% of the best candidate's replay."""
+    from r2comm.sim import sweep
+    worst = max((sweep.case(*c) for c in sweep.grid(12)), key=lambda r: r["ratio"])
+    assert worst["ratio"] <= 1.03, worst
+
+
+def test_closed_form_prices_against_cost_model_and_replay():
+    """Small cases (3-6 hosts x 1-2 ranks, 2 or 8 NICs at 10 or 400 Gbit/s, NIC 0 of the last
+    host at 1, 1/2 or 0 of its rate, 4 KiB-64 MiB): the ring and hierarchical prices equal
+    cost.py's model over every rank's schedules within 2%; where the two pick different
+    algorithms, the simulator replays both, and over the sample the closed-form choices take
+    no longer in total than cost.py's (the replay is the judge: cost.py's degraded price is the
+    one issue 32 item 4 found too low)."""
+    import random
+    from r2comm.sim import sweep
+    grid = list(itertools.product((3, 4, 6), (2, 8), (1, 2), (0.0, 0.5, 1.0),
+                                  (4096, 256 << 10, 4 * MB, 64 * MB), (1.25e9, 50e9)))
+    new_total = old_total = 0.0
+    for H, K, G, loss, nb, rate in random.Random(7).sample(grid, 36):
+        r = sweep.crosscheck(H, K, G, loss, nb, rate=rate)
+        for a in ("ring", "hierarchical", "hierarchical_tree"):
+            if a in r["new"]:
+                assert r["new"][a] == pytest.approx(r["old"][a], rel=0.02), (a, r)
+        if r["replay"]:
+            new_total += r["replay"][r["chosen"]]
+            old_total += r["replay"][r["old_choice"]]
+    assert new_total <= old_total * 1.0001, (new_total, old_total)
+
+
+def _dense_states():
+    from r2comm.planner.state import RailState
+    from test_planner_measured import stats_for
+    out = [RailState.uniform(5, 2)]
+    st = RailState.uniform(6, 2, hosts=[0, 0, 1, 1, 2, 2])
+    st.fail_rail(0, 1)
+    st.fail_rail(1, 1)
+    out.append(st)
+    st = RailState.uniform(5, 3)
+    st.break_pair(0, 3)
+    st.set_link(1, 2, 0, bw=1e8)
+    out.append(st)
+    st = RailState.uniform(4, 2).scale_host(2, 0.5)
+    out.append(st)
+    out.append(RailState.from_rail_stats([0, 0, 1, 1, 2, 2], stats_for(
+        6, 2, lambda r, p, k: 1e9 if r != 3 else 3e8, 0.2, 5, down={(5, 0)})))
+    out.append(regular(3, 2).default_state(nrails=2))
+    return out
+
+
+@pytest.mark.parametrize("dense", _dense_states(), ids=lambda s: f"{s.n}r")
+def test_compact_rail_state_answers_like_the_dense_one(dense):
+    """Issue 32 item 2: RailState.compact() (per host and NIC plus per-pair exceptions) keeps
+    the meaning: every rail, pair and host figure, the degraded and broken sets, and the plan."""
+    from r2comm.planner.state import NicRailState
+    c = dense.compact()
+    assert isinstance(c, NicRailState) and not c.link
+    n, K = dense.n, dense.nrails
+    for a in range(n):
+        for b in range(n):
+            for k in range(K):
+                assert c.rail_bw(a, b, k) == pytest.approx(dense.rail_bw(a, b, k)), (a, b, k)
+            assert c.pair_bw(a, b) == pytest.approx(dense.pair_bw(a, b))
+    for h in dense.host_list():
+        assert c.host_bw(h) == pytest.approx(dense.host_bw(h))
+    assert c.degraded_ranks() == dense.degraded_ranks()
+    assert c.broken_pairs() == dense.broken_pairs()
+    assert c.has_broken_pairs() == bool(dense.broken_pairs())
+    assert c.healthy() == dense.healthy() and c.beta() == pytest.approx(dense.beta())
+    assert len(c.exceptions) < len(dense.link)
+    for nb in (4096, 4 * MB, 64 * MB):
+        assert planner.choose("allreduce", n, nb, 4, c) == planner.choose("allreduce", n, nb, 4,
+                                                                          dense)
+        for r in range(n):
+            a = planner.build("allreduce", r, n, nb, 4, 0, 64 << 10, state=c)
+            b = planner.build("allreduce", r, n, nb, 4, 0, 64 << 10, state=dense)
+            assert a.msgs == b.msgs and a.deps == b.deps
+
+
+def test_compact_state_size_grows_with_hosts_and_changes_not_pairs():
+    from r2comm.planner.state import NicRailState
+    from r2comm.planner.topology import INTRA_BW
+    H, G, K = 1024, 8, 8
+    nic = [[1.25e9] * K for _ in range(H)]
+    nic[5][3] = 0.0
+    st = NicRailState([r // G for r in range(H * G)], nic, INTRA_BW)
+    st.set_link(0, 100, 2, bw=1e8)                  # one slow path: one exception
+    assert len(st.exceptions) == 1 and sum(map(len, st.nic)) == H * K
+    assert st.rail_bw(0, 100, 2) == 1e8 and st.rail_bw(40, 8, 3) == 0.0
+    assert st.degraded_ranks() == list(range(40, 48)) and not st.has_broken_pairs()
+    t0 = time.perf_counter()
+    s = planner.build("allreduce", 3, H * G, 64 * MB, 4, 0, 64 << 10, state=st)
+    assert time.perf_counter() - t0 < 2.0 and s.hierarchical and len(s.msgs) < 100
+
+
+def test_build_follows_choose_with_a_slow_pair():
+    """A slow pair (no broken one): build() re-ranks the ring as choose() does."""
+    from r2comm.planner.state import RailState
+    st = RailState.uniform(5, 1, bw=1e9)
+    st.set_link(0, 1, 0, bw=1e8)
+    want = planner.choose("allreduce", 5, 64 * MB, 4, st)
+    assert want == "ring_rerouted"
+    for r in range(5):
+        s = planner.build("allreduce", r, 5, 64 * MB, 4, 0, 64 << 10, state=st)
+        ref = planner.build_all("allreduce", 5, 64 * MB, 4, eager=64 << 10, algo=want, state=st)
+        assert s.algo == want and s.msgs == ref[r].msgs
