@@ -93,14 +93,12 @@ def _report(verdicts):
 
 
 def test_paused_rank_is_not_declared_dead(fab, tmp_path):
-    """Each rank paused in turn, 1 s four times and 3 s twice: both views (the survivor judging a
-    paused peer, and the resumed rank judging after its own pause). Rail deadline 60 ms
-    (rounds of 30 ms) so that many health-check rounds end near each resume: a rail judged at
-    the moment its peer resumed (acks on one rail, the other's a moment behind) was failed."""
-    victims = [1, 0] * 6
-    pauses = [1, 1, 3, 1, 1, 3] * 2
-    verdicts, text = run_pauses(fab, tmp_path, victims, pauses, after=1.2,
-                                env={"R2COMM_RAIL_TIMEOUT_MS": "60"})
+    """Each rank paused in turn for 1, 3 and 10 s, then 1 s again: both views (the survivor
+    judging a paused peer, and the resumed rank judging after its own pause), default
+    deadlines. The 20-per-length matrix: test_paused_rank_20_times (slow)."""
+    victims = [1, 0] * 4
+    pauses = [1, 1, 3, 3, 10, 10, 1, 1]
+    verdicts, text = run_pauses(fab, tmp_path, victims, pauses, after=1.2)
     failed = _report(verdicts)
     assert len(verdicts) == len(pauses) and not failed, f"{failed}\n{text[-4000:]}"
 
