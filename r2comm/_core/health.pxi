@@ -1,7 +1,9 @@
 # Judging rails and the engine's timers: a rail whose acks are late is judged from its TCP
 # connection's kernel view (judge_rail) before it fails, telling a stalled peer process from a
 # dead NIC or path; check_timers also repeats unacknowledged rail-down notices, loses peers with
-# no rail left and fails operations past their deadline.
+# no rail left and fails operations past their deadline. Deadlines count this process's running
+# time: a gap between timer checks (its own pause) moves them on (self_paused), and a rail that
+# trails its peer's other rails just after the peer resumed gets a fresh deadline (note_resume).
 
 cdef double NIC_CHECK_AFTER = 0.02   # s without an ack before a busy rail's own NIC is looked at
 cdef double NIC_CHECK_EVERY = 0.01   # s between looks at one quiet rail's NIC
