@@ -98,7 +98,7 @@ def test_paused_rank_is_not_declared_dead(fab, tmp_path):
     health-check rounds (100 ms) run through each pause, and at the resume the peer's
     acknowledgements come back on one rail a moment before the other's. A round that ended in
     that moment took the trailing rail for a path that loses frames and failed it (before the
-    fix: 3 and 5 of 24 pauses in two runs here); now it gets a fresh deadline from the resume."""
+    fix: 5 of 24 here, 3 of 24 with 1 s pauses); now it gets a fresh deadline from the resume."""
     victims = [1, 0] * 12
     verdicts, text = run_pauses(fab, tmp_path, victims, [0.6] * 24, start=1.5, after=0.8,
                                 env={"R2COMM_RAIL_TIMEOUT_MS": "200"}, count=1 << 22)
