@@ -52,6 +52,7 @@ def _stopper(me, pids, plan, out):
 
 
 def sc_pause(comm, args):
+    """The testbed stream with pauses of either rank (the module docstring); returns 1."""
     n, r = comm.size, comm.rank
     check(n == 2, "the pause scenario runs one rank per host, 2 hosts")
     victims = [int(v) for v in args.get("victims", "1").split(",")]

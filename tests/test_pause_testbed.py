@@ -1,12 +1,13 @@
 """A paused process is not a dead one, on real NICs (issue 28, item 8).
 
-The netns testbed, 2 hosts x 2 rail NICs at 1 Gbit/s, one rank per host streaming exact 1 MiB
-allreduces with a 60 s operation timeout (tests/pause_worker.py). One rank is stopped (SIGSTOP)
-and continued (SIGCONT) several times in one job; every pause is judged on its own, from both
-ranks' events: no rank raises, every result is exact, and no rail fails and no peer is lost
-between the pause's SIGSTOP and the next one (the survivor's view and the resumed rank's own).
-Both directions are run: the peer paused (victim=1) and the judge itself paused (victim=0: its
-deadlines ran on while it was stopped). Every job is bounded (MPIEXEC_TIMEOUT, communicate).
+The netns testbed, 2 hosts x 2 rail NICs at 1 Gbit/s, one rank per host streaming exact
+allreduces (1 MiB unless said) with a 60 s operation timeout (tests/pause_worker.py). The two
+ranks take turns: one is stopped (SIGSTOP) by the other and continued (SIGCONT), many times in
+one job, so both views are covered: the survivor judging its paused peer, and the resumed rank
+judging after its own pause. Every pause is judged on its own from both ranks' files: no rank
+raises, every result is exact, and no rail fails, no failure notice is sent and no peer is lost
+between that pause's SIGSTOP and the next one's. Every job is bounded (MPIEXEC_TIMEOUT,
+communicate).
 """
 import json
 import os
