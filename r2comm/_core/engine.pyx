@@ -1186,12 +1186,15 @@ cdef class Engine:
         cdef double spin_until = w0 + spin, judge_at = w0 + spin
         cdef bint extend = self.spin_extend and spin >= self.spin and spin > 0
         cdef int nev, empty = 0, extended = 0
+        cdef double paused0, moved = 0      # this process's own pauses extend the wait too
         with nogil:
             pthread_mutex_lock(&e.mu)
             e.waiters += 1
+            paused0 = e.self_paused
             pthread_mutex_unlock(&e.mu)
             while True:
                 pthread_mutex_lock(&e.mu)
+                moved = e.self_paused - paused0
                 it = e.ops.find(oid)
                 if it == e.ops.end():
                     state = -1
@@ -1224,11 +1227,11 @@ cdef class Engine:
                                 self.spin_short_left = SPIN_BACKOFF
                         else:
                             self.spin_strikes = 0
-                if t >= until:
+                if t >= until + moved:
                     state = ST_ACTIVE
                     break
                 # drive progress here: poll briefly, then block in epoll for at most 1 ms
-                idle = 0 if t < spin_until else (1 if until - t > 0.001 else 0)
+                idle = 0 if t < spin_until else (1 if until + moved - t > 0.001 else 0)
                 nev = progress_once(e, idle)
                 if nev < 0:
                     state = -1

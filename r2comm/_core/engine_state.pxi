@@ -374,6 +374,9 @@ cdef cppclass Peer:
     int lost
     int stalled                  # its process looks stalled (peer_stalled recorded)
     double stall_t               # since when (its rails' last acknowledgement)
+    double ack_seen              # its latest acknowledgement on any rail, at the last timer check
+    double resume_t              # when its process acknowledged again after a silence on every
+                                 # rail (a resume after a stop; judged rails get a fresh deadline)
     int shm                      # a local peer: its data rail is shared memory (no NIC faults)
     cmap[uint32_t, uint32_t] p2p_send_seq
     cmap[uint32_t, P2PState*] p2p
@@ -383,6 +386,8 @@ cdef cppclass Peer:
         this.lost = 0
         this.stalled = 0
         this.stall_t = 0
+        this.ack_seen = 0
+        this.resume_t = 0
 
 ctypedef pair[uint64_t, uint64_t] Key
 ctypedef pair[uint32_t, uint32_t] CS
@@ -422,7 +427,8 @@ cdef cppclass State:
     vector[int] inj_peer
     double fault_time
     int awaiting_redelivery
-    double last_timer
+    double last_timer        # when check_timers last ran (a long gap: this process did not run)
+    double self_paused       # seconds of this process's own pauses taken off the deadlines
     double nic_idle_t        # when the local NICs under the rails were last looked at (idle check)
     int waiters
     int noack
@@ -442,6 +448,7 @@ cdef cppclass State:
         this.hedge = HEDGE_SLOW
         this.waiters = 0
         this.last_timer = 0
+        this.self_paused = 0
         this.nic_idle_t = 0
         this.next_op = 1
         this.stop = 0

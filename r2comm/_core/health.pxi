@@ -1,7 +1,9 @@
 # Judging rails and the engine's timers: a rail whose acks are late is judged from its TCP
 # connection's kernel view (judge_rail) before it fails, telling a stalled peer process from a
 # dead NIC or path; check_timers also repeats unacknowledged rail-down notices, loses peers with
-# no rail left and fails operations past their deadline.
+# no rail left and fails operations past their deadline. Deadlines count this process's running
+# time: a gap between timer checks (its own pause) moves them on (self_paused), and a rail that
+# trails its peer's other rails just after the peer resumed gets a fresh deadline (note_resume).
 
 cdef double NIC_CHECK_AFTER = 0.02   # s without an ack before a busy rail's own NIC is looked at
 cdef double NIC_CHECK_EVERY = 0.01   # s between looks at one quiet rail's NIC
@@ -11,6 +13,11 @@ cdef double FAST_PROBE_S = 1.0         # s after a rail failure with fail-back p
 cdef double FAST_PROBE_GAP = 0.02      # s between those probes
 cdef double FAST_PROBE_TIMEOUT = 0.06  # s each of them may take to connect (a SYN into a dead
                                        # link is lost: a new attempt beats waiting for it)
+
+cdef double SELF_PAUSE_S = 0.05     # s between two timer checks (normally <= 20 ms) that mean
+                                   # this process did not run: stopped, or starved of CPU
+cdef double RESUME_GAP_ROUNDS = 0.5  # a peer silent on every rail this many rounds, then
+                                     # acknowledging again, has resumed (fresh rail deadlines)
 
 cdef inline int fast_probing(State* e, Rail* r, double now) noexcept nogil:
     """The rail failed under FAST_PROBE_S ago and not as a flap (its back-off is the first)."""
@@ -30,6 +37,54 @@ cdef inline int rail_late(State* e, Rail* r, double now, double rnd) noexcept no
     """The rail has chunks out and its acks are near (within a round) or past its deadline."""
     return not e.noack and (not r.inflight.empty() or r.ghosts > 0) and \
         now - r.last_progress > e.rail_timeout - rnd
+
+cdef void self_paused(State* e, double lost, double now) noexcept nogil:
+    """This process did not run for `lost` s (SIGSTOP, a debugger, a VM or CPU starvation): no
+    timer was checked and no socket read meanwhile, so that time counts against no peer. Every
+    deadline moves on by it instead of firing at the resume: each rail's quiet time and send
+    completion timer (a health-check round that spanned the pause is void), each peer's
+    all-rails-down timer, each operation's timeout."""
+    cdef int i
+    cdef size_t k
+    cdef Peer* p
+    cdef Rail* r
+    cdef Op* op
+    e.self_paused += lost
+    for i in range(e.nranks):
+        p = e.peers[i]
+        if p == NULL:
+            continue
+        for k in range(p.rails.size()):
+            r = p.rails[k]
+            if r == NULL:
+                continue
+            if r.last_progress > 0:
+                r.last_progress = min_d(now, r.last_progress + lost)
+            if r.tx_post_t > 0:
+                r.tx_post_t = min_d(now, r.tx_post_t + lost)
+            r.hc_t = 0
+        if p.all_down_since > 0:
+            p.all_down_since = min_d(now, p.all_down_since + lost)
+    it = e.ops.begin()
+    while it != e.ops.end():
+        op = deref(it).second
+        if op.state == ST_ACTIVE:
+            op.deadline += lost
+        inc(it)
+
+cdef void note_resume(State* e, Peer* p, double rnd) noexcept nogil:
+    """Track the peer's latest acknowledgement on any rail; one that ends a silence on every
+    rail of over RESUME_GAP_ROUNDS rounds marks a resume (its process was stopped, or this one
+    was): p.resume_t."""
+    cdef int k
+    cdef double latest = 0
+    for k in range(p.nrails):
+        if p.rails[k].last_ack > latest:
+            latest = p.rails[k].last_ack
+    if latest > p.ack_seen:
+        if latest - p.ack_seen > RESUME_GAP_ROUNDS * rnd:
+            p.resume_t = latest
+        p.ack_seen = latest
 
 cdef void hc_begin(State* e, Rail* r, r2_tcpsnap* s, double now) noexcept nogil:
     """Start a round: remember what the peer's kernel has acknowledged so far, and if the
@@ -116,6 +171,12 @@ cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlat
         for k in range(p.nrails):
             if k != r.index and p.rails[k].state == R_UP and p.rails[k].last_ack > r.hc_t:
                 other = k
+        if other >= 0 and now - p.resume_t < e.rail_timeout:
+            # the peer's process acknowledges on another rail, but it resumed (after a stop of
+            # its own or of this process) under a rail deadline ago: its acks on this rail may
+            # be a moment behind. This rail gets a fresh deadline from the resume, not a verdict
+            hc_begin(e, r, &s, now)
+            return 0
         if other >= 0:
             # the process is not stalled: it acknowledged on another rail during the round.
             # This connection loses frames above TCP (an application-level black hole)
@@ -247,6 +308,7 @@ cdef void check_timers(State* e) noexcept nogil:
             continue
         up = 0
         nlate = 0
+        note_resume(e, p, rnd)
         for k in range(p.nrails):
             r = p.rails[k]
             if r.state == R_UP and r.tx_posted:

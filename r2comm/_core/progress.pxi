@@ -111,6 +111,8 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
     if e.dack_rails > 0:
         lazy_ack_timer(e, now)
     if now - e.last_timer > 0.001:
+        if e.last_timer > 0 and now - e.last_timer > SELF_PAUSE_S:
+            self_paused(e, now - e.last_timer, now)   # deadlines judge running time only
         e.last_timer = now
         check_timers(e)
     if e.signal:
