@@ -353,12 +353,14 @@ def test_failed_failback_attach_keeps_probing(monkeypatch):
         before = _fds()
         lk.engine.fail = [R2commProtocolError("corrupt QP address")]
         lk.engine.due = [(1, 0)]
-        assert _soon(lambda: lk.nerrors == 1, 5.0)
-        assert _soon(lambda: len(got) == 1)
+        assert _soon(lambda: len(got) == 1, 5.0)
         s = socket.socket(fileno=got[0][2])
         assert _closed_within(s, 2.0)                    # the connector closed its end
         s.close()
-        assert lk.alive and lk.engine.probes_failed == [(1, 0)]
+        time.sleep(0.1)
+        assert lk._thread.is_alive(), "the links thread died"
+        assert _soon(lambda: lk.nerrors == 1, 5.0)
+        assert lk.engine.probes_failed == [(1, 0)]
         lk.engine.due = [(1, 0)]                         # the next probe: fail-back happens
         assert _soon(lambda: lk.engine.attached and lk.engine.attached[0][:2] == (1, 0), 5.0)
         t.join(5)
