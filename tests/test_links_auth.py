@@ -395,3 +395,17 @@ def test_verbs_handover_released_when_attach_transport_raises(links, monkeypatch
     os.close(fd)
     assert _soon(lambda: links.engine.attached == [(0, 0, cid)])
     assert discarded == [1000] and links.alive
+
+
+def test_link_errors_reach_the_engine_events():
+    """Engine.note_link_error, what Links calls for a connection's error: a `link_error` event
+    in comm.events / on_event (engine.events_since)."""
+    from r2comm._core import engine as eng
+    e = eng.Engine(0, 2, [0, 1], 1 << 16, 5.0, 10.0, 1 << 20)
+    try:
+        e.note_link_error(1, 0, "attaching (rank 1, rail 0): R2commProtocolError: corrupt")
+        ev = e.events_since(0)[-1]
+        assert (ev["kind"], ev["peer"], ev["rail"]) == ("link_error", 1, 0)
+        assert "corrupt" in ev["info"]
+    finally:
+        e.close()
