@@ -64,6 +64,7 @@ class Links:
         self._pending = {}            # fd -> _Pending
         self.nerrors = 0              # connections closed for an unexpected error (link_error)
         self.errors = collections.deque(maxlen=REJECTED_KEEP)   # (time, what), newest last
+        self._err_log_next = 0.0      # rate limit of the link-error warning
         self._log_next = 0.0          # rate limit of the "refused a connection" warning
         self._log_quiet = 0
         self._attached = 0
@@ -380,8 +381,12 @@ class Links:
         text = f"{what} (rank {peer}, rail {rail}): {type(exc).__name__}: {exc}"
         self.nerrors += 1
         self.errors.append((time.time(), text))
-        log.warning("r2comm rank %d: connection closed after an error: %s", self.me, text,
-                    exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
+        now = time.monotonic()
+        if now >= self._err_log_next:           # at most one line per LOG_EVERY
+            self._err_log_next = now + LOG_EVERY
+            log.warning("r2comm rank %d: connection closed after an error (%d so far): %s",
+                        self.me, self.nerrors, text,
+                        exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
         note = getattr(self.engine, "note_link_error", None)
         if note is not None:
             try:

@@ -409,3 +409,42 @@ def test_link_errors_reach_the_engine_events():
         assert "corrupt" in ev["info"]
     finally:
         e.close()
+
+
+def test_exchange_turns_a_corrupt_qp_address_into_connection_error(monkeypatch):
+    """Issue 28 item 6, verbs: a peer's queue-pair address that does not decode (another
+    version, corrupt) is a ConnectionError like any failed exchange (the links thread closes
+    that connection), and the unconnected QP and the socket are released at once."""
+    import hashlib
+    import hmac
+    from r2comm._core import verbs as vmod
+    freed = []
+
+    class FakeConn:                          # VerbsConn's calls; connect() decodes like the real
+        def __init__(self, device, side_fd):
+            self.side = side_fd
+
+        def address(self):
+            return b"A" * 40
+
+        def connect(self, theirs):
+            raise R2commProtocolError(f"QP address is {len(theirs)} bytes, expected 40")
+
+        def __del__(self):
+            os.close(self.side)
+            freed.append(True)
+    monkeypatch.setattr(vmod, "VerbsConn", FakeConn, raising=False)
+    a, b = socket.socketpair()
+    tx, rx = os.urandom(32), os.urandom(32)
+    bogus = b"\x00" * 7
+    b.sendall(verbs_rails.QPX_MAGIC + bytes([len(bogus)]) + bogus +
+              hmac.new(tx, b"qpx" + bogus, hashlib.sha256).digest()[:verbs_rails.TAG_LEN])
+    before = _fds()
+    with pytest.raises(ConnectionError, match="QP address"):
+        verbs_rails.exchange(None, a.detach(), rx, tx, 2.0)
+    assert freed == [True]                   # freed when exchange() returned, not later
+    assert _fds() == before - 1              # its socket (fd) and the QP's copy are closed
+    b.settimeout(1.0)
+    sent = b.recv(4096)                      # this side's address and tag, then EOF
+    assert sent.startswith(verbs_rails.QPX_MAGIC) and b.recv(100) == b""
+    b.close()
