@@ -237,7 +237,8 @@ class Links:
                     return
                 for key, _ in ready:
                     if key.data is None:
-                        self._step(sel, key.fd)
+                        if key.fd in self._pending:   # (not evicted by an _accept just now)
+                            self._step(sel, key.fd)
                     else:
                         self._accept(sel, key.fileobj, key.data)
                 now = time.monotonic()
