@@ -1,6 +1,7 @@
 """A rank of a store-bootstrapped job (DirStore) whose store is watched by an attacker: every
 value any rank sets is also copied to <store>.seen/ (what a process that reads the store learns).
-argv: rank size store_dir. After start-up it prints `INFO <json>` (its job id, as a sniffer of
+argv: rank size store_dir, or rank size tcp:<port> (torch's TCPStore on 127.0.0.1, not
+watched). After start-up it prints `INFO <json>` (its job id, as a sniffer of
 the hellos would learn it, and its control endpoint), waits for <store>.go, runs one allreduce
 and prints `OK secret <rank>`."""
 import json
@@ -29,10 +30,16 @@ class WatchedStore(DirStore):
 
 def main():
     rank, size, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    if path.startswith("tcp:"):
+        import datetime
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", int(path[4:]), None, False,
+                              datetime.timedelta(seconds=60))
+    else:
+        store = WatchedStore(path, timeout=60)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        comm = r2comm.Communicator.from_store(WatchedStore(path, timeout=60), rank, size,
-                                              timeout=30)
+        comm = r2comm.Communicator.from_store(store, rank, size, timeout=30)
     for w in caught:
         print(f"WARNING {w.message}", flush=True)
     boot = comm._world.boot
