@@ -35,7 +35,7 @@ import tempfile
 import time
 import warnings
 
-from .errors import R2commArgumentError, R2commProtocolError, R2commTimeout
+from .errors import R2commArgumentError, R2commPeerError, R2commProtocolError, R2commTimeout
 
 UNDEFINED = -32766          # Split color "not a member" (the value MPICH gives MPI.UNDEFINED)
 
@@ -71,11 +71,15 @@ def _tagged(obj, depth):
 
 
 def decode(data):
-    """The object encode() made of `data`; R2commProtocolError for anything else."""
+    """The object encode() made of `data`; R2commPeerError for the error record a sender
+    published instead of a value it could not encode; R2commProtocolError for anything else."""
     if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_VALUE_BYTES:
         raise R2commProtocolError(f"r2comm store value: not bytes of at most {MAX_VALUE_BYTES}")
     try:
-        return _untagged(json.loads(bytes(data).decode("utf-8")), 0)
+        tree = json.loads(bytes(data).decode("utf-8"))
+        if isinstance(tree, dict) and isinstance(tree.get("e"), str) and len(tree) == 1:
+            raise R2commPeerError(tree["e"][:1000])       # the sender could not encode its value
+        return _untagged(tree, 0)
     except (ValueError, RecursionError, TypeError) as exc:
         raise R2commProtocolError(f"r2comm store value is not r2comm's encoding: "
                                   f"{str(exc)[:200]}") from None
@@ -265,9 +269,19 @@ class StoreComm:
             raise R2commProtocolError(f"r2comm store bootstrap (rank {self.rank}/{self.size}): "
                                       f"key {key!r}: {exc}") from None
 
+    def _set(self, key, obj):
+        """Publish obj under key; a value that cannot be encoded is published as an error
+        (the readers raise R2commPeerError instead of waiting out their timeout), then raised."""
+        try:
+            data = encode(obj)
+        except R2commArgumentError as exc:
+            self.store.set(key, json.dumps({"e": f"rank {self.rank}: {exc}"}).encode())
+            raise
+        self.store.set(key, data)
+
     def allgather(self, obj):
         base = self._key()
-        self.store.set(f"{base}/{self.rank}", encode(obj))
+        self._set(f"{base}/{self.rank}", obj)
         keys = [f"{base}/{r}" for r in range(self.size)]
         self._wait(keys)
         return [self._read(k) for k in keys]
@@ -280,7 +294,7 @@ class StoreComm:
             raise R2commArgumentError(f"StoreComm.bcast: root {root!r} is not in 0..{self.size - 1}")
         key = self._key()
         if self.rank == root:
-            self.store.set(key, encode(obj))
+            self._set(key, obj)
             return obj, key
         return self._get(key), None
 

@@ -55,6 +55,30 @@ def test_store_values_are_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
+def test_a_value_that_cannot_be_encoded_fails_every_rank(tmp_path):
+    """A Python object the encoding does not carry: the sender raises R2commArgumentError, the
+    other ranks R2commPeerError at once (not after their timeout)."""
+    import numpy as np
+    from r2comm.errors import R2commPeerError
+    store = DirStore(tmp_path / "st", timeout=5)
+    errs = [None, None]
+
+    def rank(r):
+        try:
+            StoreComm(store, r, 2, "job", timeout=20).allgather(np.zeros(2) if r == 0 else r)
+        except Exception as exc:     # handed to the test
+            errs[r] = exc
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert isinstance(errs[0], R2commArgumentError) and "ndarray" in str(errs[0])
+    assert isinstance(errs[1], R2commPeerError) and "rank 0" in str(errs[1])
+    assert time.monotonic() - t0 < 5
+
+
 def test_salt_key_is_deleted_from_a_torch_tcpstore():
     torch_dist = pytest.importorskip("torch.distributed", reason="torch is not installed")
     server = torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30),
