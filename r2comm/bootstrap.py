@@ -1,15 +1,32 @@
-"""Bootstrap through mpi4py: job secret, agreed engine parameters, endpoint exchange."""
+"""Bootstrap through mpi4py (or a store, bootstrap_store.StoreComm): job secret, agreed engine
+parameters, endpoint exchange.
+
+The job secret is HMAC(out-of-band secret, salt): rank 0 draws the 32-byte salt and broadcasts
+it; the out-of-band secret (R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET, config.Config.job_secret,
+empty when unset) never leaves the rank. Everything keyed (the job id in every hello, the
+handshake proofs, the per-connection frame-MAC keys, shared-memory segment names) derives from
+the job secret, so a process that read the salt but lacks the out-of-band secret can neither
+join nor pass a handshake. Under mpi4py the lowercase calls used here unpickle what other ranks
+sent: that is mpi4py's trust model (the MPI launcher and the ranks it started are trusted; no
+outside process can write into an MPI communicator). A StoreComm never unpickles."""
 import hashlib
+import hmac
+import ipaddress
+import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 from . import hostid
 from . import shm
 from . import rails as _rails
 from . import verbs_rails
-from .errors import R2commArgumentError
+from .errors import R2commArgumentError, R2commProtocolError
 from .startup import quiet_barrier
+
+log = logging.getLogger("r2comm")
+SALT_LEN = 32
 
 
 @dataclass
@@ -35,7 +52,7 @@ def run(mpi_comm, cfg, rails=None):
     # in a busy-polling MPI collective
     quiet_barrier(mpi_comm, cfg.timeout, "start-up (waiting for every rank to create its "
                   "Communicator)")
-    secret = mpi_comm.bcast(os.urandom(32) if rank == 0 else None, root=0)
+    secret = job_secret(_share_salt(mpi_comm, rank), cfg.job_secret)
     job = hashlib.sha256(secret).digest()[:8]
     # parameters every rank must share come from rank 0
     params = mpi_comm.bcast(dict(chunk_size=cfg.chunk_size, acks=cfg.acks,
@@ -62,13 +79,105 @@ def run(mpi_comm, cfg, rails=None):
             "transport": (cfg.transport, kind, why),
             "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
             "host_key": hostid.host_key(), "pid": os.getpid(),
-            "shm": shm.shm_key() if cfg.shm else None}
+            "shm": shm.shm_key() if cfg.shm else None, "check": secret_check(secret)}
     endpoints = mpi_comm.allgather(mine)
+    # every rank read the salt before it published its endpoints: the salt can go
+    forget = getattr(mpi_comm, "forget_secrets", None)
+    if forget is not None:
+        forget()
+        if params["integrity"] == "mac" and not cfg.job_secret:
+            _warn_store_mac(rank)
     try:
+        endpoints = validate_endpoints(endpoints, size)
+        _same_secret(endpoints)
         transport = verbs_rails.decide([ep["transport"] for ep in endpoints])
-    except R2commArgumentError:
+    except (R2commArgumentError, R2commProtocolError):
         for s in listeners:
             s.close()
         raise
     return Bootstrap(rank, size, secret, job, params, addrs, listeners, transport,
                      devices if transport == "verbs" else None, endpoints)
+
+
+def job_secret(salt, oob_secret):
+    """The job secret: the broadcast salt keyed with the out-of-band secret (b"" if none)."""
+    if not isinstance(salt, bytes) or len(salt) != SALT_LEN:
+        raise R2commProtocolError(f"r2comm bootstrap: the job salt is not {SALT_LEN} bytes")
+    return hmac.new(oob_secret, b"r2comm job secret" + salt, hashlib.sha256).digest()
+
+
+def secret_check(secret):
+    """A short tag of the job secret that ranks compare: equal secrets, equal tags."""
+    return hmac.new(secret, b"r2comm secret check", hashlib.sha256).hexdigest()[:16]
+
+
+def _share_salt(comm, rank):
+    """Rank 0's random salt on every rank (a StoreComm deletes it later: forget_secrets)."""
+    salt = os.urandom(SALT_LEN) if rank == 0 else None
+    once = getattr(comm, "bcast_secret", None)
+    return once(salt, root=0) if once is not None else comm.bcast(salt, root=0)
+
+
+def _warn_store_mac(rank):
+    msg = (f"r2comm rank {rank}: R2COMM_INTEGRITY=mac under a store bootstrap without "
+           "R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET: whoever read the store during start-up "
+           "can derive every frame key; give the ranks an out-of-band secret (see the README, "
+           "Security)")
+    warnings.warn(msg, stacklevel=3)
+    log.warning(msg)
+
+
+def _same_secret(endpoints):
+    """Raise on every rank when ranks derived different job secrets (out-of-band secrets differ)."""
+    differ = [r for r, ep in enumerate(endpoints) if ep["check"] != endpoints[0]["check"]]
+    if differ:
+        raise R2commArgumentError(
+            f"r2comm bootstrap: ranks {differ[:8]} have another job secret than rank 0: "
+            "R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET must be the same on every rank (or "
+            "unset on every rank)")
+
+
+def _addr_port(v, what):
+    if not (isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[0], str)
+            and isinstance(v[1], int) and not isinstance(v[1], bool) and 0 < v[1] < 65536):
+        raise ValueError(f"{what} is not an (IPv4 address, port) pair")
+    ipaddress.IPv4Address(v[0])          # ValueError if not
+    return (v[0], v[1])
+
+
+def _text(v, what, none_ok=False, limit=4096):
+    if (v is None and none_ok) or (isinstance(v, str) and len(v) <= limit):
+        return v
+    raise ValueError(f"{what} is not a string of at most {limit} characters")
+
+
+def validate_endpoints(endpoints, size):
+    """Every rank's endpoint record checked once (types, addresses, ports, lengths) -> validated
+    copies; R2commProtocolError naming the rank otherwise."""
+    if not isinstance(endpoints, list) or len(endpoints) != size:
+        raise R2commProtocolError(f"r2comm bootstrap: {size} endpoint records expected")
+    out = []
+    for r, ep in enumerate(endpoints):
+        try:
+            if not isinstance(ep, dict):
+                raise ValueError("not a dict")
+            rails = ep["rails"]
+            if not isinstance(rails, (list, tuple)) or len(rails) > 64:
+                raise ValueError("rails is not a list of at most 64")
+            tr = ep["transport"]
+            if not (isinstance(tr, (tuple, list)) and len(tr) == 3 and
+                    all(x is None or isinstance(x, str) for x in tr)):
+                raise ValueError("transport is not (want, can, why)")
+            pid = ep["pid"]
+            if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
+                raise ValueError("pid is not a process id")
+            out.append({"rails": [_addr_port(a, f"rail {k}") for k, a in enumerate(rails)],
+                        "transport": tuple(tr), "ctrl": _addr_port(ep["ctrl"], "ctrl"),
+                        "host": _text(ep["host"], "host"),
+                        "host_key": _text(ep["host_key"], "host_key"), "pid": pid,
+                        "shm": _text(ep["shm"], "shm", none_ok=True),
+                        "check": _text(ep["check"], "check", limit=64)})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise R2commProtocolError(f"r2comm bootstrap: rank {r}'s endpoint record is "
+                                      f"invalid: {exc}") from None
+    return out

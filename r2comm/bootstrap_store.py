@@ -14,24 +14,99 @@ small and only at start-up (and at Dup/Split): the job secret, the parameters ra
 (chunk size, acknowledgements), each rank's endpoints and host name, bootstrap errors, and the
 communicator ids of Dup/Split. Everything after that is r2comm's own TCP connections.
 
-Values are pickled, as mpi4py's lowercase calls do: whoever can write to the store can make the
-ranks unpickle what they wrote, and read the job secret, so the store must be private to the
-job (torchrun's TCPStore listens on MASTER_ADDR:MASTER_PORT; keep that on a private network).
+Values travel in a fixed encoding, never pickle (encode/decode below: JSON with tagged bytes,
+tuples and dicts, size- and depth-bounded), so whoever can write to the store can at worst make
+a start-up fail with a clear error, never run code in a rank. The job secret is not published:
+rank 0 publishes a random salt (bcast_secret), every rank mixes it with the out-of-band secret
+R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET when one is set (bootstrap.py), and rank 0 deletes
+the salt's key once every rank has read it (forget_secrets). Without an out-of-band secret,
+whoever reads the store during start-up learns the job secret: keep the store private then.
 
 Every collective of a StoreComm uses fresh keys, <prefix>/<sequence number>/..., which all ranks
-derive alike because they call the collectives in the same order; keys are never deleted (a
-start-up writes a few KiB per rank)."""
+derive alike because they call the collectives in the same order; keys other than the salt's are
+not deleted (a start-up writes a few KiB per rank)."""
 import datetime
 import functools
 import operator
+import json
+import numbers
 import os
-import pickle
 import tempfile
 import time
+import warnings
 
-from .errors import R2commArgumentError, R2commTimeout
+from .errors import R2commArgumentError, R2commPeerError, R2commProtocolError, R2commTimeout
 
 UNDEFINED = -32766          # Split color "not a member" (the value MPICH gives MPI.UNDEFINED)
+
+
+MAX_VALUE_BYTES = 1 << 20   # longest encoded value read from a store
+MAX_DEPTH = 16              # deepest nesting of lists/tuples/dicts in a value
+
+
+def encode(obj):
+    """obj (None, bool, int, float, str, bytes, list, tuple, dict, nested) as store bytes."""
+    return json.dumps(_tagged(obj, 0), separators=(",", ":")).encode()
+
+
+def _tagged(obj, depth):
+    if depth > MAX_DEPTH:
+        raise R2commArgumentError(f"StoreComm: value nested deeper than {MAX_DEPTH} levels")
+    if obj is None or isinstance(obj, (bool, str, float)):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj)
+    if isinstance(obj, (bytes, bytearray)):
+        return {"b": bytes(obj).hex()}
+    if isinstance(obj, list):
+        return [_tagged(x, depth + 1) for x in obj]
+    if isinstance(obj, tuple):
+        return {"t": [_tagged(x, depth + 1) for x in obj]}
+    if isinstance(obj, dict):
+        return {"d": [[_tagged(k, depth + 1), _tagged(v, depth + 1)] for k, v in obj.items()]}
+    raise R2commArgumentError(f"StoreComm: cannot send a {type(obj).__name__} through the store "
+                              "(None, bool, int, float, str, bytes, list, tuple, dict)")
+
+
+def decode(data):
+    """The object encode() made of `data`; R2commPeerError for the error record a sender
+    published instead of a value it could not encode; R2commProtocolError for anything else."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_VALUE_BYTES:
+        raise R2commProtocolError(f"r2comm store value: not bytes of at most {MAX_VALUE_BYTES}")
+    try:
+        tree = json.loads(bytes(data).decode("utf-8"))
+        if isinstance(tree, dict) and isinstance(tree.get("e"), str) and len(tree) == 1:
+            raise R2commPeerError(tree["e"][:1000])       # the sender could not encode its value
+        return _untagged(tree, 0)
+    except (ValueError, RecursionError, TypeError) as exc:
+        raise R2commProtocolError(f"r2comm store value is not r2comm's encoding: "
+                                  f"{str(exc)[:200]}") from None
+
+
+def _untagged(obj, depth):
+    if depth > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [_untagged(x, depth + 1) for x in obj]
+    if not isinstance(obj, dict) or len(obj) != 1:
+        raise ValueError("unknown tagged value")
+    (tag, body), = obj.items()
+    if tag == "b" and isinstance(body, str):
+        return bytes.fromhex(body)
+    if tag == "t" and isinstance(body, list):
+        return tuple(_untagged(x, depth + 1) for x in body)
+    if tag == "d" and isinstance(body, list):
+        out = {}
+        for item in body:
+            if not isinstance(item, list) or len(item) != 2:
+                raise ValueError("a dict item is not a pair")
+            out[_untagged(item[0], depth + 1)] = _untagged(item[1], depth + 1)   # TypeError:
+        return out                                                           # unhashable key
+    raise ValueError(f"unknown tag {tag!r}")
 
 
 class _Op:
@@ -117,6 +192,14 @@ class DirStore:
     def check(self, keys):
         return all(os.path.exists(self._file(k)) for k in keys)
 
+    def delete_key(self, key):
+        """Remove key; True if it existed."""
+        try:
+            os.unlink(self._file(key))
+            return True
+        except FileNotFoundError:
+            return False
+
     def wait(self, keys, timeout=None):
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
@@ -154,6 +237,7 @@ class StoreComm:
         self.prefix = prefix
         self.timeout = float(timeout)
         self._seq = 0
+        self._secret_keys = []      # keys of bcast_secret this rank set, deleted by forget_secrets
 
     # mpi4py names
     def Get_rank(self):
@@ -176,23 +260,69 @@ class StoreComm:
 
     def _get(self, key):
         self._wait([key])
-        return pickle.loads(self.store.get(key))
+        return self._read(key)
+
+    def _read(self, key):
+        try:
+            return decode(self.store.get(key))
+        except R2commProtocolError as exc:
+            raise R2commProtocolError(f"r2comm store bootstrap (rank {self.rank}/{self.size}): "
+                                      f"key {key!r}: {exc}") from None
+
+    def _set(self, key, obj):
+        """Publish obj under key; a value that cannot be encoded is published as an error
+        (the readers raise R2commPeerError instead of waiting out their timeout), then raised."""
+        try:
+            data = encode(obj)
+        except R2commArgumentError as exc:
+            self.store.set(key, json.dumps({"e": f"rank {self.rank}: {exc}"}).encode())
+            raise
+        self.store.set(key, data)
 
     def allgather(self, obj):
         base = self._key()
-        self.store.set(f"{base}/{self.rank}", pickle.dumps(obj))
+        self._set(f"{base}/{self.rank}", obj)
         keys = [f"{base}/{r}" for r in range(self.size)]
         self._wait(keys)
-        return [pickle.loads(self.store.get(k)) for k in keys]
+        return [self._read(k) for k in keys]
 
     def bcast(self, obj, root=0):
+        return self._bcast(obj, root)[0]
+
+    def _bcast(self, obj, root):
         if not isinstance(root, int) or not 0 <= root < self.size:
             raise R2commArgumentError(f"StoreComm.bcast: root {root!r} is not in 0..{self.size - 1}")
         key = self._key()
         if self.rank == root:
-            self.store.set(key, pickle.dumps(obj))
-            return obj
-        return self._get(key)
+            self._set(key, obj)
+            return obj, key
+        return self._get(key), None
+
+    def bcast_secret(self, obj, root=0):
+        """bcast of a value that must not stay in the store: its key is deleted by
+        forget_secrets(), which the root calls once every rank has read it."""
+        obj, key = self._bcast(obj, root)
+        if key is not None:
+            self._secret_keys.append(key)
+        return obj
+
+    def forget_secrets(self):
+        """Delete the keys this rank set in bcast_secret (call it after a collective that every
+        rank entered after reading them). False when the store cannot delete keys."""
+        keys, self._secret_keys = self._secret_keys, []
+        delete = getattr(self.store, "delete_key", None)
+        ok = True
+        for key in keys:
+            try:
+                if delete is None:
+                    raise AttributeError("the store has no delete_key()")
+                delete(key)
+            except Exception as exc:       # e.g. torch's FileStore: not implemented
+                ok = False
+                warnings.warn(f"r2comm store bootstrap: could not delete key {key!r} from "
+                              f"{type(self.store).__name__} ({exc}); it holds the salt of the "
+                              "job secret", stacklevel=2)
+        return ok
 
     def allreduce(self, obj, op=SUM):
         return functools.reduce(_op_fn(op), self.allgather(obj))

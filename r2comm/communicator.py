@@ -336,8 +336,11 @@ class Communicator:
         """Bootstrap through a key-value store instead of MPI (torchrun's TCPStore, torch's
         FileStore, or r2comm.bootstrap_store.DirStore without torch): every rank calls it with
         the same store, size and prefix and its own rank; the other keyword arguments are the
-        constructor's. store_timeout (s) bounds each wait for the other ranks' keys. The job
-        secret and endpoints travel through the store (keep it private to the job); no MPI."""
+        constructor's. store_timeout (s) bounds each wait for the other ranks' keys. The salt of
+        the job secret and the endpoints travel through the store, never pickled (the lowercase
+        object calls then take None, bool, int, float, str, bytes, list, tuple and dict); set
+        R2COMM_JOB_SECRET_FILE on every rank where others can read the store (README,
+        Security); no MPI."""
         from .bootstrap_store import StoreComm, instance_prefix
         comm = StoreComm(store, rank, size, instance_prefix(store, prefix), store_timeout)
         return cls(comm, **kwargs)

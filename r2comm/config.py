@@ -106,6 +106,9 @@ class Config:
                                                    #   through shared memory (r2comm/shm.py)
     shm_ring: int = 4 << 20                        # R2COMM_SHM_RING: bytes per direction of a
                                                    #   shared-memory link (a power of two)
+    job_secret: bytes = field(default=b"", repr=False)  # R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET:
+                                                   #   a secret given to every rank out of band,
+                                                   #   mixed into every key (bootstrap.py)
     test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
                                                    #   "fake:seed=1,block=0.1,short=0.3,..."
                                                    #   runs the rails on the fake transport
@@ -169,6 +172,7 @@ class Config:
         if c.gpu_reduce not in ("device", "host"):
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_GPU_REDUCE={c.gpu_reduce!r}: must be device or host")
+        c.job_secret = job_secret_from_env()
         c.test_transport = _test_transport(os.environ.get("R2COMM_TEST_TRANSPORT", ""))
         # the fake transport exercises the TCP path: with it, local peers use TCP as well
         c.shm = os.environ.get("R2COMM_SHM", "1").strip() != "0" and not c.test_transport
@@ -181,6 +185,40 @@ class Config:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_WINDOW_MS={c.window_ms}: must be > 0")
         return c
+
+
+JOB_SECRET_MIN = 16         # bytes: shorter out-of-band secrets are refused (guessable offline)
+
+
+def job_secret_from_env():
+    """The out-of-band job secret: the bytes of R2COMM_JOB_SECRET_FILE or of R2COMM_JOB_SECRET
+    (surrounding whitespace dropped), b"" when neither is set."""
+    from .errors import R2commArgumentError
+    path = os.environ.get("R2COMM_JOB_SECRET_FILE", "").strip()
+    text = os.environ.get("R2COMM_JOB_SECRET", "")
+    if path and text:
+        raise R2commArgumentError("R2COMM_JOB_SECRET_FILE and R2COMM_JOB_SECRET are both set: "
+                                  "set one")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                secret = f.read(1 << 16).strip()
+        except OSError as exc:
+            raise R2commArgumentError(f"R2COMM_JOB_SECRET_FILE={path!r}: {exc}") from None
+        if mode & 0o077:
+            import warnings
+            warnings.warn(f"r2comm: R2COMM_JOB_SECRET_FILE {path} can be read by other users "
+                          f"(mode {mode & 0o777:o}); make it 0600", stacklevel=3)
+        what = f"R2COMM_JOB_SECRET_FILE={path!r}"
+    elif text:
+        secret, what = text.strip().encode(), "R2COMM_JOB_SECRET"
+    else:
+        return b""
+    if len(secret) < JOB_SECRET_MIN:
+        raise R2commArgumentError(f"{what}: the job secret has {len(secret)} bytes; at least "
+                                  f"{JOB_SECRET_MIN} are needed (e.g. 32 random bytes, hex)")
+    return secret
 
 
 _FAKE_KEYS = {"seed": int, "block": float, "short": float, "delay": float, "lose": float,

@@ -7,9 +7,18 @@ parallel until a short deadline; one that does not come up starts down and is pr
 way (r2comm/startup.py). One thread accepts incoming connections for the whole life of the
 engine and authenticates them without blocking (tcp.ServerHandshake, driven by a selector): a
 connection that never finishes its handshake holds one of MAX_PENDING slots until its
-deadline, never the thread, so fail-back probes and event delivery keep running."""
+deadline, never the thread, so fail-back probes and event delivery keep running.
+
+A client that floods the listeners cannot lock the ranks out (admission, _make_room): sources
+that are not a peer's address (the endpoint table) hold at most MAX_PENDING_UNKNOWN slots in
+all and MAX_PENDING_PER_SOURCE each, and when the slots are taken the oldest pending handshake
+of an unknown source (one that has not sent a valid hello first) is closed for the newcomer, so
+a peer's connection always finds a slot. An error of one connection (a corrupt queue-pair
+address, an attach that raises) closes that connection, is logged, counted (Links.nerrors) and
+recorded as a `link_error` event; it never ends the thread."""
 import collections
 import logging
+import os
 import selectors
 import threading
 import time
@@ -19,7 +28,10 @@ from ._core import tcp
 
 log = logging.getLogger("r2comm")
 HANDSHAKE_TIMEOUT = 2.0     # s: a whole incoming handshake (a rail's takes about a millisecond)
-MAX_PENDING = 64            # incoming handshakes in progress; more connections are closed at once
+MAX_PENDING = 64            # incoming handshakes in progress (then the oldest unknown goes)
+MAX_PENDING_UNKNOWN = 32    # of which from sources that are no peer's address
+MAX_PENDING_PER_SOURCE = 4  # of which from one such source address
+ACCEPT_BATCH = 256          # connections taken from one listener per wake-up
 REJECTED_KEEP = 256         # refused connections remembered in Links.rejected
 LOG_EVERY = 5.0             # s: at most one warning about refused connections per this
 
@@ -46,7 +58,13 @@ class Links:
         self.nrejected = 0            # refused connections in all (the deque keeps the last ones)
         self.handshake_timeout = HANDSHAKE_TIMEOUT
         self.max_pending = MAX_PENDING
-        self._pending = {}            # fd -> (ServerHandshake, listener index)
+        self.max_pending_unknown = MAX_PENDING_UNKNOWN
+        self.max_pending_per_source = MAX_PENDING_PER_SOURCE
+        self.known_sources = _peer_addresses(boot.endpoints, self.me)
+        self._pending = {}            # fd -> _Pending
+        self.nerrors = 0              # connections closed for an unexpected error (link_error)
+        self.errors = collections.deque(maxlen=REJECTED_KEEP)   # (time, what), newest last
+        self._err_log_next = 0.0      # rate limit of the link-error warning
         self._log_next = 0.0          # rate limit of the "refused a connection" warning
         self._log_quiet = 0
         self._attached = 0
@@ -143,6 +161,8 @@ class Links:
                 shm.open_link(self.engine, self.boot, self.cfg, peer, max(timeout, 0.5))
             except (OSError, tcp.HandshakeError) as exc:
                 return "shared-memory link: " + (str(exc) or type(exc).__name__)
+            except Exception as exc:      # noqa: BLE001 (one connection's error, not the thread's)
+                return self._link_error("opening a shared-memory link", peer, rail, exc)
             self._seen_add(peer, rail)
             return None
         if rail == tcp.CTRL_RAIL:
@@ -153,9 +173,16 @@ class Links:
             fd, conn_id = tcp.connect(addr, port, local, self.boot.secret, self.boot.job, self.me,
                                       peer, rail, timeout, self.cfg.rail_timeout_ms,
                                       self.cfg.sockbuf, self.cfg.notsent_lowat)
+        except (OSError, tcp.HandshakeError) as exc:
+            return str(exc) or type(exc).__name__
+        except Exception as exc:          # noqa: BLE001
+            return self._link_error("connecting", peer, rail, exc)
+        try:
             self._attach(peer, rail, fd, conn_id)
         except (OSError, tcp.HandshakeError) as exc:
             return str(exc) or type(exc).__name__
+        except Exception as exc:          # noqa: BLE001 (_attach released what it took)
+            return self._link_error("attaching", peer, rail, exc)
         return None
 
     def _connect(self, peer, rail, timeout):
@@ -173,13 +200,23 @@ class Links:
         keys = tcp.take_keys(fd)
         if rail != tcp.CTRL_RAIL and self.verbs:
             # the authenticated socket carries the queue-pair exchange, then stays beside
-            # the QP as its companion (verbs_rails.exchange); the control connection stays TCP
+            # the QP as its companion (verbs_rails.exchange: it owns fd from here, also when
+            # it raises); the control connection stays TCP
             handle = verbs_rails.exchange(self.boot.rail_devices[rail], fd, keys[0], keys[1],
                                           VERBS_EXCHANGE_S)
-            self.engine.attach_transport(peer, rail, verbs_rails.load()[0].transport_address(),
-                                         handle, conn_id, *keys)
+            try:
+                self.engine.attach_transport(peer, rail,
+                                             verbs_rails.load()[0].transport_address(),
+                                             handle, conn_id, *keys)
+            except BaseException:
+                verbs_rails.discard(handle)   # QP, slots, companion socket: the peer sees EOF
+                raise
         else:
-            self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *keys)
+            try:
+                self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *keys)
+            except BaseException:
+                os.close(fd)                  # the engine did not take it
+                raise
         self._seen_add(peer, rail)
 
     def _seen_add(self, peer, rail):
@@ -204,11 +241,12 @@ class Links:
                     return
                 for key, _ in ready:
                     if key.data is None:
-                        self._step(sel, key.fd)
+                        if key.fd in self._pending:   # (not evicted by an _accept just now)
+                            self._step(sel, key.fd)
                     else:
                         self._accept(sel, key.fileobj, key.data)
                 now = time.monotonic()
-                for fd in [fd for fd, v in self._pending.items() if now >= v[0].deadline]:
+                for fd in [fd for fd, v in self._pending.items() if now >= v.hs.deadline]:
                     self._step(sel, fd, now)
                 if now >= next_probe:
                     next_probe = now + 0.02
@@ -219,14 +257,14 @@ class Links:
                         except RuntimeError:
                             return
         finally:
-            for hs, _ in list(self._pending.values()):
-                hs.close()
+            for p in list(self._pending.values()):
+                p.hs.close()
             self._pending.clear()
             sel.close()
 
     def _accept(self, sel, lst, lindex):
         """Take the connections waiting on a listener and start their handshakes."""
-        for _ in range(self.max_pending + 1):
+        for _ in range(ACCEPT_BATCH):
             try:
                 sock, addr = lst.accept()
             except (BlockingIOError, InterruptedError):
@@ -234,36 +272,78 @@ class Links:
             except OSError as exc:
                 self._reject(f"accept failed: {exc}")
                 return
-            if len(self._pending) >= self.max_pending:
+            try:
+                self._admit_one(sel, sock, addr, lindex)
+            except Exception as exc:      # noqa: BLE001 (that connection's error)
                 sock.close()
-                self._reject(f"connection from {addr[0]}:{addr[1]} closed: {self.max_pending} "
-                             "handshakes already pending")
-                continue
-            ctrl_index = len(self.boot.listeners) - 1
+                self._link_error(f"accepting {addr[0]}:{addr[1]}", -1, -1, exc)
 
-            def admit(peer, rail, lindex=lindex):
-                if not (0 <= peer < self.boot.size and peer != self.me):
-                    return False
-                if rail == tcp.CTRL_RAIL:
-                    return lindex == ctrl_index
-                if rail in (shm.SHM_RAIL, shm.TCP_RAIL):   # only a local, lower rank opens one
-                    return lindex == ctrl_index and peer in self.shm_peers and peer < self.me
-                if peer in self.shm_peers:
-                    return False               # a local peer has no NIC rails
-                # the listener must be that rail's, and an injected fault keeps the NIC dark
-                return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
-            hs = tcp.ServerHandshake(sock, addr, self.boot.secret, self.boot.job, self.me,
-                                     time.monotonic() + self.handshake_timeout,
-                                     self.cfg.rail_timeout_ms, admit, self.cfg.sockbuf,
-                                     self.cfg.notsent_lowat)
-            fd = sock.fileno()
-            self._pending[fd] = (hs, lindex)
-            sel.register(fd, selectors.EVENT_READ, None)
-            self._step(sel, fd)
+    def _admit_one(self, sel, sock, addr, lindex):
+        """Start the handshake of one accepted connection, making room for it if needed."""
+        known = addr[0] in self.known_sources
+        if not self._make_room(sel, addr[0], known):
+            sock.close()
+            self._reject(f"connection from {addr[0]}:{addr[1]} closed: {self.max_pending} "
+                         "handshakes already pending, from peers' addresses")
+            return
+        ctrl_index = len(self.boot.listeners) - 1
+
+        def admit(peer, rail, lindex=lindex):
+            if not (0 <= peer < self.boot.size and peer != self.me):
+                return False
+            if rail == tcp.CTRL_RAIL:
+                return lindex == ctrl_index
+            if rail in (shm.SHM_RAIL, shm.TCP_RAIL):   # only a local, lower rank opens one
+                return lindex == ctrl_index and peer in self.shm_peers and peer < self.me
+            if peer in self.shm_peers:
+                return False               # a local peer has no NIC rails
+            # the listener must be that rail's, and an injected fault keeps the NIC dark
+            return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
+        hs = tcp.ServerHandshake(sock, addr, self.boot.secret, self.boot.job, self.me,
+                                 time.monotonic() + self.handshake_timeout,
+                                 self.cfg.rail_timeout_ms, admit, self.cfg.sockbuf,
+                                 self.cfg.notsent_lowat)
+        fd = sock.fileno()
+        self._pending[fd] = _Pending(hs, lindex, addr[0], known)
+        sel.register(fd, selectors.EVENT_READ, None)
+        self._step(sel, fd)
+
+    def _make_room(self, sel, src, known):
+        """Close pending handshakes so that a new one from address src fits the limits: from
+        an unknown source, its source's oldest beyond MAX_PENDING_PER_SOURCE and the oldest
+        unknown beyond MAX_PENDING_UNKNOWN; when all slots are taken, the oldest unknown one
+        (for a newcomer from a peer's address, else the oldest of those). Those that sent a
+        valid hello go last. False: no room (unknown newcomer, every slot a peer's)."""
+        pending = self._pending
+        if not known:
+            same = [fd for fd, p in pending.items() if p.src == src]
+            if len(same) >= self.max_pending_per_source:
+                self._evict(sel, same, f"more than {self.max_pending_per_source} from {src}")
+            unknown = [fd for fd, p in pending.items() if not p.known]
+            if len(unknown) >= self.max_pending_unknown:
+                self._evict(sel, unknown, f"more than {self.max_pending_unknown} from "
+                            "addresses of no peer")
+        if len(pending) < self.max_pending:
+            return True
+        victims = [fd for fd, p in pending.items() if not p.known]
+        if not victims and known:
+            victims = list(pending)
+        if not victims:
+            return False
+        self._evict(sel, victims, f"{self.max_pending} handshakes already pending")
+        return True
+
+    def _evict(self, sel, fds, why):
+        """Close the oldest of the pending handshakes fds (those without a hello first)."""
+        fd = min(fds, key=lambda f: (self._pending[f].hs.got_hello, self._pending[f].since))
+        p = self._pending[fd]
+        self._forget(sel, fd)
+        p.hs.close()
+        self._reject(f"connection from {p.src} closed to make room: {why}")
 
     def _step(self, sel, fd, now=None):
         """Advance the pending handshake on socket fd; past its deadline it is refused."""
-        hs, _ = self._pending[fd]
+        hs = self._pending[fd].hs
         try:
             res = hs.step(now)
         except (OSError, tcp.HandshakeError) as exc:
@@ -271,6 +351,11 @@ class Links:
             hs.close()
             if "refused (rail failed" not in str(exc):
                 self._reject(str(exc))
+            return
+        except Exception as exc:          # noqa: BLE001 (e.g. admit() on a closed engine)
+            self._forget(sel, fd)
+            hs.close()
+            self._link_error("handshake", -1, -1, exc)
             return
         if res is not None:
             self._forget(sel, fd)          # fd now belongs to the engine
@@ -282,16 +367,38 @@ class Links:
             else:
                 try:
                     self._attach(*res)
-                except (OSError, tcp.HandshakeError, ValueError, MemoryError) as exc:
+                except (OSError, tcp.HandshakeError) as exc:
                     self._reject(f"rank {res[0]} rail {res[1]}: connection refused: {exc}")
+                except Exception as exc:  # noqa: BLE001 (_attach released what it took)
+                    self._link_error("attaching", res[0], res[1], exc)
 
     def _attach_verbs(self, *res):
         try:
             self._attach(*res)
         except OSError as exc:             # the exchange failed: the socket is closed
             self._reject(f"rank {res[0]} rail {res[1]}: {exc}")
-        except RuntimeError:               # the engine was closed meanwhile
-            pass
+        except Exception as exc:           # noqa: BLE001 (_attach released what it took)
+            if not self._stop.is_set():    # (else: the engine was closed meanwhile)
+                self._link_error("attaching a verbs rail", res[0], res[1], exc)
+
+    def _link_error(self, what, peer, rail, exc):
+        """One connection failed unexpectedly (it is closed): log, count, event; -> the text."""
+        text = f"{what} (rank {peer}, rail {rail}): {type(exc).__name__}: {exc}"
+        self.nerrors += 1
+        self.errors.append((time.time(), text))
+        now = time.monotonic()
+        if now >= self._err_log_next:           # at most one line per LOG_EVERY
+            self._err_log_next = now + LOG_EVERY
+            log.warning("r2comm rank %d: connection closed after an error (%d so far): %s",
+                        self.me, self.nerrors, text,
+                        exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
+        note = getattr(self.engine, "note_link_error", None)
+        if note is not None:
+            try:
+                note(peer, rail, text)
+            except RuntimeError:           # the engine is closed
+                pass
+        return text
 
     def _forget(self, sel, fd):
         del self._pending[fd]
@@ -319,11 +426,21 @@ class Links:
         except RuntimeError:
             return
         for peer, rail in due:
-            if peer > self.me:
-                if not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
-                    self.engine.probe_failed(peer, rail)
-            else:
-                self.engine.probe_failed(peer, rail)   # the lower rank re-connects; wait for it
+            try:
+                if peer > self.me:
+                    if not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
+                        self.engine.probe_failed(peer, rail)
+                else:
+                    self.engine.probe_failed(peer, rail)   # the lower rank re-connects
+            except RuntimeError:
+                return                                     # the engine was closed
+            except Exception as exc:                       # noqa: BLE001
+                self._link_error("fail-back probe", peer, rail, exc)
+
+    @property
+    def alive(self):
+        """The links thread is running (accepting, probing, delivering events)."""
+        return self._thread.is_alive()
 
     def close(self):
         self._stop.set()
@@ -331,3 +448,28 @@ class Links:
             self._thread.join(2.0)
         for s in self.boot.listeners:
             s.close()
+
+
+class _Pending:
+    """One incoming handshake in progress: its state machine, listener, source address, whether
+    that is a peer's address, and when it was accepted."""
+    __slots__ = ("hs", "lindex", "src", "known", "since")
+
+    def __init__(self, hs, lindex, src, known):
+        self.hs, self.lindex, self.src, self.known = hs, lindex, src, known
+        self.since = time.monotonic()
+
+
+def _peer_addresses(endpoints, me):
+    """The addresses the other ranks listen on (rails and control): where their connections
+    come from, barring NAT (a connection from elsewhere still gets in, with the unknown ones)."""
+    out = set()
+    for r, ep in enumerate(endpoints):
+        if r == me:
+            continue
+        out.update(a for a, _ in ep.get("rails", ()))
+        ctrl = ep.get("ctrl")
+        if ctrl:
+            out.add(ctrl[0])
+    out.discard("0.0.0.0")
+    return out

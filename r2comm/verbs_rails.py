@@ -21,7 +21,7 @@ import select
 import socket
 import time
 
-from .errors import R2commArgumentError
+from .errors import R2commArgumentError, R2commProtocolError
 
 QPX_MAGIC = b"R2QX"
 TAG_LEN = 16
@@ -148,11 +148,13 @@ def _recv_exact(sock, n, deadline):
 def exchange(device, fd, tx_key, rx_key, timeout):
     """Make a verbs connection on `device` and connect it to the peer at the other end of the
     authenticated rail socket `fd` (both ends call this). Returns the handle for
-    Engine.attach_transport; the socket then belongs to the connection. Raises OSError or
-    ConnectionError (the socket closed) if the exchange fails."""
+    Engine.attach_transport (give it to discard() if that raises); the socket then belongs to
+    the connection. Raises OSError or ConnectionError (the socket closed, the queue pair and its
+    slots freed) if the exchange fails, also for a peer's address that does not decode."""
     from ._core import verbs
     sock = socket.socket(fileno=fd)
     deadline = time.monotonic() + timeout
+    conn = None
     try:
         sock.setblocking(True)
         sock.settimeout(timeout)
@@ -176,8 +178,19 @@ def exchange(device, fd, tx_key, rx_key, timeout):
         sock.setblocking(False)
         return conn.handover()
     except verbs.VerbsError as exc:
-        raise ConnectionError(f"verbs connection set-up failed: {exc}") from exc
-    except socket.timeout as exc:
-        raise TimeoutError("queue-pair exchange timed out") from exc
+        raise ConnectionError(f"verbs connection set-up failed: {exc}") from None
+    except R2commProtocolError as exc:          # QpAddress.decode: another version, corrupt
+        raise ConnectionError(f"queue-pair exchange: {exc}") from None
+    except socket.timeout:
+        raise TimeoutError("queue-pair exchange timed out") from None
     finally:
+        conn = None           # an unconnected QP, its slots and socket copy are freed now
         sock.close()          # the connection holds its own duplicate of the socket
+
+
+def discard(handle):
+    """Free a connection from exchange() that no engine adopted (attach_transport raised): its
+    queue pair, registered slots and companion socket (the peer then sees EOF)."""
+    verbs, _ = load()
+    if verbs is not None and handle:
+        verbs.discard(handle)

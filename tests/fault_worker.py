@@ -657,10 +657,74 @@ def survivor_report(out, r, n, line, dead=1):
     os._exit(0)
 
 
+def sc_idleflood(comm, args):
+    """Issue 28 item 4: a separate process floods this rank's listeners with `idle` idle
+    connections from 127.0.1.x (no rank's address), renewed whenever they are cut, plus a
+    trickling client per listener, while rank 1 fails rail 0 and restores it, `cycles` times
+    (spanning the flood's 2 s renewal waves). Every fail-back must happen within `limit` s of
+    its restore, every result exact."""
+    import os
+    import subprocess
+    import sys
+    n, r = comm.size, comm.rank
+    limit = float(args.get("limit", 1.0))
+    ports = [str(lst.getsockname()[1]) for lst in comm._world.boot.listeners]
+    client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flood_client.py")
+    flood = subprocess.Popen([sys.executable, client, "60", args.get("idle", "200"), *ports],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    links = comm._world.links
+    took_all = []
+    ops = 0
+    try:
+        time.sleep(2.5)          # the flood holds every slot it can (off its 2 s renewal waves)
+        x = data("flood", r, 200_000, "float32", SUM)
+        ref = reduce_ref("flood", n, 200_000, "float32", SUM)
+        y = np.empty_like(x)
+        for _cycle in range(int(args.get("cycles", 3))):
+            if r == 1:
+                comm.fail_rail(0, "hard")
+            for _ in range(5):
+                comm.Allreduce(x, y)
+                check(np.array_equal(y, ref), "allreduce with rail 0 failed")
+                ops += 1
+            WORLD.Barrier()
+            if r == 1:
+                comm.restore_rail(0)
+            t0 = time.monotonic()
+            took = None
+            for _ in range(2000):                       # bounded: ~20 s at most
+                comm.Allreduce(x, y)
+                check(np.array_equal(y, ref), "allreduce during fail-back")
+                ops += 1
+                up = WORLD.allreduce(int(comm.rails[0].state == "up"))
+                if up == n:
+                    took = time.monotonic() - t0
+                    break
+                if time.monotonic() - t0 > 20:
+                    break
+                time.sleep(0.01)
+            took_all.append(took if took is not None else 1e9)
+            time.sleep(0.7)
+        cut = sum("to make room" in w for _, w in links.rejected)
+    finally:
+        out = flood.communicate("", timeout=15)[0]     # stdin closed: the flood stops
+    opened = int(out.split("opened=")[1]) if "opened=" in out else 0
+    took_max = WORLD.allreduce(max(took_all), op=MPI.MAX)
+    cut_min = WORLD.allreduce(cut, op=MPI.MIN)
+    opened_min = WORLD.allreduce(opened, op=MPI.MIN)
+    if r == 0:
+        print(f"IDLEFLOOD failback_s={took_max:.2f} ops={ops} evicted_min={cut_min} "
+              f"opened_min={opened_min}", flush=True)
+    check(took_max < limit, f"fail-back under an idle flood took {took_max} s")
+    check(opened_min > int(args.get("idle", "200")), "the flood was cut and renewed")
+    return ops
+
+
 SCENARIOS = {"random": sc_random, "partition": sc_partition, "flap": sc_flap,
              "envfault": sc_envfault, "peerdeath": sc_peerdeath, "autoreplan": sc_autoreplan,
              "hedge": sc_hedge, "signals": sc_signals, "slowloris": sc_slowloris,
-             "integrity": sc_integrity, "stall": sc_stall, "sigkill": sc_sigkill}
+             "integrity": sc_integrity, "stall": sc_stall, "sigkill": sc_sigkill,
+             "idleflood": sc_idleflood}
 
 
 def comm_kwargs(args):

@@ -102,6 +102,18 @@ def test_failback_and_events_survive_slow_handshakes(n):
     count, out = run_scenario(n, "slowloris", timeout=120, env=FAST)
     assert re.search(r"SLOWLORIS failback_s=\d", out), out[-3000:]
     assert count >= 5 * n
+@pytest.mark.parametrize("n", [2, 3])
+def test_failback_within_1s_under_an_idle_connection_flood(n):
+    """Issue 28 item 4: 200 idle connections per rank from addresses of no rank (renewed when
+    cut) and a trickling client per listener: a restored rail is re-admitted within 1 s
+    (before: the 64 handshake slots stayed taken and every probe was closed at once)."""
+    count, out = run_scenario(n, "idleflood", timeout=120, env=FAST, idle=200, limit=1.0, cycles=3)
+    m = re.search(r"IDLEFLOOD failback_s=([\d.]+) ops=\d+ evicted_min=(\d+)", out)
+    assert m, out[-3000:]
+    assert float(m.group(1)) < 1.0 and int(m.group(2)) >= 1
+    assert count >= 5 * n
+
+
 # --- a stalled process is not a dead NIC (SIGSTOP), a dead one still raises (SIGKILL) ---------
 # default deadlines (500 ms per rail, 1.5 s for a peer): the stops outlast both many times over
 

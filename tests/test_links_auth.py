@@ -1,6 +1,8 @@
-"""The links thread under hostile clients (issue 17, item 7): handshakes run off the accept
-path with one deadline each, pending handshakes are capped, garbage is refused and reported
-(bounded, with a rate-limited log line), and a real peer still gets in meanwhile."""
+"""The links thread under hostile clients (issue 17, item 7; issue 28, items 4 and 6):
+handshakes run off the accept path with one deadline each, pending handshakes are capped,
+garbage is refused and reported (bounded, with a rate-limited log line), a real peer still
+gets in meanwhile, also through a flood of idle connections, and no error of one connection
+ends the thread or leaks what the connection took."""
 import logging
 import os
 import socket
@@ -12,32 +14,58 @@ from types import SimpleNamespace
 import pytest
 
 from r2comm import links as links_mod
+from r2comm import verbs_rails
 from r2comm._core import tcp
+from r2comm.errors import R2commProtocolError
 
 
 class FakeEngine:
+    """What Links calls on an engine. fail: exceptions the next attach() calls raise (without
+    taking the fd); due: (peer, rail) fail-back probes to report as due, once each."""
+
     def __init__(self):
         self.attached = []
+        self.fail = []
+        self.due = []
+        self.probes_failed = []
+        self.events = []
 
     def attach(self, peer, rail, fd, conn_id, *keys):
+        if self.fail:
+            raise self.fail.pop(0)
         self.attached.append((peer, rail, conn_id))
         os.close(fd)
+
+    def attach_transport(self, peer, rail, transport, handle, conn_id, *keys):
+        if self.fail:
+            raise self.fail.pop(0)
+        self.attached.append((peer, rail, conn_id))
 
     def injected(self, rail, peer):
         return False
 
     def reconnect_due(self):
-        return []
+        due, self.due = self.due, []
+        return due
+
+    def probe_timeout(self, peer, rail):
+        return 1.0
+
+    def probe_failed(self, peer, rail):
+        self.probes_failed.append((peer, rail))
+
+    def note_link_error(self, peer, rail, info):
+        self.events.append(("link_error", peer, rail, info))
 
 
-@pytest.fixture
-def links():
-    """Rank 1 of 2 with one rail: its listeners, and a running links thread."""
+def _make_links(rank=1, peer_ep=None):
+    """Rank `rank` of 2 with one rail: its listeners, and a links thread (not started)."""
     secret, job = os.urandom(32), os.urandom(8)
     lsts = [tcp.listen("127.0.0.1"), tcp.listen("127.0.0.1")]       # rail 0, control
-    eps = [{"rails": [("127.0.0.1", 1)], "ctrl": ("127.0.0.1", 1)},
-           {"rails": [lsts[0].getsockname()], "ctrl": lsts[1].getsockname()}]
-    boot = SimpleNamespace(rank=1, size=2, rail_addrs=["127.0.0.1"], endpoints=eps,
+    mine = {"rails": [lsts[0].getsockname()], "ctrl": lsts[1].getsockname()}
+    other = peer_ep or {"rails": [("127.0.0.1", 1)], "ctrl": ("127.0.0.1", 1)}
+    eps = [other, mine] if rank == 1 else [mine, other]
+    boot = SimpleNamespace(rank=rank, size=2, rail_addrs=["127.0.0.1"], endpoints=eps,
                            listeners=lsts, secret=secret, job=job)
     cfg = SimpleNamespace(rail_timeout_ms=500, sockbuf=0, notsent_lowat=0)
     lk = links_mod.Links(FakeEngine(), boot, cfg)
@@ -47,6 +75,13 @@ def links():
         lk.ticks += 1
     lk.on_tick = tick
     lk.handshake_timeout = 1.0
+    return lk
+
+
+@pytest.fixture
+def links():
+    """Rank 1 of 2 with one rail, its links thread running."""
+    lk = _make_links()
     lk._thread.start()
     yield lk
     lk.close()
@@ -157,3 +192,259 @@ def test_garbage_hellos_are_refused_reported_and_bounded(links, caplog):
     assert 1 <= len(warned) <= 2                    # rate-limited, not one line per connection
     fd, cid = _connect(links)
     os.close(fd)
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _flood(port_list, stop, n=200, opened=None):
+    """n idle connections from 127.0.0.2.. (addresses of no peer), spread over the ports and
+    renewed whenever the server cuts one; bounded (30 s)."""
+    socks = [None] * n
+    end = time.monotonic() + 30
+    while not stop.is_set() and time.monotonic() < end:
+        for i in range(n):
+            s = socks[i]
+            if s is not None:
+                try:
+                    if s.recv(1):
+                        continue
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                s.close()                        # cut off: connect again
+            try:
+                s = socket.socket()
+                s.bind((f"127.0.0.{2 + i % 200}", 0))
+                s.settimeout(0.5)
+                s.connect(("127.0.0.1", port_list[i % len(port_list)]))
+                s.setblocking(False)
+                socks[i] = s
+                if opened is not None:
+                    opened[0] += 1
+            except OSError:
+                s.close()
+                socks[i] = None
+        stop.wait(0.05)
+    for s in socks:
+        if s is not None:
+            s.close()
+
+
+def _trickle(port, stop):
+    """A client from 127.0.0.250 that sends a plausible HELLO one byte every 0.1 s."""
+    hello = struct.pack("!4sH", b"R2CH", 1) + bytes(38)
+    end = time.monotonic() + 30
+    while not stop.is_set() and time.monotonic() < end:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.250", 0))
+            s.settimeout(0.5)
+            s.connect(("127.0.0.1", port))
+            for i in range(len(hello)):
+                if stop.wait(0.1):
+                    break
+                s.send(hello[i:i + 1])
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+
+def test_idle_flood_does_not_lock_peers_out(links):
+    """Issue 28 item 4: 200 idle connections (renewed when cut) and a trickling client on the
+    listeners; a peer's connections (start-up, fail-back) still get through, each within 1 s."""
+    stop, opened = threading.Event(), [0]
+    ports = [_port(links, 0), _port(links, 1)]
+    attackers = [threading.Thread(target=_flood, args=(ports, stop, 200, opened)),
+                 threading.Thread(target=_trickle, args=(ports[0], stop))]
+    for t in attackers:
+        t.start()
+    try:
+        assert _soon(lambda: opened[0] >= 200, 10.0)
+        time.sleep(0.3)
+        took = []
+        for k in range(10):
+            for rail, i in ((0, 0), (tcp.CTRL_RAIL, 1)):
+                t0 = time.monotonic()
+                fd, _ = tcp.connect("127.0.0.1", _port(links, i), None, links.boot.secret,
+                                    links.boot.job, 0, 1, rail, 1.0, 500)
+                took.append(time.monotonic() - t0)
+                os.close(fd)
+            time.sleep(0.05)
+        assert _soon(lambda: len(links.engine.attached) == 20)
+        assert max(took) < 1.0, took
+        assert opened[0] > 200                          # the server did cut (and we renewed)
+        assert sum("to make room" in w for _, w in links.rejected) >= 50
+        assert links.alive
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join(10)
+
+
+def test_pending_limits_per_source_and_for_unknown_sources(links):
+    """One unknown source holds at most max_pending_per_source handshakes, unknown sources
+    together at most max_pending_unknown (the oldest go); a peer's address gets in."""
+    per = links.max_pending_per_source
+    links.max_pending_unknown = 2 * per
+    idle = {}
+    try:
+        for i in range(3):
+            for _ in range(10):
+                s = socket.socket()
+                s.bind((f"127.0.0.{10 + i}", 0))
+                s.connect(("127.0.0.1", _port(links)))
+                idle[s] = i
+        time.sleep(0.3)
+        left = [i for s, i in idle.items() if not _closed_within(s, 0.01)]
+        assert len(left) == 2 * per
+        assert max(left.count(i) for i in range(3)) == per
+        fd, _ = _connect(links)                          # 127.0.0.1: a peer's address
+        os.close(fd)
+        assert _soon(lambda: len(links.engine.attached) == 1)
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_attach_errors_neither_end_the_thread_nor_leak(links):
+    """Issue 28 item 6, accepting side: an attach that raises (a corrupt address, no memory,
+    a bad argument) closes that connection (the peer sees EOF), counts and events it; the
+    thread lives on and the next connection attaches."""
+    assert _soon(lambda: links.ticks > 0)               # the thread made its selector
+    before = _fds()
+    links.engine.fail = [R2commProtocolError("corrupt QP address"), MemoryError(),
+                         ValueError("no such peer/rail"), KeyError("x")] * 3
+    for _ in range(12):
+        fd, _ = _connect(links)
+        s = socket.socket(fileno=fd)
+        assert _closed_within(s, 2.0)
+        s.close()
+    assert _soon(lambda: links.nerrors == 12)
+    assert links.alive
+    assert len(links.engine.events) == 12 and links.engine.events[0][1:3] == (0, 0)
+    assert "corrupt QP address" in links.engine.events[0][3]
+    fd, cid = _connect(links)
+    os.close(fd)
+    assert _soon(lambda: links.engine.attached == [(0, 0, cid)])
+    assert _fds() <= before
+
+
+def test_failed_failback_attach_keeps_probing(monkeypatch):
+    """Issue 28 item 6, connecting side: a fail-back probe whose attach raises is closed and
+    counted; the thread lives, and the next probe brings the rail back."""
+    srv = tcp.listen("127.0.0.1")
+    lk = _make_links(rank=0, peer_ep={"rails": [srv.getsockname()], "ctrl": srv.getsockname()})
+    lk._thread.start()
+    got = []
+
+    def peer():                                          # rank 1's side of two probes
+        for _ in range(2):
+            try:
+                got.append(tcp.accept(srv, lk.boot.secret, lk.boot.job, 1, 5.0, 500))
+            except (OSError, tcp.HandshakeError) as exc:
+                got.append(exc)
+    t = threading.Thread(target=peer)
+    t.start()
+    try:
+        before = _fds()
+        lk.engine.fail = [R2commProtocolError("corrupt QP address")]
+        lk.engine.due = [(1, 0)]
+        assert _soon(lambda: len(got) == 1, 5.0)
+        s = socket.socket(fileno=got[0][2])
+        assert _closed_within(s, 2.0)                    # the connector closed its end
+        s.close()
+        time.sleep(0.1)
+        assert lk._thread.is_alive(), "the links thread died"
+        assert _soon(lambda: lk.nerrors == 1, 5.0)
+        assert lk.engine.probes_failed == [(1, 0)]
+        lk.engine.due = [(1, 0)]                         # the next probe: fail-back happens
+        assert _soon(lambda: lk.engine.attached and lk.engine.attached[0][:2] == (1, 0), 5.0)
+        t.join(5)
+        os.close(got[1][2])
+        assert lk.alive and _fds() <= before
+    finally:
+        t.join(5)
+        lk.close()
+        srv.close()
+
+
+def test_verbs_handover_released_when_attach_transport_raises(links, monkeypatch):
+    """Issue 28 item 6, verbs: the connection exchange() handed over is discarded (QP, slots,
+    companion socket) when attach_transport raises, and the error is counted, not fatal."""
+    handles, discarded = iter(range(1000, 1010)), []
+
+    def exchange(device, fd, tx, rx, timeout):
+        os.close(fd)                                     # exchange() owns fd
+        return next(handles)
+    monkeypatch.setattr(verbs_rails, "exchange", exchange)
+    monkeypatch.setattr(verbs_rails, "discard", discarded.append)
+    monkeypatch.setattr(verbs_rails, "load",
+                        lambda: (SimpleNamespace(transport_address=lambda: 1), None))
+    links.verbs = True
+    links.boot.rail_devices = [None]
+    links.engine.fail = [MemoryError("no memory for a connection's transport state")]
+    fd, _ = _connect(links)
+    os.close(fd)
+    assert _soon(lambda: links.nerrors == 1)
+    assert discarded == [1000]
+    fd, cid = _connect(links)
+    os.close(fd)
+    assert _soon(lambda: links.engine.attached == [(0, 0, cid)])
+    assert discarded == [1000] and links.alive
+
+
+def test_link_errors_reach_the_engine_events():
+    """Engine.note_link_error, what Links calls for a connection's error: a `link_error` event
+    in comm.events / on_event (engine.events_since)."""
+    from r2comm._core import engine as eng
+    e = eng.Engine(0, 2, [0, 1], 1 << 16, 5.0, 10.0, 1 << 20)
+    try:
+        e.note_link_error(1, 0, "attaching (rank 1, rail 0): R2commProtocolError: corrupt")
+        ev = e.events_since(0)[-1]
+        assert (ev["kind"], ev["peer"], ev["rail"]) == ("link_error", 1, 0)
+        assert "corrupt" in ev["info"]
+    finally:
+        e.close()
+
+
+def test_exchange_turns_a_corrupt_qp_address_into_connection_error(monkeypatch):
+    """Issue 28 item 6, verbs: a peer's queue-pair address that does not decode (another
+    version, corrupt) is a ConnectionError like any failed exchange (the links thread closes
+    that connection), and the unconnected QP and the socket are released at once."""
+    import hashlib
+    import hmac
+    from r2comm._core import verbs as vmod
+    freed = []
+
+    class FakeConn:                          # VerbsConn's calls; connect() decodes like the real
+        def __init__(self, device, side_fd):
+            self.side = side_fd
+
+        def address(self):
+            return b"A" * 40
+
+        def connect(self, theirs):
+            raise R2commProtocolError(f"QP address is {len(theirs)} bytes, expected 40")
+
+        def __del__(self):
+            os.close(self.side)
+            freed.append(True)
+    monkeypatch.setattr(vmod, "VerbsConn", FakeConn, raising=False)
+    a, b = socket.socketpair()
+    tx, rx = os.urandom(32), os.urandom(32)
+    bogus = b"\x00" * 7
+    b.sendall(verbs_rails.QPX_MAGIC + bytes([len(bogus)]) + bogus +
+              hmac.new(tx, b"qpx" + bogus, hashlib.sha256).digest()[:verbs_rails.TAG_LEN])
+    before = _fds()
+    with pytest.raises(ConnectionError, match="QP address"):
+        verbs_rails.exchange(None, a.detach(), rx, tx, 2.0)
+    assert freed == [True]                   # freed when exchange() returned, not later
+    assert _fds() == before - 1              # its socket (fd) and the QP's copy are closed
+    b.settimeout(1.0)
+    sent = b.recv(4096)                      # this side's address and tag, then EOF
+    assert sent.startswith(verbs_rails.QPX_MAGIC) and b.recv(100) == b""
+    b.close()

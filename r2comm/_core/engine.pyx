@@ -1277,6 +1277,17 @@ cdef class Engine:
             forget_op(e, oid)
 
     # -- observation ---------------------------------------------------------------------------
+    def note_link_error(self, int peer, int rail, str info):
+        """Record a `link_error` event: the links thread caught an error of one connection
+        (peer -1 when not known) and closed that connection (r2comm/links.py)."""
+        cdef State* e = self._live()
+        cdef bytes text = info.encode("utf-8", "replace")[:1024]
+        cdef const char* c = text
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            add_event(e, EV_LINK_ERROR, peer, rail, 0, 0, 0.0, c)
+            pthread_mutex_unlock(&e.mu)
+
     def events_since(self, Py_ssize_t start):
         cdef State* e = self._live()
         cdef list out = []

@@ -62,6 +62,7 @@ cdef enum:
     EV_RAIL_NEVER_UP = 11
     EV_PEER_STALLED = 12
     EV_PEER_RESUMED = 13
+    EV_LINK_ERROR = 14      # the links thread caught an error of one connection (links.py)
 
 cdef enum:
     # where the engine located a failure (the events' 'cause')
@@ -79,7 +80,8 @@ EVENT_NAMES = {EV_RAIL_NEVER_UP: "rail_never_up", EV_RAIL_FAILED: "rail_failed",
                EV_NOTIFY_ACKED: "notify_acked", EV_MIGRATED: "migrated",
                EV_REDELIVERED: "redelivered", EV_RAIL_RESTORED: "rail_restored",
                EV_PEER_LOST: "peer_lost", EV_BAD_FRAME: "bad_frame", EV_NOTIFIED: "peer_notified",
-               EV_ABORT: "abort", EV_PEER_STALLED: "peer_stalled", EV_PEER_RESUMED: "peer_resumed"}
+               EV_ABORT: "abort", EV_PEER_STALLED: "peer_stalled", EV_PEER_RESUMED: "peer_resumed",
+               EV_LINK_ERROR: "link_error"}
 ERR_TIMEOUT, ERR_NETWORK, ERR_MISMATCH, ERR_TRUNCATE, ERR_PROTOCOL, ERR_CLOSED = (
     E_TIMEOUT, E_NETWORK, E_MISMATCH, E_TRUNCATE, E_PROTOCOL, E_CLOSED)
 MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV = (

@@ -145,6 +145,11 @@ class ServerHandshake:
     def fileno(self):
         return self.sock.fileno()
 
+    @property
+    def got_hello(self):
+        """The connector sent a valid HELLO of this job to this rank (it got this side's proof)."""
+        return self._hello is not None
+
     def _who(self):
         return f"connection from {self.addr[0]}:{self.addr[1]}"
 

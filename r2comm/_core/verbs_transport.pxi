@@ -511,6 +511,13 @@ def transport_address():
     return <uint64_t><intptr_t>&VERBS_TP
 
 
+def discard(uint64_t handle):
+    """Free a connection that VerbsConn.handover() gave out and no engine adopted (its QP,
+    slots, registration and companion socket); never for one an engine took."""
+    if handle != 0:
+        vconn_free(<VConn*><intptr_t>handle)
+
+
 def transport_slots():
     """(slot bytes, send slots, receive slots) of a verbs connection."""
     return VT_SLOT, VT_NSEND, VT_NRECV
