@@ -108,3 +108,24 @@ def gather_rails(ctl, mine, nrails):
                 d[p] = rows
         out.append(d)
     return out
+
+
+def agree_rails(ctl, fixed, exceptions):
+    """RailState.agree's exchange for the control plane: every rank's fixed summary row
+    (planner.agree.summarise; the last number its exception count) in one allgather, then the
+    exceptions in a second one whose rows are as long as the most any rank has (none when no
+    rank has any). Each rank contributes O(nrails + its exceptions) numbers, not O(n)."""
+    from .planner import agree
+    table = allgather(ctl, fixed)
+    try:
+        counts = agree.check_fixed(table, ctl.size, (len(fixed) - 1) // (2 * agree.FIELDS))
+    except ValueError as exc:
+        raise R2commNetworkError(f"control plane: {exc}") from None
+    width = max(counts, default=0) * agree.EXC_FIELDS
+    if not width:
+        return table, [np.zeros((0, agree.EXC_FIELDS)) for _ in counts]
+    row = np.zeros(width)
+    row[:exceptions.size] = np.asarray(exceptions, np.float64).ravel()
+    rows = allgather(ctl, row)
+    return table, [rows[r, :c * agree.EXC_FIELDS].reshape(c, agree.EXC_FIELDS)
+                   for r, c in enumerate(counts)]
