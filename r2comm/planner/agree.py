@@ -148,3 +148,186 @@ def rebuild(table, excs, hosts, nrails, rail_bw=None, rates="nic"):
                 d[p] = rows
         stats.append(d)
     return stats
+
+
+class _Agreed:
+    """The agreed summaries, queried per (rank, peer, rail) as from_rail_stats would see the
+    rebuilt stats: the entry's triple, its class's NIC figure, the link's bandwidth."""
+
+    def __init__(self, table, excs, hosts, nrails, rail_bw):
+        n = len(hosts)
+        self.hosts, self.nrails, self.rail_bw = hosts, nrails, rail_bw
+        self.body = np.asarray(table, np.float64)[:, :-1].reshape(n, 2, nrails, FIELDS)
+        self.exc = {}
+        for r in range(n):
+            exc = np.asarray(excs[r], np.float64)
+            _check_exceptions(r, exc, n, nrails)
+            for p, k, st, w, m in exc:
+                self.exc[(r, int(p), int(k))] = (st, w, m)
+        self.fig, self.scale = {}, 0.0
+
+    def inside(self, r, p):
+        return int(self.hosts[r] == self.hosts[p])
+
+    def entry(self, r, p, k):
+        e = self.exc.get((r, p, k))
+        return e if e is not None else tuple(self.body[r, self.inside(r, p), k, :3])
+
+    def rel(self, w, k):
+        return _rel(w, k, self.rail_bw)
+
+    def bw(self, r, p, k):
+        """from_rail_stats' bandwidth of the link (r, p, k)."""
+        c = self.inside(r, p)
+        ends = [self.fig[x] for x in ((r, k, c), (p, k, c)) if x in self.fig]
+        return min(ends) if ends else self.rel(self.entry(r, p, k)[1], k) * self.scale
+
+    def rail(self, a, b, k):
+        """RailState.rail_bw of the rebuilt state."""
+        if self.entry(a, b, k)[0] != 1.0 or self.entry(b, a, k)[0] != 1.0:
+            return 0.0
+        x, y = self.bw(a, b, k), self.bw(b, a, k)
+        return min(x, y) if x > 0 and y > 0 else 0.0
+
+
+def _weighted_upper_median(pairs):
+    """Upper median of the multiset {value: count} given as (value, count) pairs."""
+    pairs = sorted(pairs)
+    half = sum(c for _, c in pairs) // 2
+    for v, c in pairs:
+        if half < c:
+            return v
+        half -= c
+    raise ValueError("empty")
+
+
+def direct_state(table, excs, hosts, nrails, rail_bw=None, nominal_bw=None, noise=None,
+                 rates="nic", **kw):
+    """RailState.from_rail_stats(hosts, rebuild(...)).compact() computed from the summaries in
+    O(n·K·(ranks per host + exceptions)) instead of over every pair, or None where that does
+    not apply ("scale" mode, a rail missing towards some peer, a NIC with a rate beside one
+    without in "nic" mode): then the caller takes the rebuild path. The result carries no raw
+    measurements (`measured` is empty)."""
+    from .state import NicRailState, DEFAULT_BW, MEASURE_NOISE, nic_figures
+    nominal_bw = DEFAULT_BW if nominal_bw is None else nominal_bw
+    noise = MEASURE_NOISE if noise is None else noise
+    n = len(hosts)
+    check_fixed(table, n, nrails)
+    if rates not in ("nic", "declared") or n < 2 or not nrails:
+        return None
+    ag = _Agreed(table, excs, hosts, nrails, rail_bw)
+    on_host = {}
+    for h in hosts:
+        on_host[h] = on_host.get(h, 0) + 1
+    size = {}                                       # (rank, class) -> its peers in the class
+    for r in range(n):
+        for c, cnt in enumerate((n - on_host[hosts[r]], on_host[hosts[r]] - 1)):
+            if cnt:
+                size[(r, c)] = cnt
+    by_class = {}                                   # (rank, class, rail) -> its exceptions
+    for (r, p, k), e in ag.exc.items():
+        if e[0] < 0:
+            return None
+        by_class.setdefault((r, ag.inside(r, p), k), []).append(e)
+    raw, weights = {}, []
+    for (r, c), cnt in size.items():
+        for k in range(nrails):
+            st, w, m, rate = ag.body[r, c, k]
+            if st < 0:
+                return None
+            own = by_class.get((r, c, k), ())
+            nb = cnt - len(own)
+            meas = ([(w, nb)] if m and nb else []) + [(e[1], 1) for e in own if e[2]]
+            if meas:
+                raw[(r, k, bool(c))] = rate
+                weights += [((r, k, bool(c)), ww, cc) for ww, cc in meas]
+    degraded_tol = kw.pop("degraded_tol", noise if rates == "nic" and raw else 0.02)
+    ag.scale = nominal_bw
+    if rates == "nic" and raw:
+        fig = nic_figures(raw, noise)
+        ag.fig = {(r, k, int(c)): v for (r, k, c), v in fig.items()}
+        ag.scale = _weighted_upper_median(
+            [(fig[key] / (ag.rel(w, key[1]) or 1.0), cnt) for key, w, cnt in weights])
+    return _compact(ag, n, nrails, NicRailState, degraded_tol, **kw)
+
+
+def _rank_nics(ag, n, nrails):
+    """Per rail, each rank's figure towards other hosts when no exception is involved
+    (0: down), or None when a pair's bandwidth is not the smaller of two such figures."""
+    out = []
+    for k in range(nrails):
+        row = []
+        figs = [(r, k, 0) in ag.fig for r in range(n)]
+        for r in range(n):
+            st, w = ag.body[r, 0, k, :2]
+            if st != 1.0:
+                row.append(0.0)
+            elif ag.fig and not figs[r]:
+                return None
+            else:
+                v = ag.fig[(r, k, 0)] if ag.fig else ag.rel(w, k) * ag.scale
+                row.append(v if v > 0 else 0.0)
+        out.append(row)
+    return out
+
+
+def _compact(ag, n, nrails, nic_cls, degraded_tol, **kw):
+    hosts = ag.hosts
+    hl, hidx = [], {}
+    for h in hosts:
+        if h not in hidx:
+            hidx[h] = len(hl)
+            hl.append(h)
+    hi = [hidx[h] for h in hosts]
+    members = [[] for _ in hl]
+    for r in range(n):
+        members[hi[r]].append(r)
+    N = _rank_nics(ag, n, nrails) if len(hl) > 1 else [[0.0] * n for _ in range(nrails)]
+    if N is None:
+        return None
+    cross = [{} for _ in range(nrails)]           # rail -> {(a, b) a < b: bandwidth}
+    for (r, p, k) in ag.exc:
+        if hi[r] != hi[p]:
+            a, b = min(r, p), max(r, p)
+            cross[k][(a, b)] = ag.rail(a, b, k)
+    nic = [[0.0] * nrails for _ in hl]
+    for k in range(nrails):
+        order = sorted((r for r in range(n) if N[k][r] > 0), key=lambda r: -N[k][r])
+        for a in order:
+            for b in order:
+                if hi[b] != hi[a] and (min(a, b), max(a, b)) not in cross[k]:
+                    v = min(N[k][a], N[k][b])
+                    nic[hi[a]][k] = max(nic[hi[a]][k], v)
+                    break
+        for (a, b), v in cross[k].items():
+            for r in (a, b):
+                nic[hi[r]][k] = max(nic[hi[r]][k], v)
+    local, pairs_in = {}, {}
+    for rs in members:
+        for x, a in enumerate(rs):
+            for b in rs[x + 1:]:
+                vals = [ag.rail(a, b, k) for k in range(nrails)]
+                pairs_in[(a, b)] = vals
+                pb = sum(vals)
+                local[pb] = local.get(pb, 0) + 1
+    intra = max(sorted(local), key=lambda v: local[v]) if local else 0.0
+    out = nic_cls(hosts, nic, intra, degraded_tol=degraded_tol, **kw)
+    exc = {}
+    for (a, b), vals in pairs_in.items():
+        for k, v in enumerate(vals):
+            if v != out.rail_bw(a, b, k):
+                exc[(a, b, k)] = (v > 0, v)
+    for k in range(nrails):
+        for (a, b), v in cross[k].items():
+            if v != out.rail_bw(a, b, k):
+                exc[(a, b, k)] = (v > 0, v)
+        odd = [r for r in range(n) if N[k][r] != nic[hi[r]][k]]
+        for a in odd:
+            for b in range(n):
+                if hi[b] == hi[a] or (min(a, b), max(a, b)) in cross[k]:
+                    continue
+                v = min(N[k][a], N[k][b]) if N[k][a] > 0 and N[k][b] > 0 else 0.0
+                if v != out.rail_bw(a, b, k):
+                    exc[(min(a, b), max(a, b), k)] = (v > 0, v)
+    out.exceptions = exc
+    return out

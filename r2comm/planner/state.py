@@ -100,6 +100,12 @@ def measured_figures(hosts, measured, noise=MEASURE_NOISE):
     for (r, p, k), rate in measured.items():
         key = (r, k, hosts[r] == hosts[p])
         nic[key] = max(nic.get(key, 0.0), rate)
+    return nic_figures(nic, noise)
+
+
+def nic_figures(nic, noise=MEASURE_NOISE):
+    """Steps 2-3 of the "nic" model: {(rank, rail, inside): best measured bytes/s} -> the
+    figure of each NIC."""
     out = {}
     for inside in (False, True):
         mine = {key: v for key, v in nic.items() if key[2] == inside}
@@ -227,6 +233,10 @@ class RailState:
         fixed, exc = agree.summarise(_own_rows(rank, members, rail_stats), rank, hosts, nrails,
                                      rates, rail_bw)
         table, excs = exchange(fixed, exc)
+        st = agree.direct_state(table, excs, hosts, nrails, rail_bw, nominal_bw, rates=rates,
+                                **kw)
+        if st is not None:
+            return st
         stats = agree.rebuild(table, excs, hosts, nrails, rail_bw, rates)
         return cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates,
                                    **kw).compact()
