@@ -157,7 +157,7 @@ class _Agreed:
     def __init__(self, table, excs, hosts, nrails, rail_bw):
         n = len(hosts)
         self.hosts, self.nrails, self.rail_bw = hosts, nrails, rail_bw
-        self.body = np.asarray(table, np.float64)[:, :-1].reshape(n, 2, nrails, FIELDS)
+        self.body = np.asarray(table, np.float64)[:, :-1].reshape(n, 2, nrails, FIELDS).tolist()
         self.exc = {}
         for r in range(n):
             exc = np.asarray(excs[r], np.float64)
@@ -171,7 +171,7 @@ class _Agreed:
 
     def entry(self, r, p, k):
         e = self.exc.get((r, p, k))
-        return e if e is not None else tuple(self.body[r, self.inside(r, p), k, :3])
+        return e if e is not None else tuple(self.body[r][self.inside(r, p)][k][:3])
 
     def rel(self, w, k):
         return _rel(w, k, self.rail_bw)
@@ -232,7 +232,7 @@ def direct_state(table, excs, hosts, nrails, rail_bw=None, nominal_bw=None, nois
     raw, weights = {}, []
     for (r, c), cnt in size.items():
         for k in range(nrails):
-            st, w, m, rate = ag.body[r, c, k]
+            st, w, m, rate = ag.body[r][c][k]
             if st < 0:
                 return None
             own = by_class.get((r, c, k), ())
@@ -259,7 +259,7 @@ def _rank_nics(ag, n, nrails):
         row = []
         figs = [(r, k, 0) in ag.fig for r in range(n)]
         for r in range(n):
-            st, w = ag.body[r, 0, k, :2]
+            st, w = ag.body[r][0][k][:2]
             if st != 1.0:
                 row.append(0.0)
             elif ag.fig and not figs[r]:
