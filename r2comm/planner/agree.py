@@ -17,10 +17,11 @@ RailState.from_rail_stats() reads: every entry gets its class's triple (or its e
 its class's rate. In "nic" and "declared" mode that gives exactly the state of the dense gather
 (the "nic" model reads only each NIC's best rate per class, and the counts); in "scale" mode the
 overall scale is the median over the (rank, rail, class) medians instead of over every
-measurement (it only sets the units of every link)."""
+measurement (it only sets the units of every link). direct_state() computes the same compact
+state from the summaries without going over every pair (O(n·K·(ranks per host + exceptions)));
+rebuild() + from_rail_stats() + compact() is the fall-back where it does not apply."""
 import numpy as np
 
-STATES = {"up": 1.0, "down": 0.0}
 FIELDS = 4                  # per (class, rail): state (1 up, 0 down, -1 no such rail), weight,
                             # measured (1/0), rate
 EXC_FIELDS = 5              # per exception: peer, rail, state, weight, measured
