@@ -684,10 +684,10 @@ class Communicator:
                 # prices a local pair at least like a healthy remote one (never as a pair that
                 # lost NICs), and NIC failures elsewhere never touch it
                 stats[g] = stats[g][:1] * nrails
-        return planner.RailState.gather(lambda mine: control.gather_rails(ctl, mine, nrails),
-                                        self.rank, self._members, stats,
-                                        hosts, self._cfg.rail_bw or None,
-                                        rates="scale" if loop else "nic", compact=True)
+        return planner.RailState.agree(lambda fixed, exc: control.agree_rails(ctl, fixed, exc),
+                                       self.rank, self._members, stats, hosts, nrails,
+                                       self._cfg.rail_bw or None,
+                                       rates="scale" if loop else "nic")
 
     @property
     def epoch(self):

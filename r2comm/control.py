@@ -3,8 +3,9 @@ through the engine (not through the bootstrap MPI communicator).
 
 Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
 CTL_BIT | id, so its operations have their own sequence numbers and tags and never match the
-application's. The start-up bandwidth probe (probe.py), the rail-state gather (rail_state())
-and the epoch check of R2COMM_REPLAN run on it.
+application's. The start-up bandwidth probe (probe.py), the rail-state agreement (rail_state():
+agree_rails, per-rank summaries of planner/agree.py) and the epoch check of R2COMM_REPLAN run
+on it.
 
 allgather() is a flooding allgather of one small float64 row per rank built from point-to-point
 messages: each round every rank sends the rows it knows to every peer it can still reach and
@@ -89,22 +90,22 @@ def allreduce_max(ctl, values, **kw):
     return allgather(ctl, values, **kw).max(axis=0)
 
 
-def gather_rails(ctl, mine, nrails):
-    """RailState.gather's allgather for the control plane: mine = {peer: [(state, weight,
-    rate), ...]} (communicator ranks) -> the list of every rank's dict."""
-    n = ctl.size
-    row = np.full((n, nrails, 3), np.nan)
-    for p, rows in mine.items():
-        for k, rec in enumerate(rows[:nrails]):
-            row[p, k] = (1.0 if rec[0] == "up" else 0.0, rec[1], rec[2] if len(rec) > 2 else 0.0)
-    table = allgather(ctl, row.ravel()).reshape(n, n, nrails, 3)
-    out = []
-    for r in range(n):
-        d = {}
-        for p in range(n):
-            rows = [("up" if x[0] > 0 else "down", float(x[1]), float(x[2]))
-                    for x in table[r, p] if not np.isnan(x[0])]
-            if rows and p != r:
-                d[p] = rows
-        out.append(d)
-    return out
+def agree_rails(ctl, fixed, exceptions):
+    """RailState.agree's exchange for the control plane: every rank's fixed summary row
+    (planner.agree.summarise; the last number its exception count) in one allgather, then the
+    exceptions in a second one whose rows are as long as the most any rank has (none when no
+    rank has any). Each rank contributes O(nrails + its exceptions) numbers, not O(n)."""
+    from .planner import agree
+    table = allgather(ctl, fixed)
+    try:
+        counts = agree.check_fixed(table, ctl.size, (len(fixed) - 1) // (2 * agree.FIELDS))
+    except ValueError as exc:
+        raise R2commNetworkError(f"control plane: {exc}") from None
+    width = max(counts, default=0) * agree.EXC_FIELDS
+    if not width:
+        return table, [np.zeros((0, agree.EXC_FIELDS)) for _ in counts]
+    row = np.zeros(width)
+    row[:exceptions.size] = np.asarray(exceptions, np.float64).ravel()
+    rows = allgather(ctl, row)
+    return table, [rows[r, :c * agree.EXC_FIELDS].reshape(c, agree.EXC_FIELDS)
+                   for r, c in enumerate(counts)]

@@ -100,6 +100,12 @@ def measured_figures(hosts, measured, noise=MEASURE_NOISE):
     for (r, p, k), rate in measured.items():
         key = (r, k, hosts[r] == hosts[p])
         nic[key] = max(nic.get(key, 0.0), rate)
+    return nic_figures(nic, noise)
+
+
+def nic_figures(nic, noise=MEASURE_NOISE):
+    """Steps 2-3 of the "nic" model: {(rank, rail, inside): best measured bytes/s} -> the
+    figure of each NIC."""
     out = {}
     for inside in (False, True):
         mine = {key: v for key, v in nic.items() if key[2] == inside}
@@ -116,6 +122,15 @@ def measured_figures(hosts, measured, noise=MEASURE_NOISE):
                 slow[key] = v
         out.update(snap_rates(slow, noise))
     return out
+
+
+def _own_rows(rank, members, rail_stats):
+    """This rank's {peer: [(state, weight, rate), ...]} (communicator ranks) from
+    Engine.rail_stats() (keyed by global rank)."""
+    g2c = {g: i for i, g in enumerate(members)}
+    me = members[rank]
+    return {g2c[g]: [(row[0], row[5], row[7] if len(row) > 7 else 0.0) for row in rows]
+            for g, rows in rail_stats.items() if g in g2c and g != me}
 
 
 class PartitionedError(ValueError):
@@ -201,14 +216,30 @@ class RailState:
         (one test machine) each rank is taken as its own host, so NIC loss still shows as a
         slow host. The measured rates (row[7]) give the bandwidths as `rates` says ("nic",
         "scale", "declared": from_rail_stats), R2COMM_RAIL_BW (rail_bw) where a rail has none."""
-        g2c = {g: i for i, g in enumerate(members)}
-        me = members[rank]
-        mine = {g2c[g]: [(row[0], row[5], row[7] if len(row) > 7 else 0.0) for row in rows]
-                for g, rows in rail_stats.items() if g in g2c and g != me}
-        stats = allgather(mine)
+        stats = allgather(_own_rows(rank, members, rail_stats))
         hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
         st = cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates, **kw)
         return st.compact() if compact else st
+
+    @classmethod
+    def agree(cls, exchange, rank, members, rail_stats, hosts, nrails, rail_bw=None,
+              nominal_bw=DEFAULT_BW, rates="nic", **kw):
+        """gather()'s state, compacted, agreed through per-rank summaries (planner.agree): each
+        rank contributes O(nrails) numbers plus 5 per exception, not a row per peer.
+        exchange(fixed, exceptions) -> (every rank's fixed row as an (n, len) array, the list
+        of every rank's exceptions array); e.g. control.agree_rails. Collective."""
+        from . import agree
+        hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
+        fixed, exc = agree.summarise(_own_rows(rank, members, rail_stats), rank, hosts, nrails,
+                                     rates, rail_bw)
+        table, excs = exchange(fixed, exc)
+        st = agree.direct_state(table, excs, hosts, nrails, rail_bw, nominal_bw, rates=rates,
+                                **kw)
+        if st is not None:
+            return st
+        stats = agree.rebuild(table, excs, hosts, nrails, rail_bw, rates)
+        return cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates,
+                                   **kw).compact()
 
     def copy(self):
         return RailState(list(self.hosts), self.nrails, dict(self.link), self.alpha, self.chunk,
