@@ -684,7 +684,7 @@ class Communicator:
                 # prices a local pair at least like a healthy remote one (never as a pair that
                 # lost NICs), and NIC failures elsewhere never touch it
                 stats[g] = stats[g][:1] * nrails
-        return planner.RailState.agree(lambda fixed, exc: control.agree_rails(ctl, fixed, exc),
+        return planner.agree.agree_state(lambda fixed, exc: control.agree_rails(ctl, fixed, exc),
                                        self.rank, self._members, stats, hosts, nrails,
                                        self._cfg.rail_bw or None,
                                        rates="scale" if loop else "nic")

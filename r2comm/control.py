@@ -91,7 +91,7 @@ def allreduce_max(ctl, values, **kw):
 
 
 def agree_rails(ctl, fixed, exceptions):
-    """RailState.agree's exchange for the control plane: every rank's fixed summary row
+    """agree.agree_state's exchange for the control plane: every rank's fixed summary row
     (planner.agree.summarise; the last number its exception count) in one allgather, then the
     exceptions in a second one whose rows are as long as the most any rank has (none when no
     rank has any). Each rank contributes O(nrails + its exceptions) numbers, not O(n)."""

@@ -84,7 +84,7 @@ def agreed(stats, hosts, nrails, rates, rank=0, **kw):
     def exchange(fixed, exc):
         assert np.array_equal(fixed, sums[rank][0])
         return np.array([s[0] for s in sums]), [s[1] for s in sums]
-    return RailState.agree(exchange, rank, list(range(n)), as_engine(stats[rank], n), hosts,
+    return agree.agree_state(exchange, rank, list(range(n)), as_engine(stats[rank], n), hosts,
                            nrails, rates=rates, **kw)
 
 

@@ -16,7 +16,7 @@ is used; with a RailState, choose() prices them among the other candidates. algo
 forces it where the topology allows one (otherwise the flat plan is used), "flat" excludes it."""
 import math
 
-from . import algorithms, cost, degraded, hierarchical, price, routing
+from . import agree, algorithms, cost, degraded, hierarchical, price, routing
 from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, REDUCE_SEND, REDUCE_SEND_REV
 from .state import RailState, PartitionedError
 from .topology import Topology, INTRA_BW

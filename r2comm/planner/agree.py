@@ -22,6 +22,8 @@ state from the summaries without going over every pair (O(n·K·(ranks per host 
 rebuild() + from_rail_stats() + compact() is the fall-back where it does not apply."""
 import numpy as np
 
+from .state import DEFAULT_BW, MEASURE_NOISE, NicRailState, RailState, nic_figures, own_rows
+
 FIELDS = 4                  # per (class, rail): state (1 up, 0 down, -1 no such rail), weight,
                             # measured (1/0), rate
 EXC_FIELDS = 5              # per exception: peer, rail, state, weight, measured
@@ -209,7 +211,6 @@ def direct_state(table, excs, hosts, nrails, rail_bw=None, nominal_bw=None, nois
     not apply ("scale" mode, a rail missing towards some peer, a NIC with a rate beside one
     without in "nic" mode): then the caller takes the rebuild path. The result carries no raw
     measurements (`measured` is empty)."""
-    from .state import NicRailState, DEFAULT_BW, MEASURE_NOISE, nic_figures
     nominal_bw = DEFAULT_BW if nominal_bw is None else nominal_bw
     noise = MEASURE_NOISE if noise is None else noise
     n = len(hosts)
@@ -332,3 +333,21 @@ def _compact(ag, n, nrails, nic_cls, degraded_tol, **kw):
                     exc[(min(a, b), max(a, b), k)] = (v > 0, v)
     out.exceptions = exc
     return out
+
+
+def agree_state(exchange, rank, members, rail_stats, hosts, nrails, rail_bw=None,
+                nominal_bw=DEFAULT_BW, rates="nic", **kw):
+    """RailState.gather()'s state, compacted, agreed through per-rank summaries: each rank
+    contributes O(nrails) numbers plus 5 per exception, not a row per peer.
+    exchange(fixed, exceptions) -> (every rank's fixed row as an (n, len) array, the list of
+    every rank's exceptions array); e.g. control.agree_rails. Collective."""
+    hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
+    fixed, exc = summarise(own_rows(rank, members, rail_stats), rank, hosts, nrails, rates,
+                           rail_bw)
+    table, excs = exchange(fixed, exc)
+    st = direct_state(table, excs, hosts, nrails, rail_bw, nominal_bw, rates=rates, **kw)
+    if st is not None:
+        return st
+    stats = rebuild(table, excs, hosts, nrails, rail_bw, rates)
+    return RailState.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates,
+                                     **kw).compact()

@@ -124,7 +124,7 @@ def nic_figures(nic, noise=MEASURE_NOISE):
     return out
 
 
-def _own_rows(rank, members, rail_stats):
+def own_rows(rank, members, rail_stats):
     """This rank's {peer: [(state, weight, rate), ...]} (communicator ranks) from
     Engine.rail_stats() (keyed by global rank)."""
     g2c = {g: i for i, g in enumerate(members)}
@@ -216,30 +216,10 @@ class RailState:
         (one test machine) each rank is taken as its own host, so NIC loss still shows as a
         slow host. The measured rates (row[7]) give the bandwidths as `rates` says ("nic",
         "scale", "declared": from_rail_stats), R2COMM_RAIL_BW (rail_bw) where a rail has none."""
-        stats = allgather(_own_rows(rank, members, rail_stats))
+        stats = allgather(own_rows(rank, members, rail_stats))
         hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
         st = cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates, **kw)
         return st.compact() if compact else st
-
-    @classmethod
-    def agree(cls, exchange, rank, members, rail_stats, hosts, nrails, rail_bw=None,
-              nominal_bw=DEFAULT_BW, rates="nic", **kw):
-        """gather()'s state, compacted, agreed through per-rank summaries (planner.agree): each
-        rank contributes O(nrails) numbers plus 5 per exception, not a row per peer.
-        exchange(fixed, exceptions) -> (every rank's fixed row as an (n, len) array, the list
-        of every rank's exceptions array); e.g. control.agree_rails. Collective."""
-        from . import agree
-        hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
-        fixed, exc = agree.summarise(_own_rows(rank, members, rail_stats), rank, hosts, nrails,
-                                     rates, rail_bw)
-        table, excs = exchange(fixed, exc)
-        st = agree.direct_state(table, excs, hosts, nrails, rail_bw, nominal_bw, rates=rates,
-                                **kw)
-        if st is not None:
-            return st
-        stats = agree.rebuild(table, excs, hosts, nrails, rail_bw, rates)
-        return cls.from_rail_stats(hosts, stats, rail_bw, nominal_bw, rates=rates,
-                                   **kw).compact()
 
     def copy(self):
         return RailState(list(self.hosts), self.nrails, dict(self.link), self.alpha, self.chunk,
