@@ -502,10 +502,20 @@ class ProcessGroupR2comm(dist.ProcessGroup):
     def name(self):
         return BACKEND_NAME
 
-    def shutdown(self):
-        """Complete every operation in flight (each bounded by its timeout), then stop."""
+    @property
+    def pending_works(self):
+        """How many operations of this group are in flight (waited for or not)."""
+        return len(self._inflight)
+
+    def _wait_for_pending_works(self):
+        """Complete every operation in flight, each bounded by its timeout (errors stay with
+        their works)."""
         for w in list(self._inflight):
             w._complete()
+
+    def shutdown(self):
+        """Complete every operation in flight, then stop the completion thread."""
+        self._wait_for_pending_works()
         self._completer.stop()
 
     abort = shutdown
