@@ -492,6 +492,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         self._xchg = comm.Dup() if size > 1 else comm    # point to point: uneven all-to-all,
         self._inflight = {}                               # gather, scatter, send/recv
         self._sweep_at = 64
+        self._ops_issued = 0                              # the group's sequence number
         self._coalesced = None
         self._completer = _Completer(f"r2comm-torch-{rank}")
         self._done = _DoneWork(self, [])                  # what synchronous calls return
@@ -513,6 +514,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             for w in list(self._inflight):
                 w._poll()
             self._sweep_at = max(64, 2 * len(self._inflight))
+        self._ops_issued += 1
         w = Work(self, reqs, finish, result, source)
         if self._coalesced is not None:
             self._coalesced.append(w)
@@ -520,6 +522,13 @@ class ProcessGroupR2comm(dist.ProcessGroup):
 
     def getBackendName(self):
         return BACKEND_NAME
+
+    def _get_sequence_number_for_group(self):
+        """How many operations this group has issued (torch's sequence number)."""
+        return self._ops_issued
+
+    def _set_sequence_number_for_group(self):
+        """Sequence numbers start at 0 on every rank (nothing to agree on)."""
 
     def name(self):
         return BACKEND_NAME
@@ -611,6 +620,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             w = Work(self, [], None, [t])
             w._error = _torch_error(exc)
             return w
+        self._ops_issued += 1
         if avg:
             t.div_(self.size())
         done = self._done
