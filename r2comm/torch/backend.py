@@ -132,10 +132,13 @@ def _redop(opts, dtype):
     hit = _REDUCE.get((dtype, kind))
     if hit is None:
         hit = _REDUCE[(dtype, kind)] = _redop_of(kind, dtype)
+        if hit[0] is not None and dtype in _NUMPY:
+            _LEAN[(dtype, kind)] = hit
     return hit
 
 
 _REDUCE = {}      # (torch dtype, ReduceOp kind) -> _redop's answer
+_LEAN = {}        # the same for the engine's own dtypes and ops: the lean all_reduce path
 
 
 def _redop_of(kind, dtype):
@@ -337,6 +340,8 @@ class Work(dist._Work):
             fut.set_result(self._result)
 
     def wait(self, timeout=None):
+        if self._done and self._fut is None and self._error is None:
+            return True                   # the synchronous calls' case: nothing to do
         if not self._done:
             secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
             self._complete(secs if secs else None)
@@ -590,9 +595,9 @@ class ProcessGroupR2comm(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         if len(tensors) == 1 and opts is not None and not opts.asyncOp:
             t = tensors[0]              # torch waits at once (async_op=False): the lean path
-            if t.is_cpu and t.is_contiguous() and not t.requires_grad and not t.is_sparse:
-                hit = _REDUCE.get((t.dtype, opts.reduceOp.op))
-                if hit is not None and hit[0] is not None and t.dtype in _NUMPY and t.numel():
+            if t.is_cpu and not t.is_sparse and t.is_contiguous() and not t.requires_grad:
+                hit = _LEAN.get((t.dtype, opts.reduceOp.op))
+                if hit is not None and t.numel():
                     return self._allreduce_now(t, hit[0], hit[1])
         t = self._one(tensors, "allreduce")
         if t.is_sparse:
