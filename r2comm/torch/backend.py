@@ -139,6 +139,7 @@ def _redop(opts, dtype):
 
 _REDUCE = {}      # (torch dtype, ReduceOp kind) -> _redop's answer
 _LEAN = {}        # the same for the engine's own dtypes and ops: the lean all_reduce path
+_LEAN_MAX = 8192  # elements: latency-bound calls (larger ones are reduced in place, no copy)
 
 
 def _redop_of(kind, dtype):
@@ -597,7 +598,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             t = tensors[0]              # torch waits at once (async_op=False): the lean path
             if t.is_cpu and not t.is_sparse and t.is_contiguous() and not t.requires_grad:
                 hit = _LEAN.get((t.dtype, opts.reduceOp.op))
-                if hit is not None and t.numel():
+                if hit is not None and 0 < t.numel() <= _LEAN_MAX:
                     return self._allreduce_now(t, hit[0], hit[1])
         t = self._one(tensors, "allreduce")
         if t.is_sparse:
