@@ -1,0 +1,84 @@
+"""The modern PyTorch stack on the torch.distributed backend: FSDP2 (fp32, bf16 mixed
+precision), a 2x2 DeviceMesh with DTensor redistribute, tensor parallel (parallelize_module),
+FSDP x TP, sub-groups and destroy/re-init, functional collectives eager and compiled
+(aot_eager, inductor), object collectives, gather/scatter, every ReduceOp x dtype, PowerSGD and
+nested futures, Join with uneven inputs, 300 dropped async works.
+
+Each backend runs one 4-rank torchrun job (tests/torch_modern_worker.py "stack") and one 2-rank
+job for inductor; every check inside compares with the same computation on Gloo groups over the
+same ranks, in the same job. One pytest test per check reports that check's outcome. The Gloo
+parametrisation (where the reference is Gloo itself) checks the checks; it is slow-marked, to
+keep the default suite's time for the backend under test."""
+import os
+import sys
+
+import pytest
+
+try:
+    import torch.distributed as _dist
+    _TORCH = _dist.is_available()
+    _WHY = "torch.distributed is not available in this torch build"
+except ImportError as exc:
+    _TORCH, _WHY = False, f"torch is not installed ({exc}); pip install -e '.[torch]'"
+
+from conftest import ROOT
+from r2comm.ports import free_port
+from test_torch_backend import _env, _run
+
+pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
+WORKER = os.path.join(ROOT, "tests", "torch_modern_worker.py")
+if _TORCH:
+    from torch_modern_worker import JOBS
+    STACK_CHECKS = [name for name, _ in JOBS["stack"]]
+else:
+    STACK_CHECKS = []
+BACKENDS = ["r2comm", pytest.param("gloo", marks=pytest.mark.slow)]
+
+
+def run_job(backend, job, nprocs, tmp_path, timeout):
+    """One torchrun job; {check: (outcome, detail)} from rank 0's CHECK lines, and the output.
+    A port taken between choosing it and the rendezvous binding it is retried."""
+    env = _env({"R2T_BACKEND": backend, "R2T_TMP": str(tmp_path), "R2T_TIMEOUT": "30"})
+    for attempt in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(nprocs), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "--monitor-interval", "0.2", WORKER, job]
+        rc, out = _run(cmd, env, timeout, f"torchrun {job} on {backend}")
+        if not ("EADDRINUSE" in out and "next_rendezvous" in out):
+            break
+    checks = {}
+    for line in out.splitlines():
+        if line.startswith("CHECK "):
+            _, name, outcome, *detail = line.split(" ", 3) + [""]
+            checks[name] = (outcome, " ".join(detail).strip())
+    return checks, rc, out
+
+
+def _judge(results, name):
+    checks, rc, out = results
+    if name not in checks:
+        pytest.fail(f"the job ended (rc {rc}) before check {name} reported:\n{out[-5000:]}")
+    outcome, detail = checks[name]
+    assert outcome == "pass", f"{name}: {detail}\n{out[-5000:]}"
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def stack(request, tmp_path_factory):
+    return run_job(request.param, "stack", 4, tmp_path_factory.mktemp("stack"), 420)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def inductor(request, tmp_path_factory):
+    return run_job(request.param, "inductor", 2, tmp_path_factory.mktemp("inductor"), 360)
+
+
+@pytest.mark.parametrize("check", STACK_CHECKS)
+def test_modern_stack(stack, check):
+    """One check of the 4-rank job, equal to Gloo's result in the same job."""
+    _judge(stack, check)
+
+
+def test_funcol_compile_inductor(inductor):
+    """Functional collectives under torch.compile(backend="inductor") (a C++ compiler builds
+    the CPU kernels): equal to eager on a Gloo group."""
+    _judge(inductor, "funcol_compile_inductor")
