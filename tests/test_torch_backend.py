@@ -119,6 +119,44 @@ def test_ddp_matches_gloo(launcher, tmp_path):
     assert count == 6, out[-3000:]
 
 
+def test_torch_machinery_group_names_funcol_compile_devicemesh():
+    """Group names, functional collectives eager and under torch.compile (aot_eager), a
+    DeviceMesh with DTensor (distribute_tensor scatters, redistribute all-gathers), sub-groups
+    destroyed and made again: results equal Gloo's."""
+    count, out = run_torchrun(2, "modern")
+    assert count >= 11, out[-3000:]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_new_collectives_match_gloo(n):
+    """gather, scatter, gather_object, scatter_object_list, all_gather_coalesced, coalesced
+    all_gather_into_tensor, BAND/BOR/BXOR (all_reduce, reduce) on integers and bool, sparse
+    all_reduce, barrier(device_ids), batch_isend_irecv, recv without src (2 ranks)."""
+    count, out = run_torchrun(n, "newcolls")
+    assert count >= (39 if n == 2 else 32), out[-3000:]
+
+
+def test_nested_futures_and_powersgd():
+    """A future callback that starts collectives and waits on their futures completes (no
+    deadlock on the completion thread); DDP with the PowerSGD hook equals Gloo's."""
+    count, out = run_torchrun(2, "futures", timeout=240)
+    assert count >= 5, out[-3000:]
+
+
+def test_dropped_async_works():
+    """300 all_reduce(async_op=True) whose Works are dropped unwaited: no heap corruption,
+    and the tensors hold the sums."""
+    count, out = run_torchrun(2, "dropped")
+    assert count == 30, out[-3000:]
+
+
+def test_group_timeout_is_the_groups_own():
+    """new_group(timeout=1 s): its barrier without peers raises torch's DistBackendError (and
+    R2commTimeout) saying "timed out" within seconds, not after the world's 60 s."""
+    count, out = run_torchrun(2, "group_timeout", env={"R2T_TIMEOUT": "60"})
+    assert count >= 1 and "sub-group barrier raised after" in out, out[-3000:]
+
+
 def _losses(out):
     lines = [ln for ln in out.splitlines() if ln.startswith("LOSSES ")]
     assert lines, out[-3000:]

@@ -310,7 +310,11 @@ def scenario_errors(rank, size, ck):
         t0 = time.monotonic()
         try:
             w.wait()
-        except R2commTimeout:
+        except R2commTimeout as exc:          # r2comm's class, and torch's as well
+            assert isinstance(exc, dist.DistBackendError) and isinstance(exc, RuntimeError), \
+                type(exc).__mro__
+            assert "timed out" in str(exc), str(exc)
+            assert isinstance(exc.__cause__, R2commTimeout)
             ck.count += 1
             assert time.monotonic() - t0 < 30
         else:
@@ -328,6 +332,225 @@ def scenario_errors(rank, size, ck):
         ck.notes.add(f"mismatch: {type(exc).__name__}")
     else:
         raise AssertionError("mismatched allreduce: no error from Work.wait()")
+
+
+def scenario_modern(rank, size, ck):
+    """What torch's own machinery needs of a backend: group names and descriptions, functional
+    collectives eager and under torch.compile, a DeviceMesh with DTensor (scatter), sub-groups
+    destroyed and made again; each result compared with Gloo's."""
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Shard, Replicate
+    world = dist.group.WORLD
+    assert world.group_name and isinstance(world.group_name, str)
+    assert dist.get_backend(world) == "r2comm"
+    ck.count += 1
+    t = data(rank, torch.float32, 1, n=8)
+    want = t.clone()
+    dist.all_reduce(want, group=ck.gloo)
+    ck.equal(fc.all_reduce(t, "sum", world).wait(), want, "funcol all_reduce")
+    gathered = torch.empty(size * 8)
+    dist.all_gather_into_tensor(gathered, t, group=ck.gloo)
+    ck.equal(fc.all_gather_tensor(t, 0, world).wait(), gathered, "funcol all_gather_tensor")
+    big = data(rank, torch.float32, 2, n=8 * size)
+    rs = torch.empty(8)
+    dist.reduce_scatter_tensor(rs, big.clone(), group=ck.gloo)
+    ck.equal(fc.reduce_scatter_tensor(big, "sum", 0, world).wait(), rs, "funcol reduce_scatter")
+    ck.equal(torch.cat(fc.all_gather_into_tensor_coalesced([t, t * 2], world)),
+             torch.cat([gathered, gathered * 2]), "funcol all_gather coalesced")
+
+    def step(x):
+        y = fc.all_reduce(x * 2, "sum", world)
+        return fc.all_gather_tensor(y + 1, 0, world)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    ck.equal(compiled(t), step(t).wait(), "torch.compile(aot_eager) funcol")
+    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("dp",))
+    assert mesh.get_group("dp").group_name
+    full = data(0, torch.float32, 3, shape=(2 * size, 3))
+    dt = distribute_tensor(full, mesh, [Shard(0)])            # scatter from rank 0
+    ck.equal(dt.to_local(), full[2 * rank:2 * rank + 2], "DTensor Shard(0) local part")
+    ck.equal(dt.redistribute(mesh, [Replicate()]).to_local(), full, "DTensor redistribute")
+    for _ in range(3):                                          # made, used, destroyed
+        sub = dist.new_group(list(range(size)))
+        x = t.clone()
+        dist.all_reduce(x, group=sub)
+        ck.equal(x, want, f"sub-group {sub.group_name} all_reduce")
+        dist.destroy_process_group(sub)
+    assert world.group_name in dist.distributed_c10d._world.pg_names.values()
+
+
+def scenario_newcolls(rank, size, ck):
+    """gather, scatter, the object forms, all_gather_coalesced, coalesced tensor forms,
+    BAND/BOR/BXOR, sparse all_reduce, recv without src, barrier(device_ids),
+    batch_isend_irecv: each against Gloo in the same job."""
+    gloo = ck.gloo
+    for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.bool):
+        root = size - 1
+        t = data(rank, dtype, 10)
+        outs = [torch.empty_like(t) for _ in range(size)] if rank == root else None
+        gouts = [torch.empty_like(t) for _ in range(size)] if rank == root else None
+        dist.gather(t, outs, dst=root)
+        dist.gather(t, gouts, dst=root, group=gloo)
+        if rank == root:
+            for i in range(size):
+                ck.equal(outs[i], gouts[i], f"gather {dtype} from {i}")
+        src = [data(i, dtype, 11) for i in range(size)] if rank == 0 else None
+        o, g = torch.empty_like(t), torch.empty_like(t)
+        dist.scatter(o, src, src=0)
+        dist.scatter(g, src, src=0, group=gloo)
+        ck.equal(o, g, f"scatter {dtype}")
+    objs = [None] * size if rank == 0 else None
+    dist.gather_object({"rank": rank, "x": [rank] * rank}, objs, dst=0)
+    if rank == 0:
+        assert objs == [{"rank": r, "x": [r] * r} for r in range(size)], objs
+        ck.count += 1
+    got = [None]
+    dist.scatter_object_list(got, [f"to {r}" for r in range(size)] if rank == 0 else None,
+                             src=0)
+    assert got[0] == f"to {rank}", got
+    ck.count += 1
+    ins = [data(rank, torch.float32, 12, n=3), data(rank, torch.float32, 13, shape=(2, 5))]
+    outs = [[torch.empty_like(i) for i in ins] for _ in range(size)]
+    gouts = [[torch.empty_like(i) for i in ins] for _ in range(size)]
+    dist.all_gather_coalesced(outs, ins)
+    dist.all_gather_coalesced(gouts, ins, group=gloo)
+    for r in range(size):
+        for k in range(2):
+            ck.equal(outs[r][k], gouts[r][k], f"all_gather_coalesced {r}.{k}")
+    a, b = data(rank, torch.float32, 14, n=4), data(rank, torch.float32, 15, n=4)
+    oa, ob = torch.empty(4 * size), torch.empty(4 * size)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_gather_into_tensor(oa, a)
+        dist.all_gather_into_tensor(ob, b)
+    cm.wait()
+    ck.equal(oa, torch.cat([data(r, torch.float32, 14, n=4) for r in range(size)]), "coalesced ag")
+    ck.equal(ob, torch.cat([data(r, torch.float32, 15, n=4) for r in range(size)]), "coalesced ag 2")
+    for dtype in (torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool):
+        for op in (R.BAND, R.BOR, R.BXOR):
+            t = data(rank, dtype, 16, hi=16 if dtype != torch.bool else 2)
+            ours, theirs = t.clone(), t.clone()
+            dist.all_reduce(ours, op=op)
+            dist.all_reduce(theirs, op=op, group=gloo)
+            ck.equal(ours, theirs, f"all_reduce {op} {dtype}")
+            red = t.clone()
+            dist.reduce(red, dst=0, op=op)
+            if rank == 0:
+                ck.equal(red, theirs, f"reduce {op} {dtype}")
+    idx = torch.tensor([[rank, (rank + 1) % 4, 3]])
+    sp = torch.sparse_coo_tensor(idx, torch.tensor([1.0 + rank, 2.0, 3.0]), (4,))
+    ours, theirs = sp.clone(), sp.clone()
+    dist.all_reduce(ours)
+    dist.all_reduce(theirs, group=gloo)
+    ck.equal(ours.to_dense(), theirs.to_dense(), "sparse all_reduce")
+    sp2 = torch.sparse_coo_tensor(torch.tensor([[rank], [1]]), torch.tensor([[5.0, rank]]),
+                                  (size, 3, 2))
+    ours, theirs = sp2.clone(), sp2.clone()
+    dist.all_reduce(ours)
+    dist.all_reduce(theirs, group=gloo)
+    ck.equal(ours.to_dense(), theirs.to_dense(), "sparse all_reduce (hybrid)")
+    dist.barrier(device_ids=[0])
+    ck.count += 1
+    if size == 2:
+        t = torch.full((3,), float(rank))
+        if rank == 0:
+            dist.send(t + 10, dst=1, tag=5)
+        else:
+            src = dist.recv(t, tag=5)                       # any source
+            assert src == 0, src
+            ck.equal(t, torch.full((3,), 10.0), "recv without src")
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    send, recv = torch.full((4,), float(rank)), torch.empty(4)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt),
+                                   dist.P2POp(dist.irecv, recv, prv)])
+    for r in reqs:
+        r.wait()
+    ck.equal(recv, torch.full((4,), float(prv)), "batch_isend_irecv ring")
+
+
+def scenario_futures(rank, size, ck):
+    """Future callbacks that start a collective and wait for it inside the callback (nested
+    futures, as PowerSGD does), then DDP with the PowerSGD hook: equal to Gloo's."""
+    t = data(rank, torch.float32, 20)
+
+    def nested(fut):
+        inner = fut.value()[0] * 2
+        res = dist.all_reduce(inner, async_op=True).get_future().wait()[0]
+        deeper = dist.all_reduce(res.clone(), async_op=True).get_future()
+        return deeper.wait()[0] + 1
+    outer = dist.all_reduce(t.clone(), async_op=True).get_future().then(nested)
+    got = outer.wait()
+    want = t.clone()
+    dist.all_reduce(want, group=ck.gloo)
+    want = want * 2
+    dist.all_reduce(want, group=ck.gloo)
+    dist.all_reduce(want, group=ck.gloo)
+    ck.equal(got, want + 1, "nested futures", exact=False)
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    def powersgd_run(group):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 8))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=2,
+                                   start_powerSGD_iter=2, min_compression_rate=0.5,
+                                   use_error_feedback=True, warm_start=True, random_seed=0)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(5):
+            x, y = torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        return model
+    ours, theirs = powersgd_run(None), powersgd_run(ck.gloo)
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        ck.equal(p.detach(), q.detach(), f"PowerSGD DDP parameter {n}", exact=False)
+
+
+def scenario_dropped(rank, size, ck):
+    """300 async all_reduces dropped without a wait (as DDP's Join-aware forward may):
+    the group keeps each operation's tensors alive until it ended; no crash, and the results
+    the tensors still show are the sums."""
+    import gc
+    keep = []
+    for i in range(300):
+        n = 1 + (i * 37) % 5000
+        t = torch.full((n,), float(rank + i))
+        dist.all_reduce(t, async_op=True)             # Work dropped at once
+        if i % 10 == 0:
+            keep.append((i, n, t))
+        del t
+        if i % 50 == 0:
+            gc.collect()
+    dist.barrier()
+    pg = dist.distributed_c10d._get_default_group()
+    assert pg.pending_works > 0                          # some still in flight here
+    pg._wait_for_pending_works()                         # torch's name for "complete them all"
+    for i, n, t in keep:
+        ck.equal(t, torch.full((n,), float(sum(r + i for r in range(size)))), f"dropped {i}")
+    assert pg.pending_works == 0, pg.pending_works
+
+
+def scenario_group_timeout(rank, size, ck):
+    """A sub-group's own timeout (1 s) bounds its operations, not the world's; the error is
+    torch's DistBackendError saying "timed out", and r2comm's R2commTimeout."""
+    sub = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=1))
+    dist.barrier(group=sub)
+    ck.count += 1
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            dist.barrier(group=sub)                      # nobody else comes
+        except dist.DistBackendError as exc:
+            took = time.monotonic() - t0
+            assert isinstance(exc, R2commTimeout) and "timed out" in str(exc), repr(exc)
+            assert took < 10, took
+            ck.notes.add(f"sub-group barrier raised after {took:.1f} s")
+            ck.count += 1
+        else:
+            raise AssertionError("barrier without peers: no error")
 
 
 def tiny_model():
@@ -408,7 +631,7 @@ def main():
         for n in sorted(ck.notes):
             print("NOTE", n)
         print(f"OK {scenario} {int(counts.item())}", flush=True)
-    if scenario != "errors":
+    if scenario not in ("errors", "group_timeout"):
         dist.destroy_process_group()
     os._exit(0)   # the errors scenario may leave operations to peers behind
 

@@ -1,18 +1,23 @@
 """The torch.distributed backend "r2comm": a ProcessGroup whose collectives run on r2comm.
 
-How it plugs in. torch 2.13 calls a registered creator for every process group that uses the
-backend (the default group, then each new_group). The creator returns a Python subclass of
-torch's ProcessGroup; torch calls its methods from Python (dist.all_reduce -> pg.allreduce) and
-from C++ through the ProcessGroup trampoline (DDP's reducer: allreduce, broadcast). A Python
-subclass of torch's C++ Backend class would not work here: torch has no Python trampoline for
-Backend, so C++ callers would never reach the Python methods.
+How it plugs in. torch 2.13 calls the registered creator (extended_api: it gets the group's
+store, ranks, timeout and name) for every process group of the backend, for the device types it
+serves (cpu, cuda). The creator returns ProcessGroupR2comm, a Python subclass of torch's
+ProcessGroup: torch calls its methods from Python (dist.all_reduce -> pg.allreduce) and from C++
+through ProcessGroup's trampoline (DDP's reducer, functional collectives eager and compiled). A
+Python subclass of c10d's Backend cannot be made in torch 2.13 (its constructor is not bound:
+"No constructor defined"), so the group registers, for each device type, a c10d Backend that
+only holds what torch keeps per backend (group name, description, sequence numbers: a
+FakeProcessGroup that raises on any collective). With it, group names, sub-groups, DeviceMesh,
+DTensor, functional collectives, torch.compile and destroy_process_group(subgroup) work as
+with torch's own backends.
 
 Bootstrap. The default group builds the r2comm world with Communicator.from_store over the
 group's store (torchrun's TCPStore under env://): the job secret, endpoints and host names travel
 through it, then r2comm opens its own connections. A sub-group (new_group) of that world uses the
 same engine and connections: a child communicator whose id its members agree on through the
-sub-group's store. A group whose ranks are not all in the world (the default group is another
-backend) gets a world of its own.
+sub-group's store; its operations time out after the sub-group's own timeout. A group whose
+ranks are not all in the world (the default group is another backend) gets a world of its own.
 
 Data. Each tensor is handed to r2comm as a numpy view of its memory (no copy) when it is a
 contiguous CPU tensor. A contiguous CUDA tensor goes to r2comm's device-buffer pipeline
@@ -21,20 +26,25 @@ GPU) as a cupy view of its memory, ordered after the work on torch's current str
 broadcast, reduce, all_gather_into_tensor, reduce_scatter_tensor, even all_to_all_single); this
 needs cupy (`pip install cupy-cuda12x`). Otherwise a tensor is staged: a contiguous host copy
 (non-contiguous tensors; CUDA tensors without cupy, and in the list forms of all_gather,
-reduce_scatter and all_to_all, and send/recv) that is copied back once the operation completed.
-Collectives that only move bytes (broadcast, all-gather, all-to-all, send/recv) accept every
-dtype. Reductions: float16/32/64, int8..int64, uint8..uint64 directly; bfloat16 is reduced in
-float32 (converted, reduced, rounded back once: not bit-identical to Gloo, which rounds after
-each step); bool as uint8 (SUM and MAX: logical or; PRODUCT and MIN: logical and). AVG is a SUM
-divided by the group size (floating dtypes only). Other ops (BAND, BOR, BXOR, PREMUL_SUM) and
-other dtypes (complex reductions other than SUM, ...) raise R2commArgumentError at the call.
+reduce_scatter and all_to_all, gather, scatter and send/recv) that is copied back once the
+operation completed. Collectives that only move bytes accept every dtype. Reductions:
+float16/32/64, int8..int64, uint8..uint64 directly; bfloat16 is reduced in float32 (converted,
+reduced, rounded back once: not bit-identical to Gloo, which rounds after each step); bool as
+uint8 (SUM, MAX, BOR: logical or; PRODUCT, MIN, BAND: logical and). AVG is a SUM divided by the
+group size (floating dtypes only). BAND, BOR, BXOR of integer and bool tensors (all_reduce,
+reduce): every rank's tensor is gathered and folded in rank order. Sparse COO tensors in
+all_reduce (SUM): indices and values gathered from every rank, summed, coalesced. gather and
+scatter go point to point through the root. A receive without a source rank is defined in a
+group of two. Other ops (PREMUL_SUM) and dtypes raise R2commArgumentError at the call.
 
-Completion. Each call returns at once with a Work. Work.wait() waits for that operation (any
-order) and raises r2comm's exception (R2commTimeout, R2commNetworkError, R2commMismatchError...)
-when it failed; once Work.get_future() was called, a per-group completion thread completes the
-operation and sets the future (DDP's reducer waits on futures, never calls wait()). Results of
-staged tensors (non-contiguous, CUDA, bfloat16 reductions) are copied back at completion. Every wait is bounded by R2COMM_TIMEOUT when it is set, else by the
-init_process_group / new_group timeout."""
+Completion. Each call returns at once with a Work; the group holds every Work in flight, and so
+its tensors and buffers, until its operation ended, even one nobody waits for. Work.wait()
+waits for that operation (any order) and raises r2comm's exception, which is also torch's:
+R2commTimeout ("timed out") and the others are DistBackendError, R2commNetworkError is
+DistNetworkError (all RuntimeErrors). Once Work.get_future() was called, the group's completion
+thread waits for the operation and hands the future to another thread to set (torch runs .then
+callbacks there): a callback may start a collective and wait for it (PowerSGD). Every wait is
+bounded by R2COMM_TIMEOUT when it is set, else by the group's timeout."""
 import datetime
 import os
 import queue
@@ -43,11 +53,12 @@ import threading
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
 
 from .. import IN_PLACE
 from ..bootstrap_store import StoreComm, MAX as _STORE_MAX
 from ..communicator import Communicator
-from ..errors import R2commArgumentError, R2commError
+from ..errors import R2commArgumentError, R2commError, R2commNetworkError
 from ..ops import SUM, PROD, MIN, MAX
 from ..request import Request
 
@@ -107,20 +118,32 @@ def _opname(op):
     return str(op).split(".")[-1]
 
 
+_TABLE = {_RedOp.SUM: SUM, _RedOp.PRODUCT: PROD, _RedOp.MIN: MIN, _RedOp.MAX: MAX,
+          _RedOp.AVG: SUM}
+_BITS = (_RedOp.BAND, _RedOp.BOR, _RedOp.BXOR)
+_BOOL = {_RedOp.SUM: MAX, _RedOp.PRODUCT: MIN, _RedOp.BAND: MIN, _RedOp.BOR: MAX}
+
+
 def _redop(opts, dtype):
-    """(r2comm op, divide by size) for a torch ReduceOp on this dtype."""
+    """(r2comm op, divide by size) for a torch ReduceOp on this dtype; (None, the ReduceOp)
+    for a bitwise op that the backend folds itself."""
     rop = getattr(opts, "reduceOp", _RedOp.SUM)
     kind = getattr(rop, "op", rop)
-    table = {_RedOp.SUM: SUM, _RedOp.PRODUCT: PROD, _RedOp.MIN: MIN, _RedOp.MAX: MAX,
-             _RedOp.AVG: SUM}
-    if kind not in table:
-        raise R2commArgumentError(f"r2comm backend: reduce op {_opname(kind)} is not supported "
-                                  "(SUM, PRODUCT, MIN, MAX, AVG)")
-    avg = kind == _RedOp.AVG
     if dtype == torch.bool:
-        if avg:
+        if kind == _RedOp.AVG:
             raise R2commArgumentError("r2comm backend: AVG of a bool tensor is not defined")
-        return {_RedOp.SUM: MAX, _RedOp.PRODUCT: MIN}.get(kind, table[kind]), False
+        if kind in _BOOL or kind in _TABLE:
+            return _BOOL.get(kind, _TABLE.get(kind)), False
+    if kind in _BITS:
+        if dtype.is_floating_point or dtype.is_complex:
+            raise R2commArgumentError(f"r2comm backend: {_opname(kind)} needs an integer or bool "
+                                      f"tensor, got {dtype}")
+        return None, kind
+    op = _TABLE.get(kind)
+    if op is None:
+        raise R2commArgumentError(f"r2comm backend: reduce op {_opname(kind)} is not supported "
+                                  "(SUM, PRODUCT, MIN, MAX, AVG; BAND, BOR, BXOR on integers)")
+    avg = kind == _RedOp.AVG
     if avg and not (dtype.is_floating_point or dtype.is_complex):
         raise R2commArgumentError(f"r2comm backend: AVG needs a floating-point tensor, got {dtype}")
     if dtype.is_complex and kind not in (_RedOp.SUM, _RedOp.AVG):
@@ -129,7 +152,7 @@ def _redop(opts, dtype):
         raise R2commArgumentError(
             f"r2comm backend: cannot reduce {dtype}; r2comm reduces float16, bfloat16 (in "
             "float32), float32, float64, int8..int64, uint8..uint64 and bool")
-    return table[kind], avg
+    return op, avg
 
 
 class _Staged:
@@ -173,61 +196,154 @@ class _Staged:
                 dst.copy_(self.host.view(dst.shape))
 
 
-class Work(dist._Work):
-    """One operation in flight: wait() blocks for it alone and raises r2comm's error;
-    get_future() is set by the group's completion thread (what DDP waits on)."""
+def _torch_error(exc):
+    """exc as torch's error types as well: an R2commError becomes a subclass of its own class
+    and of DistNetworkError (lost peers) or DistBackendError (the rest: timeouts, whose message
+    says "timed out", mismatches, closed groups), chained to the original."""
+    if not isinstance(exc, R2commError) or isinstance(exc, dist.DistError) \
+            or isinstance(exc, R2commArgumentError):
+        return exc
+    cls = type(exc)
+    both = _TORCH_ERRORS.get(cls)
+    if both is None:
+        base = dist.DistNetworkError if isinstance(exc, R2commNetworkError) else dist.DistBackendError
+        both = _TORCH_ERRORS[cls] = type(cls.__name__, (cls, base), {"__module__": __name__})
+    new = both(*exc.args)
+    new.__cause__ = exc
+    return new
 
-    def __init__(self, reqs, finish=None, result=(), completer=None):
-        super().__init__()
-        self._completer = completer   # queue of the group's completion thread
-        self._queued = False
-        self._reqs = list(reqs)
-        self._finish = finish
-        self._result = list(result)
+
+_TORCH_ERRORS = {}
+
+
+class _Deliverer:
+    """Sets finished works' futures on threads that no completion depends on: torch runs a
+    future's callbacks where it is set, and a callback may start another collective and wait
+    for it (PowerSGD). A thread is started whenever no idle one is there to take the item, so a
+    blocked callback never holds up another; idle threads end after a while."""
+
+    def __init__(self, linger=30.0):
+        self._q = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._done = False
-        self._error = None
-        self._fut = torch.futures.Future()
+        self._idle = 0            # threads waiting on the queue
+        self._pending = 0         # items put, not yet taken
+        self._linger = linger
 
-    def _complete(self, timeout=None):
+    def put(self, fn):
         with self._lock:
-            if self._done:
-                return
+            self._pending += 1
+            spawn = self._pending > self._idle
+        self._q.put(fn)
+        if spawn:
+            threading.Thread(target=self._run, daemon=True, name="r2comm-torch-future").start()
+
+    def _run(self):
+        while True:
+            with self._lock:
+                self._idle += 1
             try:
-                Request.Waitall(self._reqs, timeout)
-                if self._finish is not None:
-                    self._finish()
-            except BaseException as exc:       # kept for wait() and the future
-                self._error = exc
-            self._done = True
-            self._reqs = ()
+                fn = self._q.get(timeout=self._linger)
+            except queue.Empty:
+                with self._lock:
+                    self._idle -= 1
+                    if self._pending <= self._idle:
+                        return
+                continue
+            with self._lock:
+                self._idle -= 1
+                self._pending -= 1
+            try:
+                fn()
+            except BaseException:        # a callback's error belongs to its future
+                pass
+
+
+_deliverer = _Deliverer()
+
+
+class Work(dist._Work):
+    """One operation in flight. wait() blocks for it alone and raises its error (r2comm's class
+    and torch's, see _torch_error); get_future() is set once it completed, on a thread that no
+    completion waits on. The group holds every work in flight (and so its tensors and buffers)
+    until its operation ended, whether or not anyone waits for it."""
+
+    def __init__(self, group, reqs, finish=None, result=(), source=-1):
+        super().__init__()
+        self._group = group
+        self._reqs = reqs
+        self._finish = finish
+        self._result = result
+        self._lock = threading.Lock()
+        self._done = not reqs
+        self._error = None
+        self._fut = None
+        self._queued = False
+        self._source = source
+        if not self._done:
+            group._inflight[self] = None
+        elif finish is not None:
             self._finish = None
+            self._run_finish(finish)
+
+    def _run_finish(self, finish):
+        try:
+            finish()
+        except BaseException as exc:
+            self._error = _torch_error(exc)
+
+    def _complete(self, timeout=None, deliver=None):
+        """Wait for the operation (bounded by its timeout) and finish it; the future is set
+        here, or through `deliver` (the completion thread's hand-over)."""
+        with self._lock:
+            if not self._done:
+                try:
+                    Request.Waitall(self._reqs, timeout)
+                except BaseException as exc:       # kept for wait() and the future
+                    self._error = _torch_error(exc)
+                finish, self._finish = self._finish, None
+                if finish is not None and self._error is None:
+                    self._run_finish(finish)
+                self._reqs = ()
+                self._done = True
+                self._group._inflight.pop(self, None)
+            fut = self._fut
+        if fut is not None and not fut.done():
+            (deliver or _call)(self._settle_future)
+
+    def _settle_future(self):
+        fut = self._fut
+        if fut.done():
+            return
         if self._error is not None:
-            self._fut.set_exception(self._error)
+            fut.set_exception(self._error)
         else:
-            self._fut.set_result(self._result)
+            fut.set_result(self._result)
 
     def wait(self, timeout=None):
-        secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        self._complete(secs if secs else None)
+        if not self._done:
+            secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+            self._complete(secs if secs else None)
+        elif self._fut is not None and not self._fut.done():
+            self._settle_future()
         if self._error is not None:
             raise self._error
         return True
 
-    def is_completed(self):
-        """Polls without blocking; a finished operation is completed here (results copied)."""
-        if self._done:
-            return True
-        if not self._lock.acquire(blocking=False):     # the completion thread is on it
-            return False
+    def _poll(self):
+        """Complete the operation if it ended; never blocks."""
+        if self._done or not self._lock.acquire(blocking=False):
+            return
         try:
             ready = all(r.Test() for r in self._reqs)
-        except R2commError:
+        except Exception:                 # ended with an error: _complete() keeps it
             ready = True
         finally:
             self._lock.release()
         if ready:
             self._complete()
+
+    def is_completed(self):
+        self._poll()
         return self._done
 
     def is_success(self):
@@ -237,13 +353,17 @@ class Work(dist._Work):
         return self._error
 
     def get_future(self):
-        """A torch Future set when the operation completes (by the group's completion thread,
-        so nobody has to wait() for it: what DDP's reducer relies on)."""
+        """A torch Future set when the operation completes (by the group's completion thread
+        when nobody waits: what DDP's reducer relies on)."""
         with self._lock:
-            queue_it = not self._queued and not self._done and self._completer is not None
+            if self._fut is None:
+                self._fut = torch.futures.Future()
+            queue_it = not self._done and not self._queued
             self._queued = True
         if queue_it:
-            self._completer.put(self)
+            self._group._completer.put(self)
+        elif self._done and not self._fut.done():
+            self._settle_future()
         return self._fut
 
     def result(self):
@@ -252,15 +372,77 @@ class Work(dist._Work):
     def synchronize(self):
         pass
 
+    def _source_rank(self):
+        if self._source < 0:
+            raise R2commArgumentError("r2comm backend: only a receive from any source has a "
+                                      "source rank")
+        return self._source
 
-def _done_work(result=()):
-    return Work([], None, result)
+    source_rank = _source_rank
+
+
+def _call(fn):
+    fn()
+
+
+class _AsRequest:
+    """A Work seen as a Request (Wait, Test), for works made of several."""
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def Wait(self, timeout=None):
+        self.work._complete(timeout)
+        if self.work._error is not None:
+            raise self.work._error
+
+    def Test(self):
+        self.work._poll()
+        if self.work._done and self.work._error is not None:
+            raise self.work._error
+        return self.work._done
+
+
+class _Completer:
+    """The group's completion thread: waits for the works whose future was asked for, in the
+    order they were asked, and hands each finished one to the deliverer (never runs a callback
+    itself, so nothing it must complete can be stuck behind one)."""
+
+    def __init__(self, name):
+        self._q = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def put(self, work):
+        self._q.put(work)
+
+    def stop(self):
+        self._q.put(None)
+
+    def _run(self):
+        while True:
+            w = self._q.get()
+            if w is None:
+                return
+            w._complete(deliver=_deliverer.put)
+
+
+def _holder(rank, size):
+    """A c10d Backend that only holds what torch keeps per backend (the group name and
+    description, sequence numbers): torch 2.13 has no Python trampoline for Backend (its
+    constructor is not bound), so the collectives stay on ProcessGroupR2comm, reached from
+    Python and C++ (DDP's reducer, functional collectives) through ProcessGroup's trampoline.
+    Anything that still reached the holder raises instead of faking a result."""
+    opts = _c10d.FakeProcessGroup.Options()
+    opts.error_on_collective = True
+    return _c10d.FakeProcessGroup._create_internal(rank, size, opts)
 
 
 class ProcessGroupR2comm(dist.ProcessGroup):
     """torch.distributed's collectives on an r2comm Communicator (see the module doc)."""
 
-    def __init__(self, store, rank, size, timeout, global_ranks=()):
+    def __init__(self, store, rank, size, timeout, global_ranks=(), devices=("cpu", "cuda")):
         super().__init__(rank, size)
         secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         if os.environ.get("R2COMM_TIMEOUT"):
@@ -281,16 +463,20 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             cid = sc.allreduce(world._world.next_comm_id, op=_STORE_MAX)
             world._world.next_comm_id = cid + 1
             comm = Communicator._child(world._world, sc, members, cid)
-            comm.timeout = world.timeout
+            comm.timeout = world.timeout if secs is None else secs    # the group's own
         if comm.rank != rank or comm.size != size:
             raise R2commError(f"r2comm backend: group rank {rank}/{size} became "
                               f"{comm.rank}/{comm.size}")
         self._comm = comm
-        self._xchg = comm.Dup() if size > 1 else comm    # uneven all-to-all (point to point)
-        self._queue = queue.Queue()
-        self._thread = threading.Thread(target=self._completer, daemon=True,
-                                        name=f"r2comm-torch-{rank}")
-        self._thread.start()
+        self._xchg = comm.Dup() if size > 1 else comm    # point to point: uneven all-to-all,
+        self._inflight = {}                               # gather, scatter, send/recv
+        self._sweep_at = 64
+        self._coalesced = None
+        self._completer = _Completer(f"r2comm-torch-{rank}")
+        holder = _holder(rank, size)
+        for d in devices:
+            self._register_backend(torch.device(d), dist.ProcessGroup.BackendType.CUSTOM, holder)
+        self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
     # -- plumbing ----------------------------------------------------------------------------
     @property
@@ -298,18 +484,17 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         """The r2comm Communicator of this group (rails, events, fail_rail...)."""
         return self._comm
 
-    def _completer(self):
-        while True:
-            w = self._queue.get()
-            if w is None:
-                return
-            w._complete()
-
-    def _submit(self, reqs, finish=None, result=()):
-        """A Work for these requests. Only works whose future is asked for go to the
-        completion thread: a plain wait() completes its operation itself, without a thread
-        hand-over (measured: 1 KiB allreduce 511 us with every work queued, see the report)."""
-        return Work(reqs, finish, result, self._queue)
+    def _submit(self, reqs, finish=None, result=(), source=-1):
+        """A Work for these requests, held by the group until its operation ended. Works
+        nobody waits for are completed here, a sweep each time their number doubled."""
+        if len(self._inflight) >= self._sweep_at:
+            for w in list(self._inflight):
+                w._poll()
+            self._sweep_at = max(64, 2 * len(self._inflight))
+        w = Work(self, reqs, finish, result, source)
+        if self._coalesced is not None:
+            self._coalesced.append(w)
+        return w
 
     def getBackendName(self):
         return BACKEND_NAME
@@ -317,10 +502,35 @@ class ProcessGroupR2comm(dist.ProcessGroup):
     def name(self):
         return BACKEND_NAME
 
+    @property
+    def pending_works(self):
+        """How many operations of this group are in flight (waited for or not)."""
+        return len(self._inflight)
+
+    def _wait_for_pending_works(self):
+        """Complete every operation in flight, each bounded by its timeout (errors stay with
+        their works)."""
+        for w in list(self._inflight):
+            w._complete()
+
     def shutdown(self):
-        self._queue.put(None)
+        """Complete every operation in flight, then stop the completion thread."""
+        self._wait_for_pending_works()
+        self._completer.stop()
 
     abort = shutdown
+
+    def _start_coalescing(self, device=None):
+        self._coalesced = []
+
+    def _end_coalescing(self, device=None):
+        works, self._coalesced = self._coalesced or [], None
+        return self._join(works, [])
+
+    def _join(self, works, result):
+        """One Work for several: done when all are, raising the first error."""
+        return self._submit([_AsRequest(w) for w in works], None, result)
+
 
     # -- collectives -------------------------------------------------------------------------
     def _one(self, tensors, what):
@@ -338,7 +548,16 @@ class ProcessGroupR2comm(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         t = self._one(tensors, "allreduce")
+        if t.is_sparse:
+            return self._sparse_allreduce(t, opts)
         op, avg = _redop(opts, t.dtype)
+        if op is None:
+            return self._bitwise([t], avg, [t])
+        if t.device.type == "cpu" and t.dtype in _NUMPY and t.is_contiguous() and t.numel():
+            arr = t.detach().view(-1).numpy()         # the common case: no staging
+            req = self._comm.Iallreduce(IN_PLACE, arr, op)
+            return self._submit([req], (lambda: t.detach().div_(self.size())) if avg else None,
+                                [t])
         d = _device(t, reduce=True)
         if d is not None:
             arr, st = d
@@ -347,19 +566,69 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             return self._submit([req], (lambda: _div_on(st, t, n)) if avg else None, [t])
         s = _Staged(t, reduce=True)
         if s.arr.size == 0:
-            return _done_work([t])
+            return self._submit([], None, [t])
         req = self._comm.Iallreduce(IN_PLACE, s.arr, op)
         return self._submit([req], self._reduce_finish([s], avg), [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
-        reqs, staged, avg = [], [], False
+        return self._join([self.allreduce([t], opts) for t in tensors], list(tensors))
+
+    def _bitwise(self, tensors, kind, result, root=None):
+        """BAND, BOR, BXOR of integer or bool tensors (r2comm's engine has no bitwise ops):
+        every rank's tensor gathered, then folded in rank order (on `root` only, for reduce)."""
+        fold = _BITWISE[kind]
+        works = []
         for t in tensors:
-            op, avg = _redop(opts, t.dtype)
-            s = _Staged(t, reduce=True)
-            if s.arr.size:
-                staged.append(s)
-                reqs.append(self._comm.Iallreduce(IN_PLACE, s.arr, op))
-        return self._submit(reqs, self._reduce_finish(staged, avg), list(tensors))
+            s = _Staged(t, out=False)
+            n = self.size()
+            blocks = torch.empty((n, s.host.numel()), dtype=s.host.dtype)
+            if s.arr.nbytes == 0:
+                continue
+            req = self._comm.Iallgather(s.arr, blocks.view(-1).view(torch.uint8).numpy())
+
+            def finish(t=t, blocks=blocks):
+                if root is not None and self.rank() != root:
+                    return
+                acc = blocks[0].clone()
+                for k in range(1, n):
+                    fold(acc, blocks[k], out=acc)
+                with torch.no_grad():
+                    t.copy_(acc.view(t.shape))
+            works.append(self._submit([req], finish, [t]))
+        return self._join(works, result)
+
+    def _sparse_allreduce(self, t, opts):
+        """SUM of sparse COO tensors as Gloo does it: every rank's indices and values gathered
+        (padded to the largest count), summed and coalesced; the result replaces the tensor."""
+        rop = getattr(opts, "reduceOp", _RedOp.SUM)
+        if getattr(rop, "op", rop) != _RedOp.SUM:
+            raise R2commArgumentError("r2comm backend: sparse all_reduce supports SUM only")
+        if t.device.type != "cpu":
+            raise R2commArgumentError("r2comm backend: sparse all_reduce takes CPU tensors")
+        mine = t.detach().coalesce()
+        idx, val = mine.indices().contiguous(), mine.values().contiguous()
+        n, nnz = self.size(), idx.shape[1]
+        counts = np.empty(n, np.int64)
+        self._comm.Allgather(np.array([nnz], np.int64), counts)
+        most = int(counts.max())
+        pidx = torch.zeros((n, idx.shape[0], most), dtype=torch.int64)
+        pval = torch.zeros((n, most) + tuple(val.shape[1:]), dtype=val.dtype)
+        pidx[self.rank(), :, :nnz] = idx
+        pval[self.rank(), :nnz] = val
+        wi = self.all_gather_single(pidx.view(-1), pidx[self.rank()].reshape(-1).clone())
+        wv = self.all_gather_single(pval.view(-1), pval[self.rank()].reshape(-1).clone())
+
+        def finish():
+            wi.wait()
+            wv.wait()
+            total = None
+            for r in range(n):
+                k = int(counts[r])
+                part = torch.sparse_coo_tensor(pidx[r, :, :k], pval[r, :k], mine.shape)
+                total = part if total is None else total + part
+            with torch.no_grad():
+                t.copy_(total.coalesce())
+        return self._submit([_AsRequest(wi), _AsRequest(wv)], finish, [t])
 
     def broadcast(self, tensors, opts=None):
         t = self._one(tensors, "broadcast")
@@ -370,7 +639,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             return self._submit([req], None, [t])
         s = _Staged(t, out=self.rank() != root)
         if s.arr.size == 0:
-            return _done_work([t])
+            return self._submit([], None, [t])
         req = self._comm.Ibcast(s.arr, root)
         return self._submit([req], s.writeback, [t])
 
@@ -378,6 +647,8 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         t = self._one(tensors, "reduce")
         root = getattr(opts, "rootRank", 0)
         op, avg = _redop(opts, t.dtype)
+        if op is None:
+            return self._bitwise([t], avg, [t], root)
         mine = self.rank() == root
         d = _device(t, reduce=True)
         if d is not None:
@@ -388,7 +659,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             return self._submit([req], (lambda: _div_on(st, t, n)) if avg and mine else None, [t])
         s = _Staged(t, reduce=True, out=mine)
         if s.arr.size == 0:
-            return _done_work([t])
+            return self._submit([], None, [t])
         req = (self._comm.Ireduce(IN_PLACE, s.arr, op, root) if mine
                else self._comm.Ireduce(s.arr, None, op, root))
         return self._submit([req], self._reduce_finish([s], avg and mine) if mine else None, [t])
@@ -407,7 +678,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         s = _Staged(t, out=False)
         flat = torch.empty(n * s.arr.nbytes, dtype=torch.uint8)
         if s.arr.nbytes == 0:
-            return _done_work(outs)
+            return self._submit([], None, outs)
         req = self._comm.Iallgather(s.arr, flat.numpy())
 
         def finish():
@@ -429,7 +700,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             return self._submit([req], None, [output])
         s, o = _Staged(input, out=False), _Staged(output)
         if s.arr.nbytes == 0:
-            return _done_work([output])
+            return self._submit([], None, [output])
         req = self._comm.Iallgather(s.arr, o.arr)
         return self._submit([req], o.writeback, [output])
 
@@ -457,6 +728,9 @@ class ProcessGroupR2comm(dist.ProcessGroup):
 
     def _reduce_scatter(self, output, flat_input, opts):
         op, avg = _redop(opts, output.dtype)
+        if op is None:
+            raise R2commArgumentError(f"r2comm backend: reduce_scatter with {_opname(avg)} is not "
+                                      "supported (SUM, PRODUCT, MIN, MAX, AVG)")
         di, do = _device(flat_input, reduce=True), _device(output, reduce=True)
         if di is not None and do is not None and output.numel():
             st = do[1]
@@ -466,7 +740,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
                                 [output])
         s, o = _Staged(flat_input, reduce=True, out=False), _Staged(output, reduce=True)
         if o.arr.size == 0:
-            return _done_work([output])
+            return self._submit([], None, [output])
         req = self._comm.Ireduce_scatter_block(s.arr, o.arr, op)   # holds s.arr until done
         return self._submit([req], self._reduce_finish([o], avg), [output])
 
@@ -481,7 +755,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         if len(sizes) == 1:                   # equal blocks: the alltoall schedule
             block = sizes.pop()
             if block == 0:
-                return _done_work(list(outputs))
+                return self._submit([], None, list(outputs))
             send = np.concatenate([s.arr for s in ins])
             recv = np.empty_like(send)
             req = self._comm.Ialltoall(send, recv)
@@ -514,7 +788,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         if not input_splits and not output_splits and s.arr.nbytes == o.arr.nbytes \
                 and rows_in % n == 0:
             if s.arr.nbytes == 0:
-                return _done_work([output])
+                return self._submit([], None, [output])
             req = self._comm.Ialltoall(s.arr, o.arr)
             return self._submit([req], o.writeback, [output])
         isp = list(input_splits) or _even(rows_in, n, "input")
@@ -560,7 +834,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         t = self._one(tensors, "send")
         s = _Staged(t, out=False)
         if s.arr.nbytes == 0:
-            return _done_work([t])
+            return self._submit([], None, [t])
         req = self._comm.Isend(s.arr, dst, tag)
         return self._submit([req], None, [t])
 
@@ -568,16 +842,114 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         t = self._one(tensors, "recv")
         s = _Staged(t)
         if s.arr.nbytes == 0:
-            return _done_work([t])
+            return self._submit([], None, [t])
         req = self._comm.Irecv(s.arr, src, tag)
         return self._submit([req], s.writeback, [t])
 
     def recv_anysource(self, tensors, tag=0):
-        raise R2commArgumentError("r2comm backend: recv needs a source rank (r2comm has no "
-                                  "any-source receive)")
+        """A receive from any source. r2comm matches receives per peer, so this is defined
+        where the source is implied: a group of two (the other rank)."""
+        if self.size() != 2:
+            raise R2commArgumentError("r2comm backend: recv without a source rank needs a group "
+                                      f"of 2 ranks (this one has {self.size()}); give src")
+        src = 1 - self.rank()
+        t = self._one(tensors, "recv")
+        s = _Staged(t)
+        if s.arr.nbytes == 0:
+            return self._submit([], None, [t], source=src)
+        req = self._comm.Irecv(s.arr, src, tag)
+        return self._submit([req], s.writeback, [t], source=src)
 
     def barrier(self, opts=None):
+        """A barrier of the group (device_ids, if given, name no work for this backend)."""
         return self._submit([self._comm.Ibarrier()])
+
+    # -- gather, scatter, coalesced forms ----------------------------------------------------
+    def gather(self, output_lists, inputs, opts=None):
+        """Every rank's tensor to the root's list (point to point on the group's duplicate)."""
+        t = self._one(inputs, "gather")
+        root, me, n = getattr(opts, "rootRank", 0), self.rank(), self.size()
+        if not 0 <= root < n:
+            raise R2commArgumentError(f"r2comm backend: gather root {root} is not a rank of "
+                                      f"this group (size {n})")
+        s = _Staged(t, out=False)
+        if me != root:
+            if output_lists and any(len(o) for o in output_lists):
+                raise R2commArgumentError("r2comm backend: gather takes output tensors on the "
+                                          "root only")
+            reqs = [self._xchg.Isend(s.arr, root, _TAG_GATHER)] if s.arr.nbytes else []
+            return self._submit(reqs, None, [])
+        outs = self._one(output_lists, "gather")
+        self._same_blocks(outs, t, "gather")
+        staged = [_Staged(o) for o in outs]
+        staged[me].arr[:] = s.arr
+        reqs = [self._xchg.Irecv(staged[j].arr, j, _TAG_GATHER)
+                for j in range(n) if j != me and s.arr.nbytes]
+
+        def finish():
+            for o in staged:
+                o.writeback()
+        return self._submit(reqs, finish, list(outs))
+
+    def scatter(self, outputs, input_lists, opts=None):
+        """The root's list, one tensor to each rank (point to point on the group's duplicate)."""
+        t = self._one(outputs, "scatter")
+        root, me, n = getattr(opts, "rootRank", 0), self.rank(), self.size()
+        if not 0 <= root < n:
+            raise R2commArgumentError(f"r2comm backend: scatter root {root} is not a rank of "
+                                      f"this group (size {n})")
+        o = _Staged(t)
+        if me != root:
+            if input_lists and any(len(i) for i in input_lists):
+                raise R2commArgumentError("r2comm backend: scatter takes input tensors on the "
+                                          "root only")
+            reqs = [self._xchg.Irecv(o.arr, root, _TAG_SCATTER)] if o.arr.nbytes else []
+            return self._submit(reqs, o.writeback, [t])
+        ins = self._one(input_lists, "scatter")
+        self._same_blocks(ins, t, "scatter")
+        staged = [_Staged(i, out=False) for i in ins]
+        o.arr[:] = staged[me].arr
+        reqs = [self._xchg.Isend(staged[j].arr, j, _TAG_SCATTER)
+                for j in range(n) if j != me and o.arr.nbytes]
+        return self._submit(reqs, o.writeback, [t])
+
+    def _same_blocks(self, tensors, like, what):
+        n = self.size()
+        if len(tensors) != n or any(x.dtype != like.dtype or x.numel() != like.numel()
+                                    for x in tensors):
+            raise R2commArgumentError(f"r2comm backend: {what} needs {n} tensors of the "
+                                      f"input's dtype and size ({like.dtype}, {like.numel()})")
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        """all_gather_coalesced: output_lists[r][k] receives rank r's inputs[k]."""
+        n = self.size()
+        if len(output_lists) != n or any(len(o) != len(inputs) for o in output_lists):
+            raise R2commArgumentError(f"r2comm backend: all_gather_coalesced needs {n} output "
+                                      f"lists of {len(inputs)} tensors")
+        works = [self.allgather([[output_lists[r][k] for r in range(n)]], [t])
+                 for k, t in enumerate(inputs)]
+        return self._join(works, [o for lst in output_lists for o in lst])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        if len(outputs) != len(inputs):
+            raise R2commArgumentError("r2comm backend: as many outputs as inputs")
+        works = [self.all_gather_single(o, i) for o, i in zip(outputs, inputs)]
+        return self._join(works, list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        if len(outputs) != len(inputs):
+            raise R2commArgumentError("r2comm backend: as many outputs as inputs")
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return self._join(works, list(outputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+
+_TAG_GATHER, _TAG_SCATTER = 1, 2
+_BITWISE = {_RedOp.BAND: torch.bitwise_and, _RedOp.BOR: torch.bitwise_or,
+            _RedOp.BXOR: torch.bitwise_xor}
 
 
 def _even(rows, n, what):
@@ -603,15 +975,19 @@ def _copy_bytes(t, block):
     t.copy_(src.view(t.shape) if t.dim() else src.reshape(()))
 
 
+_DEVICES = ("cpu", "cuda")
+
+
 def _create(dist_opts, pg_options=None):
     return ProcessGroupR2comm(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                              dist_opts.timeout, list(dist_opts.global_ranks_in_group))
+                              dist_opts.timeout, list(dist_opts.global_ranks_in_group), _DEVICES)
 
 
 def register():
-    """Register "r2comm" with torch.distributed (idempotent): CPU tensors, and CUDA tensors
-    (r2comm's device pipeline with cupy, else staged through a host copy)."""
+    """Register "r2comm" with torch.distributed (idempotent) for the devices it serves: CPU
+    tensors, and CUDA tensors (r2comm's device pipeline with cupy, else staged through a host
+    copy)."""
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
-                                  devices=["cpu", "cuda"])
+                                  devices=list(_DEVICES))
