@@ -41,8 +41,9 @@ def _configure_from_argv():
     ap.add_argument("--out", default="")
     ap.add_argument("--timeout", type=int, default=120, help="seconds per test (all ranks)")
     ap.add_argument("--list-static", action="store_true",
-                    help="print `<test> run|skip` as the test base decides at import (its "
-                         "feature tables and decorators) for this backend, and run nothing")
+                    help="print `<test> run|skip` as the test base decides before starting "
+                         "ranks (feature tables, decorators, GPUs, world size) for this "
+                         "backend, and run nothing")
     args = ap.parse_args()
     os.environ["BACKEND"] = args.backend
     os.environ["WORLD_SIZE"] = str(args.world_size)
@@ -160,15 +161,49 @@ def static_skips():
     return out
 
 
+# decorators of the test base whose skip depends only on this machine and the world size: their
+# ranks would start, find it and exit with a skip code; the harness skips them without spawning
+_RANK_SKIPS = {"skip_if_lt_x_gpu", "skip_if_no_gpu", "skip_if_small_worldsize",
+               "skip_if_odd_worldsize"}
+
+
+def rank_skip(name):
+    """The reason a rank of this test would exit with a skip code at once, or None."""
+    import inspect
+    fn, size = getattr(TestDistBackendWithSpawn, name), int(os.environ["WORLD_SIZE"])
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    while getattr(fn, "__wrapped__", None) is not None:
+        maker = fn.__code__.co_qualname.split(".<locals>")[0]
+        if maker in _RANK_SKIPS:
+            free = inspect.getclosurevars(fn).nonlocals
+            if maker == "skip_if_lt_x_gpu" and not free.get("allow_cpu") and gpus < free["x"]:
+                return f"needs {free['x']} GPUs"
+            if maker == "skip_if_no_gpu" and gpus < size:
+                return "needs a GPU per rank"
+            if maker == "skip_if_small_worldsize" and size < 8:
+                return "needs 8 ranks"
+            if maker == "skip_if_odd_worldsize" and size % 2:
+                return "needs an even world size"
+        fn = fn.__wrapped__
+    return None
+
+
 def main(args):
     if args.list_static:
         skips = static_skips()
         for name in unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn):
-            print(f"{name} {'skip ' + skips[name] if name in skips else 'run'}")
+            why = skips.get(name) or rank_skip(name)
+            print(f"{name} {'skip ' + why if why else 'run'}")
         return 0
-    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in _selected(args))
+    names = _selected(args)
+    pre = {n: rank_skip(n) for n in names}
+    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names if not pre[n])
     runner = unittest.TextTestRunner(resultclass=_Recorder, verbosity=0, stream=sys.stderr)
     result = runner.run(suite)
+    for n in names:
+        if pre[n]:
+            result.outcome[n] = ("skip", 0.0)
+            print(f"RESULT {n} skip 0.0s ({pre[n]}, decided without starting ranks)")
     counts = {k: sum(1 for o, _ in result.outcome.values() if o == k)
               for k in ("pass", "fail", "skip")}
     summary = (f"COUNTS backend={_BACKEND} as_gloo={int(_AS_GLOO)} "

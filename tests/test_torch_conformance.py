@@ -1,0 +1,124 @@
+"""torch's own conformance suite (DistributedTest._DistTestBase) on the "r2comm" backend, 2 ranks,
+spawn mode, driven by tests/torch_conformance.py (--as-gloo: r2comm is offered every test Gloo
+is; every rank's exit code judged).
+
+The expectation is tests/data/gloo_conformance_pass.txt: the tests Gloo passes here (its header
+says how it was made). Every one of them must pass on r2comm, except those torch's API keeps for
+Gloo (GLOO_ONLY, named in the README). The default suite runs SUBSET (gather, scatter, the
+coalesced forms, sub-groups, destroying groups, any-source receive, barrier timeout, batched
+point-to-point, sparse all_reduce); the whole list is slow-marked."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+try:
+    import torch.distributed as _dist
+    _TORCH = _dist.is_available()
+    _WHY = "torch.distributed is not available in this torch build"
+except ImportError as exc:
+    _TORCH, _WHY = False, f"torch is not installed ({exc}); pip install -e '.[torch]'"
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
+HARNESS = os.path.join(ROOT, "tests", "torch_conformance.py")
+EXPECT = os.path.join(ROOT, "tests", "data", "gloo_conformance_pass.txt")
+# monitored_barrier is implemented by Gloo alone (torch's API); these call it on the default group
+GLOO_ONLY = {"test_monitored_barrier_gloo", "test_monitored_barrier_gloo_rank_0_timeout",
+             "test_monitored_barrier_gloo_subgroup"}
+SUBSET = ["test_gather", "test_gather_full_group", "test_scatter", "test_scatter_full_group",
+          "test_scatter_object_list", "test_all_gather_object_subgroup",
+          "test_all_gather_coalesced_simple", "test_all_gather_coalesced_with_empty",
+          "test_all_reduce_coalesced_sum", "test_get_rank_size_group", "test_destroy_group",
+          "test_destroy_full_group", "test_send_recv_any_source",
+          "test_barrier_timeout_full_group", "test_batch_isend_irecv_gloo",
+          "test_sparse_all_reduce_sum"]
+
+
+def gloo_passes():
+    with open(EXPECT) as f:
+        return [ln.split()[0] for ln in f if ln.strip() and not ln.startswith("#")]
+
+
+def run_harness(backend, tests, tmp_path, timeout, as_gloo=True):
+    """{test: pass|fail|skip} from one run of the harness over `tests`, and its output."""
+    out_file = tmp_path / f"conformance-{backend}.txt"
+    cmd = [sys.executable, HARNESS, "--backend", backend, "--world-size", "2", "--timeout", "90",
+           "--tests", ",".join(tests), "--out", str(out_file)] + (["--as-gloo"] if as_gloo else [])
+    env = dict(os.environ, TEMP_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the conformance harness did not finish in {timeout} s:\n"
+                    f"{(exc.output or '')[-4000:]}")
+    assert p.returncode == 0 and out_file.exists(), f"harness failed:\n{p.stdout[-6000:]}"
+    with open(out_file) as f:
+        outcome = dict(ln.split()[:2] for ln in f if ln.strip() and not ln.startswith("#"))
+    return outcome, p.stdout
+
+
+def _excerpt(out, test):
+    """The part of the harness output about one test (its ranks' tracebacks)."""
+    lines = out.splitlines()
+    hits = [i for i, ln in enumerate(lines) if test in ln]
+    if not hits:
+        return out[-3000:]
+    return "\n".join(lines[max(0, hits[0] - 60):hits[-1] + 5])[-6000:]
+
+
+def test_expectation_lists_are_consistent():
+    """The subset and the Gloo-only names are tests Gloo passes here (no stale names)."""
+    passes = set(gloo_passes())
+    assert len(passes) >= 80, len(passes)
+    assert set(SUBSET) <= passes, set(SUBSET) - passes
+    assert GLOO_ONLY <= passes, GLOO_ONLY - passes
+
+
+def test_as_gloo_offers_every_gloo_test(tmp_path):
+    """--as-gloo: the test base decides for r2comm exactly what it decides for Gloo (which tests
+    run, which skip before starting ranks); without it, torch's tables skip some."""
+    def listing(*args):
+        p = subprocess.run([sys.executable, HARNESS, "--list-static", *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           timeout=120, env=dict(os.environ, TEMP_DIR=str(tmp_path)))
+        assert p.returncode == 0, p.stdout[-2000:]
+        return {ln.split()[0]: ln.split()[1] for ln in p.stdout.splitlines() if ln.strip()}
+    gloo = listing("--backend", "gloo")
+    assert listing("--backend", "r2comm", "--as-gloo") == gloo
+    plain = listing("--backend", "r2comm")
+    assert {t for t, v in plain.items() if v == "skip"} > {t for t, v in gloo.items() if v == "skip"}
+    assert set(gloo_passes()) <= {t for t, v in gloo.items() if v == "run"}
+
+
+@pytest.fixture(scope="module")
+def subset_on_r2comm(tmp_path_factory):
+    return run_harness("r2comm", SUBSET, tmp_path_factory.mktemp("conf"), timeout=900)
+
+
+@pytest.mark.parametrize("test", SUBSET)
+def test_conformance_subset(subset_on_r2comm, test):
+    """One of torch's conformance tests that Gloo passes, on r2comm (every rank exits 0)."""
+    outcome, out = subset_on_r2comm
+    assert outcome.get(test) == "pass", f"{test}: {outcome.get(test)}\n{_excerpt(out, test)}"
+
+
+@pytest.mark.slow
+def test_conformance_full_r2comm(tmp_path):
+    """Every test Gloo passes here passes on r2comm, but those torch's API keeps for Gloo."""
+    want = [t for t in gloo_passes() if t not in GLOO_ONLY]
+    outcome, out = run_harness("r2comm", want, tmp_path, timeout=3600)
+    failed = [t for t in want if outcome.get(t) != "pass"]
+    assert not failed, f"{len(failed)} of {len(want)} fail on r2comm: {failed}\n{out[-6000:]}"
+
+
+@pytest.mark.slow
+def test_conformance_full_gloo(tmp_path):
+    """Gloo still passes every test of the expectation (the list is not stale for this torch)."""
+    want = gloo_passes()
+    outcome, out = run_harness("gloo", want, tmp_path, timeout=3600, as_gloo=False)
+    failed = [t for t in want if outcome.get(t) != "pass"]
+    assert not failed, f"{failed}\n{out[-6000:]}"
