@@ -35,10 +35,11 @@ else:
 BACKENDS = ["r2comm", pytest.param("gloo", marks=pytest.mark.slow)]
 
 
-def run_job(backend, job, nprocs, tmp_path, timeout):
+def run_job(backend, job, nprocs, tmp_path, timeout, extra_env=None):
     """One torchrun job; {check: (outcome, detail)} from rank 0's CHECK lines, and the output.
     A port taken between choosing it and the rendezvous binding it is retried."""
-    env = _env({"R2T_BACKEND": backend, "R2T_TMP": str(tmp_path), "R2T_TIMEOUT": "30"})
+    env = _env({"R2T_BACKEND": backend, "R2T_TMP": str(tmp_path), "R2T_TIMEOUT": "30",
+                **(extra_env or {})})
     for attempt in range(3):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(nprocs), "--master-addr", "127.0.0.1",
@@ -82,3 +83,11 @@ def test_funcol_compile_inductor(inductor):
     """Functional collectives under torch.compile(backend="inductor") (a C++ compiler builds
     the CPU kernels): equal to eager on a Gloo group."""
     _judge(inductor, "funcol_compile_inductor")
+
+
+def test_fsdp_tp_losses_bitwise_through_rail_failure(tmp_path):
+    """r2comm on two loopback rails, 4 ranks, FSDP2 x TP on a 2x2 mesh: rank 1's rail 0 fails
+    for real (fail_rail, hard) before step 4 and comes back before step 10; the 14 losses equal
+    the fault-free run's bitwise, and failover events were recorded."""
+    rails = {"R2COMM_RAILS": "127.0.0.1,127.0.0.2", "R2COMM_CHUNK_SIZE": "16K"}
+    _judge(run_job("r2comm", "failover", 4, tmp_path, 300, rails), "fsdp_tp_rail_failure")

@@ -230,6 +230,53 @@ def check_fsdp_tp(ctx):
         same_bits(a, b, f"fsdp x tp param {i}")
 
 
+def train_failover(mesh, steps, fail_at=-1, restore_at=-1, width=256):
+    """FSDP2 over "dp" x TP over "tp" (as check_fsdp_tp, wider: 0.5 MiB of parameters); rank 1
+    fails its rail 0 for real ("hard") before step fail_at and restores it before restore_at.
+    The losses of every step, reduced over the world."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    comm = dist.distributed_c10d._get_default_group().comm
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+    model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(steps):
+        if dist.get_rank() == 1 and step == fail_at:
+            comm.fail_rail(0, "hard")
+        if dist.get_rank() == 1 and step == restore_at:
+            comm.restore_rail(0)
+        x, _ = batch(10 * mesh.get_local_rank(0) + step, n=16, width=width)
+        out = model(x)
+        loss = (out * out).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced, group=AGREE)
+        losses.append(reduced.item())
+    return losses
+
+
+def check_failover(ctx):
+    """Two rails (R2COMM_RAILS): FSDP x TP training with rank 1's rail 0 failed at step 4 and
+    restored at step 10 has the fault-free run's losses, bitwise; the failure happened."""
+    comm = dist.distributed_c10d._get_default_group().comm
+    before = len([e for e in comm.events if e["kind"] != "up"])
+    clean = train_failover(ctx["mesh"], 14)
+    faulty = train_failover(ctx["mesh"], 14, fail_at=4, restore_at=10)
+    events = torch.tensor([len([e for e in comm.events if e["kind"] != "up"]) - before])
+    dist.all_reduce(events, group=AGREE)
+    same_losses(faulty, clean, "FSDP x TP through a rail failure")
+    assert events.item() > 0, "no failover event: the rail failure did not happen"
+    if dist.get_rank() == 0:
+        print(f"NOTE failover: {int(events.item())} failover events, losses "
+              + " ".join(v.hex() for v in clean[:3]) + " ...", flush=True)
+
+
 def mesh_context():
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -601,6 +648,7 @@ JOBS = {
               ("dropped_async_works", check_dropped_works),
               ("reinit_fresh_store", check_reinit)],
     "inductor": [("funcol_compile_inductor", lambda c: check_funcol(c, "inductor"))],
+    "failover": [("fsdp_tp_rail_failure", needs_mesh(check_failover))],    # r2comm, 2 rails
 }
 
 
