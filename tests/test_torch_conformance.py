@@ -24,7 +24,8 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
 HARNESS = os.path.join(ROOT, "tests", "torch_conformance.py")
-EXPECT = os.path.join(ROOT, "tests", "data", "gloo_conformance_pass.txt")
+EXPECT = {2: os.path.join(ROOT, "tests", "data", "gloo_conformance_pass.txt"),
+          4: os.path.join(ROOT, "tests", "data", "gloo_conformance_pass_4.txt")}
 # monitored_barrier is implemented by Gloo alone (torch's API); these call it on the default group
 GLOO_ONLY = {"test_monitored_barrier_gloo", "test_monitored_barrier_gloo_rank_0_timeout",
              "test_monitored_barrier_gloo_subgroup"}
@@ -35,18 +36,23 @@ SUBSET = ["test_gather", "test_gather_full_group", "test_scatter", "test_scatter
           "test_destroy_full_group", "test_send_recv_any_source",
           "test_barrier_timeout_full_group", "test_batch_isend_irecv_gloo",
           "test_sparse_all_reduce_sum"]
+# with 4 ranks: object collectives with a group, sub-groups given a group, any-source receive
+SUBSET_4 = ["test_gather_object", "test_gather_object_subgroup", "test_scatter_object_list",
+            "test_new_subgroups_with_group_param", "test_send_recv_any_source",
+            "test_barrier_timeout_full_group"]
 
 
-def gloo_passes():
-    with open(EXPECT) as f:
+def gloo_passes(ranks=2):
+    with open(EXPECT[ranks]) as f:
         return [ln.split()[0] for ln in f if ln.strip() and not ln.startswith("#")]
 
 
-def run_harness(backend, tests, tmp_path, timeout, as_gloo=True):
+def run_harness(backend, tests, tmp_path, timeout, as_gloo=True, ranks=2, fork=False):
     """{test: pass|fail|skip} from one run of the harness over `tests`, and its output."""
     out_file = tmp_path / f"conformance-{backend}.txt"
-    cmd = [sys.executable, HARNESS, "--backend", backend, "--world-size", "2", "--timeout", "90",
-           "--tests", ",".join(tests), "--out", str(out_file)] + (["--as-gloo"] if as_gloo else [])
+    cmd = [sys.executable, HARNESS, "--backend", backend, "--world-size", str(ranks),
+           "--timeout", "90", "--tests", ",".join(tests), "--out", str(out_file)]
+    cmd += (["--as-gloo"] if as_gloo else []) + (["--fork"] if fork else [])
     env = dict(os.environ, TEMP_DIR=str(tmp_path), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     try:
@@ -76,6 +82,7 @@ def test_expectation_lists_are_consistent():
     assert len(passes) >= 80, len(passes)
     assert set(SUBSET) <= passes, set(SUBSET) - passes
     assert GLOO_ONLY <= passes, GLOO_ONLY - passes
+    assert set(SUBSET_4) <= set(gloo_passes(4)), set(SUBSET_4) - set(gloo_passes(4))
 
 
 def test_as_gloo_offers_every_gloo_test(tmp_path):
@@ -94,9 +101,17 @@ def test_as_gloo_offers_every_gloo_test(tmp_path):
     assert set(gloo_passes()) <= {t for t, v in gloo.items() if v == "run"}
 
 
+# The default suite starts the subsets' ranks by fork (a second a test, against 5 s to over a
+# minute by spawn on a loaded machine); test_conformance_spawn_mode and the slow runs spawn them.
 @pytest.fixture(scope="module")
 def subset_on_r2comm(tmp_path_factory):
-    return run_harness("r2comm", SUBSET, tmp_path_factory.mktemp("conf"), timeout=900)
+    return run_harness("r2comm", SUBSET, tmp_path_factory.mktemp("conf"), 600, fork=True)
+
+
+@pytest.fixture(scope="module")
+def subset4_on_r2comm(tmp_path_factory):
+    return run_harness("r2comm", SUBSET_4, tmp_path_factory.mktemp("conf4"), 600, ranks=4,
+                       fork=True)
 
 
 @pytest.mark.parametrize("test", SUBSET)
@@ -104,6 +119,20 @@ def test_conformance_subset(subset_on_r2comm, test):
     """One of torch's conformance tests that Gloo passes, on r2comm (every rank exits 0)."""
     outcome, out = subset_on_r2comm
     assert outcome.get(test) == "pass", f"{test}: {outcome.get(test)}\n{_excerpt(out, test)}"
+
+
+@pytest.mark.parametrize("test", SUBSET_4)
+def test_conformance_subset_4_ranks(subset4_on_r2comm, test):
+    """As test_conformance_subset, with 4 ranks."""
+    outcome, out = subset4_on_r2comm
+    assert outcome.get(test) == "pass", f"{test}: {outcome.get(test)}\n{_excerpt(out, test)}"
+
+
+def test_conformance_spawn_mode(tmp_path):
+    """Upstream's spawn mode: each rank a fresh interpreter that imports the harness, which
+    registers r2comm there (test_gather)."""
+    outcome, out = run_harness("r2comm", ["test_gather"], tmp_path, 600)
+    assert outcome.get("test_gather") == "pass", _excerpt(out, "test_gather")
 
 
 @pytest.mark.slow
