@@ -804,19 +804,25 @@ class Communicator:
         may be in flight at once; every rank must start the same collectives in the same order."""
         return self._call("allreduce", False, self._iallreduce, sendbuf, recvbuf, op, stream=stream)
 
-    def Allreduce(self, sendbuf, recvbuf, op=SUM, stream=None):
+    def Allreduce(self, sendbuf, recvbuf, op=SUM, stream=None, *, as_nonblocking=False):
         """Combine `sendbuf` of every rank with `op` (SUM, PROD, MIN, MAX or mpi4py's
         MPI.* ops) into `recvbuf` on every rank. Pass IN_PLACE as sendbuf to reduce recvbuf in
         place. Buffers: numpy arrays, buffer-protocol objects or mpi4py specifications such as
         [buf, MPI.FLOAT], of the same size and dtype on every rank; the result is bitwise the same
         on every rank. Raises R2commMismatchError when ranks disagree, R2commTimeout after
-        comm.timeout, R2commNetworkError when a peer is lost; rail failures are survived."""
+        comm.timeout, R2commNetworkError when a peer is lost; rail failures are survived.
+        as_nonblocking=True: the call matches the other ranks' Iallreduce (an Iallreduce
+        waited for at once, at Allreduce's cost; for front ends whose synchronous and
+        asynchronous calls must match each other, such as torch's)."""
         if type(recvbuf) is np.ndarray and stream is None and \
-                self._fast_allreduce(sendbuf, recvbuf, op):
+                self._fast_allreduce(sendbuf, recvbuf, op, not as_nonblocking):
             return
-        self._call("allreduce", True, self._iallreduce, sendbuf, recvbuf, op, stream=stream)
+        req = self._call("allreduce", not as_nonblocking, self._iallreduce, sendbuf, recvbuf, op,
+                         stream=stream)
+        if as_nonblocking:
+            req.Wait()
 
-    def _fast_allreduce(self, sendbuf, recvbuf, op):
+    def _fast_allreduce(self, sendbuf, recvbuf, op, blocking=True):
         """Allreduce of numpy arrays in one engine call (Engine.run: export, post, wait,
         release), for the latency-bound calls where the general path's Python (buffer
         wrappers, Request, plan lookup by a long key) cost as much as the transfer. Returns
@@ -858,11 +864,12 @@ class Communicator:
         self._seq = seq + 1
         try:
             oid = self._engine.run(hit[0], recvbuf, send, nbytes, dtc, op.code, self._id, seq,
-                                   hit[1], self.timeout, self._members, hit[2])
+                                   hit[1], self.timeout, self._members,
+                                   hit[2] if blocking else hit[2] | _NONBLOCKING)
         except (ValueError, BufferError, TypeError) as exc:    # raised before anything posted
             self._seq = seq
             err = R2commBufferError(f"Allreduce: {exc}")
-            self._tell_peers(err, "allreduce", True)
+            self._tell_peers(err, "allreduce", blocking)
             raise err from exc
         if oid:         # failed or timed out: a Request raises its error as Wait() would
             eng = _engine()

@@ -279,6 +279,16 @@ def scenario_async(rank, size, ck):
         assert works[i].wait() is True
         assert works[i].is_completed()
         ck.equal(*expect[i], f"async op {i}")
+    # a synchronous call on some ranks, asynchronous on the others: the same call
+    for i, n in enumerate((2, 3000)):
+        t = data(rank, torch.float32, 70 + i, n=n)
+        if rank % 2:
+            dist.all_reduce(t, async_op=True).wait()
+        else:
+            dist.all_reduce(t)
+        ck.equal(t, ref_reduce([data(r, torch.float32, 70 + i, n=n) for r in range(size)],
+                               R.SUM, torch.float32), f"sync with async, {n} floats",
+                 exact=False)
     # futures complete by themselves (what DDP relies on)
     t = data(rank, torch.float64, 60)
     fut = dist.all_reduce(t, async_op=True).get_future()
@@ -344,6 +354,9 @@ def scenario_modern(rank, size, ck):
     world = dist.group.WORLD
     assert world.group_name and isinstance(world.group_name, str)
     assert dist.get_backend(world) == "r2comm"
+    before = world._get_sequence_number_for_group()
+    dist.barrier()
+    assert world._get_sequence_number_for_group() == before + 1
     ck.count += 1
     t = data(rank, torch.float32, 1, n=8)
     want = t.clone()

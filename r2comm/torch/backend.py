@@ -126,9 +126,20 @@ _BOOL = {_RedOp.SUM: MAX, _RedOp.PRODUCT: MIN, _RedOp.BAND: MIN, _RedOp.BOR: MAX
 
 def _redop(opts, dtype):
     """(r2comm op, divide by size) for a torch ReduceOp on this dtype; (None, the ReduceOp)
-    for a bitwise op that the backend folds itself."""
+    for a bitwise op that the backend folds itself. Valid pairs are remembered in _REDUCE."""
     rop = getattr(opts, "reduceOp", _RedOp.SUM)
     kind = getattr(rop, "op", rop)
+    hit = _REDUCE.get((dtype, kind))
+    if hit is None:
+        hit = _REDUCE[(dtype, kind)] = _redop_of(kind, dtype)
+    return hit
+
+
+_REDUCE = {}      # (torch dtype, ReduceOp kind) -> _redop's answer
+
+
+def _redop_of(kind, dtype):
+    """_redop for a ReduceOp kind (raises R2commArgumentError where it is undefined)."""
     if dtype == torch.bool:
         if kind == _RedOp.AVG:
             raise R2commArgumentError("r2comm backend: AVG of a bool tensor is not defined")
@@ -381,6 +392,16 @@ class Work(dist._Work):
     source_rank = _source_rank
 
 
+class _DoneWork(Work):
+    """A completed operation, reused by a group's synchronous all_reduce (torch waits on it at
+    once and drops it): each get_future() is a new future holding the latest result."""
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
 def _call(fn):
     fn()
 
@@ -471,8 +492,10 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         self._xchg = comm.Dup() if size > 1 else comm    # point to point: uneven all-to-all,
         self._inflight = {}                               # gather, scatter, send/recv
         self._sweep_at = 64
+        self._ops_issued = 0                              # the group's sequence number
         self._coalesced = None
         self._completer = _Completer(f"r2comm-torch-{rank}")
+        self._done = _DoneWork(self, [])                  # what synchronous calls return
         holder = _holder(rank, size)
         for d in devices:
             self._register_backend(torch.device(d), dist.ProcessGroup.BackendType.CUSTOM, holder)
@@ -491,6 +514,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             for w in list(self._inflight):
                 w._poll()
             self._sweep_at = max(64, 2 * len(self._inflight))
+        self._ops_issued += 1
         w = Work(self, reqs, finish, result, source)
         if self._coalesced is not None:
             self._coalesced.append(w)
@@ -498,6 +522,13 @@ class ProcessGroupR2comm(dist.ProcessGroup):
 
     def getBackendName(self):
         return BACKEND_NAME
+
+    def _get_sequence_number_for_group(self):
+        """How many operations this group has issued (torch's sequence number)."""
+        return self._ops_issued
+
+    def _set_sequence_number_for_group(self):
+        """Sequence numbers start at 0 on every rank (nothing to agree on)."""
 
     def name(self):
         return BACKEND_NAME
@@ -547,6 +578,12 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         return finish
 
     def allreduce(self, tensors, opts=None):
+        if len(tensors) == 1 and opts is not None and not opts.asyncOp:
+            t = tensors[0]              # torch waits at once (async_op=False): the lean path
+            if t.is_cpu and t.is_contiguous() and not t.requires_grad and not t.is_sparse:
+                hit = _REDUCE.get((t.dtype, opts.reduceOp.op))
+                if hit is not None and hit[0] is not None and t.dtype in _NUMPY and t.numel():
+                    return self._allreduce_now(t, hit[0], hit[1])
         t = self._one(tensors, "allreduce")
         if t.is_sparse:
             return self._sparse_allreduce(t, opts)
@@ -554,7 +591,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         if op is None:
             return self._bitwise([t], avg, [t])
         if t.device.type == "cpu" and t.dtype in _NUMPY and t.is_contiguous() and t.numel():
-            arr = t.detach().view(-1).numpy()         # the common case: no staging
+            arr = t.detach().view(-1).numpy()         # no staging
             req = self._comm.Iallreduce(IN_PLACE, arr, op)
             return self._submit([req], (lambda: t.detach().div_(self.size())) if avg else None,
                                 [t])
@@ -569,6 +606,26 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             return self._submit([], None, [t])
         req = self._comm.Iallreduce(IN_PLACE, s.arr, op)
         return self._submit([req], self._reduce_finish([s], avg), [t])
+
+    def _allreduce_now(self, t, op, avg):
+        """A synchronous all_reduce in one engine call (Allreduce's fast path: 8 B calls cost
+        about what Communicator.Allreduce does), matched with the peers' call as a non-blocking
+        one, since a peer may have made it asynchronous. Returns the group's done Work."""
+        arr = t.numpy()
+        try:        # from a copy: the in-place schedule has local copies, the fast path none
+            self._comm.Allreduce(arr.copy(), arr, op, as_nonblocking=True)
+        except R2commArgumentError:
+            raise
+        except R2commError as exc:
+            w = Work(self, [], None, [t])
+            w._error = _torch_error(exc)
+            return w
+        self._ops_issued += 1
+        if avg:
+            t.div_(self.size())
+        done = self._done
+        done._result = [t]
+        return done
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self._join([self.allreduce([t], opts) for t in tensors], list(tensors))
