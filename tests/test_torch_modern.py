@@ -91,3 +91,63 @@ def test_fsdp_tp_losses_bitwise_through_rail_failure(tmp_path):
     the fault-free run's bitwise, and failover events were recorded."""
     rails = {"R2COMM_RAILS": "127.0.0.1,127.0.0.2", "R2COMM_CHUNK_SIZE": "16K"}
     _judge(run_job("r2comm", "failover", 4, tmp_path, 300, rails), "fsdp_tp_rail_failure")
+
+
+def _testbed_fsdp(fabric, tmp_path, fail_at=None, restore_at=None, timeout=300):
+    """The worker's "testbed" job through `python -m r2comm.testbed torchrun` (2 hosts x 2 ranks,
+    a 2x2 mesh whose "dp" groups cross the hosts); from step fail_at to restore_at host 1's nic0
+    is down for real (ip link set down). Rank 0 waits at both steps until the link changed."""
+    import shutil
+    import subprocess
+    import tempfile
+    gate = tempfile.mkdtemp(prefix="r2t-gate-")
+    steps = ",".join(str(s) for s in (fail_at, restore_at) if s is not None)
+    env = _env({"R2T_BACKEND": "r2comm", "R2T_TMP": str(tmp_path), "R2T_TIMEOUT": "60",
+                "R2T_STEPS": "14", "R2COMM_CHUNK_SIZE": "16K", "R2COMM_TESTBED_FABRIC": fabric.tag,
+                "R2T_GATE": f"{gate}:{steps}",
+                "GLOO_SOCKET_IFNAME": "mgmt"})      # the reference groups: never failed
+    cmd = [sys.executable, "-m", "r2comm.testbed", "torchrun", "--tag", fabric.tag,
+           "--nproc-per-node", "2", "--port", str(free_port()), "--timeout", str(timeout - 20),
+           "--", WORKER, "testbed"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, cwd=ROOT)
+    lines = []
+    try:
+        for line in p.stdout:                 # bounded: the launcher ends the job at --timeout
+            lines.append(line)
+            if line.startswith("GATE "):
+                step = int(line.split()[1])
+                if step == fail_at:
+                    fabric.nic_down(1, 0)
+                if step == restore_at:
+                    fabric.nic_up(1, 0)
+                open(os.path.join(gate, f"go.{step}"), "w").close()
+        rc = p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        shutil.rmtree(gate, ignore_errors=True)
+    out = "".join(lines)
+    assert rc == 0 and "CHECK fsdp_tp_testbed_run pass" in out, out[-4000:]
+    losses = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("LOSSES ")][-1]
+    events = [int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("EVENTS ")][-1]
+    return losses, events, out
+
+
+@pytest.mark.slow       # 80 s here; the DDP version (test_torch_backend.py) runs in CI
+@pytest.mark.netns
+def test_testbed_fsdp_tp_through_real_nic_failure(netns_ok, tmp_path):
+    """The emulated cluster (2 hosts x 2 NICs, 4 ranks, FSDP2 over the hosts x TP within
+    each): host 1's nic0 goes down for real at step 4 and comes back at step 10; the 14 losses
+    equal the healthy run's bitwise, and failover events were recorded."""
+    from r2comm.testbed.fabric import Fabric
+    fabric = Fabric(hosts=2, nics=2, rate="1gbit", tag=f"t29{os.getpid() % 1000}").up()
+    try:
+        healthy, healthy_events, out = _testbed_fsdp(fabric, tmp_path)
+        assert healthy_events == 0, out[-2000:]
+        faulty, faulty_events, out = _testbed_fsdp(fabric, tmp_path, fail_at=4, restore_at=10)
+    finally:
+        fabric.down()
+    assert faulty_events > 0, out[-2000:]
+    assert len(healthy) == 14
+    assert faulty == healthy

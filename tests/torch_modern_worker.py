@@ -230,7 +230,7 @@ def check_fsdp_tp(ctx):
         same_bits(a, b, f"fsdp x tp param {i}")
 
 
-def train_failover(mesh, steps, fail_at=-1, restore_at=-1, width=256):
+def train_failover(mesh, steps, fail_at=-1, restore_at=-1, width=256, gate=None):
     """FSDP2 over "dp" x TP over "tp" (as check_fsdp_tp, wider: 0.5 MiB of parameters); rank 1
     fails its rail 0 for real ("hard") before step fail_at and restores it before restore_at.
     The losses of every step, reduced over the world."""
@@ -245,6 +245,8 @@ def train_failover(mesh, steps, fail_at=-1, restore_at=-1, width=256):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     losses = []
     for step in range(steps):
+        if gate is not None:
+            gate(step)
         if dist.get_rank() == 1 and step == fail_at:
             comm.fail_rail(0, "hard")
         if dist.get_rank() == 1 and step == restore_at:
@@ -259,6 +261,36 @@ def train_failover(mesh, steps, fail_at=-1, restore_at=-1, width=256):
         dist.all_reduce(reduced, group=AGREE)
         losses.append(reduced.item())
     return losses
+
+
+def wait_gate(step):
+    """R2T_GATE="DIR:a,b": before steps a and b rank 0 prints "GATE a" and waits (bounded) for
+    DIR/go.a, so that the test changes the testbed's links between the same two steps in every
+    run; the other ranks wait for rank 0 in a Gloo barrier."""
+    gate_dir, _, steps = os.environ.get("R2T_GATE", "").partition(":")
+    if step not in {int(v) for v in steps.split(",") if v}:
+        return
+    if dist.get_rank() == 0:
+        print(f"GATE {step}", flush=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(gate_dir, f"go.{step}")):
+            assert time.monotonic() < deadline, f"nobody opened gate {step}"
+            time.sleep(0.02)
+    dist.barrier(group=AGREE)
+
+
+def check_testbed_run(ctx):
+    """FSDP x TP (check_failover's model) for R2T_STEPS steps with the gates of R2T_GATE (the
+    test takes a NIC down and up there); rank 0 prints the losses and the failover events."""
+    comm = dist.distributed_c10d._get_default_group().comm
+    steps = int(os.environ.get("R2T_STEPS", "14"))
+    losses = train_failover(ctx["mesh"], steps, gate=wait_gate)
+    events = torch.tensor([len([e for e in comm.events if e["kind"] != "up"])])
+    dist.all_reduce(events, group=AGREE)
+    if dist.get_rank() == 0:
+        sys.stdout.write("LOSSES " + " ".join(v.hex() for v in losses) +
+                         f"\nEVENTS {int(events.item())}\n")
+        sys.stdout.flush()
 
 
 def check_failover(ctx):
@@ -649,6 +681,7 @@ JOBS = {
               ("reinit_fresh_store", check_reinit)],
     "inductor": [("funcol_compile_inductor", lambda c: check_funcol(c, "inductor"))],
     "failover": [("fsdp_tp_rail_failure", needs_mesh(check_failover))],    # r2comm, 2 rails
+    "testbed": [("fsdp_tp_testbed_run", needs_mesh(check_testbed_run))],   # 2 hosts x 2 ranks
 }
 
 
