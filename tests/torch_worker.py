@@ -471,6 +471,19 @@ def scenario_newcolls(rank, size, ck):
             src = dist.recv(t, tag=5)                       # any source
             assert src == 0, src
             ck.equal(t, torch.full((3,), 10.0), "recv without src")
+    if size % 2 == 0:                 # sub-groups of a sub-group (new_subgroups(group=))
+        half = dist.new_group(list(range(size)))
+        mine, _ = dist.new_subgroups(group_size=size // 2, group=half)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=mine)
+        first = rank - rank % (size // 2)
+        ck.equal(t, torch.tensor([float(sum(range(first, first + size // 2)))]),
+                 "new_subgroups(group=) all_reduce")
+        objs = [None] * (size // 2) if rank == first else None
+        dist.gather_object(rank * 10, objs, dst=first, group=mine)
+        if rank == first:
+            assert objs == [r * 10 for r in range(first, first + size // 2)], objs
+            ck.count += 1
     nxt, prv = (rank + 1) % size, (rank - 1) % size
     send, recv = torch.full((4,), float(rank)), torch.empty(4)
     reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt),

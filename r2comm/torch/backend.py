@@ -289,6 +289,7 @@ class Work(dist._Work):
         self._error = None
         self._fut = None
         self._queued = False
+        self._settled = False     # the future's value was handed out (once)
         self._source = source
         if not self._done:
             group._inflight[self] = None
@@ -317,14 +318,19 @@ class Work(dist._Work):
                 self._reqs = ()
                 self._done = True
                 self._group._inflight.pop(self, None)
-            fut = self._fut
-        if fut is not None and not fut.done():
+            settle = self._claim_settle()
+        if settle:
             (deliver or _call)(self._settle_future)
+
+    def _claim_settle(self):
+        """True once for a done work with a future: the caller sets it (under the lock)."""
+        if self._fut is None or not self._done or self._settled:
+            return False
+        self._settled = True
+        return True
 
     def _settle_future(self):
         fut = self._fut
-        if fut.done():
-            return
         if self._error is not None:
             fut.set_exception(self._error)
         else:
@@ -334,14 +340,17 @@ class Work(dist._Work):
         if not self._done:
             secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
             self._complete(secs if secs else None)
-        elif self._fut is not None and not self._fut.done():
-            self._settle_future()
+        else:
+            with self._lock:
+                settle = self._claim_settle()
+            if settle:
+                self._settle_future()
         if self._error is not None:
             raise self._error
         return True
 
     def _poll(self):
-        """Complete the operation if it ended; never blocks."""
+        """Complete the operation if it ended; never blocks, never runs a callback."""
         if self._done or not self._lock.acquire(blocking=False):
             return
         try:
@@ -351,7 +360,7 @@ class Work(dist._Work):
         finally:
             self._lock.release()
         if ready:
-            self._complete()
+            self._complete(deliver=_deliverer.put)
 
     def is_completed(self):
         self._poll()
@@ -371,9 +380,10 @@ class Work(dist._Work):
                 self._fut = torch.futures.Future()
             queue_it = not self._done and not self._queued
             self._queued = True
+            settle = self._claim_settle()
         if queue_it:
             self._group._completer.put(self)
-        elif self._done and not self._fut.done():
+        elif settle:
             self._settle_future()
         return self._fut
 
