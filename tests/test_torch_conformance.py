@@ -88,15 +88,20 @@ def test_expectation_lists_are_consistent():
 def test_as_gloo_offers_every_gloo_test(tmp_path):
     """--as-gloo: the test base decides for r2comm exactly what it decides for Gloo (which tests
     run, which skip before starting ranks); without it, torch's tables skip some."""
-    def listing(*args):
-        p = subprocess.run([sys.executable, HARNESS, "--list-static", *args],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                           timeout=120, env=dict(os.environ, TEMP_DIR=str(tmp_path)))
-        assert p.returncode == 0, p.stdout[-2000:]
-        return {ln.split()[0]: ln.split()[1] for ln in p.stdout.splitlines() if ln.strip()}
-    gloo = listing("--backend", "gloo")
-    assert listing("--backend", "r2comm", "--as-gloo") == gloo
-    plain = listing("--backend", "r2comm")
+    runs = {key: subprocess.Popen([sys.executable, HARNESS, "--list-static", *args],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                  env=dict(os.environ, TEMP_DIR=str(tmp_path)))
+            for key, args in (("gloo", ["--backend", "gloo"]),
+                              ("as_gloo", ["--backend", "r2comm", "--as-gloo"]),
+                              ("plain", ["--backend", "r2comm"]))}     # at once: 3 imports
+
+    def listing(key):
+        out, _ = runs[key].communicate(timeout=180)
+        assert runs[key].returncode == 0, out[-2000:]
+        return {ln.split()[0]: ln.split()[1] for ln in out.splitlines() if ln.strip()}
+    gloo = listing("gloo")
+    assert listing("as_gloo") == gloo
+    plain = listing("plain")
     assert {t for t, v in plain.items() if v == "skip"} > {t for t, v in gloo.items() if v == "skip"}
     assert set(gloo_passes()) <= {t for t, v in gloo.items() if v == "run"}
 
