@@ -58,7 +58,7 @@ import torch._C._distributed_c10d as _c10d
 from .. import IN_PLACE
 from ..bootstrap_store import StoreComm, MAX as _STORE_MAX
 from ..communicator import Communicator
-from ..errors import R2commArgumentError, R2commError, R2commNetworkError
+from ..errors import R2commArgumentError, R2commError, R2commNetworkError, R2commTimeout
 from ..ops import SUM, PROD, MIN, MAX
 from ..request import Request
 
@@ -223,7 +223,11 @@ def _torch_error(exc):
     if both is None:
         base = dist.DistNetworkError if isinstance(exc, R2commNetworkError) else dist.DistBackendError
         both = _TORCH_ERRORS[cls] = type(cls.__name__, (cls, base), {"__module__": __name__})
-    new = both(*exc.args)
+    args = exc.args
+    if isinstance(exc, R2commTimeout) and args:
+        # Gloo's and NCCL's wording (" Timed out "), which code and torch's tests match
+        args = (f"r2comm: Timed out waiting for the operation: {args[0]}",) + args[1:]
+    new = both(*args)
     new.__cause__ = exc
     return new
 
