@@ -3,10 +3,29 @@
 # before it is read, then it is acknowledged and copied or reduced into the receive
 # (apply_chunk, deliver_chunk). A frame that does not fit is refused and closes its rail.
 
+cdef void discard_other_copies(State* e, RecvMsg* rm, uint32_t c) noexcept nogil:
+    """Chunk c of rm is being applied: a rail still reading another copy of it (hedged, or
+    re-sent after a failure, its header parsed first) reads the rest of that copy into nothing,
+    so no byte of a chunk reaches the user's buffer after the chunk was applied (a zero-copy
+    sender may already have rewritten the pages the late copy is read from)."""
+    cdef Peer* p = e.peers[rm.peer] if rm.peer >= 0 and rm.peer < e.nranks else NULL
+    cdef Rail* t
+    cdef int k
+    if p == NULL:
+        return
+    for k in range(p.nrails):
+        t = p.rails[k]
+        if t.rstate == 1 and t.rmsg == <void*>rm and t.rh.chunk == c and \
+                (t.rkind == K_DIRECT or t.rkind == K_STAGE):
+            t.rkind = K_TRASH
+            t.rtarget = NULL
+            t.rmsg = NULL
+
 cdef void apply_chunk(State* e, RecvMsg* rm, uint32_t c, const char* data) noexcept nogil:
     cdef uint32_t ln = chunk_len(rm.total, rm.cs, c)
     cdef char* dst = rm.base + <uint64_t>c * rm.cs
     cdef size_t i
+    discard_other_copies(e, rm, c)
     if data != NULL and ln:
         if rm.mode == M_COPY:
             memcpy(dst, data, ln)
