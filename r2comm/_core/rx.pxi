@@ -64,6 +64,49 @@ cdef void rx_refuse(State* e, Rail* r, const char* why) noexcept nogil:
     add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, r.rh.len, 0, why)
     fail_rail(e, r, "malformed frame", e.me, 1)
 
+cdef void drop_peer_unexpected(State* e, Peer* p) noexcept nogil:
+    """Forget every unexpected message of peer p (collective and point-to-point); a pair
+    state nothing of this rank waits on goes too."""
+    cdef Key lo = mkey(p.rank, 0, 0, 0, 0)
+    cdef P2PState* st
+    it = e.cunexp.lower_bound(lo)
+    while it != e.cunexp.end() and (deref(it).first.first >> 32) == <uint64_t>p.rank:
+        free_unexp(e, deref(it).second)
+        it = e.cunexp.erase(it)
+    itp = p.p2p.begin()
+    while itp != p.p2p.end():
+        st = deref(itp).second
+        itu = st.unexp.begin()
+        while itu != st.unexp.end():
+            free_unexp(e, deref(itu).second)
+            inc(itu)
+        st.unexp.clear()
+        if st.posted.empty() and st.bound.empty():
+            del st
+            itp = p.p2p.erase(itp)
+        else:
+            inc(itp)
+
+cdef void unexp_overflow(State* e, Rail* r) noexcept nogil:
+    """Peer r.peer sent more unexpected data (messages no receive here wants yet) than this
+    rank keeps: its unexpected messages are dropped, every operation of this rank with it
+    fails with the reason (its own calls get the abort), and the frame is refused."""
+    cdef char buf[400]
+    cdef Peer* p = e.peers[r.peer]
+    snprintf(buf, 400, "rank %d sent more unexpected data (messages no receive on rank %d wants "
+             "yet) than rank %d keeps: %u messages / %llu bytes held, at most %u / %llu "
+             "(R2COMM_UNEXPECTED_MSGS / R2COMM_UNEXPECTED_BYTES); its unexpected messages were "
+             "dropped", r.peer, e.me, e.me, e.unexp_msgs, <unsigned long long>e.unexp_bytes,
+             e.unexp_max_msgs, <unsigned long long>e.unexp_max_bytes)
+    drop_peer_unexpected(e, p)
+    fail_peer_ops(e, p, E_PROTOCOL, buf)
+    rx_refuse(e, r, buf)
+
+cdef inline bint unexp_room(State* e, uint32_t nmsgs, uint64_t nbytes) noexcept nogil:
+    """The unexpected-message store can take nmsgs more messages and nbytes more payload."""
+    return e.unexp_msgs + <uint64_t>nmsgs <= e.unexp_max_msgs and \
+        e.unexp_bytes + nbytes <= e.unexp_max_bytes
+
 cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
     """Buffer a DATA payload for an unexpected message: only a chunk that fits the message the
     first frame announced (same total, in range, exactly its length), so a buffered chunk is
@@ -74,6 +117,9 @@ cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
                   "(total, chunk index or length): connection closed")
         return -1
     if u.chunks.count(h.chunk) == 0:
+        if not unexp_room(e, 0, h.len):
+            unexp_overflow(e, r)
+            return -1
         r.rtarget = <char*>malloc(h.len if h.len else 1)
         if r.rtarget == NULL:
             rx_refuse(e, r, "out of memory for an unexpected chunk: connection closed")
@@ -97,6 +143,9 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         rx_refuse(e, r, "DATA frame announces a message over 1 TiB: connection closed")
         return
     if h.flags & FL_P2P:
+        if p.p2p.count(h.comm) == 0 and not unexp_room(e, 1, 0):
+            unexp_overflow(e, r)        # (a pair state for an id nobody here used)
+            return
         st = p2p_state(p, h.comm)
         itb = st.bound.find(h.seq)
         if itb != st.bound.end():
@@ -106,7 +155,10 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         elif p2p_seen(st, h.seq):
             return                      # stale: that message completed already
         else:
-            u = new_unexp(h, e.cs)
+            if not unexp_room(e, 1, 0):
+                unexp_overflow(e, r)
+                return
+            u = new_unexp(e, h, e.cs)
             if u == NULL:
                 rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
                 return
@@ -124,7 +176,7 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
             if check_match(e, rm, h.sig, h.total, h.dtype, r.peer, h.aux, h.redop) != 0:
                 return
         else:
-            if h.seq < e.next_seq[h.comm]:
+            if seq_is_past(e, h.comm, h.seq):
                 ita = e.active.find(CS(h.comm, h.seq))
                 if ita != e.active.end() and deref(ita).second.state == ST_ACTIVE:
                     # a frame this rank's schedule does not contain: another call
@@ -132,7 +184,10 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
                 return                  # stale (completed or failed operation)
             itu = e.cunexp.find(k)
             if itu == e.cunexp.end():
-                u = new_unexp(h, e.cs)
+                if not unexp_room(e, 1, 0):
+                    unexp_overflow(e, r)
+                    return
+                u = new_unexp(e, h, e.cs)
                 if u == NULL:
                     rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
                     return
@@ -227,6 +282,8 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
         elif u != NULL and c < u.nchunks and u.chunks.count(c) == 0:
             u.chunks[c] = r.rtarget
             u.nrecv += 1
+            u.nbytes += h.len
+            e.unexp_bytes += h.len
         else:
             free(r.rtarget)
     r.rtarget = NULL

@@ -27,7 +27,10 @@ of the communicator itself, s; its net steps use twin sequences s * MAX_PHASES +
 fixed order that every rank derives from the call's arguments alone (segment size:
 R2COMM_GPU_SEGMENT, the same on every rank). So a call whose argument check fails on one rank
 (that rank sends the error for twin sequence s * MAX_PHASES, the others fail their first step)
-leaves every rank in step for the next call.
+leaves every rank in step for the next call. Sequence numbers are uint32 and compared modulo
+2^32 by the engine: s wraps at 2^32, and a twin id, which comes back every 2^30 calls (64
+generations), continues its twin sequence where its previous use left off ((s mod 2^24) * 256
++ j restarts at 0 right after 2^32 - 1), so no frame of a reused twin is taken for a stale one.
 
 Failures. A step that fails (an engine error, a device error, a timeout) fails the pipeline: the
 collectives it posted and that are still running are cancelled (the engine tells the peers), a
@@ -46,7 +49,7 @@ from . import backend as _be
 
 GPU_BIT = 0x40000000          # communicator id bit of staging twins (control twins: 0x80000000)
 MAX_PHASES = 256              # net steps per call: twin sequence = (s mod 2^24) * 256 + j
-_GEN_SHIFT = 24               # every 2^24 calls a new twin (fresh sequence space), 64 in all
+_GEN_SHIFT = 24               # every 2^24 calls a new twin, 64 in all, then they come round
 _PEER_ARG = 7                 # errors.PEER_ARGUMENT_CODE
 
 
@@ -443,7 +446,7 @@ def _take_seq(comm):
     if comm._cfg.replan_every and comm._seq % comm._cfg.replan_every == 0:
         comm._maybe_replan()
     s = comm._seq
-    comm._seq += 1
+    comm._seq = (s + 1) & 0xFFFFFFFF   # wraps (a multiple of 2^30: twin ids stay in step)
     return s
 
 
