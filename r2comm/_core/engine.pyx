@@ -268,17 +268,18 @@ def validate_header(bytes frame, uint32_t max_chunk):
 
 
 def _env_uint(str name, uint64_t default):
-    """A non-negative integer from the environment (default if unset); ValueError if bad."""
-    import os
+    """A non-negative integer from the environment (default if unset); R2commArgumentError
+    naming the variable if malformed."""
+    from r2comm.errors import R2commArgumentError
     v = os.environ.get(name, "").strip()
     if not v:
         return default
     try:
         n = int(v)
     except ValueError:
-        raise ValueError(f"{name}={v!r}: expected a non-negative integer") from None
+        n = -1
     if n < 0 or n >= 1 << 64:
-        raise ValueError(f"{name}={v!r}: expected a non-negative integer")
+        raise R2commArgumentError(f"{name}={v!r}: expected a non-negative integer")
     return n
 
 
