@@ -251,3 +251,23 @@ def test_a_frame_of_the_next_lap_is_not_taken_for_a_stale_one(rig, last):
     # and a frame of the lap before is still stale (dropped, the next call is not disturbed)
     assert rig.feed(0, data_header(9, last, 0, 10, 10, sig=0x11) + bytes([3]) * 10)
     assert rig.e.debug_state()["unexpected"] == 0
+
+
+def test_p2p_messages_match_in_order_across_the_wrap(rig):
+    """A pair's point-to-point sequence crosses 2**32 with messages arriving out of order
+    (hook: both directions start at 2**32 - 2): receives for any tag get them in sequence
+    order, 2**32 - 2, 2**32 - 1, 0, 1. Old code: compared sequences as plain integers (a
+    message after the wrap was taken for one already seen)."""
+    start = 2**32 - 2
+    rig.e._p2p_start(1, 1, start)
+    seqs = [start, start + 1, 0, 1]
+    for k in (2, 3, 1, 0):                                      # arrival order
+        s = seqs[k]
+        assert rig.feed(0, data_header(1, s % 2**32, 0, 10, 10, flags=FL_P2P, aux=9)
+                        + bytes([k + 1]) * 10)
+    bufs = [np.zeros(10, np.uint8) for _ in range(4)]
+    oids = [rig.p2p_recv(b, -1) for b in bufs]
+    for k in range(4):
+        assert rig.e.wait(oids[k], 1.0)[0] == 1, k
+        assert (bufs[k] == k + 1).all(), (k, bufs[k])
+    assert rig.e.debug_state()["unexpected_msgs"] == 0

@@ -1329,6 +1329,18 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
         return out
 
+    def _p2p_start(self, int peer, uint32_t comm, uint32_t seq):
+        """Testing only: the point-to-point sequences of (peer, comm), both ways, start at seq
+        (nothing sent or received on them yet): tests of the wrap at 2**32."""
+        cdef State* e = self._live()
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
+            raise ValueError(f"no such peer {peer}")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            e.peers[peer].p2p_send_seq[comm] = seq
+            p2p_state(e.peers[peer], comm).seen_upto = seq
+            pthread_mutex_unlock(&e.mu)
+
     def set_unexpected_limit(self, uint64_t max_bytes, uint32_t max_msgs):
         """Most payload bytes and messages this rank keeps for messages no receive wants yet
         (every peer together); a peer that sends more fails its operations with this rank."""

@@ -204,8 +204,19 @@ cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept
     cdef RecvMsg* rm
     cdef size_t i
     cdef int found
-    it = st.unexp.begin()
-    while it != st.unexp.end():
+    cdef bint wrapped = 0
+    # in sequence order modulo 2**32: from the oldest a pair can hold (2**31 before seen_upto),
+    # round the end of the map to its start (a pair's p2p sequence wraps after 2**32 messages)
+    cdef uint32_t oldest = st.seen_upto + <uint32_t>0x80000000
+    it = st.unexp.lower_bound(oldest)
+    while True:
+        if it == st.unexp.end():
+            if wrapped or oldest == 0:
+                break
+            wrapped = 1
+            it = st.unexp.begin()
+        if wrapped and deref(it).first >= oldest:
+            break
         if not seq_before(deref(it).first, st.seen_upto):
             break
         u = deref(it).second
