@@ -480,7 +480,8 @@ class Communicator:
     # -- observation and faults ----------------------------------------------------------------
     @property
     def events(self):
-        """Every failover event this rank's engine recorded (dicts, oldest first)."""
+        """The failover events this rank's engine keeps (the last 1,024 to 2,048; dicts, oldest
+        first, each numbered: "index")."""
         self._check()
         return self._engine.events_since(0)
 
