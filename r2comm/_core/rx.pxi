@@ -259,14 +259,16 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
         rm = NULL
         u = NULL
         if h.flags & FL_P2P:
-            st = p2p_state(e.peers[r.peer], h.comm)
-            itb = st.bound.find(h.seq)
-            if itb != st.bound.end():
-                rm = <RecvMsg*>deref(itb).second
-            else:
-                itu2 = st.unexp.find(h.seq)
-                if itu2 != st.unexp.end():
-                    u = deref(itu2).second
+            itp = e.peers[r.peer].p2p.find(h.comm)      # (gone if dropped meanwhile)
+            if itp != e.peers[r.peer].p2p.end():
+                st = deref(itp).second
+                itb = st.bound.find(h.seq)
+                if itb != st.bound.end():
+                    rm = <RecvMsg*>deref(itb).second
+                else:
+                    itu2 = st.unexp.find(h.seq)
+                    if itu2 != st.unexp.end():
+                        u = deref(itu2).second
         else:
             k = mkey(r.peer, h.comm, 0, h.step, h.seq)
             itr = e.rmap.find(k)
