@@ -271,3 +271,21 @@ def test_p2p_messages_match_in_order_across_the_wrap(rig):
         assert rig.e.wait(oids[k], 1.0)[0] == 1, k
         assert (bufs[k] == k + 1).all(), (k, bufs[k])
     assert rig.e.debug_state()["unexpected_msgs"] == 0
+
+
+def test_unexpected_limits_from_the_environment(monkeypatch):
+    """R2COMM_UNEXPECTED_MSGS / R2COMM_UNEXPECTED_BYTES set the caps; a malformed value raises
+    R2commArgumentError naming the variable."""
+    from r2comm.errors import R2commArgumentError
+    monkeypatch.setenv("R2COMM_UNEXPECTED_MSGS", "5")
+    r = Rig()
+    try:
+        for i in range(5):
+            assert r.feed(0, data_header(3000 + i, 0, 0, 10, 10, sig=1) + bytes(10))
+        assert not r.e.fuzz_feed(1, 0, data_header(4000, 0, 0, 10, 10, sig=1) + bytes(10))[1]
+        assert r.e.debug_state()["unexpected_msgs"] == 0          # the peer's were dropped
+    finally:
+        r.close()
+    monkeypatch.setenv("R2COMM_UNEXPECTED_BYTES", "lots")
+    with pytest.raises(R2commArgumentError, match="R2COMM_UNEXPECTED_BYTES"):
+        eng.Engine(0, 2, [0, 2], CS, 5.0, 10.0, CS)

@@ -489,6 +489,10 @@ cdef class Engine:
         cdef Rail* r
         cdef int i, k
         cdef epoll_event ev
+        # (read before anything is made: a malformed value raises with nothing to undo)
+        cdef uint64_t max_unexp_bytes = _env_uint("R2COMM_UNEXPECTED_BYTES", UNEXP_MAX_BYTES)
+        cdef uint32_t max_unexp_msgs = <uint32_t>min(
+            _env_uint("R2COMM_UNEXPECTED_MSGS", UNEXP_MAX_MSGS), 0xFFFFFFFF)
         self.e = r2_new[State]()
         e = self.e
         e.me = me
@@ -512,9 +516,8 @@ cdef class Engine:
         ev.data.u64 = EVFD_TAG
         epoll_ctl(e.epfd, EPOLL_CTL_ADD, e.evfd, &ev)
         e.trash = <char*>malloc(chunk_size)
-        e.unexp_max_bytes = _env_uint("R2COMM_UNEXPECTED_BYTES", UNEXP_MAX_BYTES)
-        e.unexp_max_msgs = <uint32_t>min(_env_uint("R2COMM_UNEXPECTED_MSGS", UNEXP_MAX_MSGS),
-                                         0xFFFFFFFF)
+        e.unexp_max_bytes = max_unexp_bytes
+        e.unexp_max_msgs = max_unexp_msgs
         for i in range(nranks):
             if i == me:
                 e.peers.push_back(NULL)
