@@ -289,3 +289,12 @@ def test_unexpected_limits_from_the_environment(monkeypatch):
     monkeypatch.setenv("R2COMM_UNEXPECTED_BYTES", "lots")
     with pytest.raises(R2commArgumentError, match="R2COMM_UNEXPECTED_BYTES"):
         eng.Engine(0, 2, [0, 2], CS, 5.0, 10.0, CS)
+
+
+def test_p2p_receive_posted_before_anything_arrived(rig):
+    """A receive posted while the pair holds no unexpected message (the matching walk over an
+    empty store), then its message arrives."""
+    buf = np.zeros(10, np.uint8)
+    oid = rig.p2p_recv(buf, 9)
+    assert rig.feed(0, data_header(1, 0, 0, 10, 10, flags=FL_P2P, aux=9) + bytes([7]) * 10)
+    assert rig.e.wait(oid, 1.0)[0] == 1 and (buf == 7).all()

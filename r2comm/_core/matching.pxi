@@ -215,6 +215,7 @@ cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept
                 break
             wrapped = 1
             it = st.unexp.begin()
+            continue                    # (begin may be the end: nothing there)
         if wrapped and deref(it).first >= oldest:
             break
         if not seq_before(deref(it).first, st.seen_upto):
