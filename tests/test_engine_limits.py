@@ -161,8 +161,8 @@ def test_events_and_aborts_for_any_ids_stay_bounded(rig):
 
 
 def test_an_abort_for_a_call_not_posted_yet_still_fails_it(rig):
-    """The bound keeps the abort path: an abort that arrives before its call is posted fails
-    the call when it is posted (the most recent ones are kept)."""
+    """The bound keeps the abort path: an abort that arrives before its call is posted, after
+    more than the bound of aborts for other ids, fails the call when it is posted."""
     for i in range(1500):                                   # more than the bound, other ids
         assert rig.feed(2, abort_frame(5000 + i, 0, b"noise"))
     assert rig.feed(2, abort_frame(3, 0, b"rank 1 failed call #0"))

@@ -103,8 +103,9 @@ cdef enum:
 
 # What a peer's frames can make this rank keep is bounded (issue 28): the events (an abort's
 # text is up to 4 KiB) keep the last EVENTS_KEEP to 2 * EVENTS_KEEP, the aborts of operations
-# not posted yet ABORTED_MAX, and the unexpected messages (collective and point-to-point, for
-# any communicator id) UNEXP_MAX_MSGS entries and UNEXP_MAX_BYTES of payload by default
+# not posted yet ABORTED_MAX (over it, the one with the lowest (comm, seq) goes), and the
+# unexpected messages (collective and point-to-point, for any communicator id) UNEXP_MAX_MSGS
+# entries and UNEXP_MAX_BYTES of payload by default
 # (Engine.set_unexpected_limit; R2COMM_UNEXPECTED_BYTES / R2COMM_UNEXPECTED_MSGS).
 cdef size_t EVENTS_KEEP = 1024
 cdef size_t ABORTED_MAX = 1024
