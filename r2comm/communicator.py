@@ -82,7 +82,8 @@ def _flush_events(world):
     if world.closed:
         return []
     new = world.engine.events_since(world.event_cursor)
-    world.event_cursor += len(new)
+    if new:                          # (the engine keeps the last events only: numbered)
+        world.event_cursor = new[-1]["index"] + 1
     for ev in new:
         if world.cfg.debug in ("INFO", "DEBUG"):
             log.warning("r2comm rank %d: %s peer=%s rail=%s detector=%s bytes=%s cause=%s %s",
@@ -192,6 +193,9 @@ _KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "reduce_scatt
 _KIND_NAMES = {1: "Allreduce", 2: "Reduce", 3: "Bcast", 4: "Allgather",
                5: "Reduce_scatter_block", 6: "Alltoall", 7: "Barrier"}
 _NONBLOCKING = 8
+# A communicator's sequence numbers are uint32 on the wire and wrap: the engine compares them
+# modulo 2**32 (engine_state.pxi: seq_before), so call 2**32 follows call 2**32 - 1 as any other.
+SEQ_MASK = 0xFFFFFFFF
 # Rooted collectives (Bcast, Reduce) leave ranks that hear from nobody (a Bcast root, a Reduce
 # leaf): their data alone cannot tell them that the others called the same thing. They get an
 # agreement: a dissemination exchange of header-only frames (ceil(log2 n) rounds, each round's
@@ -486,7 +490,8 @@ class Communicator:
     # -- observation and faults ----------------------------------------------------------------
     @property
     def events(self):
-        """Every failover event this rank's engine recorded (dicts, oldest first)."""
+        """The failover events this rank's engine keeps (the last 1,024 to 2,048; dicts, oldest
+        first, each numbered: "index")."""
         self._check()
         return self._engine.events_since(0)
 
@@ -652,7 +657,7 @@ class Communicator:
             except Exception:
                 log.exception("r2comm: epoch check before a failed call")
         seq = self._seq
-        self._seq += 1
+        self._seq = (seq + 1) & SEQ_MASK
         name = _KIND_NAMES[_KINDS[kind]]
         if not blocking:
             name = "I" + name[0].lower() + name[1:]
@@ -772,7 +777,7 @@ class Communicator:
             if n:
                 memcopy(ptr[db] + do, ptr[sb] + so, n)
         seq = self._seq
-        self._seq += 1
+        self._seq = (seq + 1) & SEQ_MASK
         members = self._members
         if self._state is not None:       # peers this rank cannot reach are relayed around
             members = [g for i, g in enumerate(self._members)
@@ -861,7 +866,7 @@ class Communicator:
         if not hit:
             return False
         seq = self._seq
-        self._seq = seq + 1
+        self._seq = (seq + 1) & 0xFFFFFFFF      # SEQ_MASK (a literal: the fast path)
         try:
             oid = self._engine.run(hit[0], recvbuf, send, nbytes, dtc, op.code, self._id, seq,
                                    hit[1], self.timeout, self._members,

@@ -167,6 +167,38 @@ def sc_standin_collectives(comm, args):
     return cnt
 
 
+def sc_standin_twinwrap(comm, args):
+    """Device-buffer calls run on hidden twin communicators whose id carries a 6-bit
+    generation: the id comes back after 2**30 device calls, its twin sequence restarting at 0
+    while the engine last saw it near 2**32. The device call number and the sequence are set
+    (the same on every rank: a private test hook; both, so that the scenario means the same to
+    code that numbered twins by the sequence) so that calls cross 2**24 (a new twin), start a
+    third twin (twin 0's Python object is dropped), then cross 2**30 (twin 0 made again, its id
+    reused), then, on a Dup, 2**32 (the host sequence wraps), with a host collective after each
+    phase: every result exact."""
+    n, r = comm.size, comm.rank
+    dev = Dev("standin")
+    cnt = 0
+    d = comm.Dup()
+    for c, start in ((comm, 2**24 - 2), (comm, 2**25 + 5), (comm, 2**30 - 2), (d, 2**32 - 2)):
+        c._seq = start
+        c._gpu_calls = start & (2**30 - 1)
+        for i in range(4):
+            case = f"tw-{start}-{i}"
+            x = dev.put(data(case, r, 5000, "int32", SUM))
+            y = dev.empty(5000, "int32")
+            c.Allreduce(x, y, SUM)
+            check(np.array_equal(dev.get(y), reduce_ref(case, n, 5000, "int32", SUM)), case)
+            cnt += 1
+        h = np.zeros(1, np.int64)
+        c.Allreduce(np.array([r], np.int64), h, SUM)
+        check(h[0] == n * (n - 1) // 2, f"host allreduce after {start}")
+        cnt += 1
+    check(d._seq == 3 and d._gpu_calls == 2, f"the counters did not wrap: {d._seq} {d._gpu_calls}")
+    d.Free()
+    return cnt
+
+
 def sc_standin_overlap(comm, args):
     """Slow copies (stand-in copy engine): segment k+1's device-to-host copy runs while segment
     k's collective is on the wire, and several calls are in flight at once."""

@@ -532,9 +532,59 @@ def sc_fastpath(comm, args):
     return count
 
 
+def sc_seqwrap(comm, args):
+    """The communicator's sequence starts at `start` (default 2**32 - 3, the same on every
+    rank: a private test hook) and real collectives run across 2**32, where the wire's uint32
+    sequence wraps to 0: the 8-byte fast path, a large Allreduce, non-blocking calls in
+    flight across the wrap, Bcast, Barrier, a Dup'ed communicator's own wrap, and an argument
+    error that takes a sequence number. All exact; the sequence wrapped."""
+    n, r = comm.size, comm.rank
+    start = int(args.get("start", 2**32 - 3))
+    comm._seq = start
+    count = 0
+    for i in range(8):
+        x = np.array([r + i], np.int64)                           # 8 bytes: the fast path
+        y = np.zeros(1, np.int64)
+        comm.Allreduce(x, y, SUM)
+        check(y[0] == sum(k + i for k in range(n)), f"fast allreduce {i}: {y}")
+        big = data(f"wrap-{i}", r, 300_000, "int32", SUM)
+        out = np.empty_like(big)
+        comm.Allreduce(big, out, SUM)
+        check(np.array_equal(out, reduce_ref(f"wrap-{i}", n, 300_000, "int32", SUM)), f"big {i}")
+        count += 2
+    check(comm._seq < 100, f"sequence did not wrap: {comm._seq}")
+    # (sequences only go forward: each case below starts a new communicator near the wrap)
+    d = comm.Dup()
+    d._seq = 2**32 - 2                                             # in flight across the wrap
+    xs = [np.full(1000, r + k, np.float64) for k in range(5)]
+    ys = [np.zeros(1000) for _ in range(5)]
+    reqs = [d.Iallreduce(xs[k], ys[k], SUM) for k in range(5)]
+    for k in range(4, -1, -1):
+        reqs[k].Wait()
+        check((ys[k] == sum(q + k for q in range(n))).all(), f"iallreduce {k}")
+        count += 1
+    b = np.arange(10, dtype=np.int32) if r == 0 else np.zeros(10, np.int32)
+    d.Bcast(b, root=0)
+    check(np.array_equal(b, np.arange(10)), "bcast after the wrap")
+    d.Barrier()
+    d.Free()
+    d = comm.Dup()
+    d._seq = 2**32 - 1                                             # an error takes the last one
+    expect(r2comm.R2commError, lambda: d.Allreduce(np.zeros(3), np.zeros(2), SUM)
+           if r == 0 else d.Allreduce(np.zeros(3), np.zeros(3), SUM), "size error at 2**32-1")
+    check(d._seq == 0, f"an error's sequence number did not wrap: {d._seq}")
+    for i in range(4):
+        y = np.zeros(1, np.int64)
+        d.Allreduce(np.array([i], np.int64), y, SUM)
+        check(y[0] == n * i, f"allreduce {i} after an error at the wrap")
+        count += 1
+    d.Free()
+    return count + 2
+
+
 SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_nonblocking,
              "errors": sc_errors, "comms": sc_comms, "drain": sc_drain, "contended": sc_contended,
-             "spinon": sc_spinon, "fastpath": sc_fastpath}
+             "spinon": sc_spinon, "fastpath": sc_fastpath, "seqwrap": sc_seqwrap}
 
 
 def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):

@@ -35,7 +35,8 @@ from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_
                                 F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK)
 from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
-                                     TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC)
+                                     TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC,
+                                     TPF_LATE_READ)
 from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_conn, r2_shm_seg_len,
                                r2_shm_ring_ok, r2_shm_ring_of,
                                r2_shm_create, r2_shm_attach, r2_shm_adopt, r2_shm_write,
@@ -268,6 +269,22 @@ def validate_header(bytes frame, uint32_t max_chunk):
     return hdr_validate(&h, max_chunk)
 
 
+def _env_uint(str name, uint64_t default):
+    """A non-negative integer from the environment (default if unset); R2commArgumentError
+    naming the variable if malformed."""
+    from r2comm.errors import R2commArgumentError
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0 or n >= 1 << 64:
+        raise R2commArgumentError(f"{name}={v!r}: expected a non-negative integer")
+    return n
+
+
 def encode_header(int type, int flags, int dtype, int redop, uint32_t comm, uint32_t seq,
                   uint32_t step, uint32_t sig, uint32_t chunk, uint32_t length, uint64_t total,
                   uint32_t aux):
@@ -484,6 +501,10 @@ cdef class Engine:
         cdef Rail* r
         cdef int i, k
         cdef epoll_event ev
+        # (read before anything is made: a malformed value raises with nothing to undo)
+        cdef uint64_t max_unexp_bytes = _env_uint("R2COMM_UNEXPECTED_BYTES", UNEXP_MAX_BYTES)
+        cdef uint32_t max_unexp_msgs = <uint32_t>min(
+            _env_uint("R2COMM_UNEXPECTED_MSGS", UNEXP_MAX_MSGS), 0xFFFFFFFF)
         self.e = r2_new[State]()
         e = self.e
         e.me = me
@@ -507,6 +528,8 @@ cdef class Engine:
         ev.data.u64 = EVFD_TAG
         epoll_ctl(e.epfd, EPOLL_CTL_ADD, e.evfd, &ev)
         e.trash = <char*>malloc(chunk_size)
+        e.unexp_max_bytes = max_unexp_bytes
+        e.unexp_max_msgs = max_unexp_msgs
         for i in range(nranks):
             if i == me:
                 e.peers.push_back(NULL)
@@ -592,12 +615,12 @@ cdef class Engine:
                     del p.rails[k]
                 itp = p.p2p.begin()
                 while itp != p.p2p.end():
-                    free_p2p(deref(itp).second)
+                    free_p2p(e, deref(itp).second)
                     inc(itp)
                 del p
             itu = e.cunexp.begin()
             while itu != e.cunexp.end():
-                free_unexp(deref(itu).second)
+                free_unexp(e, deref(itu).second)
                 inc(itu)
             close(e.epfd)
             close(e.evfd)
@@ -1079,8 +1102,7 @@ cdef class Engine:
             mem.push_back(x)
         with nogil:
             pthread_mutex_lock(&e.mu)
-            if seq + 1 > e.next_seq[comm]:
-                e.next_seq[comm] = seq + 1
+            note_posted_seq(e, comm, seq)
             ita = e.aborted.find(CS(comm, seq))
             if ita != e.aborted.end():
                 e.aborted.erase(ita)
@@ -1288,7 +1310,10 @@ cdef class Engine:
             add_event(e, EV_LINK_ERROR, peer, rail, 0, 0, 0.0, c)
             pthread_mutex_unlock(&e.mu)
 
-    def events_since(self, Py_ssize_t start):
+    def events_since(self, uint64_t start):
+        """The events numbered `start` and after (numbers count every event ever recorded;
+        each dict's "index"); the engine keeps the last 1,024 to 2,048 of them, so older ones
+        may be gone."""
         cdef State* e = self._live()
         cdef list out = []
         cdef size_t i
@@ -1296,10 +1321,11 @@ cdef class Engine:
         with nogil:
             pthread_mutex_lock(&e.mu)
         try:
-            for i in range(start, e.events.size()):
+            for i in range(start - e.events_base if start > e.events_base else 0, e.events.size()):
                 ev = e.events[i]
                 info = e.event_info[i]
-                out.append({"t": ev.t, "kind": EVENT_NAMES.get(ev.kind, str(ev.kind)),
+                out.append({"index": e.events_base + i,
+                            "t": ev.t, "kind": EVENT_NAMES.get(ev.kind, str(ev.kind)),
                             "rank": e.me, "peer": ev.peer, "rail": ev.rail,
                             "detector": ev.detector, "nbytes": ev.nbytes, "dt": ev.dt,
                             "cause": CAUSE_NAMES.get(ev.cause),
@@ -1332,15 +1358,47 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
         return out
 
+    def _p2p_start(self, int peer, uint32_t comm, uint32_t seq):
+        """Testing only: the point-to-point sequences of (peer, comm), both ways, start at seq
+        (nothing sent or received on them yet): tests of the wrap at 2**32."""
+        cdef State* e = self._live()
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
+            raise ValueError(f"no such peer {peer}")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            e.peers[peer].p2p_send_seq[comm] = seq
+            p2p_state(e.peers[peer], comm).seen_upto = seq
+            pthread_mutex_unlock(&e.mu)
+
+    def set_unexpected_limit(self, uint64_t max_bytes, uint32_t max_msgs):
+        """Most payload bytes and messages this rank keeps for messages no receive wants yet
+        (every peer together); a peer that sends more fails its operations with this rank."""
+        cdef State* e = self._live()
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            e.unexp_max_bytes = max_bytes
+            e.unexp_max_msgs = max_msgs
+            pthread_mutex_unlock(&e.mu)
+
     def debug_state(self):
         """Counts of the engine's tables (for tests and debugging)."""
         cdef State* e = self._live()
         cdef dict out
+        cdef size_t np2p = 0
+        cdef int i
         with nogil:
             pthread_mutex_lock(&e.mu)
         try:
+            for i in range(e.nranks):
+                if e.peers[i] != NULL:
+                    np2p += e.peers[i].p2p.size()
             out = {"ops": e.ops.size(), "sends": e.smap.size(), "recvs": e.rmap.size(),
                    "unexpected": e.cunexp.size(), "notices": e.notices.size(),
+                   # what a peer's frames can grow, each bounded (issue 28)
+                   "unexpected_msgs": e.unexp_msgs, "unexpected_bytes": e.unexp_bytes,
+                   "aborted": e.aborted.size(), "next_seq": e.next_seq.size(),
+                   "p2p_states": np2p, "events_kept": e.events.size(),
+                   "events_total": e.events_base + e.events.size(),
                    "ready": {i: e.peers[i].ready.size() for i in range(e.nranks) if e.peers[i] != NULL},
                    "inflight": {i: [e.peers[i].rails[k].inflight.size() for k in range(e.peers[i].nrails)]
                                 for i in range(e.nranks) if e.peers[i] != NULL},
@@ -1372,14 +1430,17 @@ cdef class Engine:
 
     # -- wire fuzzing (tests/fuzz_wire.py) -------------------------------------------------------
     def fuzz_attach(self, int peer, int rail, uint32_t conn_id, bytes tx_key=b"",
-                    bytes rx_key=b""):
+                    bytes rx_key=b"", bint late_read=False):
         """Testing only: switch this engine to the in-memory fuzz transport and bring up
         (peer, rail) on it (in mac mode with the connection's frame keys, as attach). What
         fuzz_feed() gives is then what the rail reads; what the engine writes is accepted (and
-        counted, and kept per rail for fuzz_sent) or, with block_send, left unwritten."""
+        counted, and kept per rail for fuzz_sent) or, with block_send, left unwritten.
+        late_read: the transport is TPF_LATE_READ, as verbs zero-copy (no hedge copies)."""
+        global fz_late_read
         cdef State* e = self._live()
         if self.started:
             raise RuntimeError("fuzz transport: the engine must not have a progress thread")
+        fz_late_read = late_read
         e.tp = fuzz_transport()
         if 0 <= rail < FZ_RAILS:
             fz.out[rail].clear()        # what the previous connection wrote is gone with it

@@ -103,6 +103,16 @@ cdef enum:
     MAC_LEN = 16             # R2COMM_INTEGRITY=mac: a Poly1305 tag after every frame
     MAC_KEY_LEN = 32
 
+# What a peer's frames can make this rank keep is bounded (issue 28): the events (an abort's
+# text is up to 4 KiB) keep the last EVENTS_KEEP to 2 * EVENTS_KEEP, the aborts of operations
+# not posted yet ABORTED_MAX (over it, the one with the lowest (comm, seq) goes), and the
+# unexpected messages (collective and point-to-point, for any communicator id) UNEXP_MAX_MSGS
+# entries and UNEXP_MAX_BYTES of payload by default
+# (Engine.set_unexpected_limit; R2COMM_UNEXPECTED_BYTES / R2COMM_UNEXPECTED_MSGS).
+cdef size_t EVENTS_KEEP = 1024
+cdef size_t ABORTED_MAX = 1024
+cdef uint64_t UNEXP_MAX_BYTES = (<uint64_t>1) << 30
+cdef uint32_t UNEXP_MAX_MSGS = 65536
 cdef double DACK_DELAY = 0.0005   # s: longest a delayed ack waits for a frame to ride with
 # Largest message a frame may announce (1 TiB). A peer's `total` sizes the unexpected-message
 # table before any receive vouches for it: beyond this the frame is refused as malformed.
@@ -222,10 +232,12 @@ cdef cppclass Unexp:
     uint32_t sig, aux, cs, nchunks, nrecv
     uint8_t flags, dtype, redop
     uint64_t total
+    uint64_t nbytes                  # payload bytes held in chunks (State.unexp_bytes)
     cmap[uint32_t, char*] chunks     # the chunks that arrived (sparse: a peer's `total` alone
                                      # never sizes an allocation)
     __init__() noexcept nogil:
         this.nrecv = 0
+        this.nbytes = 0
 
 cdef cppclass P2PState:
     uint32_t seen_upto
@@ -417,6 +429,11 @@ cdef cppclass State:
     uint64_t next_op
     vector[Event] events
     vector[string] event_info
+    uint64_t events_base     # events dropped from the front (the first kept one's number)
+    uint64_t unexp_bytes     # payload bytes of unexpected messages held (every peer)
+    uint32_t unexp_msgs      # unexpected messages held (Unexp entries)
+    uint64_t unexp_max_bytes
+    uint32_t unexp_max_msgs
     vector[Notice] notices
     double rail_timeout, peer_timeout, probe_base, probe_max
     uint64_t window
@@ -444,6 +461,11 @@ cdef cppclass State:
     __init__() noexcept nogil:
         this.npolled = 0
         this.poll_turn = 0
+        this.events_base = 0
+        this.unexp_bytes = 0
+        this.unexp_msgs = 0
+        this.unexp_max_bytes = UNEXP_MAX_BYTES
+        this.unexp_max_msgs = UNEXP_MAX_MSGS
         this.dack_rails = 0
         this.noack = 0
         this.mac = 0
@@ -536,3 +558,28 @@ cdef void add_event_c(State* e, int kind, int peer, int rail, int detector, uint
     ev.cause = cause
     e.events.push_back(ev)
     e.event_info.push_back(string(info))
+    if e.events.size() >= 2 * EVENTS_KEEP:
+        # keep the last EVENTS_KEEP (amortised: one erase per EVENTS_KEEP events)
+        e.events.erase(e.events.begin(), e.events.begin() + EVENTS_KEEP)
+        e.event_info.erase(e.event_info.begin(), e.event_info.begin() + EVENTS_KEEP)
+        e.events_base += EVENTS_KEEP
+
+# -- sequence numbers: uint32 on the wire, compared modulo 2**32 (RFC 1982 serial numbers), so a
+# communicator's sequence (and a GPU twin's, whose id comes back every 2**30 calls with its
+# sequence where it left off) wraps without a frame of the new lap being taken for a stale one.
+# Two sequences compared are always within 2**31 of each other (operations in flight).
+cdef inline bint seq_before(uint32_t a, uint32_t b) noexcept nogil:
+    """a comes before b, modulo 2**32."""
+    return <int32_t>(a - b) < 0
+
+cdef inline void note_posted_seq(State* e, uint32_t comm, uint32_t seq) noexcept nogil:
+    """Collective (comm, seq) is posted here: frames of earlier sequences are stale from now."""
+    it = e.next_seq.find(comm)
+    if it == e.next_seq.end() or seq_before(deref(it).second, seq + 1):
+        e.next_seq[comm] = seq + 1
+
+cdef inline bint seq_is_past(State* e, uint32_t comm, uint32_t seq) noexcept nogil:
+    """(comm, seq) is before every collective of comm this rank posted next (looked up without
+    adding an entry: a peer's frames never grow the table)."""
+    it = e.next_seq.find(comm)
+    return it != e.next_seq.end() and seq_before(seq, deref(it).second)

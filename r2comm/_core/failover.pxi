@@ -120,7 +120,10 @@ cdef void on_abort(State* e, Rail* r, const char* text, uint32_t n) noexcept nog
         ita = e.active.find(CS(h.comm, h.seq))
         if ita != e.active.end():
             op = deref(ita).second
-        elif h.seq >= e.next_seq[h.comm]:
+        elif not seq_is_past(e, h.comm, h.seq):
+            # for a call not posted here yet (bounded: a peer may name any communicator)
+            if e.aborted.size() >= ABORTED_MAX and e.aborted.count(CS(h.comm, h.seq)) == 0:
+                e.aborted.erase(e.aborted.begin())
             e.aborted[CS(h.comm, h.seq)] = pair[int, string](<int>h.aux, msg)
     add_event(e, EV_ABORT, r.peer, r.index, r.peer, 0, 0, msg.c_str())
     if op != NULL and op.state == ST_ACTIVE:
@@ -430,10 +433,7 @@ cdef void fail_op(State* e, Op* op, int code, const char* msg, int propagate) no
 
 cdef void peer_lost(State* e, Peer* p) noexcept nogil:
     cdef char buf[300]
-    cdef vector[Op*] victims
-    cdef Op* op
-    cdef size_t i
-    cdef int involved, k, closed = 0, local = 0, cause
+    cdef int k, closed = 0, local = 0, cause
     p.lost = 1
     for k in range(p.nrails):
         if p.rails[k].fail_cause == CAUSE_CLOSED:
@@ -455,6 +455,14 @@ cdef void peer_lost(State* e, Peer* p) noexcept nogil:
         snprintf(buf, 300, "lost every rail to rank %d (no working NIC path between ranks %d "
                  "and %d: its kernel acknowledges nothing on any rail)", p.rank, e.me, p.rank)
     add_event_c(e, EV_PEER_LOST, p.rank, -1, e.me, 0, 0, buf, cause)
+    fail_peer_ops(e, p, E_NETWORK, buf)
+
+cdef void fail_peer_ops(State* e, Peer* p, int code, const char* why) noexcept nogil:
+    """Fail every active operation of this rank that involves peer p."""
+    cdef vector[Op*] victims
+    cdef Op* op
+    cdef size_t i
+    cdef int involved
     it = e.ops.begin()
     while it != e.ops.end():
         op = deref(it).second
@@ -474,4 +482,4 @@ cdef void peer_lost(State* e, Peer* p) noexcept nogil:
                 victims.push_back(op)
         inc(it)
     for i in range(victims.size()):
-        fail_op(e, victims[i], E_NETWORK, buf, 1)
+        fail_op(e, victims[i], code, why, 1)

@@ -15,6 +15,7 @@ cdef struct FuzzFeed:
     string out[FZ_RAILS]        # what the engine wrote, per rail (handle -2 - rail)
 
 cdef FuzzFeed fz      # the in-memory transport of Engine.fuzz_attach / fuzz_feed (one at a time)
+cdef bint fz_late_read = 0   # flag the transport TPF_LATE_READ (as verbs zero-copy): tests
 
 cdef struct FuzzConn:
     int slot                    # the rail, or -1: what is written there is counted, not kept
@@ -80,7 +81,7 @@ cdef void fz_close(void* conn) noexcept nogil:
     free(conn)
 
 cdef Transport* fuzz_transport() noexcept nogil:
-    FUZZ_TP.flags = 0
+    FUZZ_TP.flags = TPF_LATE_READ if fz_late_read else 0
     FUZZ_TP.name = "fuzz"
     FUZZ_TP.adopt = fz_adopt
     FUZZ_TP.event_fd = fz_event_fd

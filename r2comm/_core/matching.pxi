@@ -150,19 +150,19 @@ cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
     """Hand the chunks that arrived before the receive was posted to the receive."""
     cdef uint32_t c
     if check_match(e, rm, u.sig, u.total, u.dtype, peer, u.aux, u.redop) != 0:
-        free_unexp(u)
+        free_unexp(e, u)
         return
     if u.cs != rm.cs and rm.op != NULL:
         # the buffered chunks were cut at another size than this receive's: never copy them
         fail_op(e, rm.op, E_PROTOCOL, "chunk boundaries differ between ranks (R2COMM_CHUNK_SIZE "
                 "must be the same on every rank)", 1)
-        free_unexp(u)
+        free_unexp(e, u)
         return
     if rm.nchunks == 0 and alloc_recv_arrays(rm) != 0:
         if rm.op != NULL:
             fail_op(e, rm.op, E_PROTOCOL, "out of memory for the chunk table of a received "
                     "message", 1)
-        free_unexp(u)
+        free_unexp(e, u)
         return
     if u.cs == rm.cs and (rm.op == NULL or rm.op.state == ST_ACTIVE):
         it = u.chunks.begin()
@@ -170,17 +170,24 @@ cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
             deliver_chunk(e, rm, deref(it).first, deref(it).second)
             inc(it)
         u.chunks.clear()
-    free_unexp(u)
+    free_unexp(e, u)
 
-cdef void free_unexp(Unexp* u) noexcept nogil:
+cdef void free_unexp(State* e, Unexp* u) noexcept nogil:
+    """Drop an unexpected message (and the chunks it still holds) from the bounded store."""
     it = u.chunks.begin()
     while it != u.chunks.end():
         free(deref(it).second)
         inc(it)
+    e.unexp_bytes -= u.nbytes
+    e.unexp_msgs -= 1
     del u
 
-cdef Unexp* new_unexp(r2_hdr* h, uint32_t cs) noexcept nogil:
+cdef Unexp* new_unexp(State* e, r2_hdr* h, uint32_t cs) noexcept nogil:
+    """A new unexpected message (counted in the bounded store; see unexp_room)."""
     cdef Unexp* u = r2_new[Unexp]()
+    if u == NULL:
+        return NULL
+    e.unexp_msgs += 1
     u.sig = h.sig
     u.aux = h.aux
     u.flags = h.flags
@@ -197,9 +204,21 @@ cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept
     cdef RecvMsg* rm
     cdef size_t i
     cdef int found
-    it = st.unexp.begin()
-    while it != st.unexp.end():
-        if deref(it).first >= st.seen_upto:
+    cdef bint wrapped = 0
+    # in sequence order modulo 2**32: from the oldest a pair can hold (2**31 before seen_upto),
+    # round the end of the map to its start (a pair's p2p sequence wraps after 2**32 messages)
+    cdef uint32_t oldest = st.seen_upto + <uint32_t>0x80000000
+    it = st.unexp.lower_bound(oldest)
+    while True:
+        if it == st.unexp.end():
+            if wrapped or oldest == 0:
+                break
+            wrapped = 1
+            it = st.unexp.begin()
+            continue                    # (begin may be the end: nothing there)
+        if wrapped and deref(it).first >= oldest:
+            break
+        if not seq_before(deref(it).first, st.seen_upto):
             break
         u = deref(it).second
         found = -1
@@ -232,11 +251,11 @@ cdef void p2p_mark_seen(P2PState* st, uint32_t seq) noexcept nogil:
         while st.seen_ahead.count(st.seen_upto):
             st.seen_ahead.erase(st.seen_upto)
             st.seen_upto += 1
-    elif seq > st.seen_upto:
+    elif seq_before(st.seen_upto, seq):
         st.seen_ahead[seq] = 1
 
 cdef inline int p2p_seen(P2PState* st, uint32_t seq) noexcept nogil:
-    return seq < st.seen_upto or st.seen_ahead.count(seq) > 0
+    return seq_before(seq, st.seen_upto) or st.seen_ahead.count(seq) > 0
 
 cdef void take_unexpected(State* e, Op* op, uint32_t comm, uint32_t seq,
                          vector[int]& members) noexcept nogil:
@@ -259,7 +278,7 @@ cdef void take_unexpected(State* e, Op* op, uint32_t comm, uint32_t seq,
             u = deref(it).second
             if op != NULL and op.state == ST_ACTIVE:
                 fail_mismatch(e, op, peer, u.aux, u.sig, u.dtype, u.redop)
-            free_unexp(u)
+            free_unexp(e, u)
             it = e.cunexp.erase(it)
 
 cdef void poison_op(State* e, Op* op, uint32_t bad_seq, string& why) noexcept nogil:
@@ -281,9 +300,9 @@ cdef void note_mismatch(State* e, Op* op) noexcept nogil:
     if e.poisoning or op.p2p:
         return
     e.mismatched[op.comm] = pair[uint32_t, string](op.seq, op.msg)
-    it = e.active.lower_bound(CS(op.comm, op.seq + 1))
+    it = e.active.lower_bound(CS(op.comm, 0))
     while it != e.active.end() and deref(it).first.first == op.comm:
-        if deref(it).second.state == ST_ACTIVE:
+        if deref(it).second.state == ST_ACTIVE and seq_before(op.seq, deref(it).first.second):
             later.push_back(deref(it).second)
         inc(it)
     for i in range(later.size()):
@@ -292,5 +311,5 @@ cdef void note_mismatch(State* e, Op* op) noexcept nogil:
 cdef void clear_mismatch(State* e, Op* op) noexcept nogil:
     """A wait reported op's mismatch to the caller: later calls may line up again."""
     itm = e.mismatched.find(op.comm)
-    if itm != e.mismatched.end() and deref(itm).second.first <= op.seq:
+    if itm != e.mismatched.end() and not seq_before(op.seq, deref(itm).second.first):
         e.mismatched.erase(itm)

@@ -30,10 +30,10 @@ cdef void free_recv(RecvMsg* rm) noexcept nogil:
     free(rm.gate)
     del rm
 
-cdef void free_p2p(P2PState* st) noexcept nogil:
+cdef void free_p2p(State* e, P2PState* st) noexcept nogil:
     it = st.unexp.begin()
     while it != st.unexp.end():
-        free_unexp(deref(it).second)
+        free_unexp(e, deref(it).second)
         inc(it)
     del st
 
@@ -199,8 +199,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             else:
                 (<RecvMsg*>b).gate[c] += 1
     if not p2p:
-        if seq + 1 > e.next_seq[comm]:
-            e.next_seq[comm] = seq + 1
+        note_posted_seq(e, comm, seq)
         e.active[CS(comm, seq)] = op
         ita = e.aborted.find(CS(comm, seq))
         if ita != e.aborted.end():
@@ -209,7 +208,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             take_unexpected(e, NULL, comm, seq, members)
             return op.id
         itm = e.mismatched.find(comm)
-        if itm != e.mismatched.end() and deref(itm).second.first < seq:
+        if itm != e.mismatched.end() and seq_before(deref(itm).second.first, seq):
             poison_op(e, op, deref(itm).second.first, deref(itm).second.second)
             take_unexpected(e, NULL, comm, seq, members)
             return op.id

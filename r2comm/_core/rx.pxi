@@ -3,10 +3,29 @@
 # before it is read, then it is acknowledged and copied or reduced into the receive
 # (apply_chunk, deliver_chunk). A frame that does not fit is refused and closes its rail.
 
+cdef void discard_other_copies(State* e, RecvMsg* rm, uint32_t c) noexcept nogil:
+    """Chunk c of rm is being applied: a rail still reading another copy of it (hedged, or
+    re-sent after a failure, its header parsed first) reads the rest of that copy into nothing,
+    so no byte of a chunk reaches the user's buffer after the chunk was applied (a zero-copy
+    sender may already have rewritten the pages the late copy is read from)."""
+    cdef Peer* p = e.peers[rm.peer] if rm.peer >= 0 and rm.peer < e.nranks else NULL
+    cdef Rail* t
+    cdef int k
+    if p == NULL:
+        return
+    for k in range(p.nrails):
+        t = p.rails[k]
+        if t.rstate == 1 and t.rmsg == <void*>rm and t.rh.chunk == c and \
+                (t.rkind == K_DIRECT or t.rkind == K_STAGE):
+            t.rkind = K_TRASH
+            t.rtarget = NULL
+            t.rmsg = NULL
+
 cdef void apply_chunk(State* e, RecvMsg* rm, uint32_t c, const char* data) noexcept nogil:
     cdef uint32_t ln = chunk_len(rm.total, rm.cs, c)
     cdef char* dst = rm.base + <uint64_t>c * rm.cs
     cdef size_t i
+    discard_other_copies(e, rm, c)
     if data != NULL and ln:
         if rm.mode == M_COPY:
             memcpy(dst, data, ln)
@@ -45,6 +64,49 @@ cdef void rx_refuse(State* e, Rail* r, const char* why) noexcept nogil:
     add_event(e, EV_BAD_FRAME, r.peer, r.index, e.me, r.rh.len, 0, why)
     fail_rail(e, r, "malformed frame", e.me, 1)
 
+cdef void drop_peer_unexpected(State* e, Peer* p) noexcept nogil:
+    """Forget every unexpected message of peer p (collective and point-to-point); a pair
+    state nothing of this rank waits on goes too."""
+    cdef Key lo = mkey(p.rank, 0, 0, 0, 0)
+    cdef P2PState* st
+    it = e.cunexp.lower_bound(lo)
+    while it != e.cunexp.end() and (deref(it).first.first >> 32) == <uint64_t>p.rank:
+        free_unexp(e, deref(it).second)
+        it = e.cunexp.erase(it)
+    itp = p.p2p.begin()
+    while itp != p.p2p.end():
+        st = deref(itp).second
+        itu = st.unexp.begin()
+        while itu != st.unexp.end():
+            free_unexp(e, deref(itu).second)
+            inc(itu)
+        st.unexp.clear()
+        if st.posted.empty() and st.bound.empty():
+            del st
+            itp = p.p2p.erase(itp)
+        else:
+            inc(itp)
+
+cdef void unexp_overflow(State* e, Rail* r) noexcept nogil:
+    """Peer r.peer sent more unexpected data (messages no receive here wants yet) than this
+    rank keeps: its unexpected messages are dropped, every operation of this rank with it
+    fails with the reason (its own calls get the abort), and the frame is refused."""
+    cdef char buf[400]
+    cdef Peer* p = e.peers[r.peer]
+    snprintf(buf, 400, "rank %d sent more unexpected data (messages no receive on rank %d wants "
+             "yet) than rank %d keeps: %u messages / %llu bytes held, at most %u / %llu "
+             "(R2COMM_UNEXPECTED_MSGS / R2COMM_UNEXPECTED_BYTES); its unexpected messages were "
+             "dropped", r.peer, e.me, e.me, e.unexp_msgs, <unsigned long long>e.unexp_bytes,
+             e.unexp_max_msgs, <unsigned long long>e.unexp_max_bytes)
+    drop_peer_unexpected(e, p)
+    fail_peer_ops(e, p, E_PROTOCOL, buf)
+    rx_refuse(e, r, buf)
+
+cdef inline bint unexp_room(State* e, uint32_t nmsgs, uint64_t nbytes) noexcept nogil:
+    """The unexpected-message store can take nmsgs more messages and nbytes more payload."""
+    return e.unexp_msgs + <uint64_t>nmsgs <= e.unexp_max_msgs and \
+        e.unexp_bytes + nbytes <= e.unexp_max_bytes
+
 cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
     """Buffer a DATA payload for an unexpected message: only a chunk that fits the message the
     first frame announced (same total, in range, exactly its length), so a buffered chunk is
@@ -55,6 +117,9 @@ cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
                   "(total, chunk index or length): connection closed")
         return -1
     if u.chunks.count(h.chunk) == 0:
+        if not unexp_room(e, 0, h.len):
+            unexp_overflow(e, r)
+            return -1
         r.rtarget = <char*>malloc(h.len if h.len else 1)
         if r.rtarget == NULL:
             rx_refuse(e, r, "out of memory for an unexpected chunk: connection closed")
@@ -78,6 +143,9 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         rx_refuse(e, r, "DATA frame announces a message over 1 TiB: connection closed")
         return
     if h.flags & FL_P2P:
+        if p.p2p.count(h.comm) == 0 and not unexp_room(e, 1, 0):
+            unexp_overflow(e, r)        # (a pair state for an id nobody here used)
+            return
         st = p2p_state(p, h.comm)
         itb = st.bound.find(h.seq)
         if itb != st.bound.end():
@@ -87,7 +155,10 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         elif p2p_seen(st, h.seq):
             return                      # stale: that message completed already
         else:
-            u = new_unexp(h, e.cs)
+            if not unexp_room(e, 1, 0):
+                unexp_overflow(e, r)
+                return
+            u = new_unexp(e, h, e.cs)
             if u == NULL:
                 rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
                 return
@@ -105,7 +176,7 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
             if check_match(e, rm, h.sig, h.total, h.dtype, r.peer, h.aux, h.redop) != 0:
                 return
         else:
-            if h.seq < e.next_seq[h.comm]:
+            if seq_is_past(e, h.comm, h.seq):
                 ita = e.active.find(CS(h.comm, h.seq))
                 if ita != e.active.end() and deref(ita).second.state == ST_ACTIVE:
                     # a frame this rank's schedule does not contain: another call
@@ -113,7 +184,10 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
                 return                  # stale (completed or failed operation)
             itu = e.cunexp.find(k)
             if itu == e.cunexp.end():
-                u = new_unexp(h, e.cs)
+                if not unexp_room(e, 1, 0):
+                    unexp_overflow(e, r)
+                    return
+                u = new_unexp(e, h, e.cs)
                 if u == NULL:
                     rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
                     return
@@ -185,14 +259,16 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
         rm = NULL
         u = NULL
         if h.flags & FL_P2P:
-            st = p2p_state(e.peers[r.peer], h.comm)
-            itb = st.bound.find(h.seq)
-            if itb != st.bound.end():
-                rm = <RecvMsg*>deref(itb).second
-            else:
-                itu2 = st.unexp.find(h.seq)
-                if itu2 != st.unexp.end():
-                    u = deref(itu2).second
+            itp = e.peers[r.peer].p2p.find(h.comm)      # (gone if dropped meanwhile)
+            if itp != e.peers[r.peer].p2p.end():
+                st = deref(itp).second
+                itb = st.bound.find(h.seq)
+                if itb != st.bound.end():
+                    rm = <RecvMsg*>deref(itb).second
+                else:
+                    itu2 = st.unexp.find(h.seq)
+                    if itu2 != st.unexp.end():
+                        u = deref(itu2).second
         else:
             k = mkey(r.peer, h.comm, 0, h.step, h.seq)
             itr = e.rmap.find(k)
@@ -208,6 +284,8 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
         elif u != NULL and c < u.nchunks and u.chunks.count(c) == 0:
             u.chunks[c] = r.rtarget
             u.nrecv += 1
+            u.nbytes += h.len
+            e.unexp_bytes += h.len
         else:
             free(r.rtarget)
     r.rtarget = NULL

@@ -261,8 +261,10 @@ cdef inline double quiet_limit(State* e, Rail* r, double rate) noexcept nogil:
 cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
     """Nothing is left to queue for this peer, but another rail still holds chunks that a
     rail with room would deliver much sooner: send copies of them there, the chunk that would
-    arrive last first. Whichever copy is acknowledged first completes the chunk and the
-    receiver drops the other (chunks are identified, duplicates discarded).
+    arrive last first. Whichever copy is acknowledged first completes the chunk; the receiver
+    applies the first complete copy and reads the rest of any other into nothing, even one
+    whose header came first (rx.pxi: discard_other_copies). Never over a TPF_LATE_READ
+    connection (verbs zero-copy), where an ack may let the pages change under the other copy.
     Two cases: a rail that is late (no ack for several times its usual chunk time: stalled or
     suddenly slower than measured) is hedged while the other rail's window has room, so a
     silent failure costs milliseconds rather than the whole rail deadline (which still runs:
@@ -286,14 +288,15 @@ cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
         sent = 0
         for kf in range(p.nrails):
             f = p.rails[kf]
-            if f.state != R_UP or f.tx_busy:
+            if f.state != R_UP or f.tx_busy or (f.tp.flags & TPF_LATE_READ):
                 continue
             fr = f.rate if f.rate > 0 else 1e9    # not measured yet: taken as fast
             if not f.inflight.empty() and now - f.last_progress > quiet_limit(e, f, fr):
                 continue                          # late itself: no help
             for ks in range(p.nrails):
                 sl = p.rails[ks]
-                if ks == kf or sl.state != R_UP or sl.inflight.empty():
+                if ks == kf or sl.state != R_UP or sl.inflight.empty() or \
+                        (sl.tp.flags & TPF_LATE_READ):
                     continue
                 sr = sl.rate if sl.rate > 0 else 0.0
                 late = now - sl.last_progress > quiet_limit(e, sl, sr)

@@ -88,7 +88,7 @@
 # also completes inside isend, before the NIC has read the pages: the one exception to the
 # memory contract above, safe because the engine writes a chunk's region again only after the
 # peer acknowledged the chunk (verbs_transport.pxi's header has the argument), and because the
-# registration keeps the pages pinned until the SENDs complete. Registration is per device and
+# registration keeps the pages pinned until the SENDs complete (TPF_LATE_READ: no hedge copies). Registration is per device and
 # owned by the cache, not by the engine (reg_mr stays unused).
 #
 # shm (shm.pxd, r2_shm.h; set-up in r2comm/shm.py): a pair of single-producer/single-consumer
@@ -139,6 +139,11 @@ cdef enum:
     # no NIC under the connection (shared memory): injected NIC faults do not apply, and late
     # acks mean a stalled peer process (its end is still open), never a dead path
     TPF_NO_NIC = 8
+    # a post may complete before the bytes are read (verbs zero-copy SENDs from the user's
+    # pages): the pages may be rewritten once the chunk is acknowledged while a second copy
+    # of it is still being read, so the engine never sends a chunk twice at once (no hedge
+    # copy) over such a connection; a copy is only re-sent after its connection is closed
+    TPF_LATE_READ = 16
 
 cdef enum:
     T_EOF = -1000

@@ -19,7 +19,7 @@ from libc.string cimport memset, memcpy
 from libc.stdlib cimport malloc, calloc, free
 from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
-                                     TPF_WAKE_OUT)
+                                     TPF_WAKE_OUT, TPF_LATE_READ)
 
 import os
 

@@ -41,9 +41,12 @@
 # posted, like a copied one, although its SENDs still read the user's pages. That is safe by
 # the engine's own rule: a chunk's source region is written again (a dependent step, the
 # operation's completion) only after the peer acknowledged the chunk, and a peer acknowledges
-# only a frame that arrived whole, so the NIC has read it. A copy of the chunk still queued on a
-# late rail then only duplicates what the peer has, and the peer drops duplicates unread (with
-# R2COMM_INTEGRITY=mac a copy whose bytes changed fails its tag and closes that late rail).
+# only a frame that arrived whole, so the NIC has read it. That holds only while a chunk has one
+# copy on the wire: the transport is TPF_LATE_READ, so the engine sends no hedge copy of a chunk
+# over a verbs rail nor of a chunk on one (scheduler.pxi's hedge_tail), and re-sends a chunk
+# only after its connection (and QP) is closed. Independently of the sender, the receiver reads
+# any other copy of a chunk it already applied into nothing (rx.pxi's discard_other_copies),
+# even one whose header it parsed first, so a late copy never writes the user's buffer.
 # Measured on soft-RoCE: completing at the last SEND instead, one chunk per rail in flight,
 # cost 13-20% of the throughput. A region's registration is kept while its SENDs are
 # outstanding (inflight); an owner that goes away meanwhile only marks it dead, and it is
@@ -493,7 +496,7 @@ cdef void vt_close(void* conn) noexcept nogil:
 
 cdef Transport VERBS_TP
 VERBS_TP.name = "verbs"
-VERBS_TP.flags = TPF_SIDE_SOCKET | TPF_WAKE_OUT
+VERBS_TP.flags = TPF_SIDE_SOCKET | TPF_WAKE_OUT | TPF_LATE_READ
 VERBS_TP.adopt = vt_adopt
 VERBS_TP.event_fd = vt_event_fd
 VERBS_TP.isend = vt_isend

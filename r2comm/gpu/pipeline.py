@@ -22,12 +22,17 @@ mpi4py; NCCL differs): wait first.
 
 Sequence numbers. The engine matches collectives by (communicator, sequence), and a rank must
 post its sequence numbers in increasing order. The segments' collectives run on a hidden twin of
-the communicator (id GPU_BIT | generation | comm id), and a call takes exactly one sequence number
-of the communicator itself, s; its net steps use twin sequences s * MAX_PHASES + j, posted in a
-fixed order that every rank derives from the call's arguments alone (segment size:
-R2COMM_GPU_SEGMENT, the same on every rank). So a call whose argument check fails on one rank
-(that rank sends the error for twin sequence s * MAX_PHASES, the others fail their first step)
-leaves every rank in step for the next call.
+the communicator (id GPU_BIT | generation | comm id). A device call takes exactly one sequence
+number of the communicator itself, s, and is the communicator's device call number d (counted
+by every rank alike: host calls do not count); its net steps use twin sequences
+(d mod 2^24) * MAX_PHASES + j of twin generation (d >> 24) mod 64, posted in a fixed order that
+every rank derives from the call's arguments alone (segment size: R2COMM_GPU_SEGMENT, the same
+on every rank). So a call whose argument check fails on one rank (that rank sends the error for
+its first twin sequence, the others fail their first step) leaves every rank in step for the
+next call. A twin's sequence advances by MAX_PHASES per device call, whatever host calls come
+between, and the engine compares sequences modulo 2^32: when a twin id comes back (every 2^30
+device calls) its sequence restarts at 0 right after 2^32 - MAX_PHASES + j, one step on, so no
+frame of the reused twin is taken for a stale one.
 
 Failures. A step that fails (an engine error, a device error, a timeout) fails the pipeline: the
 collectives it posted and that are still running are cancelled (the engine tells the peers), a
@@ -45,8 +50,9 @@ from ..ops import as_op, dtype_code
 from . import backend as _be
 
 GPU_BIT = 0x40000000          # communicator id bit of staging twins (control twins: 0x80000000)
-MAX_PHASES = 256              # net steps per call: twin sequence = (s mod 2^24) * 256 + j
-_GEN_SHIFT = 24               # every 2^24 calls a new twin (fresh sequence space), 64 in all
+MAX_PHASES = 256              # net steps per call: twin sequence = (d mod 2^24) * 256 + j
+_GEN_SHIFT = 24               # every 2^24 device calls a new twin, 64 in all, then they come round
+_CALLS_MASK = (1 << 30) - 1   # device call numbers d wrap with the twin ids
 _PEER_ARG = 7                 # errors.PEER_ARGUMENT_CODE
 
 
@@ -439,12 +445,15 @@ def _twin(comm, gen):
 
 
 def _take_seq(comm):
-    """The call's one sequence number of the communicator (with its epoch check, as _start)."""
+    """The call's one sequence number of the communicator (with its epoch check, as _start),
+    and its twin's place: (twin generation, first twin sequence) from the device call number."""
     if comm._cfg.replan_every and comm._seq % comm._cfg.replan_every == 0:
         comm._maybe_replan()
     s = comm._seq
-    comm._seq += 1
-    return s
+    comm._seq = (s + 1) & 0xFFFFFFFF          # wraps: the engine compares modulo 2^32
+    d = comm.__dict__.get("_gpu_calls", 0)
+    comm._gpu_calls = (d + 1) & _CALLS_MASK
+    return (d >> _GEN_SHIFT) & 0x3F, (d & ((1 << _GEN_SHIFT) - 1)) * MAX_PHASES
 
 
 def tell_peers(comm, exc, what):
@@ -455,9 +464,8 @@ def tell_peers(comm, exc, what):
             or comm.size == 1:
         return
     exc._r2comm_told = True
-    s = _take_seq(comm)
-    twin = _twin(comm, (s >> _GEN_SHIFT) & 0x3F)
-    base = (s & ((1 << _GEN_SHIFT) - 1)) * MAX_PHASES
+    gen, base = _take_seq(comm)
+    twin = _twin(comm, gen)
     msg = (f"rank {comm._world.boot.rank} could not start its {what} on device buffers: "
            f"{type(exc).__name__}: {exc}")
     a = _Abort(twin, base, msg)
@@ -594,12 +602,10 @@ def start(comm, kind, blocking, args, stream=None):
         total = sn // n
     # -- from here on the call takes its sequence number: no argument errors below --
     user_stream = be.stream_of(_be._unwrap(recvbuf if need_recv else sendbuf)[0], stream)
-    s = _take_seq(comm)
+    gen, base = _take_seq(comm)
     if total == 0:
         return _Done()
-    gen = (s >> _GEN_SHIFT) & 0x3F
     twin = _twin(comm, gen)
-    base = (s & ((1 << _GEN_SHIFT) - 1)) * MAX_PHASES
     ctx = context(be, cfg)
     segs, order = _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me,
                         cfg.gpu_segment, sendbuf is IN_PLACE)
