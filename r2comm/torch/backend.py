@@ -45,6 +45,7 @@ DistNetworkError (all RuntimeErrors). Once Work.get_future() was called, the gro
 thread waits for the operation and hands the future to another thread to set (torch runs .then
 callbacks there): a callback may start a collective and wait for it (PowerSGD). Every wait is
 bounded by R2COMM_TIMEOUT when it is set, else by the group's timeout."""
+import ctypes
 import datetime
 import os
 import queue
@@ -132,14 +133,58 @@ def _redop(opts, dtype):
     hit = _REDUCE.get((dtype, kind))
     if hit is None:
         hit = _REDUCE[(dtype, kind)] = _redop_of(kind, dtype)
-        if hit[0] is not None and dtype in _NUMPY:
-            _LEAN[(dtype, kind)] = hit
+        if hit[0] is not None and dtype in _NUMPY and kind in _TABLE:
+            _LEAN[(dtype, _lean_key(kind))] = hit + (_LEAN_MAX * dtype.itemsize,)
     return hit
 
 
+def _kind_hashes():
+    """True where hash(ReduceOp) is its kind's number for every kind (torch's ReduceOp hashes
+    so): the lean path then keys on hash(opts.reduceOp), cheaper than reading .op."""
+    try:
+        return all(hash(dist.ReduceOp(k)) == int(k) for k in _TABLE)
+    except Exception:
+        return False
+
+
+def _lean_key(kind):
+    return int(kind) if _HASHED else kind
+
+
 _REDUCE = {}      # (torch dtype, ReduceOp kind) -> _redop's answer
-_LEAN = {}        # the same for the engine's own dtypes and ops: the lean all_reduce path
+_LEAN = {}        # (torch dtype, _lean_key) -> (op, avg, most bytes): the lean all_reduce path
 _LEAN_MAX = 8192  # elements: latency-bound calls (larger ones are reduced in place, no copy)
+_HASHED = _kind_hashes()
+
+
+class _Views:
+    """numpy arrays over small contiguous CPU tensors' memory, by (address, bytes, dtype):
+    t.numpy() costs about a microsecond a call. An array owns nothing (built on the address,
+    not the tensor) and is used only during a call on a live tensor with that address, size
+    and dtype, so it always reaches that tensor's memory whatever storage is there now."""
+
+    def __init__(self, most=256):
+        self._arrays = {}
+        self._most = most
+
+    def get(self, t, nbytes):
+        """t's memory as a numpy array (t: contiguous, on the CPU, of a _NUMPY dtype)."""
+        key = (t.data_ptr(), nbytes, t.dtype)
+        arr = self._arrays.get(key)
+        if arr is None or t.is_neg():
+            arr = t.numpy()               # checks (a negative view raises as before)
+            if len(self._arrays) >= self._most:
+                self._arrays.clear()
+            self._arrays[key] = _at_address(key[0], nbytes, arr.dtype)
+        return arr
+
+
+def _at_address(address, nbytes, dtype):
+    """A writable numpy array of `dtype` over nbytes at address, owning nothing."""
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype)
+
+
+_views = _Views()
 
 
 def _redop_of(kind, dtype):
@@ -601,9 +646,12 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         if len(tensors) == 1 and opts is not None and not opts.asyncOp:
             t = tensors[0]              # torch waits at once (async_op=False): the lean path
             if t.is_cpu and not t.is_sparse and t.is_contiguous() and not t.requires_grad:
-                hit = _LEAN.get((t.dtype, opts.reduceOp.op))
-                if hit is not None and 0 < t.numel() <= _LEAN_MAX:
-                    return self._allreduce_now(t, hit[0], hit[1])
+                rop = opts.reduceOp
+                hit = _LEAN.get((t.dtype, hash(rop) if _HASHED else rop.op))
+                if hit is not None:
+                    nbytes = t.nbytes
+                    if 0 < nbytes <= hit[2]:
+                        return self._allreduce_now(t, nbytes, hit[0], hit[1])
         t = self._one(tensors, "allreduce")
         if t.is_sparse:
             return self._sparse_allreduce(t, opts)
@@ -627,11 +675,11 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         req = self._comm.Iallreduce(IN_PLACE, s.arr, op)
         return self._submit([req], self._reduce_finish([s], avg), [t])
 
-    def _allreduce_now(self, t, op, avg):
+    def _allreduce_now(self, t, nbytes, op, avg):
         """A synchronous all_reduce in one engine call (Allreduce's fast path: 8 B calls cost
         about what Communicator.Allreduce does), matched with the peers' call as a non-blocking
         one, since a peer may have made it asynchronous. Returns the group's done Work."""
-        arr = t.numpy()
+        arr = _views.get(t, nbytes)
         try:        # from a copy: the in-place schedule has local copies, the fast path none
             self._comm.Allreduce(arr.copy(), arr, op, as_nonblocking=True)
         except R2commArgumentError:
