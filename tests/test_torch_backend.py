@@ -151,6 +151,13 @@ def test_dropped_async_works():
     assert count == 30, out[-3000:]
 
 
+def test_lean_all_reduce_on_changing_memory():
+    """Synchronous small all_reduces stay right where the memory under an address changes
+    (reallocation, views, set_, more tensors than the view cache holds)."""
+    count, out = run_torchrun(2, "lean")
+    assert count == 48, out[-3000:]
+
+
 def test_group_timeout_is_the_groups_own():
     """new_group(timeout=1 s): its barrier without peers raises torch's DistBackendError (and
     R2commTimeout) saying "timed out" within seconds, not after the world's 60 s."""

@@ -559,6 +559,48 @@ def scenario_dropped(rank, size, ck):
     assert pg.pending_works == 0, pg.pending_works
 
 
+def scenario_lean(rank, size, ck):
+    """Synchronous small all_reduces (the lean path, which reuses numpy views by address)
+    on memory that changes under the same address: tensors freed and reallocated in other
+    dtypes and sizes, views at an offset, a storage swapped by set_(), more tensors than the
+    view cache holds; a negative view still raises as t.numpy() does."""
+    want = sum(r + 1 for r in range(size))
+    for i in range(40):
+        dt = (torch.float32, torch.int32, torch.float64, torch.uint8)[i % 4]
+        t = torch.full((1 + i % 5,), rank + 1, dtype=dt)
+        dist.all_reduce(t)
+        ck.equal(t, torch.full((1 + i % 5,), want, dtype=dt), f"reallocated {i} {dt}")
+        del t
+    base = torch.zeros(8)
+    for off in range(4):
+        v = base[off:off + 3]
+        v.fill_(rank + 1)
+        dist.all_reduce(v, op=R.MAX)
+        ck.equal(v, torch.full((3,), float(size)), f"view at offset {off}")
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    t.set_(torch.full((2,), float(rank + 2)).untyped_storage())
+    dist.all_reduce(t, op=R.AVG)
+    ck.equal(t, torch.full((2,), (want + size) / size), "storage swapped by set_")
+    many = [torch.full((2,), float(rank + 1)) for _ in range(300)]
+    for k in range(2):
+        for m in many:
+            dist.all_reduce(m)
+    ck.equal(many[7], torch.full((2,), float(want * size)), "300 tensors twice")
+    neg = torch._neg_view(torch.full((2,), 1.0))
+    for _ in range(2):
+        try:
+            dist.all_reduce(neg)
+        except RuntimeError as exc:
+            assert "negative bit" in str(exc), exc
+        else:
+            raise AssertionError("a negative view was reduced")
+    ck.count += 1
+    t = torch.full((2,), float(rank + 1))
+    dist.all_reduce(t)
+    ck.equal(t, torch.full((2,), float(want)), "after the refused negative view")
+
+
 def scenario_group_timeout(rank, size, ck):
     """A sub-group's own timeout (1 s) bounds its operations, not the world's; the error is
     torch's DistBackendError saying "timed out", and r2comm's R2commTimeout."""
