@@ -171,11 +171,16 @@ class _Views:
         """t's memory as a numpy array (t: contiguous, on the CPU, of a _NUMPY dtype)."""
         key = (t.data_ptr(), nbytes, t.dtype)
         arr = self._arrays.get(key)
-        if arr is None or t.is_neg():
-            arr = t.numpy()               # checks (a negative view raises as before)
-            if len(self._arrays) >= self._most:
-                self._arrays.clear()
-            self._arrays[key] = _at_address(key[0], nbytes, arr.dtype)
+        if arr is not None and not t.is_neg():
+            return arr
+        return self._add(t, key)
+
+    def _add(self, t, key):
+        """t.numpy() (its checks: a negative view raises as before), keeping a view."""
+        arr = t.numpy()
+        if len(self._arrays) >= self._most:
+            self._arrays.clear()
+        self._arrays[key] = _at_address(key[0], key[1], arr.dtype)
         return arr
 
 
