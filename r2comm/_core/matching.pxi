@@ -116,7 +116,11 @@ cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_
     return 0
 
 # Point-to-point matching: messages of a pair are matched in sequence order (MPI's non-overtaking
-# rule); a message whose tag no posted receive wants waits as unexpected.
+# rule); a message whose tag no posted receive wants waits as unexpected. Any-source receives
+# wait on their communicator's list (State.any_posted): a message goes to the earlier-posted of
+# the pair's first taker and that list's first taker. A message becomes matchable once every
+# earlier one of its pair was seen; stored ones are then numbered in that order (their arrival)
+# and indexed by (comm, arrival) in State.any_unexp, which an any-source receive searches.
 
 cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil:
     cdef P2PState* st
