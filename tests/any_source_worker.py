@@ -141,10 +141,26 @@ def tag_skips_and_cancel(comm):
     return 1
 
 
+def truncated(comm):
+    """A message larger than the any-source receive's buffer fails that receive only; the
+    sender's next message goes to the next receive."""
+    r = comm.rank
+    if r == 1:
+        send(comm, 50, 64)
+        send(comm, 51, 5)
+    if r:
+        return 0
+    expect(r2comm.R2commTruncateError, lambda: comm.Recv(np.zeros(8, "int32"), ANY),
+           "any-source receive of a larger message")
+    src, i = recv(comm, 5)
+    check((src, i) == (1, 51), f"the message after the truncated one: {(src, i)}")
+    return 1
+
+
 def sc_anysrc(comm, args):
     count = 0
     for fn in (lambda c: unexpected_all_senders(c, int(args.get("k", 6))), arrival_order,
-               posted_before_arrival, tag_skips_and_cancel):
+               posted_before_arrival, tag_skips_and_cancel, truncated):
         count += fn(comm)
         WORLD.Barrier()
     return count

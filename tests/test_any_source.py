@@ -21,16 +21,16 @@ def run_anysrc(n, env=None):
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_any_source_shared_memory(n):
-    assert run_anysrc(n) == 4            # rank 0 counts its four checked parts
+    assert run_anysrc(n) == 5            # rank 0 counts its five checked parts
 
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_any_source_tcp_small_chunks(n):
     """Over TCP with 16 KiB chunks: big messages arrive as many frames, matched on the first."""
-    assert run_anysrc(n, env={"R2COMM_SHM": "0", "R2COMM_CHUNK_SIZE": "16K"}) == 4
+    assert run_anysrc(n, env={"R2COMM_SHM": "0", "R2COMM_CHUNK_SIZE": "16K"}) == 5
 
 
 def test_any_source_two_rails():
     """Two TCP rails: a message's chunks are striped over both, its first frame on either."""
     assert run_anysrc(4, env={"R2COMM_SHM": "0", "R2COMM_CHUNK_SIZE": "16K",
-                              "R2COMM_RAILS": "127.0.0.1,127.0.0.2"}) == 4
+                              "R2COMM_RAILS": "127.0.0.1,127.0.0.2"}) == 5
