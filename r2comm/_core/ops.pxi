@@ -106,7 +106,9 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     for i in range(n):
         if bad:
             break
-        p = e.peers[plan.peer[i]] if plan.peer[i] != e.me and 0 <= plan.peer[i] < e.nranks else NULL
+        p = NULL
+        if plan.peer[i] != e.me and 0 <= plan.peer[i] < e.nranks:
+            p = e.peers[plan.peer[i]]
         if plan.peer[i] == ANY_PEER and p2p and plan.kind[i] == 0 and n == 1:
             p = NULL                    # an any-source receive (bound to a peer on its match)
         elif p == NULL:
