@@ -11,6 +11,7 @@ from .ops import SUM, PROD, MIN, MAX, Op
 __version__ = "0.1.0"
 
 _LAZY = {"Communicator": "communicator", "IN_PLACE": "communicator", "ANY_TAG": "communicator",
+         "ANY_SOURCE": "communicator",
          "Request": "request", "Status": "request", "Rail": "rails"}
 
 
@@ -21,7 +22,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'r2comm' has no attribute {name!r}")
 
 
-__all__ = ["Communicator", "Request", "Status", "Rail", "IN_PLACE", "ANY_TAG", "SUM", "PROD",
+__all__ = ["Communicator", "Request", "Status", "Rail", "IN_PLACE", "ANY_TAG", "ANY_SOURCE", "SUM", "PROD",
            "MIN", "MAX", "Op", "R2commError", "R2commArgumentError", "R2commBufferError",
            "R2commClosedError", "R2commTimeout", "R2commNetworkError", "R2commMismatchError",
            "R2commTruncateError", "R2commProtocolError", "R2commBuildError", "R2commPeerError",

@@ -35,6 +35,7 @@ class _InPlace:
 
 IN_PLACE = _InPlace()
 ANY_TAG = -1
+ANY_SOURCE = -1       # a receive's source: the first matching message from any rank
 _live_worlds = weakref.WeakSet()
 
 
@@ -389,6 +390,7 @@ class Communicator:
         self._cfg = world.cfg
         self._mpi = mpi_comm
         self._members = members               # global rank of each rank of this communicator
+        self._rank_of = {g: i for i, g in enumerate(members)}   # global rank -> rank here
         self._id = comm_id
         self._owner = owner
         self._seq = 0
@@ -1089,7 +1091,9 @@ class Communicator:
                                      and 0 <= rail < len(self._world.boot.rail_addrs)):
             raise R2commArgumentError(f"rail {rail!r} is not a rail index "
                                       f"(0 .. {len(self._world.boot.rail_addrs) - 1})")
-        self._check_root(peer)
+        any_source = kind == "recv" and isinstance(peer, (int, np.integer)) and peer == ANY_SOURCE
+        if not any_source:
+            self._check_root(peer)
         if peer == self.rank:
             raise R2commArgumentError("send/receive to self is not supported")
         if not isinstance(tag, (int, np.integer)) or tag < -1 or tag >= 1 << 31:
@@ -1097,7 +1101,7 @@ class Communicator:
         if kind == "send" and tag < 0:
             raise R2commArgumentError("a send needs a tag >= 0")
         Plan, Buffer = _engine().Plan, _engine().Buffer
-        gpeer = self._members[peer]
+        gpeer = -1 if any_source else self._members[peer]
         nbytes = arr.nbytes
         owned = kind == "send" and nbytes <= self._cfg.eager
         plan = Plan([(kind, gpeer, 0, WORK, 0, nbytes, 0, owned)], [], "p2p")
@@ -1105,11 +1109,17 @@ class Communicator:
         if kind == "send" and not owned and self._world.regcache is not None:
             self._world.regcache.note(arr)
         oid = self._engine.post(plan, b.ptr, 0, 0, dtype_code(arr.dtype), 0, self._id, 0, 0,
-                                self.timeout, [gpeer], 1, int(tag), nbytes,
+                                self.timeout, [] if any_source else [gpeer], 1, int(tag), nbytes,
                                 -1 if rail is None else int(rail))
         if status is not None:
             status.source, status.tag = peer, tag
         return Request(self, oid, [b], None, None, status)
+
+    def _match_status(self, oid, status):
+        """Fill `status` with the source and tag of the message receive `oid` matched."""
+        gpeer, tag = self._engine.p2p_matched(oid)
+        if gpeer >= 0:
+            status.source, status.tag = self._rank_of.get(gpeer, -1), tag
 
     def Isend(self, buf, dest, tag=0, rail=None):
         """rail: pin the message to one rail while it is up (probes, experiments); if that
@@ -1123,8 +1133,9 @@ class Communicator:
         self.Isend(buf, dest, tag, rail).Wait()
 
     def Irecv(self, buf, source, tag=ANY_TAG, status=None):
-        """Start receiving from rank `source` into `buf` (ANY_TAG matches any tag); returns
-        a Request. A `status` (r2comm.Status) receives the source, tag and byte count."""
+        """Start receiving from rank `source` (ANY_SOURCE: any rank) into `buf` (ANY_TAG
+        matches any tag); returns a Request. A `status` (r2comm.Status) receives the source,
+        tag and byte count of the message matched."""
         return self._p2p("recv", _as_array(buf, True, "Recv buf"), source, tag, status)
 
     def Recv(self, buf, source, tag=ANY_TAG, status=None):

@@ -46,6 +46,8 @@ class Request:
         self._nrecv = 0
 
     def _finish(self, state, err, msg, nrecv):
+        if self._status is not None and state == _DONE:
+            self._comm._match_status(self._oid, self._status)
         self._comm._engine.release(self._oid)
         self._done = True
         self._nrecv = nrecv

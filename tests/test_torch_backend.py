@@ -131,7 +131,7 @@ def test_torch_machinery_group_names_funcol_compile_devicemesh():
 def test_new_collectives_match_gloo(n):
     """gather, scatter, gather_object, scatter_object_list, all_gather_coalesced, coalesced
     all_gather_into_tensor, BAND/BOR/BXOR (all_reduce, reduce) on integers and bool, sparse
-    all_reduce, barrier(device_ids), batch_isend_irecv, recv without src (2 ranks),
+    all_reduce, barrier(device_ids), batch_isend_irecv, recv without src (any source),
     new_subgroups(group=) with gather_object in the sub-groups (even sizes)."""
     count, out = run_torchrun(n, "newcolls")
     assert count >= {2: 41, 3: 32, 4: 35}[n], out[-3000:]

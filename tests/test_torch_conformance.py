@@ -39,7 +39,8 @@ SUBSET = ["test_gather", "test_gather_full_group", "test_scatter", "test_scatter
 # with 4 ranks: object collectives with a group, sub-groups given a group, any-source receive
 SUBSET_4 = ["test_gather_object", "test_gather_object_subgroup", "test_scatter_object_list",
             "test_new_subgroups_with_group_param", "test_send_recv_any_source",
-            "test_barrier_timeout_full_group"]
+            "test_send_recv_any_source_autograd_profiler",
+            "test_send_recv_any_source_torch_profiler", "test_barrier_timeout_full_group"]
 
 
 def gloo_passes(ranks=2):

@@ -463,14 +463,20 @@ def scenario_newcolls(rank, size, ck):
     ck.equal(ours.to_dense(), theirs.to_dense(), "sparse all_reduce (hybrid)")
     dist.barrier(device_ids=[0])
     ck.count += 1
-    if size == 2:
-        t = torch.full((3,), float(rank))
-        if rank == 0:
-            dist.send(t + 10, dst=1, tag=5)
-        else:
+    t = torch.full((3,), float(rank))
+    if rank:                          # every rank to 0, received without src; 0 answers each
+        dist.send(t + 10, dst=0, tag=5)
+        src = dist.recv(t, tag=6)
+        assert src == 0, src
+        ck.equal(t, torch.full((3,), 20.0 + rank), "recv without src (the answer)")
+    else:
+        srcs = []
+        for _ in range(size - 1):
             src = dist.recv(t, tag=5)                       # any source
-            assert src == 0, src
-            ck.equal(t, torch.full((3,), 10.0), "recv without src")
+            ck.equal(t, torch.full((3,), 10.0 + src), "recv without src")
+            srcs.append(src)
+            dist.send(t + 10, dst=src, tag=6)
+        assert sorted(srcs) == list(range(1, size)), srcs
     if size % 2 == 0:                 # sub-groups of a sub-group (new_subgroups(group=))
         half = dist.new_group(list(range(size)))
         mine, _ = dist.new_subgroups(group_size=size // 2, group=half)

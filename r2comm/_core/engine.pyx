@@ -1280,6 +1280,23 @@ cdef class Engine:
     def test(self, uint64_t oid):
         return self.wait(oid, 0.0)
 
+    def p2p_matched(self, uint64_t oid):
+        """(peer, tag) of the message a p2p receive was matched with; (-1, -1) if none yet."""
+        cdef State* e = self._live()
+        cdef int peer = -1
+        cdef int64_t tag = -1
+        cdef RecvMsg* rm
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            it = e.ops.find(oid)
+            if it != e.ops.end() and deref(it).second.p2p and deref(it).second.recvs.size() == 1:
+                rm = <RecvMsg*>deref(it).second.recvs[0]
+                if rm.bound:
+                    peer = rm.peer
+                    tag = <int64_t>rm.aux
+            pthread_mutex_unlock(&e.mu)
+        return peer, tag
+
     def cancel(self, uint64_t oid, int code, str message):
         """Fail a still-running operation (used when a wait gives up)."""
         cdef State* e = self._live()

@@ -30,6 +30,9 @@ cdef enum:
     C_STATE = 0x3F        # the state bits
 
 cdef enum:
+    ANY_PEER = -1        # a p2p receive's peer in a Plan: any source (bound on its match)
+
+cdef enum:
     M_COPY = 0
     M_REDUCE = 1
     M_REDUCE_REV = 2
@@ -217,10 +220,12 @@ cdef cppclass RecvMsg:
     int32_t* gate
     char** held
     vector[Dep] succ
+    uint64_t posted_no   # p2p: when it was posted (State.p2p_posts); orders any-source ones
     __init__() noexcept nogil:
         this.op = NULL
         this.done = 0
         this.bound = 0
+        this.posted_no = 0
         this.napplied = 0
         this.nchunks = 0
         this.cdone = NULL
@@ -235,9 +240,13 @@ cdef cppclass Unexp:
     uint64_t nbytes                  # payload bytes held in chunks (State.unexp_bytes)
     cmap[uint32_t, char*] chunks     # the chunks that arrived (sparse: a peer's `total` alone
                                      # never sizes an allocation)
+    uint64_t arrival                 # p2p: its number in State.any_unexp (0: not matchable yet)
+    uint32_t comm, seq               # p2p: where it came from (with peer)
+    int peer
     __init__() noexcept nogil:
         this.nrecv = 0
         this.nbytes = 0
+        this.arrival = 0
 
 cdef cppclass P2PState:
     uint32_t seen_upto
@@ -405,6 +414,7 @@ cdef cppclass Peer:
 
 ctypedef pair[uint64_t, uint64_t] Key
 ctypedef pair[uint32_t, uint32_t] CS
+ctypedef pair[uint32_t, uint64_t] CA
 
 cdef cppclass State:
     int me
@@ -419,6 +429,10 @@ cdef cppclass State:
     cmap[Key, void*] smap
     cmap[Key, void*] rmap
     cmap[Key, Unexp*] cunexp
+    uint64_t p2p_posts       # p2p receives posted so far (RecvMsg.posted_no)
+    uint64_t p2p_arrivals    # p2p messages that became matchable so far (Unexp.arrival)
+    cmap[CA, Unexp*] any_unexp   # (comm, arrival) -> matchable unexpected p2p message, any peer
+    cmap[uint32_t, deque[void*]] any_posted  # comm -> any-source receives not bound yet
     cmap[uint32_t, uint32_t] next_seq
     cmap[CS, Op*] active
     cmap[CS, pair[int, string]] aborted
@@ -461,6 +475,8 @@ cdef cppclass State:
     __init__() noexcept nogil:
         this.npolled = 0
         this.poll_turn = 0
+        this.p2p_posts = 0
+        this.p2p_arrivals = 0
         this.events_base = 0
         this.unexp_bytes = 0
         this.unexp_msgs = 0

@@ -354,13 +354,30 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
         if (m.cstate[i] & C_STATE) != C_ACKED:
             m.cstate[i] = C_ACKED
 
+cdef void unlink_any_source(State* e, RecvMsg* rm) noexcept nogil:
+    """Take an unbound any-source receive off its communicator's list."""
+    cdef size_t i
+    ita = e.any_posted.find(rm.comm)
+    if ita == e.any_posted.end():
+        return
+    for i in range(deref(ita).second.size()):
+        if deref(ita).second[i] == <void*>rm:
+            erase_at(deref(ita).second, i)
+            break
+    if deref(ita).second.empty():
+        e.any_posted.erase(ita)
+
 cdef void unlink_recv(State* e, RecvMsg* rm) noexcept nogil:
     """Forget a receive: later frames for it are stale; rails reading into it drop the bytes."""
-    cdef Peer* p = e.peers[rm.peer]
+    cdef Peer* p
     cdef Rail* r
     cdef int k
     cdef P2PState* st
     cdef size_t i
+    if rm.peer < 0:
+        unlink_any_source(e, rm)        # not bound to a peer: nothing of it is in flight
+        return
+    p = e.peers[rm.peer]
     if rm.flags & FL_P2P:
         st = p2p_state(p, rm.comm)
         if rm.bound:

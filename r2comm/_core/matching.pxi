@@ -116,7 +116,11 @@ cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_
     return 0
 
 # Point-to-point matching: messages of a pair are matched in sequence order (MPI's non-overtaking
-# rule); a message whose tag no posted receive wants waits as unexpected.
+# rule); a message whose tag no posted receive wants waits as unexpected. Any-source receives
+# wait on their communicator's list (State.any_posted): a message goes to the earlier-posted of
+# the pair's first taker and that list's first taker. A message becomes matchable once every
+# earlier one of its pair was seen; stored ones are then numbered in that order (their arrival)
+# and indexed by (comm, arrival) in State.any_unexp, which an any-source receive searches.
 
 cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil:
     cdef P2PState* st
@@ -180,6 +184,8 @@ cdef void free_unexp(State* e, Unexp* u) noexcept nogil:
         inc(it)
     e.unexp_bytes -= u.nbytes
     e.unexp_msgs -= 1
+    if u.arrival != 0:
+        e.any_unexp.erase(CA(u.comm, u.arrival))
     del u
 
 cdef Unexp* new_unexp(State* e, r2_hdr* h, uint32_t cs) noexcept nogil:
@@ -194,16 +200,48 @@ cdef Unexp* new_unexp(State* e, r2_hdr* h, uint32_t cs) noexcept nogil:
     u.dtype = h.dtype
     u.redop = h.redop
     u.total = h.total
+    u.comm = h.comm
+    u.seq = h.seq
+    u.peer = -1
     u.cs = cs
     u.nchunks = nchunks_of(h.total, cs)
     return u
 
+cdef inline bint tag_wanted(RecvMsg* rm, uint32_t tag) noexcept nogil:
+    return <int32_t>rm.aux == -1 or rm.aux == tag
+
+cdef int first_wanted(deque[void*]& posted, uint32_t tag) noexcept nogil:
+    """Index of the earliest-posted receive in `posted` that takes `tag`; -1 if none."""
+    cdef size_t i
+    for i in range(posted.size()):
+        if tag_wanted(<RecvMsg*>posted[i], tag):
+            return <int>i
+    return -1
+
+cdef RecvMsg* p2p_take_receive(State* e, P2PState* st, uint32_t comm, uint32_t tag) noexcept nogil:
+    """The receive a matchable message with `tag` goes to: the earlier-posted of the pair's
+    first taker and the communicator's first any-source taker (taken off its list); or NULL."""
+    cdef int i = first_wanted(st.posted, tag), j = -1
+    cdef RecvMsg* rm
+    ita = e.any_posted.find(comm)
+    if ita != e.any_posted.end():
+        j = first_wanted(deref(ita).second, tag)
+    if j >= 0 and (i < 0 or (<RecvMsg*>deref(ita).second[j]).posted_no <
+                   (<RecvMsg*>st.posted[i]).posted_no):
+        rm = <RecvMsg*>deref(ita).second[j]
+        erase_at(deref(ita).second, j)
+        if deref(ita).second.empty():
+            e.any_posted.erase(ita)
+        return rm
+    if i >= 0:
+        rm = <RecvMsg*>st.posted[i]
+        erase_at(st.posted, i)
+        return rm
+    return NULL
+
 cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept nogil:
-    cdef vector[uint32_t] done
     cdef Unexp* u
     cdef RecvMsg* rm
-    cdef size_t i
-    cdef int found
     cdef bint wrapped = 0
     # in sequence order modulo 2**32: from the oldest a pair can hold (2**31 before seen_upto),
     # round the end of the map to its start (a pair's p2p sequence wraps after 2**32 messages)
@@ -221,22 +259,52 @@ cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept
         if not seq_before(deref(it).first, st.seen_upto):
             break
         u = deref(it).second
-        found = -1
-        for i in range(st.posted.size()):
-            rm = <RecvMsg*>st.posted[i]
-            if <int32_t>rm.aux == -1 or rm.aux == u.aux:
-                found = <int>i
-                break
-        if found >= 0:
-            rm = <RecvMsg*>st.posted[found]
-            erase_at(st.posted, found)
+        rm = p2p_take_receive(e, st, comm, u.aux)
+        if rm != NULL:
             p2p_bind(e, p, st, rm, deref(it).first, u)
             it = st.unexp.erase(it)
         else:
             inc(it)
 
+cdef void p2p_index_ready(State* e, P2PState* st, uint32_t upto_before) noexcept nogil:
+    """Messages of the pair from `upto_before` to seen_upto just became matchable (every
+    earlier one of the pair was seen): number the unexpected ones in that (sequence) order
+    and index them for any-source receives."""
+    cdef uint32_t s = upto_before
+    cdef Unexp* u
+    while s != st.seen_upto:
+        itu = st.unexp.find(s)
+        if itu != st.unexp.end() and deref(itu).second.arrival == 0:
+            u = deref(itu).second
+            e.p2p_arrivals += 1
+            u.arrival = e.p2p_arrivals
+            e.any_unexp[CA(u.comm, u.arrival)] = u
+        s += 1
+
+cdef void p2p_post_any(State* e, RecvMsg* rm, uint32_t comm) noexcept nogil:
+    """Post an any-source receive: the earliest-arrived matchable message of comm (any peer)
+    with a tag it takes, else it waits on the communicator's list."""
+    cdef Unexp* u
+    cdef Peer* p
+    cdef P2PState* st
+    it = e.any_unexp.lower_bound(CA(comm, 0))
+    while it != e.any_unexp.end() and deref(it).first.first == comm:
+        u = deref(it).second
+        if tag_wanted(rm, u.aux):
+            p = e.peers[u.peer]
+            st = p2p_state(p, comm)
+            st.unexp.erase(u.seq)
+            p2p_bind(e, p, st, rm, u.seq, u)       # (frees u: its index entry goes)
+            return
+        inc(it)
+    e.any_posted[comm].push_back(<void*>rm)
+
 
 cdef void p2p_bind(State* e, Peer* p, P2PState* st, RecvMsg* rm, uint32_t seq, Unexp* u) noexcept nogil:
+    if rm.peer < 0:
+        rm.peer = p.rank                # an any-source receive: now bound to this peer
+        if rm.op != NULL:
+            rm.op.members.push_back(p.rank)
     rm.seq = seq
     rm.bound = 1
     rm.total = u.total

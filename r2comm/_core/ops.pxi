@@ -106,8 +106,12 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     for i in range(n):
         if bad:
             break
-        p = e.peers[plan.peer[i]] if plan.peer[i] != e.me else NULL
-        if p == NULL:
+        p = NULL
+        if plan.peer[i] != e.me and 0 <= plan.peer[i] < e.nranks:
+            p = e.peers[plan.peer[i]]
+        if plan.peer[i] == ANY_PEER and p2p and plan.kind[i] == 0 and n == 1:
+            p = NULL                    # an any-source receive (bound to a peer on its match)
+        elif p == NULL:
             bad = 1
             break
         if plan.kind[i] == 1:
@@ -221,9 +225,14 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     for i in range(op.recvs.size()):
         rm = <RecvMsg*>op.recvs[i]
         if p2p:
-            st = p2p_state(e.peers[rm.peer], comm)
-            st.posted.push_back(<void*>rm)
-            p2p_try_match(e, e.peers[rm.peer], st, comm)
+            e.p2p_posts += 1
+            rm.posted_no = e.p2p_posts
+            if rm.peer == ANY_PEER:
+                p2p_post_any(e, rm, comm)
+            else:
+                st = p2p_state(e.peers[rm.peer], comm)
+                st.posted.push_back(<void*>rm)
+                p2p_try_match(e, e.peers[rm.peer], st, comm)
         else:
             itu = e.cunexp.find(mkey(rm.peer, comm, 0, rm.step, seq))
             if itu != e.cunexp.end():

@@ -135,6 +135,7 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
     cdef Unexp* u
     cdef P2PState* st
     cdef Key k
+    cdef uint32_t upto
     cdef uint32_t c = h.chunk
     r.rmsg = NULL
     r.rkind = K_TRASH
@@ -162,8 +163,11 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
             if u == NULL:
                 rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
                 return
+            u.peer = p.rank
             st.unexp[h.seq] = u
+            upto = st.seen_upto
             p2p_mark_seen(st, h.seq)
+            p2p_index_ready(e, st, upto)
             p2p_try_match(e, p, st, h.comm)
             itb = st.bound.find(h.seq)
             if itb != st.bound.end():

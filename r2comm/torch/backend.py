@@ -34,8 +34,9 @@ uint8 (SUM, MAX, BOR: logical or; PRODUCT, MIN, BAND: logical and). AVG is a SUM
 group size (floating dtypes only). BAND, BOR, BXOR of integer and bool tensors (all_reduce,
 reduce): every rank's tensor is gathered and folded in rank order. Sparse COO tensors in
 all_reduce (SUM): indices and values gathered from every rank, summed, coalesced. gather and
-scatter go point to point through the root. A receive without a source rank is defined in a
-group of two. Other ops (PREMUL_SUM) and dtypes raise R2commArgumentError at the call.
+scatter go point to point through the root. A receive without a source rank takes the first
+message from any rank (r2comm.ANY_SOURCE). Other ops (PREMUL_SUM) and dtypes raise
+R2commArgumentError at the call.
 
 Completion. Each call returns at once with a Work; the group holds every Work in flight, and so
 its tensors and buffers, until its operation ended, even one nobody waits for. Work.wait()
@@ -58,10 +59,10 @@ import torch._C._distributed_c10d as _c10d
 
 from .. import IN_PLACE
 from ..bootstrap_store import StoreComm, MAX as _STORE_MAX
-from ..communicator import Communicator
+from ..communicator import ANY_SOURCE, Communicator
 from ..errors import R2commArgumentError, R2commError, R2commNetworkError, R2commTimeout
 from ..ops import SUM, PROD, MIN, MAX
-from ..request import Request
+from ..request import Request, Status
 
 BACKEND_NAME = "r2comm"
 _RedOp = dist.ReduceOp
@@ -454,10 +455,12 @@ class Work(dist._Work):
         pass
 
     def _source_rank(self):
-        if self._source < 0:
-            raise R2commArgumentError("r2comm backend: only a receive from any source has a "
-                                      "source rank")
-        return self._source
+        """The rank a receive from any source got its message from (once it completed)."""
+        src = self._source.source if isinstance(self._source, Status) else self._source
+        if src < 0:
+            raise R2commArgumentError("r2comm backend: only a completed receive from any "
+                                      "source has a source rank")
+        return src
 
     source_rank = _source_rank
 
@@ -969,6 +972,8 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         return self._submit([req], None, [t])
 
     def recv(self, tensors, src, tag=0):
+        if src is None or src == ANY_SOURCE:
+            return self.recv_anysource(tensors, tag)
         t = self._one(tensors, "recv")
         s = _Staged(t)
         if s.arr.nbytes == 0:
@@ -977,18 +982,16 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         return self._submit([req], s.writeback, [t])
 
     def recv_anysource(self, tensors, tag=0):
-        """A receive from any source. r2comm matches receives per peer, so this is defined
-        where the source is implied: a group of two (the other rank)."""
-        if self.size() != 2:
-            raise R2commArgumentError("r2comm backend: recv without a source rank needs a group "
-                                      f"of 2 ranks (this one has {self.size()}); give src")
-        src = 1 - self.rank()
+        """A receive from any rank of the group (r2comm.ANY_SOURCE): the Work's
+        _source_rank() says which rank sent the message."""
         t = self._one(tensors, "recv")
         s = _Staged(t)
         if s.arr.nbytes == 0:
-            return self._submit([], None, [t], source=src)
-        req = self._comm.Irecv(s.arr, src, tag)
-        return self._submit([req], s.writeback, [t], source=src)
+            # an empty send moves no message (see send), so nothing could say where it came from
+            raise R2commArgumentError("r2comm backend: recv of an empty tensor needs src")
+        status = Status()
+        req = self._comm.Irecv(s.arr, ANY_SOURCE, tag, status=status)
+        return self._submit([req], s.writeback, [t], source=status)
 
     def barrier(self, opts=None):
         """A barrier of the group (device_ids, if given, name no work for this backend)."""
