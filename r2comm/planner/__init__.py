@@ -5,7 +5,8 @@ Pure Python and socket-free, so tests and a simulator can use it directly.
 Without a RailState the planner is static (ring / recursive doubling by size). With one
 (`state=`, the same on every rank) it is bandwidth-aware: build() prices every candidate with the
 cost model (cost.py) and routes around broken pairs (routing.py); "degraded" (degraded.py) keeps a
-slow host off the critical path.
+slow host off the critical path, and "treefold" (treefold.py) does so with a pipeline depth of
+log H; it is built where it is asked for (algo="treefold", R2COMM_ALGO), not chosen on its own yet.
 
 Hosts. With a topology (topology.py: which ranks share a host, `topo=` without a RailState; a
 RailState's `hosts` with one) where several hosts run several ranks, the hierarchical schedules
@@ -16,17 +17,17 @@ is used; with a RailState, choose() prices them among the other candidates. algo
 forces it where the topology allows one (otherwise the flat plan is used), "flat" excludes it."""
 import math
 
-from . import agree, algorithms, cost, degraded, hierarchical, price, routing
+from . import agree, algorithms, cost, degraded, hierarchical, price, routing, treefold
 from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, REDUCE_SEND, REDUCE_SEND_REV
 from .state import RailState, PartitionedError
 from .topology import Topology, INTRA_BW
 from .state import DEFAULT_BW, DEFAULT_ALPHA, DEFAULT_CHUNK
 
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "rabenseifner", "degraded", "ring_rerouted",
-                   "hierarchical", "hierarchical_tree", "flat")
+                   "hierarchical", "hierarchical_tree", "flat", "treefold")
 HIER_ALGOS = ("hierarchical", "hierarchical_tree")
 GENERIC_ALGOS = ("hierarchical", "flat")               # mean something for every collective
-STATE_ALGOS = ("degraded", "ring_rerouted")            # need a RailState
+STATE_ALGOS = ("degraded", "ring_rerouted", "treefold")   # need a RailState
 DEFAULT_EAGER = 64 << 10
 PAIR_RD_MAX = 256 << 10     # 2 ranks: recursive doubling up to here (measured crossover)
 
@@ -275,6 +276,8 @@ def _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_sen
             rank, n, nbytes, itemsize, eager, state, degraded=deg,
             frac=degraded.state_fraction(state), order_all=_ring_order(state),
             order_ok=_ring_order(state, ok))
+    if coll == "allreduce" and name == "treefold":     # forced only (algo=): not priced yet
+        return treefold.allreduce_treefold(rank, n, nbytes, itemsize, eager, state)
     if coll == "allreduce" and name == "ring":
         return routing.allreduce_ring_ordered(rank, list(range(n)), nbytes, itemsize, eager,
                                               "ring")
@@ -339,6 +342,9 @@ def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state, separate_sen
                   order_all=_ring_order(state),
                   order_ok=_ring_order(state, ok) if ok else None)
         sc = [degraded.allreduce_degraded(r, n, nbytes, itemsize, eager, state, **kw)
+              for r in range(n)]
+    elif coll == "allreduce" and algo == "treefold":
+        sc = [treefold.allreduce_treefold(r, n, nbytes, itemsize, eager, state)
               for r in range(n)]
     elif coll == "allreduce" and algo == "ring_rerouted":
         order = routing.best_ring_order(state)
