@@ -342,6 +342,33 @@ def sc_signals(comm, args):
     return 1
 
 
+def fail_then_failback(comm, x, y, ref):
+    """Rank 1 fails rail 0 for 5 exact allreduces, then restores it; allreduces go on until
+    every rank sees the rail up (bounded 20 s). (allreduces run, seconds from the restore to
+    the rail up everywhere, or None)."""
+    n, ops = comm.size, 0
+    if comm.rank == 1:
+        comm.fail_rail(0, "hard")
+    for _ in range(5):
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), "allreduce with rail 0 failed")
+        ops += 1
+    WORLD.Barrier()
+    if comm.rank == 1:
+        comm.restore_rail(0)
+    t0 = time.monotonic()
+    for _ in range(2000):                               # bounded: ~20 s at most
+        comm.Allreduce(x, y)
+        check(np.array_equal(y, ref), "allreduce during fail-back")
+        ops += 1
+        if WORLD.allreduce(int(comm.rails[0].state == "up")) == n:
+            return ops, time.monotonic() - t0
+        if time.monotonic() - t0 > 20:
+            break
+        time.sleep(0.01)
+    return ops, None
+
+
 def sc_slowloris(comm, args):
     """Clients (from this test, to this rank's own listening ports on 127.0.0.x) trickle one
     byte of a plausible HELLO every half second into every listener, reconnecting whenever they
@@ -382,29 +409,7 @@ def sc_slowloris(comm, args):
     x = data("slow", r, 200_000, "float32", SUM)
     ref = reduce_ref("slow", n, 200_000, "float32", SUM)
     y = np.empty_like(x)
-    ops = 0
-    if r == 1:
-        comm.fail_rail(0, "hard")
-    for _ in range(5):
-        comm.Allreduce(x, y)
-        check(np.array_equal(y, ref), "allreduce with rail 0 failed")
-        ops += 1
-    WORLD.Barrier()
-    if r == 1:
-        comm.restore_rail(0)
-    t0 = time.monotonic()
-    took = None
-    for _ in range(2000):                               # bounded: ~20 s at most
-        comm.Allreduce(x, y)
-        check(np.array_equal(y, ref), "allreduce during fail-back")
-        ops += 1
-        up = WORLD.allreduce(int(comm.rails[0].state == "up"))
-        if up == n:
-            took = time.monotonic() - t0
-            break
-        if time.monotonic() - t0 > 20:
-            break
-        time.sleep(0.01)
+    ops, took = fail_then_failback(comm, x, y, ref)
     for _ in range(200):                                # events reach on_event (bounded 2 s)
         if "rail_restored" in delivered:
             break
@@ -681,28 +686,8 @@ def sc_idleflood(comm, args):
         ref = reduce_ref("flood", n, 200_000, "float32", SUM)
         y = np.empty_like(x)
         for _cycle in range(int(args.get("cycles", 3))):
-            if r == 1:
-                comm.fail_rail(0, "hard")
-            for _ in range(5):
-                comm.Allreduce(x, y)
-                check(np.array_equal(y, ref), "allreduce with rail 0 failed")
-                ops += 1
-            WORLD.Barrier()
-            if r == 1:
-                comm.restore_rail(0)
-            t0 = time.monotonic()
-            took = None
-            for _ in range(2000):                       # bounded: ~20 s at most
-                comm.Allreduce(x, y)
-                check(np.array_equal(y, ref), "allreduce during fail-back")
-                ops += 1
-                up = WORLD.allreduce(int(comm.rails[0].state == "up"))
-                if up == n:
-                    took = time.monotonic() - t0
-                    break
-                if time.monotonic() - t0 > 20:
-                    break
-                time.sleep(0.01)
+            done, took = fail_then_failback(comm, x, y, ref)
+            ops += done
             took_all.append(took if took is not None else 1e9)
             time.sleep(0.7)
         cut = sum("to make room" in w for _, w in links.rejected)

@@ -2,35 +2,18 @@
 launched by torchrun (env:// rendezvous, TCPStore) and by mpiexec (FileStore, no MPI_Init).
 The scenarios are in tests/torch_worker.py."""
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
-try:
-    import torch  # noqa: F401
-    import torch.distributed as _dist
-    _TORCH = _dist.is_available()
-    _WHY = "torch.distributed is not available in this torch build"
-except ImportError as exc:
-    _TORCH, _WHY = False, f"torch is not installed ({exc}); pip install -e '.[torch]'"
 
 from conftest import ROOT, mpiexec_path
 from r2comm.ports import free_port
+from torch_helpers import TORCH as _TORCH, WHY as _WHY, gated_testbed_run, torch_env as _env
 
 pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
 WORKER = os.path.join(ROOT, "tests", "torch_worker.py")
-
-
-def _env(extra):
-    e = dict(os.environ)
-    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
-    e.setdefault("OMP_NUM_THREADS", "1")
-    e.setdefault("R2T_TIMEOUT", "60")
-    e.update(extra or {})
-    return e
 
 
 def _run(cmd, env, timeout, what):
@@ -208,38 +191,15 @@ def _testbed_ddp(fabric, fail_at=None, restore_at=None, timeout=200):
     """torch_worker ddp on the fabric through `testbed torchrun` (2 hosts x 1 rank); from step
     fail_at to step restore_at, host 1's nic0 is down for real (ip link set down). Rank 0 waits
     at both steps until the link has changed (R2T_GATE), however late its output reaches us."""
-    gate = tempfile.mkdtemp(prefix="r2t-gate-")
-    steps = ",".join(str(s) for s in (fail_at, restore_at) if s is not None)
     # Width 256 and one bucket: some 280 KB of gradients per step, in 16 KiB chunks striped
     # over both rails. With the tiny default model every allreduce is a single chunk, which
     # the scheduler puts on the rail measured fastest: nic0 then may carry nothing while it is
     # down, and no failure happens (CI, stop 24).
-    env = _env({"R2T_STEPS": "20", "R2T_NO_GLOO": "1", "R2T_PRINT_STEPS": "1",
-                "R2T_WIDTH": "256", "R2T_BUCKET_MB": "4", "R2COMM_CHUNK_SIZE": "16K",
-                "R2T_STEP_SLEEP": "0.1", "R2COMM_TESTBED_FABRIC": fabric.tag,
-                "R2T_GATE": f"{gate}:{steps}"})
-    cmd = [sys.executable, "-m", "r2comm.testbed", "torchrun", "--tag", fabric.tag,
-           "--nproc-per-node", "1", "--port", str(free_port()), "--timeout", str(timeout - 20),
-           "--", WORKER, "ddp"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=env, cwd=ROOT)
-    lines = []
-    try:
-        for line in p.stdout:                 # bounded: the launcher ends the job at --timeout
-            lines.append(line)
-            if line.startswith("GATE "):
-                step = int(line.split()[1])
-                if step == fail_at:
-                    fabric.nic_down(1, 0)
-                if step == restore_at:
-                    fabric.nic_up(1, 0)
-                open(os.path.join(gate, f"go.{step}"), "w").close()
-        rc = p.wait(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        shutil.rmtree(gate, ignore_errors=True)
-    out = "".join(lines)
+    rc, out = gated_testbed_run(
+        fabric, [WORKER, "ddp"], 1,
+        {"R2T_STEPS": "20", "R2T_NO_GLOO": "1", "R2T_PRINT_STEPS": "1", "R2T_WIDTH": "256",
+         "R2T_BUCKET_MB": "4", "R2COMM_CHUNK_SIZE": "16K", "R2T_STEP_SLEEP": "0.1"},
+        fail_at, restore_at, timeout)
     assert rc == 0 and "OK ddp" in out, out[-4000:]
     return out
 

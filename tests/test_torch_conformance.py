@@ -13,14 +13,9 @@ import sys
 
 import pytest
 
-try:
-    import torch.distributed as _dist
-    _TORCH = _dist.is_available()
-    _WHY = "torch.distributed is not available in this torch build"
-except ImportError as exc:
-    _TORCH, _WHY = False, f"torch is not installed ({exc}); pip install -e '.[torch]'"
 
 from conftest import ROOT
+from torch_helpers import TORCH as _TORCH, WHY as _WHY
 
 pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
 HARNESS = os.path.join(ROOT, "tests", "torch_conformance.py")

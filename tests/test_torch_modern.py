@@ -14,16 +14,11 @@ import sys
 
 import pytest
 
-try:
-    import torch.distributed as _dist
-    _TORCH = _dist.is_available()
-    _WHY = "torch.distributed is not available in this torch build"
-except ImportError as exc:
-    _TORCH, _WHY = False, f"torch is not installed ({exc}); pip install -e '.[torch]'"
 
 from conftest import ROOT
 from r2comm.ports import free_port
-from test_torch_backend import _env, _run
+from test_torch_backend import _run
+from torch_helpers import TORCH as _TORCH, WHY as _WHY, gated_testbed_run, torch_env as _env
 
 pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)
 WORKER = os.path.join(ROOT, "tests", "torch_modern_worker.py")
@@ -97,37 +92,12 @@ def _testbed_fsdp(fabric, tmp_path, fail_at=None, restore_at=None, timeout=300):
     """The worker's "testbed" job through `python -m r2comm.testbed torchrun` (2 hosts x 2 ranks,
     a 2x2 mesh whose "dp" groups cross the hosts); from step fail_at to restore_at host 1's nic0
     is down for real (ip link set down). Rank 0 waits at both steps until the link changed."""
-    import shutil
-    import subprocess
-    import tempfile
-    gate = tempfile.mkdtemp(prefix="r2t-gate-")
-    steps = ",".join(str(s) for s in (fail_at, restore_at) if s is not None)
-    env = _env({"R2T_BACKEND": "r2comm", "R2T_TMP": str(tmp_path), "R2T_TIMEOUT": "60",
-                "R2T_STEPS": "14", "R2COMM_CHUNK_SIZE": "16K", "R2COMM_TESTBED_FABRIC": fabric.tag,
-                "R2T_GATE": f"{gate}:{steps}",
-                "GLOO_SOCKET_IFNAME": "mgmt"})      # the reference groups: never failed
-    cmd = [sys.executable, "-m", "r2comm.testbed", "torchrun", "--tag", fabric.tag,
-           "--nproc-per-node", "2", "--port", str(free_port()), "--timeout", str(timeout - 20),
-           "--", WORKER, "testbed"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=env, cwd=ROOT)
-    lines = []
-    try:
-        for line in p.stdout:                 # bounded: the launcher ends the job at --timeout
-            lines.append(line)
-            if line.startswith("GATE "):
-                step = int(line.split()[1])
-                if step == fail_at:
-                    fabric.nic_down(1, 0)
-                if step == restore_at:
-                    fabric.nic_up(1, 0)
-                open(os.path.join(gate, f"go.{step}"), "w").close()
-        rc = p.wait(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        shutil.rmtree(gate, ignore_errors=True)
-    out = "".join(lines)
+    rc, out = gated_testbed_run(
+        fabric, [WORKER, "testbed"], 2,
+        {"R2T_BACKEND": "r2comm", "R2T_TMP": str(tmp_path), "R2T_TIMEOUT": "60",
+         "R2T_STEPS": "14", "R2COMM_CHUNK_SIZE": "16K",
+         "GLOO_SOCKET_IFNAME": "mgmt"},      # the reference groups: never failed
+        fail_at, restore_at, timeout)
     assert rc == 0 and "CHECK fsdp_tp_testbed_run pass" in out, out[-4000:]
     losses = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("LOSSES ")][-1]
     events = [int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("EVENTS ")][-1]
