@@ -10,9 +10,12 @@ import threading
 import time
 
 
-def idle(ports, n, stop, opened):
+def idle(ports, n, stop, opened, seconds=120):
+    """n idle connections from 127.0.1.1.. spread over the ports, each renewed when the server
+    cuts it; opened[0] counts those made. Until stop is set (at most `seconds`)."""
     socks = [None] * n
-    while not stop.is_set():
+    end = time.monotonic() + seconds
+    while not stop.is_set() and time.monotonic() < end:
         for i in range(n):
             s = socks[i]
             if s is not None:
@@ -41,9 +44,12 @@ def idle(ports, n, stop, opened):
             s.close()
 
 
-def trickle(port, stop):
+def trickle(port, stop, seconds=120):
+    """A client from 127.0.1.251 that sends a plausible HELLO one byte every 0.1 s, again and
+    again, until stop is set (at most `seconds`)."""
     hello = struct.pack("!4sH", b"R2CH", 1) + bytes(38)
-    while not stop.is_set():
+    end = time.monotonic() + seconds
+    while not stop.is_set() and time.monotonic() < end:
         s = socket.socket()
         try:
             s.bind(("127.0.1.251", 0))

@@ -18,6 +18,8 @@ from r2comm import verbs_rails
 from r2comm._core import tcp
 from r2comm.errors import R2commProtocolError
 
+import flood_client
+
 
 class FakeEngine:
     """What Links calls on an engine. fail: exceptions the next attach() calls raise (without
@@ -198,68 +200,13 @@ def _fds():
     return len(os.listdir("/proc/self/fd"))
 
 
-def _flood(port_list, stop, n=200, opened=None):
-    """n idle connections from 127.0.0.2.. (addresses of no peer), spread over the ports and
-    renewed whenever the server cuts one; bounded (30 s)."""
-    socks = [None] * n
-    end = time.monotonic() + 30
-    while not stop.is_set() and time.monotonic() < end:
-        for i in range(n):
-            s = socks[i]
-            if s is not None:
-                try:
-                    if s.recv(1):
-                        continue
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    pass
-                s.close()                        # cut off: connect again
-            try:
-                s = socket.socket()
-                s.bind((f"127.0.0.{2 + i % 200}", 0))
-                s.settimeout(0.5)
-                s.connect(("127.0.0.1", port_list[i % len(port_list)]))
-                s.setblocking(False)
-                socks[i] = s
-                if opened is not None:
-                    opened[0] += 1
-            except OSError:
-                s.close()
-                socks[i] = None
-        stop.wait(0.05)
-    for s in socks:
-        if s is not None:
-            s.close()
-
-
-def _trickle(port, stop):
-    """A client from 127.0.0.250 that sends a plausible HELLO one byte every 0.1 s."""
-    hello = struct.pack("!4sH", b"R2CH", 1) + bytes(38)
-    end = time.monotonic() + 30
-    while not stop.is_set() and time.monotonic() < end:
-        s = socket.socket()
-        try:
-            s.bind(("127.0.0.250", 0))
-            s.settimeout(0.5)
-            s.connect(("127.0.0.1", port))
-            for i in range(len(hello)):
-                if stop.wait(0.1):
-                    break
-                s.send(hello[i:i + 1])
-        except OSError:
-            pass
-        finally:
-            s.close()
-
-
 def test_idle_flood_does_not_lock_peers_out(links):
     """Issue 28 item 4: 200 idle connections (renewed when cut) and a trickling client on the
     listeners; a peer's connections (start-up, fail-back) still get through, each within 1 s."""
     stop, opened = threading.Event(), [0]
     ports = [_port(links, 0), _port(links, 1)]
-    attackers = [threading.Thread(target=_flood, args=(ports, stop, 200, opened)),
-                 threading.Thread(target=_trickle, args=(ports[0], stop))]
+    attackers = [threading.Thread(target=flood_client.idle, args=(ports, 200, stop, opened, 30)),
+                 threading.Thread(target=flood_client.trickle, args=(ports[0], stop, 30))]
     for t in attackers:
         t.start()
     try:
