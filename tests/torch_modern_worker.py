@@ -88,6 +88,18 @@ def pairs(ctx):
     return ctx["pair"], ctx["gloo_pair"]
 
 
+def trained_in_pairs(ctx, train, seconds, what):
+    """(train(our pair group), train(Gloo's pair group)): ours first, bounded in time."""
+    pair, gloo_pair = pairs(ctx)
+    ours = run_with_deadline(lambda: train(pair), seconds, what)
+    return ours, train(gloo_pair)
+
+
+def same_params(ours, ref, what):
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        same_bits(a, b, f"{what} param {i}")
+
+
 def mlp(seed, width=16, depth=2):
     torch.manual_seed(seed)
     layers = []
@@ -485,12 +497,9 @@ def check_powersgd(ctx):
             losses.append(loss.item())
         return losses, [p.detach().clone() for p in model.parameters()]
 
-    pair, gloo_pair = pairs(ctx)
-    ours = run_with_deadline(lambda: train(pair), 90, "PowerSGD training")
-    ref = train(gloo_pair)
+    ours, ref = trained_in_pairs(ctx, train, 90, "PowerSGD training")
     same_losses(ours[0], ref[0], "powersgd")
-    for i, (a, b) in enumerate(zip(ours[1], ref[1])):
-        same_bits(a, b, f"powersgd param {i}")
+    same_params(ours[1], ref[1], "powersgd")
 
 
 def run_with_deadline(fn, seconds, what):
@@ -552,11 +561,7 @@ def check_nested_futures(ctx):
         return [p.detach().clone() for p in model.parameters()]
     # (*) One bucket: with several buckets in flight, a callback that blocks on a collective
     # can hold every worker thread of Gloo itself (2 by default) and deadlock it.
-    pair, gloo_pair = pairs(ctx)
-    ours = run_with_deadline(lambda: train(pair), 60, "DDP nested-future hook")
-    ref = train(gloo_pair)
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        same_bits(a, b, f"nested hook param {i}")
+    same_params(*trained_in_pairs(ctx, train, 60, "DDP nested-future hook"), "nested hook")
 
 
 def check_join(ctx):
@@ -576,11 +581,7 @@ def check_join(ctx):
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
         return [p.detach().clone() for p in model.parameters()]
-    pair, gloo_pair = pairs(ctx)
-    ours = run_with_deadline(lambda: train(pair), 60, "Join")
-    ref = train(gloo_pair)
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        same_bits(a, b, f"join param {i}")
+    same_params(*trained_in_pairs(ctx, train, 60, "Join"), "join")
 
 
 def check_funcol(ctx, compile_backend=None):
