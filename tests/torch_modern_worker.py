@@ -100,6 +100,37 @@ def same_params(ours, ref, what):
         same_bits(a, b, f"{what} param {i}")
 
 
+def same_run(ours, ref, what):
+    """(losses, parameters) of our run and Gloo's: equal bit for bit."""
+    same_losses(ours[0], ref[0], what)
+    same_params(ours[1], ref[1], what)
+
+
+def sgd_losses(model, steps, loss_of, lr=0.05):
+    """`steps` SGD steps on loss_of(model, step); the losses, as floats."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        loss = loss_of(model, step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full_params(model):
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def square_loss(seed_of):
+    """loss_of for sgd_losses: mean square of the output on batch(seed_of(step))."""
+    def loss_of(model, step):
+        out = model(batch(seed_of(step))[0])
+        return (out * out).mean()
+    return loss_of
+
+
 def mlp(seed, width=16, depth=2):
     torch.manual_seed(seed)
     layers = []
@@ -134,26 +165,17 @@ def train_fsdp(mesh, mp, steps=4):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for step in range(steps):
+
+    def loss_of(model, step):
         x, y = batch(100 * mesh.get_local_rank() + step)
-        loss = nn.functional.mse_loss(model(x).float(), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    params = [p.full_tensor() for p in model.parameters()]
-    return losses, params
+        return nn.functional.mse_loss(model(x).float(), y)
+    return sgd_losses(model, steps, loss_of), full_params(model)
 
 
 def check_fsdp2(ctx, mp):
     """FSDP2 over the 2-rank "dp" dimension of a 2x2 mesh (two rows train side by side)."""
     ours = train_fsdp(ctx["mesh"]["dp"], mp)
-    ref = train_fsdp(ctx["gloo_mesh"]["dp"], mp)
-    same_losses(ours[0], ref[0], "fsdp2")
-    for i, (a, b) in enumerate(zip(ours[1], ref[1])):
-        same_bits(a, b, f"fsdp2 param {i}")
+    same_run(ours, train_fsdp(ctx["gloo_mesh"]["dp"], mp), "fsdp2")
 
 
 def check_dtensor_redistribute(ctx):
@@ -188,26 +210,14 @@ def tp_model(mesh):
 
 def train_tp(mesh, steps=3):
     model = tp_model(mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for step in range(steps):
-        x, _ = batch(step)                       # the same input on every TP rank
-        out = model(x)
-        loss = (out * out).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.full_tensor() for p in model.parameters()]
+    losses = sgd_losses(model, steps, square_loss(lambda step: step))  # same input on every TP rank
+    return losses, full_params(model)
 
 
 def check_tp(ctx):
     """parallelize_module (Colwise + Rowwise) over "tp": equal to Gloo, and to the plain model."""
     ours = train_tp(ctx["mesh"]["tp"])
-    ref = train_tp(ctx["gloo_mesh"]["tp"])
-    same_losses(ours[0], ref[0], "tp")
-    for i, (a, b) in enumerate(zip(ours[1], ref[1])):
-        same_bits(a, b, f"tp param {i}")
+    same_run(ours, train_tp(ctx["gloo_mesh"]["tp"]), "tp")
     torch.manual_seed(3)
     plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     x, _ = batch(0)
@@ -220,26 +230,14 @@ def train_fsdp_tp(mesh, steps=3):
     from torch.distributed.fsdp import fully_shard
     model = tp_model(mesh["tp"])
     fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses = []
-    for step in range(steps):
-        x, _ = batch(10 * mesh.get_local_rank(0) + step)    # data parallel over "dp"
-        out = model(x)
-        loss = (out * out).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.full_tensor() for p in model.parameters()]
+    dp = mesh.get_local_rank(0)                              # data parallel over "dp"
+    return sgd_losses(model, steps, square_loss(lambda step: 10 * dp + step)), full_params(model)
 
 
 def check_fsdp_tp(ctx):
     """FSDP2 over "dp" x tensor parallel over "tp" on the 2x2 mesh, equal to Gloo's bitwise."""
     ours = train_fsdp_tp(ctx["mesh"])
-    ref = train_fsdp_tp(ctx["gloo_mesh"])
-    same_losses(ours[0], ref[0], "fsdp x tp")
-    for i, (a, b) in enumerate(zip(ours[1], ref[1])):
-        same_bits(a, b, f"fsdp x tp param {i}")
+    same_run(ours, train_fsdp_tp(ctx["gloo_mesh"]), "fsdp x tp")
 
 
 def train_failover(mesh, steps, fail_at=-1, restore_at=-1, width=256, gate=None):
@@ -486,20 +484,14 @@ def check_powersgd(ctx):
                                    start_powerSGD_iter=2, min_compression_rate=0.5,
                                    use_error_feedback=True, warm_start=True, random_seed=0)
         model.register_comm_hook(state, psgd.powerSGD_hook)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        losses = []
-        for step in range(5):
+
+        def loss_of(model, step):
             x, y = batch(10 * dist.get_rank() + step, width=32)
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, [p.detach().clone() for p in model.parameters()]
+            return nn.functional.mse_loss(model(x), y)
+        return sgd_losses(model, 5, loss_of), [p.detach().clone() for p in model.parameters()]
 
     ours, ref = trained_in_pairs(ctx, train, 90, "PowerSGD training")
-    same_losses(ours[0], ref[0], "powersgd")
-    same_params(ours[1], ref[1], "powersgd")
+    same_run(ours, ref, "powersgd")
 
 
 def run_with_deadline(fn, seconds, what):

@@ -71,6 +71,14 @@ def state_fraction(state, n=None):
                           bw_ok[(len(bw_ok) - 1) // 2])
 
 
+def slow_and_healthy(n, state=None, degraded=None):
+    """(the slow ranks, sorted: `degraded`, or the state's degraded ranks; the other ranks)."""
+    if degraded is None:
+        degraded = state.degraded_ranks() if state is not None else []
+    deg = sorted(set(degraded))
+    return deg, [r for r in range(n) if r not in deg]
+
+
 def allreduce_degraded(rank, n, nbytes, itemsize, eager, state=None, frac=None, degraded=None,
                        order_all=None, order_ok=None, algo="degraded"):
     """This rank's schedule. degraded: the slow ranks (default state.degraded_ranks()); frac: the
@@ -79,10 +87,7 @@ def allreduce_degraded(rank, n, nbytes, itemsize, eager, state=None, frac=None, 
     s = Schedule(algo)
     if n == 1:
         return s
-    if degraded is None:
-        degraded = state.degraded_ranks() if state is not None else []
-    deg = sorted(set(degraded))
-    ok = [r for r in range(n) if r not in deg]
+    deg, ok = slow_and_healthy(n, state, degraded)
     if frac is None:
         frac = state_fraction(state, n) if state is not None and deg and ok else 1.0
     if not deg or not ok:

@@ -142,6 +142,17 @@ def resize(sched, topo, old_nbytes, nbytes, itemsize, eager):
                     list(sched.post), sched.cost, sched.fills_work)
 
 
+def part_regions(count, slices, parts, itemsize):
+    """{slice j x parts + part b: (byte offset, length)} of the non-empty parts when `count`
+    elements are cut into `slices` slices, each cut into `parts` parts."""
+    reg = {}
+    for j, (so, sl) in enumerate(blocks(count, slices, itemsize)):
+        for b, (o, ln) in enumerate(blocks(sl // itemsize, parts, itemsize)):
+            if ln:
+                reg[j * parts + b] = (so + o, ln)
+    return reg
+
+
 def allreduce(rank, topo, nbytes, itemsize, eager=0):
     """This rank's hierarchical allreduce (see the module docstring). Reads the input from
     SEND (fills_work): every byte of WORK is written by a reduction or a copy."""
@@ -153,11 +164,7 @@ def allreduce(rank, topo, nbytes, itemsize, eager=0):
     s.fills_work = True
     S = max(len(rs) for rs in hosts)
     count = nbytes // itemsize
-    reg = {}                                          # rid -> (off, len), non-empty only
-    for j, (so, sl) in enumerate(blocks(count, S, itemsize)):
-        for b, (o, ln) in enumerate(blocks(sl // itemsize, H, itemsize)):
-            if ln:
-                reg[j * H + b] = (so + o, ln)
+    reg = part_regions(count, S, H, itemsize)       # rid -> (off, len), non-empty only
     nreg = S * H
     own = _owned(eager)
     h = topo.host_of[rank]
@@ -225,11 +232,7 @@ def tree_allreduce(rank, topo, nbytes, itemsize, eager=0):
     s.fills_work = True
     S = topo.max_local
     count = nbytes // itemsize
-    reg = {}
-    for j, (so, sl) in enumerate(blocks(count, S, itemsize)):
-        for t, (o, ln) in enumerate(blocks(sl // itemsize, 2, itemsize)):
-            if ln:
-                reg[2 * j + t] = (so + o, ln)
+    reg = part_regions(count, S, 2, itemsize)
     nreg = 2 * S
     own = _owned(eager)
     h = topo.host_of[rank]

@@ -39,6 +39,7 @@ import itertools
 import math
 
 from .algorithms import blocks
+from .degraded import slow_and_healthy, split_fraction, volumes
 from .routing import ring_region
 from .schedule import Schedule, WORK, COPY, REDUCE
 
@@ -256,7 +257,6 @@ def degraded_time(n, nbytes, b_deg, b_ok, k=1, chunk=512 << 10, alpha=0.0):
     """Closed-form seconds of the degraded schedule (degraded.py): its bandwidth time at its
     best split, times 1 + m·c/N (m healthy ranks, c the chunk), the stall of its fold, which
     the replay shows exactly (bench/SIM.md), plus a latency per hop of its 2m-hop chain."""
-    from .degraded import split_fraction, volumes
     if n <= 1 or nbytes <= 0:
         return 0.0
     vd, vh = volumes(split_fraction(n, k, b_deg, b_ok), n, k)
@@ -275,8 +275,7 @@ def preferred(n, k, nbytes, b_deg, b_ok, chunk=512 << 10, alpha=0.0):
 def state_preferred(state, nbytes):
     """preferred() for a RailState: the slowest degraded rank against the median healthy one
     (as degraded.state_fraction), the state's chunk and alpha."""
-    deg = state.degraded_ranks()
-    ok = [r for r in range(state.n) if r not in deg]
+    deg, ok = slow_and_healthy(state.n, state)
     if not deg or not ok:
         return False
     bw_ok = sorted(state.rank_bw(r) for r in ok)
@@ -331,10 +330,7 @@ def allreduce_treefold(rank, n, nbytes, itemsize, eager, state=None, frac=None, 
     s = Schedule(algo)
     if n == 1:
         return s
-    if degraded is None:
-        degraded = state.degraded_ranks() if state is not None else []
-    deg = sorted(set(degraded))
-    ok = [r for r in range(n) if r not in deg]
+    deg, ok = slow_and_healthy(n, state, degraded)
     if not deg or not ok:
         frac = 1.0
     elif frac is None:
