@@ -74,6 +74,16 @@ def test_applicable():
 
 # ---------------------------------------------------------------------------------------------
 # allreduce
+def exact_both_ways(sc, xs, op, isz, count, policy):
+    """The allreduce schedules sc give the exact result from a separate send buffer and in
+    place, under two interleavings of `policy` with different chunk sizes."""
+    check_allreduce(sc, xs, op, chunk=3 * isz, seed=count, policy=policy)
+    ref = reference(xs, op, xs[0].dtype)
+    for y in run_allreduce(sc, xs, op, chunk=2 * isz, seed=count + 1, policy=policy,
+                           in_place=True):
+        assert np.array_equal(y, ref)
+
+
 @pytest.mark.parametrize("topo", topologies(), ids=tid)
 def test_hierarchical_allreduce_exact(topo):
     n = topo.n
@@ -86,12 +96,7 @@ def test_hierarchical_allreduce_exact(topo):
             assert consistent(sc)
             assert all(s.fills_work for s in sc) or n == 1
             xs = inputs(f"hier{tid(topo)}{count}{op}", n, count, dtype, op)
-            pol = next(pols)
-            check_allreduce(sc, xs, op, chunk=3 * isz, seed=count, policy=pol)
-            ref = reference(xs, op, xs[0].dtype)
-            for y in run_allreduce(sc, xs, op, chunk=2 * isz, seed=count + 1, policy=pol,
-                                   in_place=True):
-                assert np.array_equal(y, ref)
+            exact_both_ways(sc, xs, op, isz, count, next(pols))
 
 
 @pytest.mark.parametrize("topo", [regular(2, 2), regular(3, 4), Topology.from_labels(UNEVEN[1])],

@@ -29,11 +29,8 @@ BAD = ("rail_failed", "peer_lost", "notify_sent")
 
 @pytest.fixture(scope="module")
 def fab(netns_ok):
-    fabric = Fabric(hosts=2, nics=2, rate="1gbit", tag=TAG).up()
-    try:
+    with Fabric(hosts=2, nics=2, rate="1gbit", tag=TAG) as fabric:   # up, and down after
         yield fabric
-    finally:
-        fabric.down()
     assert not [n for n in iproute.netns_names() if n.startswith(f"r2tb-{TAG}-")]
 
 

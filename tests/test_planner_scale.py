@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from r2comm import planner
-from r2comm.planner import cost, hierarchical, price
+from r2comm.planner import hierarchical, price
 from r2comm.planner.topology import Topology
 
-from test_planner import inputs, reference, run_allreduce, check_allreduce, consistent
-from test_hierarchical import regular, tid, UNEVEN
+from test_planner import inputs, check_allreduce, consistent
+from test_hierarchical import exact_both_ways, regular, tid, UNEVEN
 
 MB = 1 << 20
 TREE_TOPOS = [regular(3, 2), regular(4, 3), regular(5, 2), regular(7, 1 + 1), regular(3, 4, True),
@@ -31,12 +31,7 @@ def test_tree_allreduce_exact(topo):
             sc = [hierarchical.tree_allreduce(r, topo, count * isz, isz, eager) for r in range(n)]
             assert consistent(sc) and all(s.fills_work for s in sc)
             xs = inputs(f"tree{tid(topo)}{count}{op}", n, count, dtype, op)
-            pol = next(pols)
-            check_allreduce(sc, xs, op, chunk=3 * isz, seed=count, policy=pol)
-            ref = reference(xs, op, xs[0].dtype)
-            for y in run_allreduce(sc, xs, op, chunk=2 * isz, seed=count + 1, policy=pol,
-                                   in_place=True):
-                assert np.array_equal(y, ref)
+            exact_both_ways(sc, xs, op, isz, count, next(pols))
 
 
 def test_tree_allreduce_bits_fixed_by_the_schedule():
