@@ -196,8 +196,10 @@ def sc_small_shm(comm, args):
         check(v["bytes_sent"] > 0 and v["bytes_recv"] > 0 and v["failures"] == 0,
               f"rank {r}: link to {p}: {v}")
     kinds = {p: v["transport"] for p, v in sorted(links.items())}
-    print(f"LINKS rank={r} {kinds}", flush=True)
-    comm.Barrier()
+    every = comm.allgather(kinds)         # rank 0 prints them: lines of several ranks interleave
+    if r == 0:
+        for rank, k in enumerate(every):
+            print(f"LINKS rank={rank} {k}", flush=True)
     return count
 
 
