@@ -19,9 +19,9 @@ import warnings
 from dataclasses import dataclass
 
 from . import hostid
-from . import shm
-from . import rails as _rails
-from . import verbs_rails
+from .transport import shm
+from .transport import rails as _rails
+from .transport import verbs as verbs_transport
 from .errors import R2commArgumentError, R2commProtocolError
 from .startup import quiet_barrier
 
@@ -38,7 +38,7 @@ class Bootstrap:
     params: dict
     rail_addrs: list
     listeners: list          # one per rail, then the control listener
-    transport: str           # the job's rail transport: "tcp" or "verbs" (verbs_rails.decide)
+    transport: str           # the job's rail transport: "tcp" or "verbs" (verbs_transport.decide)
     rail_devices: list       # verbs: this rank's RailDevice per rail; tcp: None
     endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
                              #  "host_key": str (r2comm.hostid: same key = same host),
@@ -74,7 +74,7 @@ def run(mpi_comm, cfg, rails=None):
         for s in listeners:
             s.close()
         raise R2commArgumentError("r2comm bootstrap failed: " + "; ".join(errors))
-    kind, devices, why = verbs_rails.local_offer(cfg.transport, addrs)
+    kind, devices, why = verbs_transport.local_offer(cfg.transport, addrs)
     mine = {"rails": [s.getsockname() for s in listeners[:-1]],
             "transport": (cfg.transport, kind, why),
             "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
@@ -90,7 +90,7 @@ def run(mpi_comm, cfg, rails=None):
     try:
         endpoints = validate_endpoints(endpoints, size)
         _same_secret(endpoints)
-        transport = verbs_rails.decide([ep["transport"] for ep in endpoints])
+        transport = verbs_transport.decide([ep["transport"] for ep in endpoints])
     except (R2commArgumentError, R2commProtocolError):
         for s in listeners:
             s.close()

@@ -12,16 +12,16 @@ import zlib
 
 import numpy as np
 
-from . import bootstrap, fdlimit, planner, shm, startup
+from . import bootstrap, fdlimit, planner, startup
 from . import buffers as _buffers
 from . import faults as _faults
 from .config import Config
 from .errors import (R2commArgumentError, R2commBufferError, R2commBuildError,
                      R2commClosedError, PEER_ARGUMENT_CODE)
-from .links import Links
-from . import verbs_rails
+from .transport import shm, verbs as verbs_transport
+from .transport.links import Links
 from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op
-from . import rails as _rails
+from .transport import rails as _rails
 from .request import Request, Status
 from .planner.schedule import WORK, SEND, SCRATCH, COPY
 
@@ -61,7 +61,7 @@ class _World:
             for d in boot.rail_devices:
                 d.zcopy = zcopy
             if zcopy:
-                from .regcache import RegCache
+                from .transport.regcache import RegCache
                 self.regcache = RegCache(boot.rail_devices, cfg.verbs_reg_cache,
                                          cfg.verbs_reg_min)
 
@@ -257,13 +257,13 @@ class Communicator:
         if boot.transport == "verbs":
             # a queue pair retransmits a lost packet only after its local ACK timeout: a rail
             # deadline shorter than two of them would fail healthy verbs rails
-            cfg.rail_timeout_ms = max(cfg.rail_timeout_ms, verbs_rails.min_rail_timeout_ms())
+            cfg.rail_timeout_ms = max(cfg.rail_timeout_ms, verbs_transport.min_rail_timeout_ms())
         cfg.chunk_size = boot.params["chunk_size"]
         cfg.integrity = boot.params["integrity"]
         links = None
         if cfg.shm:
             shm.cleanup_stale()            # segments of jobs that crashed during set-up
-        # a local peer's one data rail is the shared-memory link (r2comm/shm.py)
+        # a local peer's one data rail is the shared-memory link (r2comm/transport/shm.py)
         engine = Engine(boot.rank, boot.size,
                         [0 if j == boot.rank else
                          (1 if shm.is_local(boot.endpoints, boot.rank, j) else

@@ -15,7 +15,7 @@ import logging
 import os
 import resource
 
-from . import shm
+from .transport import shm
 from .errors import R2commResourceError
 
 log = logging.getLogger("r2comm")

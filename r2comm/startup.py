@@ -21,7 +21,7 @@ here is a non-blocking barrier tested between short sleeps (quiet_barrier)."""
 import time
 
 from .errors import R2commNetworkError, R2commTimeout
-from . import shm
+from .transport import shm
 
 CTRL = "ctrl"          # the control connection's key in a report (tcp.CTRL_RAIL on the wire)
 
@@ -141,7 +141,7 @@ def agree(mpi_comm, boot, outcome, timeout):
     """Exchange every rank's Links.establish() report (quietly) -> the same StartOutcome on
     every rank. outcome: {(peer, rail): None or reason} for the connections this rank opened,
     rail tcp.CTRL_RAIL for the control connection."""
-    from ._core import tcp
+    from .transport import tcp
     quiet_barrier(mpi_comm, timeout, "start-up (waiting for the other ranks' connections)")
     mine = {(p, CTRL if k == tcp.CTRL_RAIL else k): why
             for (p, k), why in outcome.items() if why is not None}

@@ -49,7 +49,7 @@ import time
 import numpy as np
 
 from r2comm._core import engine as eng
-from r2comm._core import tcp
+from r2comm.transport import tcp
 
 CS = 4096                      # engine chunk size for the fuzzed engine
 MAX_MESSAGE = 1 << 40

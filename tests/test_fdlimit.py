@@ -97,8 +97,8 @@ def high_fds():
 def test_handshake_waits_work_past_fd_1024(high_fds):
     """With the limit raised a rank may hold fds >= 1024: the handshake's wait (tcp.accept) and
     the verbs queue-pair exchange's (verbs_rails) poll instead of select()."""
-    from r2comm import verbs_rails
-    from r2comm._core import tcp
+    from r2comm.transport import verbs as verbs_rails
+    from r2comm.transport import tcp
     secret, job = os.urandom(32), os.urandom(8)
     lst = tcp.listen("127.0.0.1")
     got = {}

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from r2comm import links as links_mod
-from r2comm import verbs_rails
-from r2comm._core import tcp
+from r2comm.transport import links as links_mod
+from r2comm.transport import verbs as verbs_rails
+from r2comm.transport import tcp
 from r2comm.errors import R2commProtocolError
 
 import flood_client

@@ -2,7 +2,7 @@
 rows that still read positionally, and the per-NIC summary over remote peers."""
 from types import SimpleNamespace
 
-from r2comm.rails import RailStats, rail_stats, summarize
+from r2comm.transport.rails import RailStats, rail_stats, summarize
 
 
 class FakeEngine:

@@ -5,7 +5,7 @@ import gc
 
 import numpy as np
 
-from r2comm.regcache import RegCache
+from r2comm.transport.regcache import RegCache
 
 
 class Dev:

@@ -244,7 +244,7 @@ def test_hostile_segment_fails_the_link_with_a_protocol_error(hostile):
     HELLO derives: shm.accept_link raises SegmentError (an R2commProtocolError, and an OSError
     for the links thread), names the peer, closes the doorbell socket and maps nothing, so the
     opener sees the link refused. The old code attached the overflowing segment."""
-    from r2comm import shm
+    from r2comm.transport import shm
     from r2comm.errors import R2commProtocolError
     E = _engine()
     conn_id = 0x55
@@ -416,9 +416,9 @@ def test_stale_segments_of_dead_processes_are_removed():
     """A process that dies between creating a segment and its peer mapping it leaves the name
     behind: cleanup_stale() removes it once it is older than any set-up (its creator's pid and
     pid namespace are in the name), and leaves a live process's segment alone."""
-    from r2comm import shm
+    from r2comm.transport import shm
     code = ("import os, sys; sys.path.insert(0, %r); from r2comm._core import engine as E; "
-            "from r2comm import shm; n = shm.segment_name(%r, os.getpid(), 0, 1, 1); "
+            "from r2comm.transport import shm; n = shm.segment_name(%r, os.getpid(), 0, 1, 1); "
             "E.shm_create(n.encode(), 4096, 1, %r, os.getpid()); print(n, flush=True); "
             "os._exit(0)") % (ROOT, JOB, JOB)
     out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -447,7 +447,7 @@ def test_cleanup_spares_young_foreign_and_other_users_segments():
     longer ago than any set-up takes: a dead creator's segment that is still young (in its
     set-up as far as anyone can tell), one owned by another user, one named in another pid
     namespace (a job sharing /dev/shm with --ipc=host) all stay; the old one of ours goes."""
-    from r2comm import shm
+    from r2comm.transport import shm
     E = _engine()
     pid = _dead_pid()
     ns = os.stat("/proc/self/ns/pid").st_ino
@@ -483,7 +483,7 @@ _OTHER_NS_CREATOR = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from r2comm._core import engine as E
-from r2comm import shm
+from r2comm.transport import shm
 job = sys.argv[2].encode()
 name = shm.segment_name(job, os.getpid(), 0, 1, 0x31)
 E.shm_create(name.encode(), 4096, 0x31, job, os.getpid())
@@ -500,7 +500,7 @@ def test_cleanup_spares_an_in_setup_segment_of_another_pid_namespace():
     old, because the pid in its name says nothing about liveness here. The old cleanup
     unlinked it (its pid is not alive in this namespace)."""
     import shutil
-    from r2comm import shm
+    from r2comm.transport import shm
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a pid namespace")
     # a fork in the new namespace, after moving its last pid high: a pid unused in ours
@@ -531,7 +531,7 @@ def test_cleanup_spares_an_in_setup_segment_of_another_pid_namespace():
 
 
 def test_local_pairs_follow_host_keys_and_r2comm_shm():
-    from r2comm import shm
+    from r2comm.transport import shm
     k = shm.shm_key()
     eps = [{"host_key": "h0", "shm": k, "rails": [1, 2]},
            {"host_key": "h0", "shm": k, "rails": [1, 2]},

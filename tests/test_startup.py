@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_mpi
-from r2comm import rails as _rails
+from r2comm.transport import rails as _rails
 from r2comm.errors import R2commArgumentError, R2commNetworkError
 
 WORKER = str(Path(__file__).parent / "startup_worker.py")

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT
 from r2comm import bootstrap
-from r2comm._core import tcp
+from r2comm.transport import tcp
 from r2comm.bootstrap_store import DirStore, StoreComm, decode, encode, MAX_VALUE_BYTES
 from r2comm.errors import R2commArgumentError, R2commProtocolError
 

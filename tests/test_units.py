@@ -10,7 +10,7 @@ import pytest
 
 from r2comm import faults, planner
 from r2comm._core import engine as eng
-from r2comm._core import tcp
+from r2comm.transport import tcp
 from r2comm.ops import DTYPES, as_op, SUM, MAX
 from r2comm.errors import R2commArgumentError
 from r2comm.planner.algorithms import allreduce_ring, allreduce_rd, blocks

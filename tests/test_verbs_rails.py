@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from r2comm import verbs_rails
+from r2comm.transport import verbs as verbs_rails
 from r2comm.errors import R2commArgumentError
 
 HERE = Path(__file__).parent

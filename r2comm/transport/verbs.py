@@ -21,7 +21,7 @@ import select
 import socket
 import time
 
-from .errors import R2commArgumentError, R2commProtocolError
+from ..errors import R2commArgumentError, R2commProtocolError
 
 QPX_MAGIC = b"R2QX"
 TAG_LEN = 16
@@ -39,7 +39,7 @@ def min_rail_timeout_ms():
 def load():
     """The compiled verbs module, or (None, why not)."""
     try:
-        from ._core import verbs
+        from .._core import verbs
     except ImportError as exc:
         return None, (f"r2comm was built without libibverbs ({exc}); install libibverbs-dev "
                       "(scripts/rdma-deps.sh) and rebuild")
@@ -151,7 +151,7 @@ def exchange(device, fd, tx_key, rx_key, timeout):
     Engine.attach_transport (give it to discard() if that raises); the socket then belongs to
     the connection. Raises OSError or ConnectionError (the socket closed, the queue pair and its
     slots freed) if the exchange fails, also for a peer's address that does not decode."""
-    from ._core import verbs
+    from .._core import verbs
     sock = socket.socket(fileno=fd)
     deadline = time.monotonic() + timeout
     conn = None

@@ -52,8 +52,8 @@ import stat
 import struct
 import time
 
-from ._core import tcp
-from .errors import R2commProtocolError
+from . import tcp
+from ..errors import R2commProtocolError
 
 log = logging.getLogger("r2comm")
 
@@ -70,7 +70,7 @@ class SegmentError(R2commProtocolError, OSError):
 
 
 def _engine():
-    from ._core import engine
+    from .._core import engine
     return engine
 
 

@@ -23,8 +23,8 @@ import selectors
 import threading
 import time
 
-from . import shm, verbs_rails
-from ._core import tcp
+from . import shm, tcp, verbs
+
 
 log = logging.getLogger("r2comm")
 HANDSHAKE_TIMEOUT = 2.0     # s: a whole incoming handshake (a rail's takes about a millisecond)
@@ -200,16 +200,16 @@ class Links:
         keys = tcp.take_keys(fd)
         if rail != tcp.CTRL_RAIL and self.verbs:
             # the authenticated socket carries the queue-pair exchange, then stays beside
-            # the QP as its companion (verbs_rails.exchange: it owns fd from here, also when
+            # the QP as its companion (verbs.exchange: it owns fd from here, also when
             # it raises); the control connection stays TCP
-            handle = verbs_rails.exchange(self.boot.rail_devices[rail], fd, keys[0], keys[1],
+            handle = verbs.exchange(self.boot.rail_devices[rail], fd, keys[0], keys[1],
                                           VERBS_EXCHANGE_S)
             try:
                 self.engine.attach_transport(peer, rail,
-                                             verbs_rails.load()[0].transport_address(),
+                                             verbs.load()[0].transport_address(),
                                              handle, conn_id, *keys)
             except BaseException:
-                verbs_rails.discard(handle)   # QP, slots, companion socket: the peer sees EOF
+                verbs.discard(handle)   # QP, slots, companion socket: the peer sees EOF
                 raise
         else:
             try:

@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .errors import R2commArgumentError
+from ..errors import R2commArgumentError
 
 DEFAULT_LOOPBACK_RAILS = ["127.0.0.1", "127.0.0.2"]
 SIOCGIFADDR = 0x8915
@@ -57,7 +57,7 @@ def resolve_all(specs, what="R2COMM_RAILS"):
 def listen_on(addr, what, index=None):
     """A listening socket on addr, or an R2commArgumentError naming the address, the setting
     and what to do (typically EADDRNOTAVAIL: the address is not on this machine)."""
-    from ._core import tcp
+    from . import tcp
     try:
         return tcp.listen(addr)
     except OSError as exc:
