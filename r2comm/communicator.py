@@ -20,6 +20,7 @@ from .errors import (R2commArgumentError, R2commBufferError, R2commBuildError,
                      R2commClosedError, PEER_ARGUMENT_CODE)
 from .transport import shm, verbs as verbs_transport
 from .transport.links import Links
+from .transport import liveness
 from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op
 from .transport import rails as _rails
 from .request import Request, Status
@@ -53,6 +54,7 @@ class _World:
         self.event_cursor = 0
         self.callbacks = []
         self.timers = []
+        self.liveness = None         # the failure detector (transport/liveness.py), or None
         self.regcache = None         # verbs rails: user memory registered for zero-copy sends
         if getattr(boot, "transport", "tcp") == "verbs" and boot.rail_devices:
             # (not without acks: there a post's completion counts as delivery, and a zero-copy
@@ -71,6 +73,8 @@ class _World:
         self.closed = True
         for t in self.timers:
             t.cancel()
+        if self.liveness is not None:        # issue 31: first, so no death is declared late
+            self.liveness.close()
         self.engine.drain(min(self.cfg.timeout, 10.0))
         self.links.close()
         self.engine.close()
@@ -309,6 +313,11 @@ class Communicator:
             engine.close()
             raise
         world = _World(engine, links, boot, cfg)
+        try:                               # issue 31: the ring failure detector
+            world.liveness = liveness.start(engine, boot, cfg, mpi_comm)
+        except BaseException:
+            world.close()
+            raise
         world.start_state = start.rail_state(_topology(boot.endpoints,
                                                        range(boot.size)).host_of,
                                              cfg.rail_bw, "scale" if _loopback_only(boot.endpoints)

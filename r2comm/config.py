@@ -109,6 +109,14 @@ class Config:
     job_secret: bytes = field(default=b"", repr=False)  # R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET:
                                                    #   a secret given to every rank out of band,
                                                    #   mixed into every key (bootstrap.py)
+    liveness: bool = True                          # R2COMM_LIVENESS=0: no failure detector
+                                                   #   (r2comm/transport/liveness.py)
+    liveness_period_ms: float = 200.0              # R2COMM_LIVENESS_PERIOD_MS: heartbeat period
+    liveness_suspect_ms: float = 2000.0            # R2COMM_LIVENESS_SUSPECT_MS: a ring neighbour
+                                                   #   silent this long is suspected and probed
+    liveness_frozen_ms: float = -1.0               # R2COMM_LIVENESS_FROZEN_MS: a process whose
+                                                   #   kernel answers but that stays silent is
+                                                   #   declared dead after this; -1: R2COMM_TIMEOUT
     test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
                                                    #   "fake:seed=1,block=0.1,short=0.3,..."
                                                    #   runs the rails on the fake transport
@@ -184,6 +192,15 @@ class Config:
         if c.window_ms <= 0:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_WINDOW_MS={c.window_ms}: must be > 0")
+        c.liveness = os.environ.get("R2COMM_LIVENESS", "1").strip() != "0"
+        c.liveness_period_ms = _float("R2COMM_LIVENESS_PERIOD_MS", c.liveness_period_ms)
+        c.liveness_suspect_ms = _float("R2COMM_LIVENESS_SUSPECT_MS", c.liveness_suspect_ms)
+        c.liveness_frozen_ms = _float("R2COMM_LIVENESS_FROZEN_MS", c.liveness_frozen_ms)
+        if not 0 < c.liveness_period_ms < c.liveness_suspect_ms:
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(
+                f"R2COMM_LIVENESS_PERIOD_MS={c.liveness_period_ms:g}, R2COMM_LIVENESS_SUSPECT_MS="
+                f"{c.liveness_suspect_ms:g}: need 0 < period < suspect")
         return c
 
 

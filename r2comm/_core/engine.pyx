@@ -1441,6 +1441,34 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
         return out
 
+    # -- failure detector (r2comm/transport/liveness.py; issue 31) ------------------------------
+    def peer_dead(self, int peer, str reason, bint process=True):
+        """The failure detector confirmed rank `peer` dead: it is lost exactly as when every rail
+        to it failed (peer_lost: event peer_lost, its operations fail with E_NETWORK, later ones
+        at their start), with `reason` as the message; cause peer_process (`process`: its
+        process is gone or frozen) or remote_nic (its host answers nothing). True if it was
+        not lost yet."""
+        cdef State* e = self._live()
+        cdef bytes text = reason.encode("utf-8", "replace")[:1000]
+        cdef const char* c = text
+        cdef Peer* p
+        cdef bint fresh = False
+        cdef uint64_t one = 1
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
+            raise ValueError(f"no such peer {peer}")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            p = e.peers[peer]
+            if not p.lost:
+                fresh = True
+                if p.all_down_since == 0:
+                    p.all_down_since = mono()
+                peer_lost_why(e, p, CAUSE_PEER_PROCESS if process else CAUSE_REMOTE_NIC, c)
+                e.signal = 1
+            pthread_mutex_unlock(&e.mu)
+            write(e.evfd, &one, 8)          # a waiter asleep in epoll looks again
+        return fresh
+
     def peer_ok(self, int peer):
         cdef State* e = self._live()
         return e.peers[peer] != NULL and not e.peers[peer].lost

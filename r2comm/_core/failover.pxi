@@ -471,8 +471,14 @@ cdef void peer_lost(State* e, Peer* p) noexcept nogil:
         cause = CAUSE_REMOTE_NIC
         snprintf(buf, 300, "lost every rail to rank %d (no working NIC path between ranks %d "
                  "and %d: its kernel acknowledges nothing on any rail)", p.rank, e.me, p.rank)
-    add_event_c(e, EV_PEER_LOST, p.rank, -1, e.me, 0, 0, buf, cause)
-    fail_peer_ops(e, p, E_NETWORK, buf)
+    peer_lost_why(e, p, cause, buf)
+
+cdef void peer_lost_why(State* e, Peer* p, int cause, const char* why) noexcept nogil:
+    """Peer p is lost for `why` (peer_lost, or the failure detector: Engine.peer_dead): event
+    peer_lost, and every active operation that involves it fails with E_NETWORK."""
+    p.lost = 1
+    add_event_c(e, EV_PEER_LOST, p.rank, -1, e.me, 0, 0, why, cause)
+    fail_peer_ops(e, p, E_NETWORK, why)
 
 cdef void fail_peer_ops(State* e, Peer* p, int code, const char* why) noexcept nogil:
     """Fail every active operation of this rank that involves peer p."""
