@@ -114,9 +114,10 @@ class Config:
     liveness_period_ms: float = 200.0              # R2COMM_LIVENESS_PERIOD_MS: heartbeat period
     liveness_suspect_ms: float = 2000.0            # R2COMM_LIVENESS_SUSPECT_MS: a ring neighbour
                                                    #   silent this long is suspected and probed
-    liveness_frozen_ms: float = -1.0               # R2COMM_LIVENESS_FROZEN_MS: a process whose
-                                                   #   kernel answers but that stays silent is
-                                                   #   declared dead after this; -1: R2COMM_TIMEOUT
+    liveness_frozen_ms: float = 60000.0            # R2COMM_LIVENESS_FROZEN_MS: a process whose
+                                                   #   kernel answers but that stays silent
+                                                   #   (stopped) is declared dead after this;
+                                                   #   0: as soon as the suspicion is confirmed
     test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
                                                    #   "fake:seed=1,block=0.1,short=0.3,..."
                                                    #   runs the rails on the fake transport
@@ -196,11 +197,12 @@ class Config:
         c.liveness_period_ms = _float("R2COMM_LIVENESS_PERIOD_MS", c.liveness_period_ms)
         c.liveness_suspect_ms = _float("R2COMM_LIVENESS_SUSPECT_MS", c.liveness_suspect_ms)
         c.liveness_frozen_ms = _float("R2COMM_LIVENESS_FROZEN_MS", c.liveness_frozen_ms)
-        if not 0 < c.liveness_period_ms < c.liveness_suspect_ms:
+        if not 0 < c.liveness_period_ms < c.liveness_suspect_ms or c.liveness_frozen_ms < 0:
             from .errors import R2commArgumentError
             raise R2commArgumentError(
                 f"R2COMM_LIVENESS_PERIOD_MS={c.liveness_period_ms:g}, R2COMM_LIVENESS_SUSPECT_MS="
-                f"{c.liveness_suspect_ms:g}: need 0 < period < suspect")
+                f"{c.liveness_suspect_ms:g}, R2COMM_LIVENESS_FROZEN_MS={c.liveness_frozen_ms:g}: "
+                "need 0 < period < suspect and frozen >= 0")
         return c
 
 

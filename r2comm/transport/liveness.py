@@ -851,9 +851,9 @@ def start(engine, boot, cfg, comm):
     except BaseException:
         lst.close()
         raise
-    frozen = cfg.liveness_frozen_ms / 1e3 if cfg.liveness_frozen_ms >= 0 else cfg.timeout
     det = Detector(boot.rank, boot.size, boot.secret, boot.job, lst, addrs,
-                   Settings(cfg.liveness_period_ms / 1e3, cfg.liveness_suspect_ms / 1e3, frozen),
+                   Settings(cfg.liveness_period_ms / 1e3, cfg.liveness_suspect_ms / 1e3,
+                            cfg.liveness_frozen_ms / 1e3),
                    on_dead=engine.peer_dead)
     det.start()
     return det

@@ -1,0 +1,250 @@
+"""The ring failure detector (r2comm/transport/liveness.py, issue 31).
+
+Detector-only jobs (tests/liveness_worker.py: one process per rank, no engine, no data mesh,
+so whatever a rank learns comes from the detector alone): a killed rank and a stopped one are
+detected, confirmed by a second observer and spread to every survivor within 5 s; a slow rank
+and a slow link are not declared dead; heartbeats per rank per period do not grow with n.
+And a 16-rank Communicator job (tests/liveness_mpi_worker.py) with the engine's own
+all-rails-down bound set to 30 s: all 15 survivors of a SIGKILL raise within 5 s."""
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_mpi
+
+WORKER = os.path.join(ROOT, "tests", "liveness_worker.py")
+MPI_WORKER = os.path.join(ROOT, "tests", "liveness_mpi_worker.py")
+BOUND = 5.0
+
+
+class Job:
+    """n detector processes meeting in directory d."""
+
+    def __init__(self, d, n, extra=None, **kw):
+        self.d, self.n = str(d), n
+        with open(os.path.join(self.d, "secret"), "wb") as f:
+            f.write(os.urandom(32))
+        args = [f"{k}={v}" for k, v in kw.items()]
+        self.procs = [subprocess.Popen([sys.executable, WORKER, self.d, str(r), str(n), *args,
+                                        *((extra or {}).get(r, ()))],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                      for r in range(n)]
+
+    def state(self, r):
+        try:
+            with open(os.path.join(self.d, f"state.{r}.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def wait_up(self, timeout=30.0):
+        """Until every rank has run its detector for a while (ring formed)."""
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            states = [self.state(r) for r in range(self.n)]
+            if all(s is not None and s["up_s"] > 1.0 for s in states):
+                return
+            time.sleep(0.05)
+        pytest.fail(f"the detector job did not come up: {self.errors()}")
+
+    def told(self, r, victim):
+        s = self.state(r)
+        return None if s is None else s["told"].get(str(victim))
+
+    def wait_told(self, ranks, victim, timeout):
+        """{rank: (time.time(), reason, process)} once every rank in ranks knows, or at the end."""
+        until = time.monotonic() + timeout
+        while True:
+            got = {r: self.told(r, victim) for r in ranks}
+            if all(got.values()) or time.monotonic() > until:
+                return got
+            time.sleep(0.05)
+
+    def errors(self):
+        return [p.stderr.read().decode()[-2000:] for p in self.procs if p.poll() is not None]
+
+    def stop(self):
+        open(os.path.join(self.d, "stop"), "w").close()
+        for p in self.procs:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                p.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                p.kill()
+                p.wait(5)
+
+
+@pytest.fixture
+def job(tmp_path):
+    jobs = []
+
+    def make(n, extra=None, **kw):
+        d = tmp_path / f"job{len(jobs)}"
+        d.mkdir()
+        j = Job(d, n, extra, **kw)
+        jobs.append(j)
+        return j
+    yield make
+    for j in jobs:
+        j.stop()
+
+
+def _latencies(got, t0):
+    return sorted(v[0] - t0 for v in got.values() if v)
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_killed_rank_reaches_every_survivor(job, n):
+    """SIGKILL of one rank: every survivor learns it (cause: process gone, suspected and
+    confirmed by two ranks) within 5 s, from the detector alone; latency printed."""
+    j = job(n)
+    j.wait_up()
+    victim = n // 2 + 1
+    t0 = time.time()
+    os.kill(j.procs[victim].pid, signal.SIGKILL)
+    survivors = [r for r in range(n) if r != victim]
+    got = j.wait_told(survivors, victim, BOUND + 2)
+    lat = _latencies(got, t0)
+    print(f"LIVENESS kill n={n}: {len(lat)}/{len(survivors)} told, median "
+          f"{statistics.median(lat) * 1e3:.0f} ms, max {max(lat) * 1e3:.0f} ms" if lat else "none")
+    assert all(got.values()), f"not told: {[r for r, v in got.items() if not v]}"
+    assert max(lat) < BOUND, lat
+    for r, (_t, reason, process) in got.items():
+        assert "process is gone" in reason and "confirmed by rank" in reason, reason
+        assert process
+    # the ring is repaired around it: the victim's neighbours now watch each other
+    pred, succ = victim - 1, victim + 1
+    assert j.state(pred)["neighbours"][1] == succ and j.state(succ)["neighbours"][0] == pred
+
+
+def test_two_failures_in_turn(job):
+    """After one death the repaired ring still detects the next one, next to the first."""
+    n = 8
+    j = job(n)
+    j.wait_up()
+    os.kill(j.procs[3].pid, signal.SIGKILL)
+    got = j.wait_told([r for r in range(n) if r != 3], 3, BOUND + 2)
+    assert all(got.values()), got
+    time.sleep(0.5)
+    t0 = time.time()
+    os.kill(j.procs[4].pid, signal.SIGKILL)
+    survivors = [r for r in range(n) if r not in (3, 4)]
+    got = j.wait_told(survivors, 4, BOUND + 2)
+    assert all(got.values()), got
+    assert max(_latencies(got, t0)) < BOUND
+
+
+def test_stopped_rank_detected_confirmed_spread(job):
+    """SIGSTOP of one rank with R2COMM_LIVENESS_FROZEN_MS=0: every survivor learns within
+    5 s that its process is frozen (silent, its kernel still accepts), confirmed by a second
+    rank; when continued, the rank learns it was declared dead (it treats every rank as lost)."""
+    n = 8
+    j = job(n, frozen=0)
+    j.wait_up()
+    victim = 3
+    t0 = time.time()
+    os.kill(j.procs[victim].pid, signal.SIGSTOP)
+    survivors = [r for r in range(n) if r != victim]
+    got = j.wait_told(survivors, victim, BOUND + 2)
+    lat = _latencies(got, t0)
+    print(f"LIVENESS stop n={n}: median {statistics.median(lat) * 1e3:.0f} ms, max "
+          f"{max(lat) * 1e3:.0f} ms" if lat else "none")
+    assert all(got.values()), got
+    assert max(lat) < BOUND, lat
+    for _t, reason, process in got.values():
+        assert "frozen" in reason and "confirmed by rank" in reason, reason
+    os.kill(j.procs[victim].pid, signal.SIGCONT)
+    until = time.monotonic() + 5
+    while time.monotonic() < until and not (j.state(victim) or {}).get("excluded"):
+        time.sleep(0.05)
+    s = j.state(victim)
+    assert s["excluded"] and len(s["told"]) == n - 1, s
+
+
+def test_slow_rank_and_slow_link_not_declared_dead(job):
+    """Rank 2 heartbeats only every 1.5 s (suspicion at 2 s); rank 5 sends none to rank 4 (a
+    slow link: rank 4 suspects it, the second observer's probe finds it alive); a rank stopped
+    for 3 s under the default frozen bound (R2COMM_TIMEOUT) is only suspected. Nobody is
+    declared dead."""
+    n = 8
+    j = job(n, extra={2: ["hb_every=1.5"], 5: ["mute=4"]})
+    j.wait_up()
+    os.kill(j.procs[6].pid, signal.SIGSTOP)
+    time.sleep(3.0)
+    os.kill(j.procs[6].pid, signal.SIGCONT)
+    time.sleep(3.0)
+    states = [j.state(r) for r in range(n)]
+    assert all(not s["told"] for s in states), [s["told"] for s in states]
+    assert states[4]["refuted"] >= 1, states[4]
+    assert all(not s["excluded"] for s in states)
+
+
+def _steady(j, n, seconds=3.0):
+    """Per-rank frames per heartbeat period over `seconds` of a quiet job, and fds."""
+    j.wait_up()
+    a = [j.state(r) for r in range(n)]
+    time.sleep(seconds)
+    b = [j.state(r) for r in range(n)]
+    out = []
+    for x, y in zip(a, b):
+        periods = (y["up_s"] - x["up_s"]) / 0.2
+        frames = sum(y["sent"].values()) - sum(x["sent"].values())
+        out.append((frames / periods, y["fds"], set(y["sent"]) - {"hb"}))
+    return out
+
+
+def test_messages_per_rank_per_period_constant(job):
+    """Heartbeats: 2 per rank per period (one to each ring neighbour) and 5 sockets (listener,
+    wake pair, two ring connections) at n = 8 and at n = 16: no growth with n."""
+    res = {}
+    for n in (8, 16):
+        j = job(n)
+        rows = _steady(j, n)
+        j.stop()
+        rates = [r for r, _, _ in rows]
+        res[n] = statistics.mean(rates)
+        print(f"LIVENESS n={n}: frames per rank per period mean {res[n]:.2f} max "
+              f"{max(rates):.2f}, fds max {max(f for _, f, _ in rows)}")
+        assert max(rates) <= 2.3, rows
+        assert max(f for _, f, _ in rows) <= 5, rows
+        assert all(not other for _, _, other in rows), rows
+    assert abs(res[16] - res[8]) < 0.15 * res[8], res
+
+
+def test_communicator_survivors_raise_from_the_detector(tmp_path):
+    """16 ranks, one SIGKILLed mid-stream, with R2COMM_PEER_TIMEOUT_MS=30000 so the engine's
+    own connection-based path would take 30 s: every one of the 15 survivors raises
+    R2commNetworkError within 5 s, its failure detector learned of the death within 5 s, and its
+    engine's peer_lost event for the victim carries the detector's reason."""
+    n, victim = 16, 5
+    keep = ('"$@"; [ $? -eq 137 ] && for i in $(seq 150); do [ $(ls "$0"/rank*.txt 2>/dev/null '
+            f'| wc -l) -ge {n - 1} ] && break; sleep 0.1; done; exit 0')
+    _, out = run_mpi(n, ["-c", keep, str(tmp_path), sys.executable, MPI_WORKER, str(tmp_path),
+                         str(victim)], timeout=120, expect_ok=False,
+                     mpiexec_args=["-disable-auto-cleanup"], executable="sh",
+                     env={"R2COMM_PEER_TIMEOUT_MS": "30000", "R2COMM_SHM": "0"})
+    files = {p.name for p in tmp_path.iterdir()}
+    assert "killed.txt" in files, out[-4000:]
+    killed = float((tmp_path / "killed.txt").read_text())
+    rows = []
+    for r in range(n):
+        if r == victim:
+            continue
+        assert f"rank{r}.txt" in files, (r, out[-4000:])
+        rows.append(json.loads((tmp_path / f"rank{r}.txt").read_text()))
+    raised = sorted(row["raised_at"] - killed for row in rows)
+    learned = sorted(row["learned_at"] - killed for row in rows if row["learned_at"])
+    print(f"LIVENESS communicator n={n}: raise median {statistics.median(raised):.3f} s max "
+          f"{max(raised):.3f} s; detector median {statistics.median(learned):.3f} s max "
+          f"{max(learned):.3f} s")
+    for row in rows:
+        assert row["error"] == "R2commNetworkError", row
+        assert 0 < row["raised_at"] - killed < BOUND, row
+        assert row["learned_at"] and row["learned_at"] - killed < BOUND, row
+        assert row["peer_lost"] and "failure detector" in row["peer_lost"][0], row
