@@ -140,11 +140,11 @@ def test_two_failures_in_turn(job):
     assert max(_latencies(got, t0)) < BOUND
 
 
-def test_stopped_rank_detected_confirmed_spread(job):
+@pytest.mark.parametrize("n", [8, 16])
+def test_stopped_rank_detected_confirmed_spread(job, n):
     """SIGSTOP of one rank with R2COMM_LIVENESS_FROZEN_MS=0: every survivor learns within
     5 s that its process is frozen (silent, its kernel still accepts), confirmed by a second
     rank; when continued, the rank learns it was declared dead (it treats every rank as lost)."""
-    n = 8
     j = job(n, frozen=0)
     j.wait_up()
     victim = 3
@@ -248,3 +248,48 @@ def test_communicator_survivors_raise_from_the_detector(tmp_path):
         assert 0 < row["raised_at"] - killed < BOUND, row
         assert row["learned_at"] and row["learned_at"] - killed < BOUND, row
         assert row["peer_lost"] and "failure detector" in row["peer_lost"][0], row
+
+
+def test_frames_and_lists_validated():
+    """Trust boundary: a frame with a bad tag or out of order, and a dead list with an entry out
+    of range, are refused; the halving tree reaches every member once in ceil(log2) rounds."""
+    import socket as _socket
+    from r2comm.transport import liveness as lv
+    a, b = _socket.socketpair()
+    key1, key2 = os.urandom(32), os.urandom(32)
+    lv.tcp._keys[a.fileno()] = (key1, key2)
+    lv.tcp._keys[b.fileno()] = (key2, key1)
+    ca, cb = lv.Conn(a.detach(), 1, "ring"), lv.Conn(b.detach(), 0, "ring")
+    try:
+        ca.post(lv.T_HB, lv.HB.pack(0, 0))
+        time.sleep(0.05)
+        assert list(cb.frames()) == [(lv.T_HB, lv.HB.pack(0, 0))]
+        good = ca.frame(lv.T_HB, lv.HB.pack(0, 0))
+        ca.sock.send(good[:-1] + bytes([good[-1] ^ 1]))       # one bit of the tag flipped
+        time.sleep(0.05)
+        with pytest.raises(lv.FrameError):
+            list(cb.frames())
+    finally:
+        ca.close()
+        cb.close()
+    deads = {3: (lv.GONE, 2, 4), 7: (lv.FROZEN, 6, lv.NOBODY)}
+    assert lv.decode_deads(lv.encode_deads(deads), 8) == deads
+    with pytest.raises(lv.FrameError):
+        lv.decode_deads(lv.encode_deads(deads), 7)            # rank 7 of a 7-rank job
+    with pytest.raises(lv.FrameError):
+        lv.decode_deads(lv.ENTRY.pack(1, 9, 0, 0), 8)         # no such cause
+    with pytest.raises(lv.FrameError):
+        lv.decode_deads(b"\x00" * 5, 8)
+    for m in (1, 2, 7, 15, 1023):
+        seen = []
+
+        def walk(lo, hi, depth):
+            """Members [lo, hi) reached from the holder of lo - 1; returns the rounds needed."""
+            rounds = 0
+            for k, (t, end) in enumerate(lv.halving_targets(list(range(hi - lo)))):
+                seen.append(lo + t)
+                rounds = max(rounds, k + 1 + walk(lo + t + 1, lo + end, depth + 1))
+            return rounds
+        rounds = walk(0, m, 0)
+        assert sorted(seen) == list(range(m))
+        assert rounds <= (m + 1).bit_length(), (m, rounds)

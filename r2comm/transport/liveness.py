@@ -4,7 +4,8 @@ second observer, the news spread to every rank in O(log n) rounds.
 Ring. The live ranks form a ring in rank order; each rank opens one authenticated connection
 (tcp.connect's handshake, the job secret, rail id RING) to its successor and accepts one from its
 predecessor, on a listener of its own. Every `period` it sends a heartbeat on both: 2 frames per
-rank per period and 2-3 descriptors, whatever the job's size. Each rank watches both neighbours:
+rank per period and 5 sockets (listener, wake-up pair, two ring connections), whatever the
+job's size. Each rank watches both neighbours:
 any valid frame from a rank counts as hearing it.
 
 Suspicion and confirmation (SWIM's indirect probe). A neighbour silent for `suspect` seconds,
@@ -39,7 +40,6 @@ import errno
 import hashlib
 import hmac
 import logging
-import os
 import queue
 import selectors
 import socket
@@ -111,7 +111,8 @@ class Conn:
             raise ValueError(f"a liveness frame of {len(payload)} bytes")
         head = HDR.pack(ftype, 0, len(payload), self.tx_ctr)
         self.tx_ctr += 1
-        return head + payload + hmac.new(self.tx_key, head + payload, hashlib.sha256).digest()[:TAG_LEN]
+        tag = hmac.new(self.tx_key, head + payload, hashlib.sha256).digest()[:TAG_LEN]
+        return head + payload + tag
 
     def post(self, ftype, payload=b"", droppable=False):
         """Queue a frame and write what the socket takes; a heartbeat is dropped (False) while
