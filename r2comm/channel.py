@@ -123,7 +123,8 @@ class Channel:
         if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
             self._maybe_replan()
         separate = send is not None and send is not work
-        plan, sched, sig, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop, separate)
+        plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop,
+                                                  separate)
         if sched.fills_work:
             extra_pre = ()      # the schedule reads the input from SEND itself
         scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
@@ -135,7 +136,7 @@ class Channel:
                 keep[i] = eng.Buffer(obj, writable)
                 ptr[i] = keep[i].ptr
         rc = self._world.regcache
-        if rc is not None:               # verbs: large user buffers go zero-copy
+        if rc is not None:               # RDMA rails: large user buffers go zero-copy
             rc.note(work)
             if separate:
                 rc.note(send)
@@ -149,7 +150,8 @@ class Channel:
         if self._state is not None:       # peers this rank cannot reach are relayed around
             members = [g for i, g in enumerate(self._members)
                        if i == self.rank or self._state.working(self.rank, i)]
-        oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, sig,
+        # (the engine's `sig` is the element count, its `tag` a collective's call descriptor)
+        oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, count,
                                 self.timeout, members, 0, desc if blocking else desc | _NONBLOCKING)
         posts = [(db, do, sb, so, n) for (db, do, sb, so, n) in sched.post if n]
 

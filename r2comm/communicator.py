@@ -302,10 +302,10 @@ class Communicator(Channel):
         key = ("fast", nbytes, dtc, op.code, send is not None)
         hit = self._plans.get(key)
         if hit is None:
-            plan, sched, sig, desc = self._schedule("allreduce", nbytes, recvbuf.itemsize, 0, dtc,
-                                                    op.code, send is not None)
+            plan, sched, count, desc = self._schedule("allreduce", nbytes, recvbuf.itemsize, 0,
+                                                      dtc, op.code, send is not None)
             ok = not (sched.scratch or sched.pre or sched.post) and sched.fills_work
-            hit = self._plans[key] = (plan, sig, desc) if ok else False
+            hit = self._plans[key] = (plan, count, desc) if ok else False
         if not hit:
             return False
         seq = self._seq

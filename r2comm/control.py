@@ -3,9 +3,9 @@ through the engine (not through the bootstrap MPI communicator).
 
 Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
 CONTROL_BIT | id (comm_ids.py), so its operations have their own sequence numbers and tags and
-never match the application's. The start-up bandwidth probe (probe.py), the rail-state agreement (rail_state():
-agree_rails, per-rank summaries of planner/agree.py) and the epoch check of R2COMM_REPLAN run
-on it.
+never match the application's. The start-up bandwidth probe (probe.py), the rail-state
+agreement (rail_state(): agree_rails, per-rank summaries of planner/agree.py) and the epoch check
+of R2COMM_REPLAN run on it.
 
 allgather() is a flooding allgather of one small float64 row per rank built from point-to-point
 messages: each round every rank sends the rows it knows to every peer it can still reach and

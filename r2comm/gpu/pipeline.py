@@ -24,8 +24,8 @@ Sequence numbers. The engine matches collectives by (communicator, sequence), an
 post its sequence numbers in increasing order. The segments' collectives run on a hidden twin of
 the communicator (id GPU_BIT | generation | comm id, from comm_ids.py). A device call takes
 exactly one sequence number of the communicator itself, s, and is the communicator's device
-call number d (counted by every rank alike: host calls do not count); its net steps use twin sequences
-(d mod 2^24) * MAX_PHASES + j of twin generation (d >> 24) mod 64, posted in a fixed order that
+call number d (counted by every rank alike: host calls do not count); its net steps use twin
+sequences (d mod 2^24) * MAX_PHASES + j of twin generation (d >> 24) mod 64, posted in a fixed order that
 every rank derives from the call's arguments alone (segment size: R2COMM_GPU_SEGMENT, the same
 on every rank). So a call whose argument check fails on one rank (that rank sends the error for
 its first twin sequence, the others fail their first step) leaves every rank in step for the
