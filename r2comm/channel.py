@@ -97,6 +97,11 @@ class Channel:
         self._state = state
         self._plans.clear()
 
+    def _gather_state(self):
+        """The live RailState of this communicator, the same on every rank (collective)."""
+        return _epoch.gather_state(control.plane(self), self._world, self._members,
+                                   self._topo.host_of)
+
     def _rail_marks(self):
         return _epoch.rail_marks(self._engine, self._members)
 
@@ -110,7 +115,7 @@ class Channel:
         if epoch <= self._epoch:
             return
         self._marks = marks
-        state = self.rail_state()
+        state = self._gather_state()
         self._epoch = epoch
         self._epoch_state = state
         if self._state is not None or not state.healthy():

@@ -1,13 +1,12 @@
 """Communicator: mpi4py's collective and point-to-point API over r2comm's multi-rail engine.
 
-Arguments are checked here with the GIL held, then one call goes down: to the world (world.py:
-engine, links, transports, ids), the compiled plans (plans.py), the epoch agreement (epoch.py)
-or the engine. The transfer itself runs in the engine's progress thread, and the caller waits on
-it without the GIL. The last section is the small internal interface that r2comm's own modules
-(gpu/pipeline.py, torch/backend.py, control.py, request.py) use instead of private attributes."""
+The mpi4py face: arguments are checked here with the GIL held, then one call goes down, to the
+Channel under it (channel.py: sequence numbers, plans of the epoch, posting to the engine), the
+world (world.py: engine, links, transports, ids) or the engine. The transfer itself runs in the
+engine's progress thread, and the caller waits on it without the GIL."""
 import numpy as np
 
-from . import control, epoch as _epoch, p2p, railview
+from . import control, p2p, railview
 from .args import (ANY_SOURCE, ANY_TAG, IN_PLACE, as_array as _as_array, check_root,
                    device_args as _device_args, pair as _pair)
 from .channel import Channel
@@ -224,8 +223,7 @@ class Communicator(Channel):
         r2comm's control plane). Bandwidths are the engines' measured rates (start-up probe,
         then acknowledgements), R2COMM_RAIL_BW where a rail has no measurement yet."""
         self._check()
-        return _epoch.gather_state(control.plane(self), self._world, self._members,
-                                   self._topo.host_of)
+        return self._gather_state()
 
     @property
     def epoch(self):
