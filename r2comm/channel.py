@@ -209,6 +209,8 @@ class Channel:
         the world's allocator gives twin `kind` ("control", "gpu" with its generation) of this
         one; it runs no epoch checks of its own."""
         ids = self._world.ids
+        if kind not in ("control", "gpu"):
+            raise ValueError(f"twin kind {kind!r}: 'control' or 'gpu'")
         cid = ids.control(self._id) if kind == "control" else ids.gpu_twin(self._id, generation)
         t = self._child(self._world, self._mpi, list(self._members), cid)
         t._is_ctl = True
