@@ -23,16 +23,16 @@ mpi4py; NCCL differs): wait first.
 Sequence numbers. The engine matches collectives by (communicator, sequence), and a rank must
 post its sequence numbers in increasing order. The segments' collectives run on a hidden twin of
 the communicator (id GPU_BIT | generation | comm id, from comm_ids.py). A device call takes
-exactly one sequence number of the communicator itself, s, and is the communicator's device
-call number d (counted by every rank alike: host calls do not count); its net steps use twin
-sequences (d mod 2^24) * MAX_PHASES + j of twin generation (d >> 24) mod 64, posted in a fixed order that
-every rank derives from the call's arguments alone (segment size: R2COMM_GPU_SEGMENT, the same
-on every rank). So a call whose argument check fails on one rank (that rank sends the error for
-its first twin sequence, the others fail their first step) leaves every rank in step for the
-next call. A twin's sequence advances by MAX_PHASES per device call, whatever host calls come
-between, and the engine compares sequences modulo 2^32: when a twin id comes back (every 2^30
-device calls) its sequence restarts at 0 right after 2^32 - MAX_PHASES + j, one step on, so no
-frame of the reused twin is taken for a stale one.
+exactly one sequence number of the communicator itself, s, and is the communicator's device call
+number d (counted by every rank alike: host calls do not count); its net steps use twin
+sequences (d mod 2^24) * MAX_PHASES + j of twin generation (d >> 24) mod 64, posted in a fixed
+order that every rank derives from the call's arguments alone (segment size: R2COMM_GPU_SEGMENT,
+the same on every rank). So a call whose argument check fails on one rank (that rank sends the
+error for its first twin sequence, the others fail their first step) leaves every rank in step
+for the next call. A twin's sequence advances by MAX_PHASES per device call, whatever host calls
+come between, and the engine compares sequences modulo 2^32: when a twin id comes back (every
+2^30 device calls) its sequence restarts at 0 right after 2^32 - MAX_PHASES + j, one step on, so
+no frame of the reused twin is taken for a stale one.
 
 Failures. A step that fails (an engine error, a device error, a timeout) fails the pipeline: the
 collectives it posted and that are still running are cancelled (the engine tells the peers), a
