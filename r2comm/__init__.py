@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {"Communicator": "communicator", "IN_PLACE": "communicator", "ANY_TAG": "communicator",
          "ANY_SOURCE": "communicator",
-         "Request": "request", "Status": "request", "Rail": "rails"}
+         "Request": "request", "Status": "request", "Rail": "transport.rails"}
 
 
 def __getattr__(name):

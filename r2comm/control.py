@@ -2,10 +2,10 @@
 through the engine (not through the bootstrap MPI communicator).
 
 Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
-CTL_BIT | id, so its operations have their own sequence numbers and tags and never match the
-application's. The start-up bandwidth probe (probe.py), the rail-state agreement (rail_state():
-agree_rails, per-rank summaries of planner/agree.py) and the epoch check of R2COMM_REPLAN run
-on it.
+CONTROL_BIT | id (comm_ids.py), so its operations have their own sequence numbers and tags and
+never match the application's. The start-up bandwidth probe (probe.py), the rail-state
+agreement (rail_state(): agree_rails, per-rank summaries of planner/agree.py) and the epoch check
+of R2COMM_REPLAN run on it.
 
 allgather() is a flooding allgather of one small float64 row per rank built from point-to-point
 messages: each round every rank sends the rows it knows to every peer it can still reach and
@@ -15,24 +15,26 @@ alone, not the whole operation, and the second round brings that peer's row alon
 So the agreement survives pairs with no common rail that the plans do not know about yet,
 whenever each broken pair has a common working neighbour. Every rank ends with the same table,
 or raises R2commNetworkError when it could not learn every row."""
+import weakref
+
 import numpy as np
 
 from .errors import R2commError, R2commNetworkError
 
-CTL_BIT = 0x80000000       # communicator id bit of control-plane twins
 TAG_FLOOD = 0x52000000     # tags of flooding rounds (the probe uses 0x51......)
 ROUNDS = 2                 # flooding rounds: enough when every broken pair has a common neighbour
 
 
+_planes = weakref.WeakKeyDictionary()     # communicator -> its control-plane twin
+_floods = weakref.WeakKeyDictionary()     # control-plane twin -> flooding rounds run
+
+
 def plane(comm):
     """The control-plane twin of `comm` (created on first use, the same on every rank)."""
-    ctl = getattr(comm, "_ctl", None)
+    ctl = _planes.get(comm)
     if ctl is None:
-        ctl = type(comm)._child(comm._world, comm._mpi, list(comm._members),
-                                CTL_BIT | comm._id)
-        ctl._is_ctl = True
-        ctl._flood_seq = 0
-        comm._ctl = ctl
+        ctl = _planes[comm] = comm.twin("control")
+        _floods[ctl] = 0
     return ctl
 
 
@@ -46,10 +48,10 @@ def allgather(ctl, row, rounds=ROUNDS, timeout=None):
     table[me, 0] = 1.0
     table[me, 1:] = row
     timeout = ctl.timeout if timeout is None else timeout
-    eng, members = ctl._engine, ctl._members
+    eng, members = ctl.engine, ctl.global_ranks()
     for _ in range(rounds if n > 1 else 0):
-        ctl._flood_seq += 1
-        tag = TAG_FLOOD + (ctl._flood_seq & 0xFFFFFF)
+        _floods[ctl] = rounds_run = _floods.get(ctl, 0) + 1
+        tag = TAG_FLOOD + (rounds_run & 0xFFFFFF)
         peers = [p for p in range(n) if p != me and eng.peer_ok(members[p])]
         inbox = {p: np.zeros((n, width)) for p in peers}
         reqs = []

@@ -68,3 +68,25 @@ PEER_ARGUMENT_CODE = 7      # engine code of an ABORT sent by a rank whose own a
 
 def from_code(code, message):
     return CODE_CLASSES.get(code, R2commError)(message)
+
+
+
+# Marks that r2comm's modules put on an exception they handle, of any class (an exception cannot
+# be weakly referenced, so they travel on it): _r2comm_told, its peers were sent it (an ABORT);
+# _r2comm_remote, it came from the engine, so the peers failed the same operation already.
+def claim_telling(exc):
+    """True the first time it is asked for `exc`: the caller then tells the peers of it."""
+    if getattr(exc, "_r2comm_told", False):
+        return False
+    exc._r2comm_told = True
+    return True
+
+
+def mark_remote(exc):
+    """Note that `exc` came from the engine (the peers failed the same operation)."""
+    exc._r2comm_remote = True
+
+
+def is_remote(exc):
+    """`exc` was marked with mark_remote."""
+    return getattr(exc, "_r2comm_remote", False)

@@ -46,9 +46,12 @@ class Request:
         self._nrecv = 0
 
     def _finish(self, state, err, msg, nrecv):
+        eng = self._comm.engine
         if self._status is not None and state == _DONE:
-            self._comm._match_status(self._oid, self._status)
-        self._comm._engine.release(self._oid)
+            gpeer, tag = eng.p2p_matched(self._oid)    # the source and tag it matched
+            if gpeer >= 0:
+                self._status.source, self._status.tag = self._comm.local_rank(gpeer), tag
+        eng.release(self._oid)
         self._done = True
         self._nrecv = nrecv
         if state == _ERROR:
@@ -66,8 +69,9 @@ class Request:
         """The outcome of a wait of `limit` seconds: a timed-out operation is cancelled (and
         raises R2commTimeout if even that does not end it), an ended one finished."""
         if state == _ACTIVE:
-            self._comm._engine.cancel(self._oid, 1, f"operation timed out after {limit:g} s")
-            state, err, msg, nrecv = self._comm._engine.wait(self._oid, 5.0)
+            eng = self._comm.engine
+            eng.cancel(self._oid, 1, f"operation timed out after {limit:g} s")
+            state, err, msg, nrecv = eng.wait(self._oid, 5.0)
             if state == _ACTIVE:
                 raise R2commTimeout(f"operation timed out after {limit:g} s")
         self._finish(state, err, msg, nrecv)
@@ -75,7 +79,7 @@ class Request:
     def Test(self):
         """True once the operation ended (raises its error, like Wait)."""
         if not self._done:
-            state, err, msg, nrecv = self._comm._engine.test(self._oid)
+            state, err, msg, nrecv = self._comm.engine.test(self._oid)
             if state in (_DONE, _ERROR):
                 self._finish(state, err, msg, nrecv)
         if self._done and self._error is not None:
@@ -85,15 +89,30 @@ class Request:
     def Wait(self, timeout=None):
         """Block until the operation ends; raise R2commTimeout after `timeout` seconds."""
         if not self._done:
-            if self._comm._engine is None:
+            eng = self._comm.engine
+            if eng is None:
                 raise R2commClosedError("communicator was freed while the operation ran")
             limit = self._timeout if timeout is None else timeout
-            self._settle(*self._comm._engine.wait(self._oid, limit), limit)
+            self._settle(*eng.wait(self._oid, limit), limit)
         if self._error is not None:
             raise self._error
         return self._result
 
     wait = Wait
+
+    # -- r2comm's internal interface (the communicator's fast path, the GPU pipeline) --------
+    @property
+    def done(self):
+        """True once the operation ended (its error, if any, not raised)."""
+        return self._done
+
+    def conclude(self, limit):
+        """Settle an operation the engine already ended, or gave up on after `limit` s."""
+        self._settle(*self._comm.engine.wait(self._oid, 0.0), limit)
+
+    def abort(self, code, message):
+        """End the operation with error `code` here and on its peers (the engine's cancel)."""
+        self._comm.engine.cancel(self._oid, code, message)
 
     @staticmethod
     def Waitall(requests, timeout=None):

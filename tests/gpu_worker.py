@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
 from r2comm import SUM, PROD, MIN, MAX, IN_PLACE  # noqa: E402
 from r2comm.gpu import bfloat16  # noqa: E402
+from r2comm.gpu import pipeline  # noqa: E402
 from r2comm.gpu.backend import reduce_blocks, bf16_to_f32, f32_to_bf16  # noqa: E402
 from r2comm.gpu.standin import HostBackend, DeviceError  # noqa: E402
 from mpi_worker import WORLD, data, reduce_ref, same_everywhere, check, expect, main  # noqa: E402
@@ -182,7 +183,7 @@ def sc_standin_twinwrap(comm, args):
     d = comm.Dup()
     for c, start in ((comm, 2**24 - 2), (comm, 2**25 + 5), (comm, 2**30 - 2), (d, 2**32 - 2)):
         c._seq = start
-        c._gpu_calls = start & (2**30 - 1)
+        pipeline.set_device_calls(c, start & (2**30 - 1))
         for i in range(4):
             case = f"tw-{start}-{i}"
             x = dev.put(data(case, r, 5000, "int32", SUM))
@@ -194,7 +195,8 @@ def sc_standin_twinwrap(comm, args):
         c.Allreduce(np.array([r], np.int64), h, SUM)
         check(h[0] == n * (n - 1) // 2, f"host allreduce after {start}")
         cnt += 1
-    check(d._seq == 3 and d._gpu_calls == 2, f"the counters did not wrap: {d._seq} {d._gpu_calls}")
+    calls = pipeline.device_calls(d)
+    check(d._seq == 3 and calls == 2, f"the counters did not wrap: {d._seq} {calls}")
     d.Free()
     return cnt
 

@@ -7,8 +7,11 @@ Two kinds of contract, each a table below that the next clean-up extends:
 - LEAVES: packages that import nothing of r2comm outside themselves except the modules listed.
 
 Circles through modules outside a package are not claimed by its contract. Over the whole tree,
-KNOWN_CIRCLES lists the circles still there (communicator.py and gpu/pipeline.py import each other
-until the Communicator refactor); any other circle fails, and a fixed one is struck from the list.
+KNOWN_CIRCLES lists the circles still there (none since the Communicator refactor, issue 30: the
+GPU pipeline takes IN_PLACE and the argument checks from args.py); any other circle fails.
+
+TRANSPORT_BLIND: the communicator and the modules under it name no transport (issue 30): they
+ask transport/select.py's JobTransports, by what they need, and import no transport module but it.
 """
 import ast
 import os
@@ -17,7 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CYCLE_FREE = ("r2comm.bench", "r2comm.gpu")
 LEAVES = {"r2comm.planner": ("r2comm.errors",)}
-KNOWN_CIRCLES = (["r2comm.communicator", "r2comm.gpu.pipeline"],)
+KNOWN_CIRCLES = ()
+TRANSPORT_BLIND = ("r2comm.communicator", "r2comm.channel", "r2comm.world", "r2comm.plans",
+                   "r2comm.epoch", "r2comm.railview", "r2comm.args", "r2comm.p2p", "r2comm.events",
+                   "r2comm.comm_ids")
+TRANSPORT_WORDS = ("shm", "verbs")
+PUBLIC_NAMES = {("r2comm.communicator", "shm_peers")}     # the public API's own name
 
 
 def module_files(root, package="r2comm"):
@@ -135,6 +143,45 @@ def test_leaves_import_nothing_outside():
     for package, allowed in LEAVES.items():
         assert any(inside(m, package) for m in graph), f"{package}: no modules found"
         assert outside_imports(graph, package, allowed) == [], f"{package} is not a leaf"
+
+
+def transport_words(path, module):
+    """[(line, name)] of the identifiers (names, attributes, definitions, imports) and comments
+    of a module's source that name a transport (TRANSPORT_WORDS), outside PUBLIC_NAMES."""
+    with open(path) as f:
+        source = f.read()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
+        for name in names:
+            if any(w in name.lower() for w in TRANSPORT_WORDS) and \
+                    (module, name) not in PUBLIC_NAMES:
+                found.append((node.lineno, name))
+    for i, line in enumerate(source.splitlines(), 1):
+        comment = line.partition("#")[2].lower()
+        if any(w in comment for w in TRANSPORT_WORDS):
+            found.append((i, "# " + comment.strip()))
+    return sorted(found)
+
+
+def test_front_end_names_no_transport():
+    graph = import_graph()
+    files = module_files(ROOT)
+    for module in TRANSPORT_BLIND:
+        assert module in files, f"{module}: not found"
+        assert transport_words(files[module], module) == [], f"{module} names a transport"
+        bad = sorted(t for t in graph[module] if inside(t, "r2comm.transport")
+                     and t not in ("r2comm.transport.select", "r2comm.transport.links",
+                                   "r2comm.transport.rails"))
+        assert bad == [], f"{module} imports transport modules past select"
 
 
 def _write(root, files):

@@ -183,7 +183,7 @@ def test_backup_nic_policy_is_slower_than_rebalancing():
         fab.down(1, 0)
         cl = Cluster(fab, policy=pol)
         cl.view.avoid[1][0] = cl.view.failed[1][0] = True
-        cl._changed()
+        cl.changed()
         sc = planner.build_all("allreduce", n, N, 4, algo="ring", state=Fabric(n, K, 125e6).state())
         times[pol] = cl.run_schedules(sc)["time_s"]
     ring = 2 * (n - 1) / n * N

@@ -158,7 +158,7 @@ def test_ops_and_fault_specs_parse():
 def test_hedge_mode_from_config(monkeypatch):
     from types import SimpleNamespace
     from r2comm.config import Config
-    from r2comm.communicator import _hedge_mode
+    from r2comm.world import hedge_mode as _hedge_mode
 
     def boot(*addrs):
         return SimpleNamespace(endpoints=[{"rails": [(a, 0) for a in addrs]}])

@@ -24,14 +24,14 @@ def bfloat16(arr):
     return Typed(arr, "bfloat16")
 
 
-def _unwrap(obj):
+def unwrap(obj):
     return (obj.array, obj.dtype) if isinstance(obj, Typed) else (obj, None)
 
 
 def is_device(obj):
     """True for an array in device memory: a cupy array or anything with
     __cuda_array_interface__, a host stand-in array, or a Typed wrapper of one."""
-    obj, _ = _unwrap(obj)
+    obj, _ = unwrap(obj)
     if hasattr(obj, "__r2comm_device__"):
         return True
     try:
@@ -47,7 +47,7 @@ def backend_for(obj):
     """The backend of a device array: its own (__r2comm_device__), or cupy's for
     __cuda_array_interface__ (cupy is imported here, on first use)."""
     global _CUPY
-    obj, _ = _unwrap(obj)
+    obj, _ = unwrap(obj)
     own = getattr(obj, "__r2comm_device__", None)
     if own is not None:
         return own
@@ -69,7 +69,7 @@ def backend_for(obj):
 
 def describe(obj, writable, what):
     """(backend, device buffer, nbytes, dtype name, itemsize) of a device array argument."""
-    arr, override = _unwrap(obj)
+    arr, override = unwrap(obj)
     be = backend_for(arr)
     buf, nbytes, dt, isz = be.flat(arr, writable, what)
     if override is not None:

@@ -22,17 +22,17 @@ mpi4py; NCCL differs): wait first.
 
 Sequence numbers. The engine matches collectives by (communicator, sequence), and a rank must
 post its sequence numbers in increasing order. The segments' collectives run on a hidden twin of
-the communicator (id GPU_BIT | generation | comm id). A device call takes exactly one sequence
-number of the communicator itself, s, and is the communicator's device call number d (counted
-by every rank alike: host calls do not count); its net steps use twin sequences
-(d mod 2^24) * MAX_PHASES + j of twin generation (d >> 24) mod 64, posted in a fixed order that
-every rank derives from the call's arguments alone (segment size: R2COMM_GPU_SEGMENT, the same
-on every rank). So a call whose argument check fails on one rank (that rank sends the error for
-its first twin sequence, the others fail their first step) leaves every rank in step for the
-next call. A twin's sequence advances by MAX_PHASES per device call, whatever host calls come
-between, and the engine compares sequences modulo 2^32: when a twin id comes back (every 2^30
-device calls) its sequence restarts at 0 right after 2^32 - MAX_PHASES + j, one step on, so no
-frame of the reused twin is taken for a stale one.
+the communicator (id GPU_BIT | generation | comm id, from comm_ids.py). A device call takes
+exactly one sequence number of the communicator itself, s, and is the communicator's device call
+number d (counted by every rank alike: host calls do not count); its net steps use twin
+sequences (d mod 2^24) * MAX_PHASES + j of twin generation (d >> 24) mod 64, posted in a fixed
+order that every rank derives from the call's arguments alone (segment size: R2COMM_GPU_SEGMENT,
+the same on every rank). So a call whose argument check fails on one rank (that rank sends the
+error for its first twin sequence, the others fail their first step) leaves every rank in step
+for the next call. A twin's sequence advances by MAX_PHASES per device call, whatever host calls
+come between, and the engine compares sequences modulo 2^32: when a twin id comes back (every
+2^30 device calls) its sequence restarts at 0 right after 2^32 - MAX_PHASES + j, one step on, so
+no frame of the reused twin is taken for a stale one.
 
 Failures. A step that fails (an engine error, a device error, a timeout) fails the pipeline: the
 collectives it posted and that are still running are cancelled (the engine tells the peers), a
@@ -42,16 +42,18 @@ Wait raises the first error. A rail failure is no step failure: the engine moves
 surviving rails and the segment's collective completes with the same bits."""
 import threading
 import time
+import weakref
 
 import numpy as np
 
-from ..errors import R2commArgumentError, R2commBufferError, R2commError, R2commTimeout
+from ..args import IN_PLACE, check_root
+from ..comm_ids import GPU_GEN_SHIFT as _GEN_SHIFT
+from ..errors import (R2commArgumentError, R2commBufferError, R2commError, R2commTimeout,
+                      claim_telling, is_remote, mark_remote)
 from ..ops import as_op, dtype_code
 from . import backend as _be
 
-GPU_BIT = 0x40000000          # communicator id bit of staging twins (control twins: 0x80000000)
 MAX_PHASES = 256              # net steps per call: twin sequence = (d mod 2^24) * 256 + j
-_GEN_SHIFT = 24               # every 2^24 device calls a new twin, 64 in all, then they come round
 _CALLS_MASK = (1 << 30) - 1   # device call numbers d wrap with the twin ids
 _PEER_ARG = 7                 # errors.PEER_ARGUMENT_CODE
 
@@ -209,8 +211,10 @@ class Segment:
 
 
 class Pipeline:
-    def __init__(self, comm, twin, base, backend, ctx, segs, order, user_stream, what, timeout):
+    def __init__(self, comm, twin, queue, base, backend, ctx, segs, order, user_stream, what,
+                 timeout):
         self.comm, self.twin, self.base = comm, twin, base
+        self.queue = queue            # calls of the twin, in posting order
         self.backend, self.ctx = backend, ctx
         self.segs = segs
         self.order = order            # [(segment, net step number)]: posting order of net steps
@@ -228,14 +232,14 @@ class Pipeline:
         self.cancel_with = None       # set by Wait (timeout) or close: fail at the next advance
         self.timeline = []            # (what, segment, t) of net steps: posted / done
         self.final_event = None
-        self.state = comm._state      # the plans of the parent at the call (its epoch)
+        self.state = comm.plan_state  # the plans of the parent at the call (its epoch)
 
     # -- scheduling ----------------------------------------------------------------------------
     def all_started(self):
         return self.finished or self.next_seg >= len(self.segs)
 
     def _head(self):
-        q = self.twin._gpu_queue
+        q = self.queue
         return bool(q) and q[0] is self
 
     def advance(self, may_take):
@@ -278,7 +282,7 @@ class Pipeline:
                     if not obj.Test():
                         return False
                 except R2commError as exc:        # the engine's error: the peers know it
-                    exc._r2comm_remote = True
+                    mark_remote(exc)
                     raise
                 self.timeline.append(("net_done", seg.index, time.monotonic()))
             elif not be.query(obj):
@@ -296,14 +300,13 @@ class Pipeline:
                     or self.order[self.post_at][0] != seg.index:
                 return False
             oi = self.post_at
-            if self.twin._state is not self.state:   # the parent's plans at this call's epoch
-                self.twin._adopt(self.state)
-            self.twin._seq = self.base + oi
+            self.twin.follow(self.state)          # the parent's plans at this call's epoch
+            self.twin.seek_seq(self.base + oi)
             req = fn(seg.slot)
             self.requests[oi] = req
             self.post_at += 1
             if self.post_at == len(self.order):
-                self.twin._gpu_queue.pop(0)
+                self.queue.pop(0)
             self.timeline.append(("net_post", seg.index, time.monotonic()))
             seg.pending = ("net", req, oi)
             return True
@@ -327,10 +330,9 @@ class Pipeline:
         if self.error is None:
             self.error = exc
         for oi, req in self.requests.items():
-            if not req._done:
+            if not req.done:
                 try:
-                    req._comm._engine.cancel(req._oid, _code_of(exc),
-                                             f"{self.what} on device buffers failed: {exc}")
+                    req.abort(_code_of(exc), f"{self.what} on device buffers failed: {exc}")
                 except Exception:
                     pass
                 try:
@@ -338,7 +340,7 @@ class Pipeline:
                 except Exception:
                     pass
         self.requests = {}
-        local = not getattr(exc, "_r2comm_remote", False)
+        local = not is_remote(exc)
         if local and self.post_at < len(self.order):
             self.abort_seq = self.base + self.post_at
         self._finish_failed()
@@ -346,14 +348,14 @@ class Pipeline:
     def _finish_failed(self):
         """Tell the peers (when this call is the head of the twin's queue), drain the copy
         streams, give the slots back; then the call is finished."""
-        q = self.twin._gpu_queue
+        q = self.queue
         if self in q:
             if q[0] is not self:
                 return False                      # an earlier call still posts: wait for it
-            if self.abort_seq is not None and not self.twin._world.closed:
+            if self.abort_seq is not None and not self.twin.closed:
                 try:
-                    self.twin._engine.post_error(
-                        self.twin._id, self.abort_seq, self.twin._members, _PEER_ARG,
+                    self.twin.post_error(
+                        self.abort_seq, _PEER_ARG,
                         f"rank {self.comm.rank}: {self.what} on device buffers failed: "
                         f"{type(self.error).__name__}: {self.error}")
                 except Exception:
@@ -385,7 +387,8 @@ class DeviceRequest:
         self._p = pipeline
 
     @property
-    def _done(self):
+    def done(self):
+        """True once the pipeline finished (its error, if any, not raised)."""
         return self._p.finished
 
     def Test(self):
@@ -415,7 +418,7 @@ class DeviceRequest:
 
 class _Done:
     """A finished request (a zero-byte call)."""
-    _done = True
+    done = True
 
     def Wait(self, timeout=None):
         return None
@@ -427,32 +430,60 @@ class _Done:
 
 
 # -- the twin and the call ------------------------------------------------------------------------
+class _CommRecord:
+    """What the pipeline keeps per communicator: its device call count d, its staging twins
+    and each twin's queue of calls (by generation), and the counters of gpu_info."""
+    __slots__ = ("calls", "twins", "queues", "stats")
+
+    def __init__(self):
+        self.calls = 0
+        self.twins = {}
+        self.queues = {}
+        self.stats = None
+
+
+_records = weakref.WeakKeyDictionary()     # communicator -> _CommRecord
+
+
+def _of(comm):
+    rec = _records.get(comm)
+    if rec is None:
+        rec = _records[comm] = _CommRecord()
+    return rec
+
+
+def device_calls(comm):
+    """The device call count d of `comm` (the next device call's number)."""
+    return _of(comm).calls
+
+
+def set_device_calls(comm, d):
+    """Tests: make `d` the next device call's number (with comm.seek_seq, to cross wraps)."""
+    _of(comm).calls = d & _CALLS_MASK
+
+
 def _twin(comm, gen):
-    twins = comm.__dict__.setdefault("_gpu_twins", {})
-    t = twins.get(gen)
+    """Staging twin `gen` of `comm` and its queue of calls (made on first use; the twin two
+    generations back is dropped)."""
+    rec = _of(comm)
+    t = rec.twins.get(gen)
     if t is None:
-        cid = GPU_BIT | (gen << _GEN_SHIFT) | comm._id
-        if comm._id >= (1 << _GEN_SHIFT) or gen >= 64:
-            raise R2commArgumentError("device-buffer collectives: communicator id or call count "
-                                      "beyond what the staging twin can number")
-        t = type(comm)._child(comm._world, comm._mpi, list(comm._members), cid)
-        t._is_ctl = True                 # no epoch checks of its own: the parent's plans rule
-        t._gpu_queue = []
+        t = comm.twin("gpu", gen)        # no epoch checks of its own: the parent's plans rule
         t.timeout = comm.timeout
-        twins[gen] = t
-        twins.pop(gen - 2, None)
-    return t
+        rec.twins[gen] = t
+        rec.queues[gen] = []
+        rec.twins.pop(gen - 2, None)
+        rec.queues.pop(gen - 2, None)
+    return t, rec.queues[gen]
 
 
 def _take_seq(comm):
     """The call's one sequence number of the communicator (with its epoch check, as _start),
     and its twin's place: (twin generation, first twin sequence) from the device call number."""
-    if comm._cfg.replan_every and comm._seq % comm._cfg.replan_every == 0:
-        comm._maybe_replan()
-    s = comm._seq
-    comm._seq = (s + 1) & 0xFFFFFFFF          # wraps: the engine compares modulo 2^32
-    d = comm.__dict__.get("_gpu_calls", 0)
-    comm._gpu_calls = (d + 1) & _CALLS_MASK
+    comm.next_seq()                             # wraps: the engine compares modulo 2^32
+    rec = _of(comm)
+    d = rec.calls
+    rec.calls = (d + 1) & _CALLS_MASK
     return (d >> _GEN_SHIFT) & 0x3F, (d & ((1 << _GEN_SHIFT) - 1)) * MAX_PHASES
 
 
@@ -460,16 +491,14 @@ def tell_peers(comm, exc, what):
     """A local argument error of a device-buffer call: take the call's sequence number and send
     the error as the failure of its first twin step, so the peers' call fails too and the next
     call lines up."""
-    if getattr(exc, "_r2comm_told", False) or comm._engine is None or comm._world.closed \
-            or comm.size == 1:
+    if comm.closed or comm.size == 1 or not claim_telling(exc):
         return
-    exc._r2comm_told = True
     gen, base = _take_seq(comm)
-    twin = _twin(comm, gen)
-    msg = (f"rank {comm._world.boot.rank} could not start its {what} on device buffers: "
-           f"{type(exc).__name__}: {exc}")
-    a = _Abort(twin, base, msg)
-    twin._gpu_queue.append(a)
+    twin, queue = _twin(comm, gen)
+    msg = (f"rank {comm.global_ranks()[comm.rank]} could not start its {what} on device "
+           f"buffers: {type(exc).__name__}: {exc}")
+    a = _Abort(twin, queue, base, msg)
+    queue.append(a)
     _driver.add(a)
 
 
@@ -477,8 +506,8 @@ class _Abort:
     """A call that failed its argument check here: its error goes to the peers as the failure
     of its first twin sequence, in turn (after the calls before it posted their steps)."""
 
-    def __init__(self, twin, seq, msg):
-        self.twin, self.seq, self.msg = twin, seq, msg
+    def __init__(self, twin, queue, seq, msg):
+        self.twin, self.queue, self.seq, self.msg = twin, queue, seq, msg
         self.finished = False
 
     def all_started(self):
@@ -488,16 +517,32 @@ class _Abort:
         self.finished = True
 
     def advance(self, may_take):
-        q = self.twin._gpu_queue
+        q = self.queue
         if q and q[0] is not self:
             return False
         if q:
             q.pop(0)
         self.finished = True
-        if not self.twin._world.closed:
-            self.twin._engine.post_error(self.twin._id, self.seq, self.twin._members, _PEER_ARG,
-                                         self.msg)
+        if not self.twin.closed:
+            self.twin.post_error(self.seq, _PEER_ARG, self.msg)
         return True
+
+
+def _no_calls():
+    return {"calls": 0, "segments": 0, "bytes": 0, "device_reductions": 0, "backend": None}
+
+
+def info(comm):
+    """Communicator.gpu_info() of `comm`: the path, the reduction mode, segment and pool sizes,
+    and counters of its device calls so far."""
+    from . import GPU_PATH, GPUDIRECT_REASON
+    cfg = comm.config
+    pools = [{"backend": c.backend.name, "slot_bytes": c.pool.slot_bytes,
+              "slots": c.pool.nslots, "allocated": c.pool.made, "peak_in_use": c.pool.peak,
+              "oversize": c.pool.oversize} for c in list(_contexts.values())]
+    return {"path": GPU_PATH, "gpudirect": False, "gpudirect_reason": GPUDIRECT_REASON,
+            "reduce": cfg.gpu_reduce, "segment": cfg.gpu_segment, "staging": cfg.gpu_staging,
+            "pools": pools, **(_of(comm).stats or _no_calls())}
 
 
 def _seg_len(total, align, want, phases):
@@ -513,9 +558,7 @@ def start(comm, kind, blocking, args, stream=None):
     """Validate the device buffers of a call, plan its segments and start its pipeline. Blocking
     and non-blocking calls take the same path (their segments' collectives are all non-blocking,
     so unlike host-buffer calls an Allreduce matches an Iallreduce on device buffers)."""
-    from ..communicator import IN_PLACE
-    comm._check()
-    cfg = comm._cfg
+    cfg = comm.config
     n, me = comm.size, comm.rank
     what = {"allreduce": "Allreduce", "reduce": "Reduce", "bcast": "Bcast",
             "allgather": "Allgather", "reduce_scatter_block": "Reduce_scatter_block",
@@ -534,7 +577,7 @@ def start(comm, kind, blocking, args, stream=None):
     if op is not None:
         op = as_op(op)
     if kind in ("reduce", "bcast"):
-        comm._check_root(root)
+        check_root(root, n)
     # -- buffers --
     need_recv = kind != "reduce" or me == root
     R = S = None
@@ -601,21 +644,21 @@ def start(comm, kind, blocking, args, stream=None):
                                     f"must be equal and hold {n} blocks")
         total = sn // n
     # -- from here on the call takes its sequence number: no argument errors below --
-    user_stream = be.stream_of(_be._unwrap(recvbuf if need_recv else sendbuf)[0], stream)
+    user_stream = be.stream_of(_be.unwrap(recvbuf if need_recv else sendbuf)[0], stream)
     gen, base = _take_seq(comm)
     if total == 0:
         return _Done()
-    twin = _twin(comm, gen)
+    twin, queue = _twin(comm, gen)
     ctx = context(be, cfg)
     segs, order = _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me,
                         cfg.gpu_segment, sendbuf is IN_PLACE)
-    p = Pipeline(comm, twin, base, be, ctx, segs, order, user_stream, what, comm.timeout)
+    p = Pipeline(comm, twin, queue, base, be, ctx, segs, order, user_stream, what, comm.timeout)
     ev0 = be.record(user_stream)          # the input is ready once the stream's work is done
     be.wait_event(ctx.sd, ev0)
     be.wait_event(ctx.sh, ev0)
-    twin._gpu_queue.append(p)
-    comm.__dict__["_gpu_stats"] = st = comm.__dict__.get("_gpu_stats") or {
-        "calls": 0, "segments": 0, "bytes": 0, "device_reductions": 0, "backend": None}
+    queue.append(p)
+    rec = _of(comm)
+    rec.stats = st = rec.stats or _no_calls()
     st["calls"] += 1
     st["segments"] += len(segs)
     st["bytes"] += total
@@ -643,7 +686,6 @@ def _order(nsegs, phases):
 
 def _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me, want, in_place):
     """The segments (steps) and the posting order of one call."""
-    from ..communicator import IN_PLACE
     segs = []
     u8 = np.uint8
 
@@ -664,7 +706,7 @@ def _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me, 
                 be.d2h(slot.host, 0, S, off, ln, st)
 
             def a2a(slot, Lp=Lp):
-                return twin._ialltoall(host_view(slot, 0, Lp), host_view(slot, Lp, Lp), False)
+                return twin.Ialltoall(host_view(slot, 0, Lp), host_view(slot, Lp, Lp))
 
             def h2d(slot, st, Lp=Lp):
                 be.h2d(slot.dev, 0, slot.host, Lp, Lp, st)
@@ -677,7 +719,7 @@ def _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me, 
                 be.d2h(slot.host, me * b, slot.dev, Lp, b, st)
 
             def gather(slot, Lp=Lp):
-                return twin._iallgather(IN_PLACE, host_view(slot, 0, Lp), False)
+                return twin.Iallgather(IN_PLACE, host_view(slot, 0, Lp))
 
             def h2d_out(slot, st, off=off, ln=ln):
                 be.h2d(R, off, slot.host, 0, ln, st)
@@ -697,8 +739,7 @@ def _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me, 
                     be.d2h(slot.host, j * ln, S, j * total + off, ln, st)
 
             def a2a(slot, ln=ln):
-                return twin._ialltoall(host_view(slot, 0, n * ln), host_view(slot, n * ln, n * ln),
-                                       False)
+                return twin.Ialltoall(host_view(slot, 0, n * ln), host_view(slot, n * ln, n * ln))
 
             def h2d(slot, st, ln=ln):
                 be.h2d(slot.dev, 0, slot.host, n * ln, n * ln, st)
@@ -722,14 +763,14 @@ def _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me, 
                 steps.append(("d2h", lambda slot, st, off=off, ln=ln:
                               be.d2h(slot.host, 0, S, off, ln, st)))
             if kind == "allreduce":
-                net = (lambda slot, ln=ln: twin._iallreduce(IN_PLACE, host_view(slot, 0, ln, npdt),
-                                                            op, False))
+                net = (lambda slot, ln=ln: twin.Iallreduce(IN_PLACE, host_view(slot, 0, ln, npdt),
+                                                           op))
             elif kind == "reduce":
-                net = (lambda slot, ln=ln: twin._ireduce(IN_PLACE, host_view(slot, 0, ln, npdt),
-                                                         op, root, False) if me == root else
-                       twin._ireduce(host_view(slot, 0, ln, npdt), None, op, root, False))
+                net = (lambda slot, ln=ln: twin.Ireduce(IN_PLACE, host_view(slot, 0, ln, npdt),
+                                                        op, root) if me == root else
+                       twin.Ireduce(host_view(slot, 0, ln, npdt), None, op, root))
             else:
-                net = lambda slot, ln=ln: twin._ibcast(host_view(slot, 0, ln), root, False)
+                net = lambda slot, ln=ln: twin.Ibcast(host_view(slot, 0, ln), root)
             steps.append(("net", net))
             if gets:
                 steps.append(("h2d", lambda slot, st, off=off, ln=ln:
@@ -747,7 +788,7 @@ def _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me, 
                 be.d2h(slot.host, 0, S, src_off, ln, st)
 
             def net(slot, ln=ln):
-                return twin._iallgather(host_view(slot, 0, ln), host_view(slot, ln, n * ln), False)
+                return twin.Iallgather(host_view(slot, 0, ln), host_view(slot, ln, n * ln))
 
             def h2d(slot, st, off=off, ln=ln):
                 for j in range(n):
@@ -759,8 +800,7 @@ def _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me, 
                     be.d2h(slot.host, j * ln, S, j * total + off, ln, st)
 
             def net(slot, ln=ln):
-                return twin._ialltoall(host_view(slot, 0, n * ln), host_view(slot, n * ln, n * ln),
-                                       False)
+                return twin.Ialltoall(host_view(slot, 0, n * ln), host_view(slot, n * ln, n * ln))
 
             def h2d(slot, st, off=off, ln=ln):
                 for j in range(n):
@@ -772,8 +812,8 @@ def _plan(kind, mode, twin, be, S, R, total, isz, npdt, dtype, op, root, n, me, 
                     be.d2h(slot.host, j * ln, S, j * total + off, ln, st)
 
             def net(slot, ln=ln):
-                return twin._ireduce_scatter_block(host_view(slot, 0, n * ln, npdt),
-                                                   host_view(slot, n * ln, ln, npdt), op, False)
+                return twin.Ireduce_scatter_block(host_view(slot, 0, n * ln, npdt),
+                                                  host_view(slot, n * ln, ln, npdt), op)
 
             def h2d(slot, st, off=off, ln=ln):
                 be.h2d(R, off, slot.host, n * ln, ln, st)

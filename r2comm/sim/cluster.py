@@ -95,7 +95,7 @@ class Cluster:
             for k in range(fabric.K):
                 if not fabric.up[h][k]:
                     self.view.avoid[h][k] = self.view.failed[h][k] = True
-        self._changed()
+        self.changed()
 
     # -- topology ---------------------------------------------------------------------------------
     def host(self, r):
@@ -336,7 +336,8 @@ class Cluster:
                              f"not {value!r}")
         self.sim.at(t, self._fault, kind, h, k, value)
 
-    def _changed(self):
+    def changed(self):
+        """The fabric or the engines' view of it changed: drop cached plans, recount pending."""
         self._cache.clear()
         f, v = self.fab, self.view
         self._pending = sum(1 for h in range(f.H) for k in range(f.K)
@@ -363,7 +364,7 @@ class Cluster:
             self._set_caps(h, k)
             if not v.failed[h][k]:            # back before the deadline: TCP resumes
                 v.avoid[h][k] = False
-            self._changed()
+            self.changed()
             if not v.failed[h][k]:
                 self._release((h, k), same_rail=True)
                 self._rebalance_host(h)
@@ -372,7 +373,7 @@ class Cluster:
             return
         f.down(h, k)
         self._set_caps(h, k)
-        self._changed()
+        self.changed()
         v.gen[h][k] += 1
         g = v.gen[h][k]
         # chunks on the dead NIC: one window per peer rail stuck, the rest to the live rails
@@ -405,7 +406,7 @@ class Cluster:
         if v.gen[h][k] != g or self.fab.up[h][k]:
             return
         v.avoid[h][k] = True
-        self._changed()
+        self.changed()
         self.log.append((self.sim.now, "rerouted", h, k, None))
         self._release((h, k), same_rail=False)
 
@@ -414,7 +415,7 @@ class Cluster:
         if v.gen[h][k] != g or self.fab.up[h][k] and not v.avoid[h][k]:
             return
         v.avoid[h][k] = True
-        self._changed()
+        self.changed()
         if not v.failed[h][k]:
             self._release((h, k), same_rail=False)
         v.failed[h][k] = True
@@ -434,7 +435,7 @@ class Cluster:
         now = self.sim.now
         if self.fab.up[h][k]:
             v.failed[h][k] = v.avoid[h][k] = False
-            self._changed()
+            self.changed()
             v.restore_time[h][k] = now
             self.log.append((now, "rail_restored", h, k, None))
             self._release(("pairs",), same_rail=False)  # stalled pairs may have a rail again

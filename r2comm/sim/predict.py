@@ -76,7 +76,7 @@ def settled_cluster(fab, flat=False, policy="r2comm", segments=None, hedge=True)
         for k in range(fab.K):
             if not fab.up[h][k]:
                 cl.view.avoid[h][k] = cl.view.failed[h][k] = True
-    cl._changed()
+    cl.changed()
     return cl
 
 

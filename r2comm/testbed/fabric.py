@@ -58,7 +58,7 @@ MTU_RANGE = (576, 65535)
 MAX_FLAPS = 1000
 FLAP_PERIOD_S = (0.02, 600.0)
 MGMT = "mgmt"  # the host's management NIC and the switch's management bridge
-_TAG_RE = re.compile(r"^[A-Za-z0-9_]{1,24}$")  # no '-': it ends the tag in a netns name
+TAG_RE = re.compile(r"^[A-Za-z0-9_]{1,24}$")  # no '-': it ends the tag in a netns name
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 # No IPv6 anywhere: no link-local chatter (DAD, router solicitations) on the fabric.
@@ -173,7 +173,7 @@ class Fabric:
     """
 
     def __init__(self, hosts=2, nics=2, rate=None, tag=DEFAULT_TAG, mtu=RAIL_MTU):
-        if not _TAG_RE.match(str(tag)):
+        if not TAG_RE.match(str(tag)):
             raise TestbedError(f"bad tag {tag!r}: 1-24 letters, digits or '_'")
         if not 1 <= hosts <= MAX_HOSTS or not 1 <= nics <= MAX_NICS:
             raise TestbedError(f"need 1..{MAX_HOSTS} hosts and 1..{MAX_NICS} NICs, "

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from ..ports import free_ports
 from ._iproute import TestbedError
-from .fabric import MAX_NICS, _TAG_RE, mgmt_addr, rail_addr
+from .fabric import MAX_NICS, TAG_RE, mgmt_addr, rail_addr
 from .rates import format_rate, parse_rate, tbf_args
 
 EMULATION_DEADLINES = {"R2COMM_RAIL_TIMEOUT_MS": "3000", "R2COMM_PEER_TIMEOUT_MS": "15000"}
@@ -131,7 +131,7 @@ class RdmaFabric:
 
     def __init__(self, hosts=2, nics=2, tag=DEFAULT_TAG, memory_mb=DEFAULT_MEMORY_MB,
                  mtu=DEFAULT_MTU):
-        if not _TAG_RE.match(str(tag)):
+        if not TAG_RE.match(str(tag)):
             raise TestbedError(f"bad tag {tag!r}: 1-24 letters, digits or '_'")
         if not 1 <= hosts <= MAX_HOSTS or not 1 <= nics <= MAX_NICS:
             raise TestbedError(f"need 1..{MAX_HOSTS} hosts and 1..{MAX_NICS} NICs, "

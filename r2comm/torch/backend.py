@@ -58,7 +58,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
 from .. import IN_PLACE
-from ..bootstrap_store import StoreComm, MAX as _STORE_MAX
+from ..bootstrap_store import StoreComm
 from ..communicator import ANY_SOURCE, Communicator
 from ..errors import R2commArgumentError, R2commError, R2commNetworkError, R2commTimeout
 from ..ops import SUM, PROD, MIN, MAX
@@ -97,7 +97,7 @@ def _device(t, reduce=False):
     if not reduce:
         arr = cupy.asarray(flat.view(torch.uint8))
     elif flat.dtype == torch.bfloat16:
-        if _world["comm"] is not None and _world["comm"]._cfg.gpu_reduce != "device":
+        if _world["comm"] is not None and _world["comm"].config.gpu_reduce != "device":
             return None                   # bfloat16 reduces on the device only
         arr = bfloat16(cupy.asarray(flat.view(torch.int16)))
     elif flat.dtype == torch.bool:
@@ -543,20 +543,18 @@ class ProcessGroupR2comm(dist.ProcessGroup):
             secs = None                       # the Communicator reads R2COMM_TIMEOUT itself
         world, ranks = _world["comm"], _world["ranks"]
         granks = list(global_ranks)
-        usable = (granks and world is not None and not world._world.closed
+        usable = (granks and world is not None and not world.closed
                   and all(g in ranks for g in granks))
         if not usable:
             comm = Communicator.from_store(store, rank, size, prefix="r2comm",
                                            store_timeout=secs or 300.0, timeout=secs)
-            if not granks or world is None or world._world.closed:
+            if not granks or world is None or world.closed:
                 _world["comm"] = comm
                 _world["ranks"] = {(granks[i] if granks else i): i for i in range(size)}
         else:
             sc = StoreComm(store, rank, size, "r2comm-group", secs or 300.0)
             members = [ranks[g] for g in granks]
-            cid = sc.allreduce(world._world.next_comm_id, op=_STORE_MAX)
-            world._world.next_comm_id = cid + 1
-            comm = Communicator._child(world._world, sc, members, cid)
+            comm = world.derive(sc, members)          # its id agreed over the group's store
             comm.timeout = world.timeout if secs is None else secs    # the group's own
         if comm.rank != rank or comm.size != size:
             raise R2commError(f"r2comm backend: group rank {rank}/{size} became "

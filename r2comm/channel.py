@@ -1,0 +1,237 @@
+"""Channel: a communicator's line to the engine, under its mpi4py face (communicator.py).
+
+A Channel is a group of ranks on a world (world.py) with its own communicator id: its sequence
+of calls, the plans of its rail-state epoch (plans.py, epoch.py), the posting of a collective to
+the engine, and the telling of a local argument error to the peers. Its last section is the
+internal interface that r2comm's own modules use (gpu/pipeline.py, torch/backend.py,
+control.py, request.py) instead of private attributes."""
+import logging
+
+import numpy as np
+
+from . import control, epoch as _epoch, railview
+from .errors import R2commClosedError, PEER_ARGUMENT_CODE, claim_telling
+from .plans import NONBLOCKING as _NONBLOCKING, SEQ_MASK, call_name, compile_call
+from .request import Request
+from .world import agree_max, engine_module as _engine
+
+log = logging.getLogger("r2comm")
+
+
+class Channel:
+    """The engine side of a communicator (see the module doc); Communicator is its subclass."""
+
+    def _init(self, world, mpi_comm, members, comm_id, owner):
+        self._world = world
+        self._engine = world.engine
+        self._cfg = world.cfg
+        self._mpi = mpi_comm
+        self._members = members               # global rank of each rank of this communicator
+        self._rank_of = {g: i for i, g in enumerate(members)}   # global rank -> rank here
+        self._id = comm_id
+        self._owner = owner
+        self._seq = 0
+        self._plans = {}
+        self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
+        self._state = None                    # RailState the plans are made for (None: static)
+        self._marks = None                    # this rank's rail marks when the epoch was agreed
+        self._epoch = 0                       # agreed rail-state epoch (see _maybe_replan)
+        self._epoch_state = None              # the RailState gathered when it was agreed
+        self._is_ctl = False                  # a twin: no epoch checks of its own
+        self.rank = members.index(world.boot.rank)
+        self._topo = railview.topology(world.boot.endpoints, members)
+        # the first plans follow the start-up outcome: rails that did not connect are down, a
+        # pair with no common rail is relayed around (startup.py)
+        state = railview.start_state(world, members)
+        if state is not None:
+            self._epoch_state = state
+            self._adopt(state)
+        self.size = len(members)
+
+    @classmethod
+    def _child(cls, world, mpi_comm, members, comm_id):
+        c = cls.__new__(cls)
+        c._init(world, mpi_comm, members, comm_id, owner=False)
+        return c
+
+    def _check(self):
+        if self._engine is None or self._world.closed:
+            raise R2commClosedError("communicator has been freed")
+
+    def _schedule(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0, separate=False):
+        """(compiled Plan, Schedule, element count, descriptor), cached per operation shape.
+        The count and descriptor travel in every frame header so that ranks with other
+        arguments are detected (plans.py)."""
+        key = (coll, nbytes, itemsize, root, dtc, redop, separate)
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = compile_call(_engine().Plan, coll, self.rank, self._members, nbytes, itemsize,
+                               root, dtc, redop, separate, self._cfg, self._state, self._topo)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = hit
+        return hit
+
+    def _tell_peers(self, exc, kind, blocking):
+        """A local argument error in a collective (the caller raises it): take the call's
+        sequence number and send every peer an ABORT with the error (engine.post_error), so
+        their call of this collective raises R2commPeerError naming this rank, and the next
+        collective lines up on every rank."""
+        if self.closed or self.size == 1 or not claim_telling(exc):
+            return
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            try:                            # the peers' call runs the epoch check here too
+                self._maybe_replan()
+            except Exception:
+                log.exception("r2comm: epoch check before a failed call")
+        seq = self._seq
+        self._seq = (seq + 1) & SEQ_MASK
+        msg = (f"rank {self._world.boot.rank} could not start its {call_name(kind, blocking)} "
+               f"(call #{seq} on communicator {self._id}): {type(exc).__name__}: {exc}")
+        try:
+            self.post_error(seq, PEER_ARGUMENT_CODE, msg)
+        except Exception:                   # never hide the caller's own error
+            log.exception("r2comm: could not tell the peers about a local argument error")
+
+    def _adopt(self, state):
+        self._state = state
+        self._plans.clear()
+
+    def _gather_state(self):
+        """The live RailState of this communicator, the same on every rank (collective)."""
+        return _epoch.gather_state(control.plane(self), self._world, self._members,
+                                   self._topo.host_of)
+
+    def _rail_marks(self):
+        return _epoch.rail_marks(self._engine, self._members)
+
+    def _maybe_replan(self):
+        """R2COMM_REPLAN=K: the epoch check (epoch.py), at every K-th operation; a higher
+        agreed epoch gathers the rail state and re-plans from it."""
+        if self._is_ctl:
+            return
+        marks = self._rail_marks()
+        epoch = _epoch.agreed_epoch(control.plane(self), self._epoch, marks != self._marks)
+        if epoch <= self._epoch:
+            return
+        self._marks = marks
+        state = self._gather_state()
+        self._epoch = epoch
+        self._epoch_state = state
+        if self._state is not None or not state.healthy():
+            self._adopt(state)
+
+    def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
+               result=None, extra_pre=(), blocking=False):
+        """Build/fetch the schedule, do the local pre-copies, post it to the engine."""
+        self._check()
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            self._maybe_replan()
+        separate = send is not None and send is not work
+        plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop,
+                                                  separate)
+        if sched.fills_work:
+            extra_pre = ()      # the schedule reads the input from SEND itself
+        scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
+        keep = [work, send, scratch]
+        ptr = [0, 0, 0]
+        eng = _engine()
+        for i, (obj, writable) in enumerate(((work, True), (send, False), (scratch, True))):
+            if obj is not None:
+                keep[i] = eng.Buffer(obj, writable)
+                ptr[i] = keep[i].ptr
+        rc = self._world.regcache
+        if rc is not None:               # RDMA rails: large user buffers go zero-copy
+            rc.note(work)
+            if separate:
+                rc.note(send)
+        memcopy = eng.memcopy
+        for (db, do, sb, so, n) in (*extra_pre, *sched.pre):
+            if n:
+                memcopy(ptr[db] + do, ptr[sb] + so, n)
+        seq = self._seq
+        self._seq = (seq + 1) & SEQ_MASK
+        members = self._members
+        if self._state is not None:       # peers this rank cannot reach are relayed around
+            members = [g for i, g in enumerate(self._members)
+                       if i == self.rank or self._state.working(self.rank, i)]
+        # (the engine's `sig` is the element count, its `tag` a collective's call descriptor)
+        oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, count,
+                                self.timeout, members, 0, desc if blocking else desc | _NONBLOCKING)
+        posts = [(db, do, sb, so, n) for (db, do, sb, so, n) in sched.post if n]
+
+        def finish():
+            for (db, do, sb, so, n) in posts:
+                memcopy(ptr[db] + do, ptr[sb] + so, n)
+            if post is not None:
+                post()
+        return Request(self, oid, keep, finish if (posts or post) else None, result)
+
+    # -- r2comm's internal interface: gpu/pipeline, torch/backend, control, request -----------
+    # (not part of the mpi4py face; what those modules may ask of a communicator)
+    @property
+    def closed(self):
+        """True once this communicator was freed or its world closed."""
+        return self._engine is None or self._world.closed
+
+    @property
+    def engine(self):
+        """The engine this communicator posts to (None once freed)."""
+        return self._engine
+
+    @property
+    def config(self):
+        """The job's settings (r2comm.config.Config)."""
+        return self._cfg
+
+    def global_ranks(self):
+        """The world rank of each rank of this communicator, in rank order."""
+        return list(self._members)
+
+    def local_rank(self, grank):
+        """This communicator's rank of world rank `grank` (-1: not a member)."""
+        return self._rank_of.get(grank, -1)
+
+    def next_seq(self):
+        """Take this communicator's next sequence number (after the epoch check when due)."""
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            self._maybe_replan()
+        seq = self._seq
+        self._seq = (seq + 1) & SEQ_MASK
+        return seq
+
+    def seek_seq(self, seq):
+        """Make `seq` this communicator's next sequence number (a staging twin's steps)."""
+        self._seq = seq
+
+    def twin(self, kind, generation=0):
+        """A communicator over the same ranks, world and bootstrap communicator with the id
+        the world's allocator gives twin `kind` ("control", "gpu" with its generation) of this
+        one; it runs no epoch checks of its own."""
+        ids = self._world.ids
+        if kind not in ("control", "gpu"):
+            raise ValueError(f"twin kind {kind!r}: 'control' or 'gpu'")
+        cid = ids.control(self._id) if kind == "control" else ids.gpu_twin(self._id, generation)
+        t = self._child(self._world, self._mpi, list(self._members), cid)
+        t._is_ctl = True
+        return t
+
+    def derive(self, boot_comm, members):
+        """A new communicator of this world over `members` (world ranks, in rank order) built on
+        bootstrap communicator `boot_comm`, its id agreed over it (collective over boot_comm)."""
+        cid = self._world.ids.agree(agree_max(boot_comm))
+        return self._child(self._world, boot_comm, members, cid)
+
+    def post_error(self, seq, code, message):
+        """Fail call `seq` of this communicator on every peer with error `code` (an ABORT)."""
+        self._engine.post_error(self._id, seq, self._members, code, message)
+
+    @property
+    def plan_state(self):
+        """The RailState the plans follow (None: static plans)."""
+        return self._state
+
+    def follow(self, state):
+        """Plan from RailState `state` from now on (a twin follows its parent's epoch)."""
+        if state is not self._state:
+            self._adopt(state)

@@ -1,0 +1,40 @@
+"""The one allocator of communicator ids. Every frame carries a 32-bit communicator id:
+- normal communicators (the world: 0; Dup, Split, torch groups) take ids agreed by their ranks
+  (the maximum of every rank's next free id, over the bootstrap communicator: O(log n)), so a
+  rank that created more communicators than another never reuses an id;
+- each one's control-plane twin (control.py) is CONTROL_BIT | id;
+- each one's device-buffer staging twins (gpu/pipeline.py) are GPU_BIT | generation << 24 | id.
+So normal ids stay below 2**24 where staging twins are used, and below GPU_BIT always."""
+from .errors import R2commArgumentError
+
+CONTROL_BIT = 0x80000000      # communicator id bit of control-plane twins
+GPU_BIT = 0x40000000          # communicator id bit of staging twins
+GPU_GEN_SHIFT = 24            # a staging twin's generation sits above the parent's id
+GPU_GENERATIONS = 64
+
+
+class CommIds:
+    """Hands out the communicator ids of one world (one engine)."""
+
+    def __init__(self):
+        self.next_free = 1       # the world communicator is id 0
+
+    def agree(self, agree_max, count=1):
+        """The first of `count` new ids, the same on every rank: `agree_max(v)` returns the
+        maximum of v over the ranks that create them (a collective of theirs)."""
+        base = int(agree_max(self.next_free))
+        self.next_free = base + count
+        return base
+
+    @staticmethod
+    def control(comm_id):
+        """The id of the control-plane twin of communicator `comm_id`."""
+        return CONTROL_BIT | comm_id
+
+    @staticmethod
+    def gpu_twin(comm_id, generation):
+        """The id of staging twin `generation` (0 .. 63) of communicator `comm_id`."""
+        if comm_id >= (1 << GPU_GEN_SHIFT) or generation >= GPU_GENERATIONS:
+            raise R2commArgumentError("device-buffer collectives: communicator id or call count "
+                                      "beyond what the staging twin can number")
+        return GPU_BIT | (generation << GPU_GEN_SHIFT) | comm_id

@@ -1,0 +1,86 @@
+"""A collective's call descriptor and its compiled plan.
+
+Every DATA frame of a collective carries, besides the comm id and the sequence number, what its
+sender called, so that the first frame that disagrees is caught by an integer compare in the
+engine (check_match) and both sides can be named in the error:
+  header.aux = kind (bits 0-2) | non-blocking (bit 3) | root (bits 4-19, 0xFFFF: >= 65535)
+               | 12-bit hash of the rest of the plan (bits 20-31: algorithm, size, sizes)
+  header.sig = element count (low 32 bits)     header.dtype, header.redop as before
+
+Rooted collectives (Bcast, Reduce) leave ranks that hear from nobody (a Bcast root, a Reduce
+leaf): their data alone cannot tell them that the others called the same thing. They get an
+agreement: a dissemination exchange of header-only frames (ceil(log2 n) rounds, each round's
+send gated on the previous round's receive) that carries the descriptor, so every rank hears,
+directly or through a checked chain, from every other rank before its call returns. The other
+collectives need none: every rank's result already depends on a frame from every rank."""
+import zlib
+
+from . import planner
+from .planner.schedule import WORK, COPY
+
+KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "reduce_scatter_block": 5,
+         "alltoall": 6, "barrier": 7}
+KIND_NAMES = {1: "Allreduce", 2: "Reduce", 3: "Bcast", 4: "Allgather",
+              5: "Reduce_scatter_block", 6: "Alltoall", 7: "Barrier"}
+NONBLOCKING = 8
+# A communicator's sequence numbers are uint32 on the wire and wrap: the engine compares them
+# modulo 2**32 (engine_state.pxi: seq_before), so call 2**32 follows call 2**32 - 1 as any other.
+SEQ_MASK = 0xFFFFFFFF
+AGREE_STEP = 0xFFF000
+AGREED = ("bcast", "reduce")
+
+
+def call_name(kind, blocking=True):
+    """The mpi4py name of collective `kind` ("allreduce" -> "Allreduce"; "Iallreduce")."""
+    name = KIND_NAMES[KINDS[kind]]
+    return name if blocking else "I" + name[0].lower() + name[1:]
+
+
+def agreement(rank, n, base):
+    """The agreement's messages (schedule tuples, global indices from `base`) and deps."""
+    msgs, deps, prev, k, d = [], [], None, 0, 1
+    while d < n:
+        msgs.append(("send", (rank + d) % n, AGREE_STEP + k, WORK, 0, 0, COPY, True))
+        if prev is not None:
+            deps.append((prev, base + len(msgs) - 1))
+        msgs.append(("recv", (rank - d) % n, AGREE_STEP + k, WORK, 0, 0, COPY, False))
+        prev = base + len(msgs) - 1
+        k, d = k + 1, d * 2
+    return msgs, deps
+
+
+def _agreement_reachable(state, size):
+    """The agreement's pairs (i, i + 2^b) all work under `state` (None: static plans)."""
+    return state is None or all(state.working(i, (i + d) % size) for i in range(size)
+                                for d in (1 << b for b in range((size - 1).bit_length())))
+
+
+def descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size):
+    """(element count for header.sig, header.aux without the non-blocking bit)."""
+    count = nbytes // itemsize if itemsize else nbytes
+    h = zlib.crc32(f"{coll}|{nbytes}|{itemsize}|{dtc}|{redop}|{root}|{algo}|{size}|"
+                   f"{count >> 32}".encode())
+    desc = (KINDS[coll] | (min(root, 0xFFFF) << 4) | ((h & 0xFFF) << 20)) if coll in KINDS else 0
+    return count & 0xFFFFFFFF, desc
+
+
+def compile_call(Plan, coll, rank, members, nbytes, itemsize, root, dtc, redop, separate, cfg,
+                 state, topo):
+    """(compiled Plan, Schedule, element count, descriptor) of one call shape on this rank
+    (members: the communicator's global ranks; Plan: the engine's plan class)."""
+    size = len(members)
+    algo = cfg.algo
+    if coll != "allreduce" and algo not in planner.GENERIC_ALGOS:
+        algo = ""
+    sched = planner.build(coll, rank, size, nbytes, itemsize, root, cfg.eager, algo,
+                          state=state, separate_send=separate, topo=topo)
+    sched.validate()
+    msgs, deps, algo = list(sched.msgs), list(sched.deps), sched.algo
+    if coll in AGREED and cfg.agree and size > 1 and _agreement_reachable(state, size):
+        more, mdeps = agreement(rank, size, len(msgs))
+        msgs += more
+        deps += mdeps
+        algo += "+agree"
+    msgs = [(k, members[p], st, b, off, n, mode, own) for (k, p, st, b, off, n, mode, own) in msgs]
+    count, desc = descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size)
+    return Plan(msgs, deps, algo), sched, count, desc

@@ -1,0 +1,49 @@
+"""Adapters between the world's view of ranks and rails and the planner's: the Topology of a
+communicator's ranks, the start-up RailState seen by them, and the topology() description."""
+import ipaddress
+
+from . import planner
+
+
+def loopback_only(endpoints):
+    """Every rail of these ranks' endpoints is a loopback address: one device (the CPUs),
+    not several NICs."""
+    return all(ipaddress.ip_address(a).is_loopback for ep in endpoints for a, _ in ep["rails"])
+
+
+def host_keys(endpoints):
+    """The host key of every rank's endpoint (r2comm.hostid; the host name for endpoints that
+    predate it)."""
+    return [ep.get("host_key") or ep["host"] for ep in endpoints]
+
+
+def topology(endpoints, members):
+    """The planner's Topology of the ranks `members` (global ranks, in communicator order)."""
+    return planner.Topology.from_labels([host_keys(endpoints)[g] for g in members],
+                                        [len(endpoints[g]["rails"]) for g in members])
+
+
+def start_state(world, members):
+    """The start-up RailState (world.start_state) seen by the ranks `members` (global ranks,
+    in communicator order), or None when it is healthy for them."""
+    st = world.start_state
+    if st is None:
+        return None
+    sub = planner.RailState([st.hosts[g] for g in members], st.nrails,
+                            {(a, b, k): st.link[(ga, gb, k)]
+                             for a, ga in enumerate(members) for b, gb in enumerate(members)
+                             for k in range(st.nrails) if (ga, gb, k) in st.link},
+                            st.alpha, st.chunk, st.degraded_tol)
+    return None if sub.healthy() else sub
+
+
+def describe(topo, rank, state):
+    """Communicator.topology()'s dict: topo.describe(rank), plus rails_up_per_host once the
+    plans follow a rail state of the same hosts."""
+    d = topo.describe(rank)
+    if state is not None and topo.nhosts > 1 and \
+            planner.Topology.from_labels(state.hosts).host_of == topo.host_of:
+        d["rails_up_per_host"] = [sum(1 for k in range(state.nrails)
+                                      if state.nic_bw(state.hosts[rs[0]], k) > 0)
+                                  for rs in topo.hosts]
+    return d
