@@ -180,7 +180,7 @@ def test_front_end_names_no_transport():
         assert transport_words(files[module], module) == [], f"{module} names a transport"
         bad = sorted(t for t in graph[module] if inside(t, "r2comm.transport")
                      and t not in ("r2comm.transport.select", "r2comm.transport.links",
-                                   "r2comm.transport.rails"))
+                                   "r2comm.transport.rails", "r2comm.transport.liveness"))
         assert bad == [], f"{module} imports transport modules past select"
 
 
