@@ -37,6 +37,7 @@ _ARGS = _hosts_from_args()
 import numpy as np                      # noqa: E402
 import r2comm                           # noqa: E402
 from r2comm import SUM                  # noqa: E402
+from r2comm._core import testing        # noqa: E402
 import mpi_worker                       # noqa: E402
 from mpi_worker import WORLD, check, data, main   # noqa: E402
 
@@ -160,7 +161,7 @@ def sc_relink(comm, args):
     ops = 0
     for k in range(40):
         if r == 0 and k == 5:
-            comm._engine._test_corrupt(1, 0)
+            testing.corrupt_next(comm._engine, 1, 0)
         comm.Allreduce(x, y)
         check(np.array_equal(y, ref), f"allreduce {k} exact")
         ops += 1

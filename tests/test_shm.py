@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from conftest import run_mpi, ROOT
+from r2comm._core import testing
 
 SHM_WORKER = os.path.join(ROOT, "tests", "shm_worker.py")
 JOB = b"testjob!"
@@ -40,7 +41,7 @@ def _pair(ring=4096, conn_id=7):
     s1, s2 = socket.socketpair()
     s1.setblocking(False)
     s2.setblocking(False)
-    return E.ShmEnd(s1.detach(), base, n, 0), E.ShmEnd(s2.detach(), b2, n2, 1), name
+    return testing.ShmEnd(s1.detach(), base, n, 0), testing.ShmEnd(s2.detach(), b2, n2, 1), name
 
 
 # -- the ring --------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def _ends(a, b):
     s1, s2 = socket.socketpair()
     s1.setblocking(False)
     s2.setblocking(False)
-    return E.ShmEnd(s1.detach(), *a, 0), E.ShmEnd(s2.detach(), *b, 1)
+    return testing.ShmEnd(s1.detach(), *a, 0), testing.ShmEnd(s2.detach(), *b, 1)
 
 
 def test_adopt_refuses_a_length_that_is_no_segments():
@@ -302,7 +303,7 @@ def test_adopt_refuses_a_length_that_is_no_segments():
     try:
         for n in (4096, 4096 + 5000, 4096 + 2 * 2048, 4096 + 2 * 4096 + 1):
             with pytest.raises(ValueError):
-                _engine().ShmEnd(s1.fileno(), a[0], n, 0)
+                testing.ShmEnd(s1.fileno(), a[0], n, 0)
     finally:
         s1.close()
         s2.close()
@@ -356,7 +357,7 @@ def test_counters_moved_out_of_range_after_set_up_fail_the_link():
 _REWRITER = r"""
 import os, sys, mmap, socket, struct
 sys.path.insert(0, sys.argv[1])
-from r2comm._core import engine as E
+from r2comm._core import engine as E, testing
 job = b"testjob!"
 name = "/r2comm-%s-%d-0-1-00000043" % (job.hex(), os.getpid())
 a = E.shm_create(name.encode(), 4096, 0x43, job, os.getpid())
@@ -368,8 +369,8 @@ os.close(fd)
 os.unlink("/dev/shm" + name)
 struct.pack_into("<Q", m, 16, 1 << 40)          # ring_bytes: 1 TiB
 s1, s2 = socket.socketpair()
-x = E.ShmEnd(s1.detach(), *a, 0)                # the creator
-y = E.ShmEnd(s2.detach(), *b, 1)                # the peer (it attached before the rewrite)
+x = testing.ShmEnd(s1.detach(), *a, 0)                # the creator
+y = testing.ShmEnd(s2.detach(), *b, 1)                # the peer (it attached before the rewrite)
 canary = bytearray(b"C" * (1 << 20))
 blob = os.urandom(100_000)
 for src, dst in ((y, x), (x, y)):
@@ -672,10 +673,10 @@ def test_failed_link_is_set_up_again(n):
 _WRITER = r"""
 import os, random, select, sys, time
 sys.path.insert(0, sys.argv[1])
-from r2comm._core import engine as E
+from r2comm._core import engine as E, testing
 name, fd, total, seed = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 base, n = E.shm_attach(name.encode(), 9, b"testjob!")
-end = E.ShmEnd(fd, base, n, 1)
+end = testing.ShmEnd(fd, base, n, 1)
 rng = random.Random(seed)
 blob = rng.randbytes(total)
 sent, sleeps, stalls = 0, 0, 0
@@ -713,7 +714,7 @@ def test_ring_across_processes_with_doorbells():
                                  stdout=subprocess.PIPE, text=True)
     finally:
         s2.close()
-    reader = E.ShmEnd(s1.detach(), base, n, 0)
+    reader = testing.ShmEnd(s1.detach(), base, n, 0)
     try:
         got = bytearray()
         sleeps = stalls = 0

@@ -1,0 +1,77 @@
+"""The test hooks live in their own extension (r2comm._core.testing), not in the production engine
+(issue 30): the engine module and its Engine class expose none of them, the test extension has
+them all, and setup.py leaves the test extension out of a wheel's build."""
+import os
+import runpy
+
+import pytest
+
+from conftest import ROOT
+from r2comm._core import engine, testing
+
+# what moved out of the engine module (module-level names) and out of Engine (its methods)
+MODULE_HOOKS = ["ShmEnd", "validate_header", "encode_header", "reduce_local", "blake2s",
+                "poly1305", "frame_tag"]
+ENGINE_HOOKS = ["fuzz_attach", "fuzz_sent", "fuzz_feed", "fake_transport", "transport_stats",
+                "_test_corrupt", "_p2p_start", "debug_state"]
+TESTING_NAMES = MODULE_HOOKS + ["fuzz_attach", "fuzz_sent", "fuzz_feed", "use_fake_transport",
+                                "transport_stats", "corrupt_next", "p2p_start", "debug_state"]
+
+
+def test_production_engine_exposes_no_test_hooks():
+    assert [n for n in MODULE_HOOKS if hasattr(engine, n)] == []
+    assert [n for n in ENGINE_HOOKS if hasattr(engine.Engine, n)] == []
+    # nothing of the fuzz or fake transports is compiled into it either
+    names = [n for n in dir(engine) if "fuzz" in n.lower() or "fake" in n.lower()]
+    assert names == []
+
+
+def test_test_extension_has_the_hooks_and_drives_the_engine():
+    assert [n for n in TESTING_NAMES if not hasattr(testing, n)] == []
+    e = engine.Engine(0, 2, [0, 1], 65536, 0.5, 1.5, 1 << 20)
+    try:
+        assert testing.transport_stats(e)["transport"] == "tcp"
+        testing.fuzz_attach(e, 1, 0, 1)
+        state = testing.debug_state(e)
+        assert state["unsent"][1][0][0] == 1         # the rail is up, on the fuzz transport
+        assert testing.transport_stats(e)["transport"] == "fuzz"
+    finally:
+        e.close()
+    with pytest.raises(TypeError):
+        testing.debug_state(object())                # an Engine or nothing
+
+
+def _built_extensions(monkeypatch, env, inplace=False, editable=False):
+    """The extensions setup.py's build_ext builds, with `env` set (nothing is compiled)."""
+    import setuptools
+    import Cython.Build
+    from setuptools.dist import Distribution
+    got = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: got.update(kw))
+    monkeypatch.setattr(Cython.Build, "cythonize", lambda exts, **kw: exts)
+    for key, val in env.items():
+        if val is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, val)
+    monkeypatch.chdir(ROOT)
+    runpy.run_path(os.path.join(ROOT, "setup.py"))
+    cmd = got["cmdclass"]["build_ext"](Distribution({"ext_modules": got["ext_modules"]}))
+    cmd.initialize_options()
+    cmd.inplace = inplace
+    if editable:
+        cmd.editable_mode = True
+    cmd.finalize_options()
+    return {x.name for x in cmd.extensions}
+
+
+def test_a_wheel_build_leaves_the_test_extension_out(monkeypatch):
+    test_ext = "r2comm._core.testing"
+    wheel = _built_extensions(monkeypatch, {"R2COMM_TEST_HOOKS": None})
+    assert "r2comm._core.engine" in wheel and test_ext not in wheel
+    assert test_ext in _built_extensions(monkeypatch, {"R2COMM_TEST_HOOKS": None}, inplace=True)
+    assert test_ext in _built_extensions(monkeypatch, {"R2COMM_TEST_HOOKS": None}, editable=True)
+    assert test_ext in _built_extensions(monkeypatch, {"R2COMM_TEST_HOOKS": "1"})
+    assert test_ext not in _built_extensions(monkeypatch, {"R2COMM_TEST_HOOKS": "0"}, inplace=True)
+    with pytest.raises(SystemExit):
+        _built_extensions(monkeypatch, {"R2COMM_TEST_HOOKS": "yes"})
