@@ -12,15 +12,18 @@ from r2comm._core import engine, testing
 # what moved out of the engine module (module-level names) and out of Engine (its methods)
 MODULE_HOOKS = ["ShmEnd", "validate_header", "encode_header", "reduce_local", "blake2s",
                 "poly1305", "frame_tag"]
+PLAN_HOOKS = ["messages"]
 ENGINE_HOOKS = ["fuzz_attach", "fuzz_sent", "fuzz_feed", "fake_transport", "transport_stats",
                 "_test_corrupt", "_p2p_start", "debug_state"]
 TESTING_NAMES = MODULE_HOOKS + ["fuzz_attach", "fuzz_sent", "fuzz_feed", "use_fake_transport",
-                                "transport_stats", "corrupt_next", "p2p_start", "debug_state"]
+                                "transport_stats", "corrupt_next", "p2p_start", "debug_state",
+                                "plan_messages"]
 
 
 def test_production_engine_exposes_no_test_hooks():
     assert [n for n in MODULE_HOOKS if hasattr(engine, n)] == []
     assert [n for n in ENGINE_HOOKS if hasattr(engine.Engine, n)] == []
+    assert [n for n in PLAN_HOOKS if hasattr(engine.Plan, n)] == []
     # nothing of the fuzz or fake transports is compiled into it either
     names = [n for n in dir(engine) if "fuzz" in n.lower() or "fake" in n.lower()]
     assert names == []
@@ -39,6 +42,8 @@ def test_test_extension_has_the_hooks_and_drives_the_engine():
         e.close()
     with pytest.raises(TypeError):
         testing.debug_state(object())                # an Engine or nothing
+    msgs = [("send", 1, 3, 1, 0, 4096, 0, True), ("recv", 1, 3, 0, 64, 8, 1, False)]
+    assert testing.plan_messages(engine.Plan(msgs, [(0, 1)], "t")) == msgs
 
 
 def _built_extensions(monkeypatch, env, inplace=False, editable=False):

@@ -112,8 +112,10 @@ cdef extern from "<stdio.h>" nogil:
 # The engine's parts, included as text into this one extension (one C++ translation unit: the
 # same code as when they were one file, inlined across parts alike). They share the declarations
 # above and engine.pxd's; engine_state.pxi comes first.
-#   engine_state.pxi    constants, structs and C++ classes (Op, SendMsg, RecvMsg, Rail, Peer,
-#                       State, PlanC) and small helpers (clocks, keys, chunk sizes, events)
+#   engine.pxd          (read first, by Cython) constants, structs and C++ classes (Op, SendMsg,
+#                       RecvMsg, Rail, Peer, State, PlanC), Plan's and Engine's C fields
+#   engine_state.pxi    constants' Python names, limits, making a Rail and the State, small
+#                       helpers (clocks, keys, chunk sizes, events)
 #   ops.pxi             an operation's life: posted from a Plan, counted done, freed
 #   scheduler.pxi       the chunk scheduler: ready queues, rail windows and rates, striping,
 #                       chunk-level dependencies, tail hedging
@@ -187,12 +189,6 @@ cdef class Plan:
             self.c.deps.push_back(pair[int, int](a, b))
         self.algo = algo
         self.info = info
-
-    def messages(self):
-        """The compiled messages, as tuples (for tests)."""
-        return [("send" if self.c.kind[i] else "recv", self.c.peer[i], self.c.step[i],
-                 self.c.buf[i], self.c.off[i], self.c.nbytes[i], self.c.mode[i],
-                 bool(self.c.owned[i])) for i in range(self.c.kind.size())]
 
     @property
     def nmsgs(self):

@@ -20,7 +20,7 @@ from r2comm._core.shm cimport (r2_shm_setup, r2_shm_conn, r2_shm_ring_of, r2_shm
                                r2_shm_write, r2_shm_read, r2_shm_arm, r2_shm_wake, r2_shm_close)
 from r2comm._core.tcp cimport tcp_sendv, tcp_recv1, close, SHUT_RDWR
 from r2comm._core.tcp cimport shutdown as sock_shutdown
-from r2comm._core.engine cimport (Engine, State, Peer, Rail, R_UP, MAC_LEN, DACK_DELAY, mono,
+from r2comm._core.engine cimport (Engine, Plan, State, Peer, Rail, R_UP, MAC_LEN, DACK_DELAY, mono,
                                   rail_window, rail_read, pump_peer, lazy_ack_timer, p2p_state,
                                   pthread_mutex_lock, pthread_mutex_unlock, b2s_state, b2s_init,
                                   b2s_update, b2s_final, b2s_prepare_more, p1305_state,
@@ -99,10 +99,12 @@ def frame_tag(bytes key, bytes header, bytes payload, uint64_t counter):
     return bytes(tag[:MAC_LEN])
 
 
+# ---------------------------------------------------------------------------------------------
+# One end of a shared-memory link outside an engine (tests/test_shm.py)
 
 cdef class ShmEnd:
-    """One end of a shared-memory link outside an engine (the ring unit tests):
-    the same r2_shm.h code the transport runs, driven from Python."""
+    """One end of a shared-memory link outside an engine (the ring unit tests): the same
+    r2_shm.h code the transport runs, driven from Python."""
     cdef r2_shm_conn* c
 
     def __cinit__(self, int fd, uint64_t base, uint64_t map_len, int side):
@@ -176,11 +178,13 @@ cdef class ShmEnd:
         self.close()
 
 
+# ---------------------------------------------------------------------------------------------
+# Hooks into a live engine (tests/fault_worker.py, shm_worker.py, test_engine_limits.py, ...)
 
 def corrupt_next(Engine engine, int peer, int rail):
-    """Flip one payload byte of the next DATA frame to `peer` on `rail` as it
-    goes on the wire, after its MAC (if any) was computed: a middlebox writing into the
-    stream. Not a user fault mode: with the checksum only, the change goes undetected."""
+    """Flip one payload byte of the next DATA frame to `peer` on `rail` as it goes on the wire,
+    after its MAC (if any) was computed: a middlebox writing into the stream. Not a user fault
+    mode: with the checksum only, the change goes undetected."""
     cdef State* e = engine._live()
     if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail >= e.peers[peer].nrails:
         raise ValueError(f"no such peer/rail {peer}/{rail}")
@@ -191,8 +195,8 @@ def corrupt_next(Engine engine, int peer, int rail):
 
 
 def p2p_start(Engine engine, int peer, uint32_t comm, uint32_t seq):
-    """The point-to-point sequences of (peer, comm), both ways, start at seq
-    (nothing sent or received on them yet): tests of the wrap at 2**32."""
+    """The point-to-point sequences of (peer, comm), both ways, start at seq (nothing sent or
+    received on them yet): tests of the wrap at 2**32."""
     cdef State* e = engine._live()
     if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
         raise ValueError(f"no such peer {peer}")
@@ -248,11 +252,20 @@ def debug_state(Engine engine):
     return out
 
 
+def plan_messages(Plan plan):
+    """A Plan's compiled messages, as the tuples it was made from (owned as a bool)."""
+    return [("send" if plan.c.kind[i] else "recv", plan.c.peer[i], plan.c.step[i],
+             plan.c.buf[i], plan.c.off[i], plan.c.nbytes[i], plan.c.mode[i],
+             bool(plan.c.owned[i])) for i in range(plan.c.kind.size())]
+
+
 # ---------------------------------------------------------------------------------------------
 # Wire fuzzing (tests/fuzz_wire.py): the fuzz transport (fuzz_transport.pxi) under an engine
+
 def fuzz_attach(Engine engine, int peer, int rail, uint32_t conn_id, bytes tx_key=b"",
                 bytes rx_key=b"", bint late_read=False):
-    """Switch the engine to the in-memory fuzz transport and bring up (peer, rail) on it (in mac mode with the connection's frame keys, as attach). What
+    """Switch the engine (no progress thread) to the in-memory fuzz transport and bring up
+    (peer, rail) on it (in mac mode with the connection's frame keys, as attach). What
     fuzz_feed() gives is then what the rail reads; what the engine writes is accepted (and
     counted, and kept per rail for fuzz_sent) or, with block_send, left unwritten.
     late_read: the transport is TPF_LATE_READ, as verbs zero-copy (no hedge copies)."""
@@ -279,9 +292,10 @@ def fuzz_sent(Engine engine, int rail):
 
 def fuzz_feed(Engine engine, int peer, int rail, const unsigned char[:] data, uint32_t step=0,
               bint block_send=False, uint32_t send_step=0):
-    """The rail reads `data` (in reads of at most `step` bytes; 0: as much as it asks for), then the engine sends what it has to (acks, chunks, notices) as its
-    progress loop would (sends take at most `send_step` bytes each: partial writes; 0: all).
-    Returns (bytes consumed, rail still up, bytes the engine wrote)."""
+    """The rail reads `data` (in reads of at most `step` bytes; 0: as much as it asks for),
+    then the engine sends what it has to (acks, chunks, notices) as its progress loop would
+    (sends take at most `send_step` bytes each: partial writes; 0: all). Returns (bytes
+    consumed, rail still up, bytes the engine wrote)."""
     cdef State* e = engine._live()
     cdef Rail* r
     cdef size_t before
@@ -319,14 +333,16 @@ def fuzz_feed(Engine engine, int peer, int rail, const unsigned char[:] data, ui
 
 # ---------------------------------------------------------------------------------------------
 # The fake transport (fake_transport.pxi; tests/test_transport_iface.py, R2COMM_TEST_TRANSPORT)
+
 def use_fake_transport(Engine engine, uint64_t seed, double block=0.0, double short=0.0,
-                       double delay=0.0, double lose=0.0, double fail=0.0, int64_t fail_bytes=0, int max_fails=0):
+                       double delay=0.0, double lose=0.0, double fail=0.0,
+                       int64_t fail_bytes=0, int max_fails=0):
     """Connections the engine attaches from now on use the fake transport (fake_transport.pxi):
-    TCP underneath, with faults drawn from `seed`: a post refused
-    (would block) with probability `block`, a post or read accepted in part with `short`, a
-    completion held back at each test with `delay` (then handed over shuffled) or lost with
-    `lose`, and a connection, with probability `fail` (at most `max_fails` of them), shut down
-    at a random byte within its first `fail_bytes` sent."""
+    TCP underneath, with faults drawn from `seed`: a post refused (would block) with
+    probability `block`, a post or read accepted in part with `short`, a completion held back
+    at each test with `delay` (then handed over shuffled) or lost with `lose`, and a
+    connection, with probability `fail` (at most `max_fails` of them), shut down at a random
+    byte within its first `fail_bytes` sent."""
     cdef State* e = engine._live()
     memset(&fk, 0, sizeof(fk))
     fk.seed = seed

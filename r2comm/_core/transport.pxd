@@ -97,10 +97,10 @@
 # copies a prefix into the ring and completes inside the call; irecv copies out. os_fd is -1
 # (no TCP_INFO).
 #
-# Implementations: tcp.pxd and verbs_transport.pxi (production), shm.pxd (local peers),
-# fuzz_transport.pxi (in-memory, the wire fuzzer),
-# fake_transport.pxi (TCP underneath, seeded faults: short and refused posts, delayed,
-# reordered and lost completions, a connection failing at a random byte; tests only).
+# Implementations: tcp.pxd and verbs_transport.pxi (production), shm.pxd (local peers), and in
+# the test extension (testing.pyx, not in the production engine) fuzz_transport.pxi (in-memory,
+# the wire fuzzer) and fake_transport.pxi (TCP underneath, seeded faults: short and refused
+# posts, delayed, reordered and lost completions, a connection failing at a random byte).
 from libc.stdint cimport int64_t, uint64_t, intptr_t
 
 cdef extern from "<sys/uio.h>" nogil:
