@@ -72,6 +72,9 @@ def sc_collectives(comm, args):
         check(links[p]["bytes_sent"] > 0 and links[p]["bytes_recv"] > 0,
               f"rank {r}: no traffic on the shm link to {p}: {links[p]}")
         check(links[p]["failures"] == 0, f"shm link to {p} failed: {links[p]}")
+    bells = testing.shm_bells(comm._engine)        # doorbells rung, per live shm link
+    check(set(bells) == want and all(b >= 0 for b in bells.values()),
+          f"rank {r}: doorbell counts {bells} for shm peers {sorted(want)}")
     nic = sum(ra.bytes_sent for ra in comm.rails) - nic0
     remote = n - 1 - len(want)
     if remote == 0:

@@ -14,10 +14,10 @@ MODULE_HOOKS = ["ShmEnd", "validate_header", "encode_header", "reduce_local", "b
                 "poly1305", "frame_tag"]
 PLAN_HOOKS = ["messages"]
 ENGINE_HOOKS = ["fuzz_attach", "fuzz_sent", "fuzz_feed", "fake_transport", "transport_stats",
-                "_test_corrupt", "_p2p_start", "debug_state"]
+                "_test_corrupt", "_p2p_start", "debug_state", "shm_bells"]
 TESTING_NAMES = MODULE_HOOKS + ["fuzz_attach", "fuzz_sent", "fuzz_feed", "use_fake_transport",
                                 "transport_stats", "corrupt_next", "p2p_start", "debug_state",
-                                "plan_messages"]
+                                "plan_messages", "shm_bells"]
 
 
 def test_production_engine_exposes_no_test_hooks():
@@ -38,6 +38,7 @@ def test_test_extension_has_the_hooks_and_drives_the_engine():
         state = testing.debug_state(e)
         assert state["unsent"][1][0][0] == 1         # the rail is up, on the fuzz transport
         assert testing.transport_stats(e)["transport"] == "fuzz"
+        assert testing.shm_bells(e) == {}            # no shared-memory link
     finally:
         e.close()
     with pytest.raises(TypeError):

@@ -37,13 +37,11 @@ from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
                                      TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC,
                                      TPF_LATE_READ)
-from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_conn, r2_shm_seg_len,
-                               r2_shm_ring_ok, r2_shm_ring_of,
-                               r2_shm_create, r2_shm_attach, r2_shm_adopt, r2_shm_write,
-                               r2_shm_read, r2_shm_arm, r2_shm_wake, r2_shm_close, ShmConn)
-from r2comm._core.tcp cimport (tcp_transport, TcpConn, tcp_adopt, tcp_sendv, tcp_recv1, tcp_test,
-                               tcp_shutdown, tcp_close, tcp_event_fd, SHUT_RDWR)
-from r2comm._core.tcp cimport shutdown as sock_shutdown, MSG_NOSIGNAL, MSG_DONTWAIT
+# TCP and shared memory are reached through their transport.pxd tables (tcp_transport,
+# shm_transport); of shm, besides, the segments' set-up (shm_create / shm_attach, attach_shm)
+from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_ring_ok, r2_shm_ring_of,
+                               r2_shm_create, r2_shm_attach)
+from r2comm._core.tcp cimport tcp_transport, MSG_NOSIGNAL, MSG_DONTWAIT
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t sock_send "send"(int fd, const void* buf, size_t n, int flags)
@@ -529,26 +527,6 @@ cdef class Engine:
                 out[i] = [(<bytes>e.peers[i].rails[k].tp.name).decode()
                           if e.peers[i].rails[k].tp != NULL else ""
                           for k in range(e.peers[i].nrails)]
-        finally:
-            pthread_mutex_unlock(&e.mu)
-        return out
-
-    def shm_bells(self):
-        """Per peer with a live shared-memory link: doorbells this rank has rung on it (a
-        doorbell is a system call: only towards a peer that announced it sleeps)."""
-        cdef State* e = self._live()
-        cdef dict out = {}
-        cdef int i
-        cdef Rail* r
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-        try:
-            for i in range(e.nranks):
-                if e.peers[i] == NULL or e.peers[i].nrails < 1:
-                    continue
-                r = e.peers[i].rails[0]
-                if r.state == R_UP and r.tp == &SHM_TP and r.conn != NULL:
-                    out[i] = (<ShmConn*>r.conn).c.bells
         finally:
             pthread_mutex_unlock(&e.mu)
         return out

@@ -9,14 +9,14 @@ engine through engine.pxd (the engine's types and functions), the same code the 
 Every hook that takes an engine takes an r2comm._core.engine.Engine first."""
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
 from libc.stdlib cimport malloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memset, strcmp
 from libcpp.string cimport string
 from cython.operator cimport dereference as deref
 
 from r2comm._core.wire cimport r2_hdr, hdr_encode, hdr_validate, HDR_SIZE
 from r2comm._core.transport cimport (iovec, Transport, TDone, tdone_push, tdone_take, iov_total,
                                      tp_reg_none, tp_dereg_none, TPF_LATE_READ)
-from r2comm._core.shm cimport (r2_shm_setup, r2_shm_conn, r2_shm_ring_of, r2_shm_adopt,
+from r2comm._core.shm cimport (ShmConn, r2_shm_setup, r2_shm_conn, r2_shm_ring_of, r2_shm_adopt,
                                r2_shm_write, r2_shm_read, r2_shm_arm, r2_shm_wake, r2_shm_close)
 from r2comm._core.tcp cimport tcp_sendv, tcp_recv1, close, SHUT_RDWR
 from r2comm._core.tcp cimport shutdown as sock_shutdown
@@ -247,6 +247,27 @@ def debug_state(Engine engine):
                               e.peers[i].rails[k].ghosts)
                              for k in range(e.peers[i].nrails)]
                          for i in range(e.nranks) if e.peers[i] != NULL}}
+    finally:
+        pthread_mutex_unlock(&e.mu)
+    return out
+
+
+def shm_bells(Engine engine):
+    """Per peer with a live shared-memory link: doorbells this rank has rung on it (a doorbell is
+    a system call: only towards a peer that announced it sleeps)."""
+    cdef State* e = engine._live()
+    cdef dict out = {}
+    cdef int i
+    cdef Rail* r
+    with nogil:
+        pthread_mutex_lock(&e.mu)
+    try:
+        for i in range(e.nranks):
+            if e.peers[i] == NULL or e.peers[i].nrails < 1:
+                continue
+            r = e.peers[i].rails[0]
+            if r.state == R_UP and r.conn != NULL and strcmp(r.tp.name, "shm") == 0:
+                out[i] = (<ShmConn*>r.conn).c.bells
     finally:
         pthread_mutex_unlock(&e.mu)
     return out
