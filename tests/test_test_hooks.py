@@ -81,3 +81,43 @@ def test_a_wheel_build_leaves_the_test_extension_out(monkeypatch):
     assert test_ext not in _built_extensions(monkeypatch, {"R2COMM_TEST_HOOKS": "0"}, inplace=True)
     with pytest.raises(SystemExit):
         _built_extensions(monkeypatch, {"R2COMM_TEST_HOOKS": "yes"})
+
+
+def test_corrupt_next_flips_one_byte_of_the_next_data_frame_only():
+    """corrupt_next puts the corrupting transport in front of a live connection: the next DATA
+    frame leaves with the byte in the middle of its payload flipped (the sender's buffer is left
+    alone), the frames after it are intact, and a rail with no connection is not armed."""
+    import numpy as np
+    import fuzz_wire
+    cs = fuzz_wire.CS
+    e = engine.Engine(0, 2, [0, 1], cs, 5.0, 10.0, 1 << 20)
+    keep = []
+    try:
+        assert testing.corrupt_next(e, 1, 0) is False          # nothing attached yet
+        testing.fuzz_attach(e, 1, 0, 7)
+        testing.fuzz_attach(e, 1, 1, 8)                          # the control connection
+        assert testing.corrupt_next(e, 1, 0) is True
+        assert testing.transport_stats(e)["transport"] == "fuzz"
+        assert e.transports() == {1: ["fuzz"]}                   # the rail's name is kept
+        src = (np.arange(2 * cs) % 251).astype(np.uint8)
+        plan = engine.Plan([("send", 1, 0, 0, 0, 2 * cs, 0, True)], [], "t")
+        buf = engine.Buffer(src, True)
+        keep += [plan, buf]
+        oid = e.post(plan, buf.ptr, 0, 0, fuzz_wire.U8, 0, 1, 0, 0, 5.0, [0, 1], 1, 5, 2 * cs)
+        e.release(oid)
+        testing.fuzz_feed(e, 1, 1, b"")
+        wire, payloads, pos = testing.fuzz_sent(e, 0), [], 0
+        while pos + 48 <= len(wire):
+            h = fuzz_wire.HDR.unpack(wire[pos:pos + 48])
+            if h[1] == fuzz_wire.F_DATA:
+                payloads.append((h[9], wire[pos + 48:pos + 48 + h[10]]))
+            pos += 48 + h[10]
+        assert [c for c, _ in payloads] == [0, 1], payloads
+        want = src.tobytes()
+        first = bytearray(want[:cs])
+        first[cs // 2] ^= 0x10
+        assert payloads[0][1] == bytes(first)                   # one byte, in the middle
+        assert payloads[1][1] == want[cs:]                      # the next frame intact
+        assert src.tobytes() == want                            # the sender's memory untouched
+    finally:
+        e.close()

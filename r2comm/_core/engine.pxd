@@ -297,7 +297,6 @@ cdef cppclass Rail:
     uint8_t rx_tag[16]
     char* mbuf               # mac mode: a frame's payload waits here until its tag verifies
     uint32_t mbuf_cap
-    int corrupt_next         # test hook: flip a payload byte of the next DATA frame on the wire
     double last_ack          # when the peer's process last acknowledged a chunk here
     double hc_t              # acks late: when the current health-check round began (0: none)
     uint64_t hc_acked        # the kernel's bytes acknowledged by the peer's kernel then

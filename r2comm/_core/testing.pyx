@@ -8,7 +8,7 @@ engine through engine.pxd (the engine's types and functions), the same code the 
 
 Every hook that takes an engine takes an r2comm._core.engine.Engine first."""
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
 from libc.string cimport memcpy, memset, strcmp
 from libcpp.string cimport string
 from cython.operator cimport dereference as deref
@@ -32,6 +32,7 @@ cdef extern from "r2_reduce.h" namespace "r2" nogil:
 # the transports (each keeps one configuration per process, as the engine's tests use them)
 include "fuzz_transport.pxi"
 include "fake_transport.pxi"
+include "corrupt_transport.pxi"
 
 # ---------------------------------------------------------------------------------------------
 # The wire and crypto helpers (tests/test_units.py, test_integrity.py, fuzz_wire.py)
@@ -183,15 +184,22 @@ cdef class ShmEnd:
 
 def corrupt_next(Engine engine, int peer, int rail):
     """Flip one payload byte of the next DATA frame to `peer` on `rail` as it goes on the wire,
-    after its MAC (if any) was computed: a middlebox writing into the stream. Not a user fault
-    mode: with the checksum only, the change goes undetected."""
+    after its MAC (if any) was computed: a middlebox writing into the stream (the corrupting
+    transport, corrupt_transport.pxi, in front of the rail's connection). Not a user fault
+    mode: with the checksum only, the change goes undetected. False if the rail has no live
+    connection (nothing is set then)."""
     cdef State* e = engine._live()
-    if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail >= e.peers[peer].nrails:
+    cdef int rc
+    if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or \
+            rail >= e.peers[peer].nrails:
         raise ValueError(f"no such peer/rail {peer}/{rail}")
     with nogil:
         pthread_mutex_lock(&e.mu)
-        e.peers[peer].rails[rail].corrupt_next = 1
+        rc = corrupt_rail(e.peers[peer].rails[rail])
         pthread_mutex_unlock(&e.mu)
+    if rc < 0:
+        raise MemoryError("corrupt_next: no memory, or too many transports wrapped")
+    return rc == 1
 
 
 def p2p_start(Engine engine, int peer, uint32_t comm, uint32_t seq):
