@@ -177,7 +177,7 @@ def test_unexpected_collective_frames_for_any_ids_are_capped(rig):
     dropped, this rank's operations with it fail naming the cap, and the frame is refused
     (that rail closes: nothing of it is acknowledged). No sequence entry is made for any id.
     Old code: 3,000 entries (one per id), and one sequence entry per id."""
-    rig.e.set_unexpected_limit(1 << 30, 1000)
+    testing.set_unexpected_limit(rig.e, 1 << 30, 1000)
     oid = rig.recv(np.zeros(10, np.uint8), 1, 0, 0x11)
     conn = 20
     refused = 0
@@ -203,7 +203,7 @@ def test_unexpected_p2p_bytes_are_capped(rig):
     store capped at 64 KiB: never more than 64 KiB held, and the pair states made for ids
     nobody used stay bounded too; a receive posted later still gets a message sent after
     the overflow."""
-    rig.e.set_unexpected_limit(64 * 1024, 1 << 20)
+    testing.set_unexpected_limit(rig.e, 64 * 1024, 1 << 20)
     conn = 20
     seqs = {}
     refused = 0
@@ -221,7 +221,7 @@ def test_unexpected_p2p_bytes_are_capped(rig):
         assert st["unexpected_bytes"] <= 64 * 1024 and st["p2p_states"] <= 50, st
     assert st["unexpected_bytes"] > 0 and refused >= 2, (st, refused)
     buf = np.zeros(CS, np.uint8)
-    rig.e.set_unexpected_limit(1 << 30, 1 << 20)
+    testing.set_unexpected_limit(rig.e, 1 << 30, 1 << 20)
     s = seqs.get(7, 0)
     assert rig.feed(1, data_header(7, s, 0, CS, CS, flags=FL_P2P, aux=9) + bytes([42]) * CS)
     plan = eng.Plan([("recv", 1, 0, 0, 0, CS, 0, False)], [], "t")

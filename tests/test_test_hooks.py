@@ -12,12 +12,12 @@ from r2comm._core import engine, testing
 # what moved out of the engine module (module-level names) and out of Engine (its methods)
 MODULE_HOOKS = ["ShmEnd", "validate_header", "encode_header", "reduce_local", "blake2s",
                 "poly1305", "frame_tag"]
-PLAN_HOOKS = ["messages"]
+PLAN_HOOKS = ["messages", "nmsgs"]
 ENGINE_HOOKS = ["fuzz_attach", "fuzz_sent", "fuzz_feed", "fake_transport", "transport_stats",
-                "_test_corrupt", "_p2p_start", "debug_state", "shm_bells"]
+                "_test_corrupt", "_p2p_start", "debug_state", "shm_bells", "set_unexpected_limit"]
 TESTING_NAMES = MODULE_HOOKS + ["fuzz_attach", "fuzz_sent", "fuzz_feed", "use_fake_transport",
                                 "transport_stats", "corrupt_next", "p2p_start", "debug_state",
-                                "plan_messages", "shm_bells"]
+                                "plan_messages", "shm_bells", "set_unexpected_limit"]
 
 
 def test_production_engine_exposes_no_test_hooks():

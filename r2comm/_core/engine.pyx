@@ -188,10 +188,6 @@ cdef class Plan:
         self.algo = algo
         self.info = info
 
-    @property
-    def nmsgs(self):
-        return self.c.kind.size()
-
 
 cdef class Buffer:
     """Holds a buffer export for as long as the engine may touch the memory."""
@@ -1149,16 +1145,6 @@ cdef class Engine:
         finally:
             pthread_mutex_unlock(&e.mu)
         return out
-
-    def set_unexpected_limit(self, uint64_t max_bytes, uint32_t max_msgs):
-        """Most payload bytes and messages this rank keeps for messages no receive wants yet
-        (every peer together); a peer that sends more fails its operations with this rank."""
-        cdef State* e = self._live()
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            e.unexp_max_bytes = max_bytes
-            e.unexp_max_msgs = max_msgs
-            pthread_mutex_unlock(&e.mu)
 
     def peer_ok(self, int peer):
         cdef State* e = self._live()

@@ -26,7 +26,7 @@ MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV 
 # not posted yet ABORTED_MAX (over it, the one with the lowest (comm, seq) goes), and the
 # unexpected messages (collective and point-to-point, for any communicator id) UNEXP_MAX_MSGS
 # entries and UNEXP_MAX_BYTES of payload by default
-# (Engine.set_unexpected_limit; R2COMM_UNEXPECTED_BYTES / R2COMM_UNEXPECTED_MSGS).
+# (R2COMM_UNEXPECTED_BYTES / R2COMM_UNEXPECTED_MSGS; testing.set_unexpected_limit in tests).
 cdef size_t EVENTS_KEEP = 1024
 cdef size_t ABORTED_MAX = 1024
 cdef uint64_t UNEXP_MAX_BYTES = (<uint64_t>1) << 30

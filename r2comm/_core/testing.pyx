@@ -260,6 +260,18 @@ def debug_state(Engine engine):
     return out
 
 
+def set_unexpected_limit(Engine engine, uint64_t max_bytes, uint32_t max_msgs):
+    """Most payload bytes and messages the engine keeps for messages no receive wants yet (every
+    peer together; a peer that sends more fails its operations with this rank): what
+    R2COMM_UNEXPECTED_BYTES / R2COMM_UNEXPECTED_MSGS set when the engine is made."""
+    cdef State* e = engine._live()
+    with nogil:
+        pthread_mutex_lock(&e.mu)
+        e.unexp_max_bytes = max_bytes
+        e.unexp_max_msgs = max_msgs
+        pthread_mutex_unlock(&e.mu)
+
+
 def shm_bells(Engine engine):
     """Per peer with a live shared-memory link: doorbells this rank has rung on it (a doorbell is
     a system call: only towards a peer that announced it sleeps)."""
