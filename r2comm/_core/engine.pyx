@@ -38,7 +38,8 @@ from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push,
                                      TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC,
                                      TPF_LATE_READ)
 # TCP and shared memory are reached through their transport.pxd tables (tcp_transport,
-# shm_transport); of shm, besides, the segments' set-up (shm_create / shm_attach, attach_shm)
+# shm_transport), the health checks through a connection's OS socket (the table's os_fd); of shm,
+# besides, the segments' set-up (shm_create / shm_attach, attach_shm)
 from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_ring_ok, r2_shm_ring_of,
                                r2_shm_create, r2_shm_attach)
 from r2comm._core.tcp cimport tcp_transport, MSG_NOSIGNAL, MSG_DONTWAIT

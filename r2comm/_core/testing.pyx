@@ -2,9 +2,10 @@
 # distutils: language = c++
 """r2comm's test hooks, outside the production engine: the fuzz and fake transports, the wire and
 crypto helpers, ShmEnd, and hooks into a live engine (a corrupted frame, point-to-point sequences
-near the wrap, the engine's table counts). Built only for test installs (R2COMM_TEST_HOOKS=1, or
-an in-place / editable build: setup.py); a wheel of the library leaves it out. It drives the
-engine through engine.pxd (the engine's types and functions), the same code the engine runs.
+near the wrap, the unexpected-message limits, the engine's table counts, shm doorbells). Built
+only for test installs (R2COMM_TEST_HOOKS=1, or an in-place / editable build: setup.py); a wheel
+of the library leaves it out. It drives the engine through engine.pxd (the engine's types and
+functions), the same code the engine runs.
 
 Every hook that takes an engine takes an r2comm._core.engine.Engine first."""
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
@@ -29,7 +30,7 @@ from r2comm._core.engine cimport (Engine, Plan, State, Peer, Rail, R_UP, MAC_LEN
 cdef extern from "r2_reduce.h" namespace "r2" nogil:
     int reduce_into(void* d, const void* s, size_t nbytes, int dt, int op, int rev)
 
-# the transports (each keeps one configuration per process, as the engine's tests use them)
+# the transports: fuzz and fake (one configuration per process each), corrupting (per connection)
 include "fuzz_transport.pxi"
 include "fake_transport.pxi"
 include "corrupt_transport.pxi"
