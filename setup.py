@@ -68,7 +68,7 @@ class DevBuildExt(build_ext):
             self.extensions = [x for x in self.extensions if x.name != "r2comm._core.testing"]
 
 
-extensions = [ext("engine"), ext("testing")]
+extensions = [ext("engine"), ext("shm_segments"), ext("testing")]
 if have_verbs():
     extensions.append(ext("verbs", libraries=["ibverbs"]))
 

@@ -16,7 +16,6 @@ GIL. With R2COMM_INTEGRITY=mac every frame ends in a Poly1305 tag (r2_mac.h) key
 connection, direction and frame counter; a frame is acted on only once its tag verifies, and one
 that does not fails its rail like any other malformed frame.
 """
-import errno
 import os
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
@@ -37,11 +36,9 @@ from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
                                      TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC,
                                      TPF_LATE_READ)
-# TCP and shared memory are reached through their transport.pxd tables (tcp_transport,
-# shm_transport), the health checks through a connection's OS socket (the table's os_fd); of shm,
-# besides, the segments' set-up (shm_create / shm_attach, attach_shm)
-from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_ring_ok, r2_shm_ring_of,
-                               r2_shm_create, r2_shm_attach)
+# Every transport is reached through its transport.pxd table: TCP's (the default, tcp.pxd) here,
+# the others' by address (attach_transport: shm_segments.pyx, verbs.pyx); the health checks use
+# a connection's OS socket (the table's os_fd)
 from r2comm._core.tcp cimport tcp_transport, MSG_NOSIGNAL, MSG_DONTWAIT
 
 cdef extern from "<sys/socket.h>" nogil:
@@ -127,7 +124,7 @@ cdef extern from "<stdio.h>" nogil:
 #   failover.pxi        acks, failing a rail and re-queueing its chunks, aborts, lost peers
 #   health.pxi          late rails judged by TCP_INFO; the timers (check_timers)
 #   progress.pxi        the epoll progress loop
-# Here, after them: Plan, Buffer, the shared-memory segments' set-up, and the Engine class. The
+# Here, after them: Plan, Buffer and the Engine class. The
 # declarations they share with other extensions (the state's types, the classes' C fields) are in
 # engine.pxd; the test hooks (fuzz and fake transports, wire and crypto helpers, ShmEnd, the
 # engine's debug views) are a separate extension, r2comm/_core/testing.pyx, built only for tests.
@@ -143,8 +140,6 @@ include "progress.pxi"
 
 cdef Transport TCP_TP                 # the production transport (tcp.pxd)
 tcp_transport(&TCP_TP)
-cdef Transport SHM_TP                 # local peers (shm.pxd, r2comm/shm.py)
-shm_transport(&SHM_TP)
 
 # ---------------------------------------------------------------------------------------------
 # Python-facing objects
@@ -235,63 +230,6 @@ def memcopy(uint64_t dst, uint64_t src, uint64_t n):
         return
     with nogil:
         memcpy(<void*>dst, <const void*>src, n)
-
-
-cdef extern from "<sys/mman.h>" nogil:
-    int munmap(void* addr, size_t n)
-
-
-def shm_create(bytes name, uint64_t ring_bytes, uint32_t conn_id, bytes job, uint64_t pid):
-    """Create, size and map the POSIX shm segment `name` of a shared-memory link (two rings of
-    ring_bytes each, a power of two from 4 KiB to 1 GiB; mode 0600, O_EXCL) and fill its header:
-    (address, length). Raises OSError (the name is gone again then)."""
-    cdef size_t n = 0
-    cdef int err = 0
-    cdef char* base
-    cdef const char* cname = name
-    cdef const char* cjob
-    if not r2_shm_ring_ok(ring_bytes):
-        raise ValueError(f"ring size {ring_bytes}: a power of two from 4096 to 2**30")
-    if len(job) != 8:
-        raise ValueError("job id: 8 bytes")
-    cjob = job
-    with nogil:
-        base = r2_shm_create(cname, ring_bytes, conn_id, cjob, pid, &n, &err)
-    if base == NULL:
-        raise OSError(err, f"shm segment {name.decode()}: {os.strerror(err)}")
-    return <uint64_t>base, n
-
-
-SHM_EOWNER = errno.EPERM     # shm_attach: the segment is another user's or open to group/other
-SHM_EBADSEG = errno.EPROTO   # shm_attach: its header or size is not what the handshake named
-
-
-def shm_attach(bytes name, uint32_t conn_id, bytes job):
-    """Map the existing segment `name` after checking that only this user can open it and that
-    its header names this job and connection with a valid ring size matching its length:
-    (address, length). Raises OSError: errno SHM_EOWNER (owner or mode), SHM_EBADSEG (header or
-    size), or that of shm_open / mmap."""
-    cdef size_t n = 0
-    cdef int err = 0
-    cdef char* base
-    cdef const char* cname = name
-    cdef const char* cjob
-    if len(job) != 8:
-        raise ValueError("job id: 8 bytes")
-    cjob = job
-    with nogil:
-        base = r2_shm_attach(cname, conn_id, cjob, &n, &err)
-    if base == NULL:
-        why = {SHM_EOWNER: "not this user's, or group/other may open it",
-               SHM_EBADSEG: "its header or size is not the segment the handshake named"}
-        raise OSError(err, f"shm segment {name.decode()}: {why.get(err, os.strerror(err))}")
-    return <uint64_t>base, n
-
-
-def shm_unmap(uint64_t base, uint64_t n):
-    """Unmap a segment mapped by shm_create / shm_attach that no connection took over."""
-    if base:
-        munmap(<void*>base, n)
 
 
 cdef class Engine:
@@ -478,27 +416,12 @@ cdef class Engine:
         """As attach, for a connection of another transport: `transport` is the address of
         its transport.pxd table (e.g. r2comm._core.verbs.transport_address()), `handle` what
         its adopt takes (a connected verbs connection, which the engine then owns: closed by
-        the engine on failure or close, never by the caller)."""
+        the engine on failure or close, never by the caller; for shared memory the address of
+        a set-up that adopt copies during this call: shm_segments.attach)."""
         if transport == 0 or handle == 0:
             raise ValueError("attach_transport needs a transport table and a connection handle")
         self._attach(peer, rail, <Transport*><intptr_t>transport, <intptr_t>handle, conn_id,
                      tx_key, rx_key)
-
-    def attach_shm(self, int peer, int rail, int fd, uint32_t conn_id, uint64_t base,
-                   uint64_t map_len, int side, bytes tx_key=b"", bytes rx_key=b""):
-        """Hand a shared-memory link to the engine as (peer, rail) (r2comm/shm.py): the mapped
-        segment at `base` (map_len bytes, from shm_create / shm_attach; side 0 the creator, 1
-        the peer) and the connected, authenticated, non-blocking doorbell socket fd. On success
-        the connection owns both (unmapped and closed with it); on an exception the caller
-        still does."""
-        cdef r2_shm_setup st
-        st.fd = fd
-        st.side = side
-        st.base = <char*>base
-        st.map_len = map_len
-        if side not in (0, 1) or base == 0 or r2_shm_ring_of(map_len) == 0:
-            raise ValueError("attach_shm: side 0 or 1 and a mapped segment of a valid length")
-        self._attach(peer, rail, &SHM_TP, <intptr_t>&st, conn_id, tx_key, rx_key)
 
     def set_shm_peer(self, int peer, bint on=True):
         """`peer` is on this host and its data rail is shared memory: NIC faults (inject,
