@@ -121,3 +121,17 @@ def test_corrupt_next_flips_one_byte_of_the_next_data_frame_only():
         assert src.tobytes() == want                            # the sender's memory untouched
     finally:
         e.close()
+
+
+def test_fake_transport_setting_without_the_test_extension_is_refused(monkeypatch):
+    """R2COMM_TEST_TRANSPORT on an install without the test extension (a wheel) is a clear
+    argument error when the settings are read, not an ImportError in the middle of set-up."""
+    import importlib.util
+    from r2comm.config import _test_transport
+    from r2comm.errors import R2commArgumentError
+    assert _test_transport("fake:seed=2")["seed"] == 2
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "r2comm._core.testing" else real(name, *a))
+    with pytest.raises(R2commArgumentError, match="test extension"):
+        _test_transport("fake:seed=2")
