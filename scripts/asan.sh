@@ -44,7 +44,7 @@ LOG="$DIR/asan-pytest.log"
 if [ $# -eq 0 ]; then
     set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_integrity.py tests/test_shm.py \
         tests/test_units.py tests/test_failover.py tests/test_engine_limits.py tests/test_seq_wrap.py \
-        tests/test_any_source.py tests/test_self_pause.py \
+        tests/test_any_source.py tests/test_self_pause.py tests/test_test_hooks.py \
         -k "not test_random_faults_many_seeds and not atheris"
 fi
 set +e
