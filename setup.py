@@ -1,6 +1,7 @@
 """Build r2comm's Cython engine (C++ mode, -O3)."""
 import os
 from setuptools import setup, Extension
+from setuptools.command.build_ext import build_ext
 from Cython.Build import cythonize
 
 flags = ["-O3", "-std=c++17", "-fno-strict-aliasing"]
@@ -41,11 +42,38 @@ def have_verbs():
     return found
 
 
-extensions = [ext("engine")]
+def want_test_hooks():
+    """The test extension (r2comm._core.testing: fuzz and fake transports, wire and crypto
+    helpers, ShmEnd, hooks into a live engine): R2COMM_TEST_HOOKS=1 builds it, 0 leaves it out;
+    unset, only a development build gets it (`build_ext --inplace`, `pip install -e`), so a
+    wheel (`pip install .`) holds the production engine alone. The engine is the same either
+    way: the hooks are a separate module that cimports it (engine.pxd)."""
+    want = os.environ.get("R2COMM_TEST_HOOKS", "").strip()
+    if want in ("0", "1"):
+        return want == "1"
+    if want:
+        raise SystemExit(f"R2COMM_TEST_HOOKS={want!r}: 0 or 1")
+    return None          # decided by the kind of build (DevBuildExt)
+
+
+class DevBuildExt(build_ext):
+    """build_ext that leaves the test extension out of a non-development build (see
+    want_test_hooks)."""
+    def finalize_options(self):
+        super().finalize_options()
+        want = want_test_hooks()
+        if want is None:
+            want = bool(self.inplace or getattr(self, "editable_mode", False))
+        if not want:
+            self.extensions = [x for x in self.extensions if x.name != "r2comm._core.testing"]
+
+
+extensions = [ext("engine"), ext("shm_segments"), ext("testing")]
 if have_verbs():
     extensions.append(ext("verbs", libraries=["ibverbs"]))
 
 setup(
+    cmdclass={"build_ext": DevBuildExt},
     ext_modules=cythonize(extensions,
                           compiler_directives={"language_level": 3, "boundscheck": False,
                                                "wraparound": False, "cdivision": True},

@@ -121,7 +121,7 @@ class Config:
     test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
                                                    #   "fake:seed=1,block=0.1,short=0.3,..."
                                                    #   runs the rails on the fake transport
-                                                   #   (Engine.fake_transport's arguments)
+                                                   #   (testing.use_fake_transport's arguments)
 
     @classmethod
     def from_env(cls):
@@ -245,7 +245,8 @@ _FAKE_KEYS = {"seed": int, "block": float, "short": float, "delay": float, "lose
 
 
 def _test_transport(text):
-    """R2COMM_TEST_TRANSPORT=fake:key=value,...: Engine.fake_transport's keyword arguments."""
+    """R2COMM_TEST_TRANSPORT=fake:key=value,...: r2comm._core.testing.use_fake_transport's
+    keyword arguments (the test extension: setup.py)."""
     text = text.strip()
     if not text:
         return {}
@@ -253,6 +254,10 @@ def _test_transport(text):
     from .errors import R2commArgumentError
     if kind != "fake":
         raise R2commArgumentError(f"R2COMM_TEST_TRANSPORT={text!r}: only 'fake:...' exists")
+    import importlib.util
+    if importlib.util.find_spec("r2comm._core.testing") is None:
+        raise R2commArgumentError("R2COMM_TEST_TRANSPORT needs r2comm's test extension, which "
+                                  "this install lacks (build with R2COMM_TEST_HOOKS=1)")
     out = {"seed": 0}
     for item in filter(None, (x.strip() for x in rest.split(","))):
         key, _, val = item.partition("=")

@@ -224,8 +224,9 @@ def _connect(engine, boot, cfg, mpi_comm):
     links = None
     try:
         if cfg.test_transport:          # tests only: the fake transport (per-rank seed)
+            from ._core import testing      # the test extension (setup.py)
             fake = dict(cfg.test_transport)
-            engine.fake_transport(fake.pop("seed") * 1009 + boot.rank, **fake)
+            testing.use_fake_transport(engine, fake.pop("seed") * 1009 + boot.rank, **fake)
         engine.set_integrity(cfg.integrity == "mac")
         engine.start()
         for spec in faults.parse(cfg.fault):   # NICs dark from the start (R2COMM_FAULT start=1)

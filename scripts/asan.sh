@@ -22,8 +22,11 @@ mkdir -p "$DIR"
 (cd "$ROOT" && git ls-files -co --exclude-standard -z r2comm tests setup.py setup.cfg pyproject.toml \
     | tar --null -T - -cf - | tar -xf - -C "$DIR")
 cd "$DIR"
-R2COMM_SANITIZE="$SAN" "$PY" setup.py build_ext --inplace -q 2>&1 | grep -E "error" || true
+# the engine and the test extension (r2comm._core.testing: the tests' hooks), both sanitized
+R2COMM_TEST_HOOKS=1 R2COMM_SANITIZE="$SAN" "$PY" setup.py build_ext --inplace -q 2>&1 \
+    | grep -E "error" || true
 test -f "$(ls r2comm/_core/engine*.so | head -1)"
+test -f "$(ls r2comm/_core/testing*.so | head -1)"
 
 LIBASAN="$(gcc -print-file-name=libasan.so)"
 export LD_PRELOAD="$LIBASAN${LD_PRELOAD:+ $LD_PRELOAD}"
@@ -33,13 +36,15 @@ export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 export PYTHONPATH="$DIR"
 export R2COMM_ASAN_BUILD=1
-"$PY" -c "import r2comm._core.engine as e, sys; assert e.__file__.startswith('$DIR'), e.__file__"
+"$PY" -c "import r2comm._core.engine as e, r2comm._core.testing as t
+for m in (e, t):
+    assert m.__file__.startswith('$DIR'), m.__file__"
 
 LOG="$DIR/asan-pytest.log"
 if [ $# -eq 0 ]; then
     set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_integrity.py tests/test_shm.py \
         tests/test_units.py tests/test_failover.py tests/test_engine_limits.py tests/test_seq_wrap.py \
-        tests/test_any_source.py tests/test_self_pause.py \
+        tests/test_any_source.py tests/test_self_pause.py tests/test_test_hooks.py \
         -k "not test_random_faults_many_seeds and not atheris"
 fi
 set +e

@@ -17,7 +17,8 @@ fi
 LOG="$VENV/install.log"
 # pip's and setuptools' chatter goes to a log, shown only when the install fails
 "$VENV/bin/python" -m pip install -q --upgrade pip >"$LOG" 2>&1 || true   # a newer pip is optional
-if ! "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >>"$LOG" 2>&1; then
+# R2COMM_TEST_HOOKS=1: the test extension (r2comm._core.testing) is built too (setup.py)
+if ! R2COMM_TEST_HOOKS=1 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >>"$LOG" 2>&1; then
     cat "$LOG" >&2
     echo "r2comm: installing into $VENV failed (log: $LOG)" >&2
     exit 1

@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import r2comm
 from r2comm import SUM, MAX
+from r2comm._core import testing
 from mpi_worker import WORLD, wait_rails_up, data, reduce_ref, check, expect, same_everywhere
 
 COLLS = ["allreduce", "allreduce", "bcast", "allgather", "reduce_scatter", "alltoall",
@@ -453,7 +454,7 @@ def sc_integrity(comm, args):
     hit = 0
     for attempt in range(10):
         if r == 0:
-            comm._engine._test_corrupt(1, 0)
+            testing.corrupt_next(comm._engine, 1, 0)
         comm.Allreduce(x, y)
         check(np.array_equal(y, ref), f"allreduce with a frame altered on the wire ({attempt})")
         done += 1

@@ -1,7 +1,7 @@
 """Wire fuzzer for r2comm: frames into a real Engine's rails, and the TCP handshake.
 
 Frames: each input builds a fresh Engine (rank 0 of 2, two rails and the control connection to
-rank 1, all on the engine's in-memory fuzz transport: Engine.fuzz_attach / fuzz_feed) with
+rank 1, all on the in-memory fuzz transport: r2comm._core.testing.fuzz_attach / fuzz_feed) with
 operations posted (a collective receive that forwards what it gets, a receive gated on a send's
 acks, a reducing receive, two point-to-point receives, an eager Isend already released and a
 plain Isend), then feeds it segments of frames built from the input: mostly valid-looking frames
@@ -9,7 +9,7 @@ plain Isend), then feeds it segments of frames built from the input: mostly vali
 into the DATA, ack, abort and rail-down paths), some with one field or the checksum broken,
 truncated payloads, huge totals, short chunks, raw bytes, and read sizes from 1 byte up.
 Half the inputs run the engine in mac mode (R2COMM_INTEGRITY=mac): the harness holds each
-connection's frame keys and seals its frames (eng.frame_tag with the connection's receive key
+connection's frame keys and seals its frames (testing.frame_tag with the connection's receive key
 and frame counter), so most frames verify and reach the DATA, ack and abort paths, and some get
 a wrong, truncated, missing or doubled tag, a tag for another counter (replayed, reordered) or
 key (reflected, an earlier connection), a header or payload changed after sealing (checksum
@@ -48,7 +48,7 @@ import time
 
 import numpy as np
 
-from r2comm._core import engine as eng
+from r2comm._core import engine as eng, testing
 from r2comm.transport import tcp
 
 CS = 4096                      # engine chunk size for the fuzzed engine
@@ -181,9 +181,9 @@ class World:
             rk = hashlib.blake2s(b"rx%d/%d" % (rail, cid)).digest()
             self.keys[rail] = (tk, rk)
             self.prev_keys[rail] = old or (tk, rk)
-            self.e.fuzz_attach(1, rail, cid, tk, rk)
+            testing.fuzz_attach(self.e, 1, rail, cid, tk, rk)
         else:
-            self.e.fuzz_attach(1, rail, cid)
+            testing.fuzz_attach(self.e, 1, rail, cid)
         self.ctr[rail] = 0
         self.history[rail] = []
         self.tx[rail] = bytearray()
@@ -253,7 +253,7 @@ def build_frame(pv, w, info):
         i = pv.byte() % 12
         h[i] = pv.int(8 if i == 10 else (1 if i < 4 else 4)) & ((1 << 64) - 1 if i == 10 else
                                                                (0xFF if i < 4 else 0xFFFFFFFF))
-    head = bytearray(eng.encode_header(*h))           # checksum fixed up
+    head = bytearray(testing.encode_header(*h))           # checksum fixed up
     c = pv.byte()
     if c < 8:                                         # a broken checksum, magic or byte
         head[pv.byte() % 48] ^= (pv.byte() | 1)
@@ -275,17 +275,17 @@ def seal(pv, w, rail, info, ctr):
     tk, rk = w.keys[rail]
     c = pv.byte()
     if c >= 24:
-        return head + payload + eng.frame_tag(rk, head, payload, ctr)
+        return head + payload + testing.frame_tag(rk, head, payload, ctr)
     how = c % 11
     if how == 1:                                      # a replayed position / a reordered one
-        return head + payload + eng.frame_tag(rk, head, payload, ctr - 1 if ctr else ctr + 2)
+        return head + payload + testing.frame_tag(rk, head, payload, ctr - 1 if ctr else ctr + 2)
     if how == 2:
-        return head + payload + eng.frame_tag(rk, head, payload, ctr + 1 + pv.byte())
+        return head + payload + testing.frame_tag(rk, head, payload, ctr + 1 + pv.byte())
     if how == 3:                                      # reflected: sealed with the tx key
-        return head + payload + eng.frame_tag(tk, head, payload, ctr)
+        return head + payload + testing.frame_tag(tk, head, payload, ctr)
     if how == 4:                                      # from the previous connection
-        return head + payload + eng.frame_tag(w.prev_keys[rail][1], head, payload, ctr)
-    tag = eng.frame_tag(rk, head, payload, ctr)
+        return head + payload + testing.frame_tag(w.prev_keys[rail][1], head, payload, ctr)
+    tag = testing.frame_tag(rk, head, payload, ctr)
     if how == 0:
         t = bytearray(tag)
         t[pv.byte() % MAC_LEN] ^= pv.byte() | 1
@@ -301,7 +301,7 @@ def seal(pv, w, rail, info, ctr):
         i = pv.pick((1, 4, 5, 6, 7, 8, 10, 11))        # flags comm seq step sig chunk total aux
         f[i] = (f[i] ^ (1 << (pv.byte() % (8 if i == 1 else 32)))) & \
             (0xFF if i == 1 else (1 << 64) - 1)
-        return eng.encode_header(*f) + payload + tag
+        return testing.encode_header(*f) + payload + tag
     if how == 9 and payload:                          # a payload byte changed after sealing
         pl = bytearray(payload)
         pl[pv.int(2) % len(pl)] ^= pv.byte() | 1
@@ -325,14 +325,14 @@ def mac_parse(stream, key, ctr):
         if pos + 48 > len(stream):
             return "partial", frames, ctr
         head = stream[pos:pos + 48]
-        if eng.validate_header(head, CS) < 0:
+        if testing.validate_header(head, CS) < 0:
             return "bad", frames, ctr
         ln = HDR.unpack(head)[10]
         end = pos + 48 + ln + MAC_LEN
         if end > len(stream):
             return "partial", frames, ctr
         payload = stream[pos + 48:pos + 48 + ln]
-        if eng.frame_tag(key, head, payload, ctr) != stream[end - MAC_LEN:end]:
+        if testing.frame_tag(key, head, payload, ctr) != stream[end - MAC_LEN:end]:
             return "badtag", frames, ctr
         frames.append((head, payload))
         ctr += 1
@@ -371,16 +371,16 @@ def _outcome(kinds, all_read, wrote, ds):
 
 def rail_up(e, rail):
     """State of a connection to rank 1 (rails 0, 1 and the control connection, 2)."""
-    return e.debug_state()["unsent"][1][rail][0] == 1
+    return testing.debug_state(e)["unsent"][1][rail][0] == 1
 
 
 def expected_bad(head):
-    return eng.validate_header(head, CS) < 0
+    return testing.validate_header(head, CS) < 0
 
 
 def note_valid(w, head, payload, complete):
     """Record a DATA payload that may land in a user buffer (well formed and fitting)."""
-    if eng.validate_header(head, CS) < 0:
+    if testing.validate_header(head, CS) < 0:
         return
     (magic, typ, flags, dt, ro, comm, seq, step, sig, chunk, ln, total, aux, chk) = HDR.unpack(head)
     if typ != F_DATA or total > MAX_MESSAGE or ln != chunk_len(total, chunk):
@@ -400,18 +400,18 @@ def check_sent(w):
     frames and chunks interleaved, partial writes)."""
     for rail in (0, 1, 2):
         buf = w.tx[rail]
-        buf += w.e.fuzz_sent(rail)
+        buf += testing.fuzz_sent(w.e, rail)
         pos = 0
         while len(buf) - pos >= 48:
             head = bytes(buf[pos:pos + 48])
-            assert eng.validate_header(head, CS) == 0, \
+            assert testing.validate_header(head, CS) == 0, \
                 f"the engine wrote a malformed header on rail {rail}: {HDR.unpack(head)}"
             ln = HDR.unpack(head)[10]
             end = pos + 48 + ln + (MAC_LEN if w.mac else 0)
             if end > len(buf):
                 break
             if w.mac:
-                want = eng.frame_tag(w.keys[rail][0], head, bytes(buf[pos + 48:pos + 48 + ln]),
+                want = testing.frame_tag(w.keys[rail][0], head, bytes(buf[pos + 48:pos + 48 + ln]),
                                      w.txctr[rail])
                 assert want == bytes(buf[end - MAC_LEN:end]), \
                     f"the engine's frame {w.txctr[rail]} on rail {rail} has a wrong tag"
@@ -513,7 +513,7 @@ def fuzz_frames(data, mac=None):
                 STATS["mac_verified"] += len(good)
                 w.history[rail] = (w.history[rail] + sealed)[-8:]
             sstep = pv.pick((0, 0, 0, 0, 1, 5, 48, 64, 1000))
-            consumed, up, wrote = e.fuzz_feed(1, rail, bytes(stream), step, block, sstep)
+            consumed, up, wrote = testing.fuzz_feed(e, 1, rail, bytes(stream), step, block, sstep)
             check_sent(w)
             dirty[rail] = not framed or cut < 25
             evs = e.events_since(nev)
@@ -538,7 +538,7 @@ def fuzz_frames(data, mac=None):
                 STATS["refused"] += 1
             if "bad_frame" in kinds:
                 STATS["bad_frames"] += 1
-            _outcome(kinds, consumed == len(stream), wrote, e.debug_state())
+            _outcome(kinds, consumed == len(stream), wrote, testing.debug_state(e))
             if must_refuse and up_before:
                 # (a valid rail-down notice for this very rail may close it first)
                 assert not up and ("bad_frame" in kinds or "peer_notified" in kinds), \
@@ -567,7 +567,7 @@ def _bad_header_within(stream):
     pos = 0
     while pos + 48 <= len(stream):
         head = stream[pos:pos + 48]
-        if eng.validate_header(head, CS) < 0:
+        if testing.validate_header(head, CS) < 0:
             return True
         ln = HDR.unpack(head)[10]
         pos += 48 + ln

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from r2comm._core import engine as eng
+from r2comm._core import engine as eng, testing
 
 F_DATA, F_ACK = 1, 2
 FL_P2P = 1
@@ -18,7 +18,7 @@ U8 = 4                         # r2::Dtype code of uint8
 
 def hdr(type_, flags=0, dtype=U8, comm=3, seq=0, step=0, sig=0, chunk=0, length=0, total=0,
         aux=0):
-    return eng.encode_header(type_, flags, dtype, 0, comm, seq, step, sig, chunk, length, total,
+    return testing.encode_header(type_, flags, dtype, 0, comm, seq, step, sig, chunk, length, total,
                              aux)
 
 

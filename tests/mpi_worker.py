@@ -18,6 +18,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
 from r2comm import SUM, PROD, MIN, MAX  # noqa: E402
+from r2comm._core import testing  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -371,7 +372,7 @@ def sc_drain(comm, args):
             comm.Recv(out, 0, tag=i)
             check(np.array_equal(out, buf + i), "eager message")
             check(comm._engine.drain(2.0), "drained")
-            left += sum(c[3] for rails in comm._engine.debug_state()["unsent"].values()
+            left += sum(c[3] for rails in testing.debug_state(comm._engine)["unsent"].values()
                         for c in rails)
         WORLD.Barrier()
     check(left == 0, f"{left} delayed acks still queued after drain()")
@@ -609,7 +610,8 @@ def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):
     except BaseException:
         for ev in comm.events[-30:]:
             print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
-        print(f"rank {WORLD.rank} state: {comm._engine.debug_state()}", file=sys.stderr, flush=True)
+        print(f"rank {WORLD.rank} state: {testing.debug_state(comm._engine)}", file=sys.stderr,
+              flush=True)
         raise
     total = WORLD.allreduce(count)
     if WORLD.rank == 0:

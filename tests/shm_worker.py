@@ -37,6 +37,7 @@ _ARGS = _hosts_from_args()
 import numpy as np                      # noqa: E402
 import r2comm                           # noqa: E402
 from r2comm import SUM                  # noqa: E402
+from r2comm._core import testing        # noqa: E402
 import mpi_worker                       # noqa: E402
 from mpi_worker import WORLD, check, data, main   # noqa: E402
 
@@ -71,6 +72,9 @@ def sc_collectives(comm, args):
         check(links[p]["bytes_sent"] > 0 and links[p]["bytes_recv"] > 0,
               f"rank {r}: no traffic on the shm link to {p}: {links[p]}")
         check(links[p]["failures"] == 0, f"shm link to {p} failed: {links[p]}")
+    bells = testing.shm_bells(comm._engine)        # doorbells rung, per live shm link
+    check(set(bells) == want and all(b >= 0 for b in bells.values()),
+          f"rank {r}: doorbell counts {bells} for shm peers {sorted(want)}")
     nic = sum(ra.bytes_sent for ra in comm.rails) - nic0
     remote = n - 1 - len(want)
     if remote == 0:
@@ -160,7 +164,7 @@ def sc_relink(comm, args):
     ops = 0
     for k in range(40):
         if r == 0 and k == 5:
-            comm._engine._test_corrupt(1, 0)
+            testing.corrupt_next(comm._engine, 1, 0)
         comm.Allreduce(x, y)
         check(np.array_equal(y, ref), f"allreduce {k} exact")
         ops += 1

@@ -12,7 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fuzz_wire  # noqa: E402
 
-from r2comm._core import engine as eng  # noqa: E402
+from r2comm._core import engine as eng, testing  # noqa: E402
 
 CS = fuzz_wire.CS
 U8 = fuzz_wire.U8
@@ -25,7 +25,7 @@ class Rig:
     def __init__(self, window=4 * CS):
         self.e = eng.Engine(0, 2, [0, 2], CS, 5.0, 10.0, window)
         for k in (0, 1, 2):
-            self.e.fuzz_attach(1, k, 7 + k)
+            testing.fuzz_attach(self.e, 1, k, 7 + k)
         self.keep = []
 
     def recv(self, buf, comm, seq, sig, step=0, mode=0, timeout=5.0):
@@ -42,7 +42,7 @@ class Rig:
         return self.e.post(plan, bw.ptr, 0, 0, U8, 0, 1, 0, 0, 5.0, [0, 1], 1, tag, buf.nbytes)
 
     def feed(self, rail, data):
-        used, up, _ = self.e.fuzz_feed(1, rail, data)
+        used, up, _ = testing.fuzz_feed(self.e, 1, rail, data)
         assert used == len(data)
         return up
 
@@ -54,7 +54,7 @@ class Rig:
 
 
 def data_header(comm, seq, chunk, ln, total, sig=0, flags=0, step=0, aux=0):
-    return eng.encode_header(F_DATA, flags, U8, 0, comm, seq, step, sig, chunk, ln, total, aux)
+    return testing.encode_header(F_DATA, flags, U8, 0, comm, seq, step, sig, chunk, ln, total, aux)
 
 
 @pytest.fixture
@@ -83,8 +83,8 @@ def test_late_copy_of_an_applied_chunk_never_writes_the_user_buffer(rig, split):
     assert rig.feed(0, late[split:])                # the rest of the late copy
     assert buf[:CS].tobytes() == good, "a late copy wrote into a chunk already applied"
     assert (buf[CS:] == 0xEE).all()
-    rig.e.fuzz_sent(0)
-    rig.e.fuzz_sent(1)
+    testing.fuzz_sent(rig.e, 0)
+    testing.fuzz_sent(rig.e, 1)
 
 
 def test_late_copy_into_a_reducing_receive_is_not_applied_twice(rig):
@@ -111,20 +111,20 @@ def test_hedge_copy_never_sent_over_a_late_read_transport():
         keep = []
         try:
             for k in (0, 1, 2):
-                e.fuzz_attach(1, k, 7 + k, late_read=late_read)
+                testing.fuzz_attach(e, 1, k, 7 + k, late_read=late_read)
             src = (np.arange(2 * CS) % 97).astype(np.uint8)
             plan = eng.Plan([("send", 1, 0, 0, 0, 2 * CS, 0, False)], [], "t")
             bw = eng.Buffer(src, False)
             keep += [plan, bw]
             e.post(plan, bw.ptr, 0, 0, U8, 0, 1, 0, 0, 5.0, [0, 1])
-            e.fuzz_feed(1, 2, b"")
-            sent = {k: e.fuzz_sent(k) for k in (0, 1)}
+            testing.fuzz_feed(e, 1, 2, b"")
+            sent = {k: testing.fuzz_sent(e, k) for k in (0, 1)}
             fast = 0 if len(sent[0]) else 1
             c = fuzz_wire.HDR.unpack(sent[fast][:48])[9]
-            ack = eng.encode_header(fuzz_wire.F_ACK, 0, 0, 0, 1, 0, 0, 0, c, 0, 0, 0)
-            e.fuzz_feed(1, fast, ack)                        # the fast rail is free again
+            ack = testing.encode_header(fuzz_wire.F_ACK, 0, 0, 0, 1, 0, 0, 0, c, 0, 0, 0)
+            testing.fuzz_feed(e, 1, fast, ack)                        # the fast rail is free again
             time.sleep(0.1)                                   # the other rail is now late
-            e.fuzz_feed(1, fast, b"")
+            testing.fuzz_feed(e, 1, fast, b"")
             hedged[late_read] = sum(row[8] for row in e.rail_stats()[1])
         finally:
             e.close()
@@ -137,7 +137,7 @@ def test_hedge_copy_never_sent_over_a_late_read_transport():
 
 # -- item 7: bounded tables against a peer's frames ----------------------------------------------
 def abort_frame(comm, seq, text):
-    return eng.encode_header(F_ABORT, 0, 0, 0, comm, seq, 0, 0, 0, len(text), 0, 5) + text
+    return testing.encode_header(F_ABORT, 0, 0, 0, comm, seq, 0, 0, 0, len(text), 0, 5) + text
 
 
 def test_events_and_aborts_for_any_ids_stay_bounded(rig):
@@ -151,7 +151,7 @@ def test_events_and_aborts_for_any_ids_stay_bounded(rig):
         assert rig.feed(2, abort_frame(1000 + i, 0, text))
     evs = rig.e.events_since(0)
     assert 1024 <= len(evs) <= 2048, len(evs)
-    st = rig.e.debug_state()
+    st = testing.debug_state(rig.e)
     assert st["aborted"] <= 1024 and st["next_seq"] == 0, st
     assert st["events_total"] == n
     assert [ev["index"] for ev in evs] == list(range(n - len(evs), n))
@@ -177,7 +177,7 @@ def test_unexpected_collective_frames_for_any_ids_are_capped(rig):
     dropped, this rank's operations with it fail naming the cap, and the frame is refused
     (that rail closes: nothing of it is acknowledged). No sequence entry is made for any id.
     Old code: 3,000 entries (one per id), and one sequence entry per id."""
-    rig.e.set_unexpected_limit(1 << 30, 1000)
+    testing.set_unexpected_limit(rig.e, 1 << 30, 1000)
     oid = rig.recv(np.zeros(10, np.uint8), 1, 0, 0x11)
     conn = 20
     refused = 0
@@ -186,12 +186,12 @@ def test_unexpected_collective_frames_for_any_ids_are_capped(rig):
         if not rig.feed(0, data_header(2000 + i, 0, 0, 10, 10, sig=0x11) + bytes(10)):
             refused += 1
             conn += 1
-            rig.e.fuzz_attach(1, 0, conn)
-        st = rig.e.debug_state()
+            testing.fuzz_attach(rig.e, 1, 0, conn)
+        st = testing.debug_state(rig.e)
         peak = max(peak, st["unexpected_msgs"])
         assert st["unexpected"] <= 1000 and st["unexpected_msgs"] <= 1000, st
     assert peak == 1000 and refused >= 2, (peak, refused)
-    assert rig.e.debug_state()["next_seq"] == 1                # the receive posted here only
+    assert testing.debug_state(rig.e)["next_seq"] == 1                # the receive posted here only
     state, code, msg, _ = rig.e.wait(oid, 1.0)
     assert state == 2 and "R2COMM_UNEXPECTED_MSGS" in msg and "rank 1" in msg, msg
     assert any("unexpected data" in ev["info"] for ev in rig.e.events_since(0)
@@ -203,7 +203,7 @@ def test_unexpected_p2p_bytes_are_capped(rig):
     store capped at 64 KiB: never more than 64 KiB held, and the pair states made for ids
     nobody used stay bounded too; a receive posted later still gets a message sent after
     the overflow."""
-    rig.e.set_unexpected_limit(64 * 1024, 1 << 20)
+    testing.set_unexpected_limit(rig.e, 64 * 1024, 1 << 20)
     conn = 20
     seqs = {}
     refused = 0
@@ -214,14 +214,14 @@ def test_unexpected_p2p_bytes_are_capped(rig):
         if not rig.feed(1, frame):
             refused += 1
             conn += 1
-            rig.e.fuzz_attach(1, 1, conn)
+            testing.fuzz_attach(rig.e, 1, 1, conn)
         else:
             seqs[comm] = s + 1
-        st = rig.e.debug_state()
+        st = testing.debug_state(rig.e)
         assert st["unexpected_bytes"] <= 64 * 1024 and st["p2p_states"] <= 50, st
     assert st["unexpected_bytes"] > 0 and refused >= 2, (st, refused)
     buf = np.zeros(CS, np.uint8)
-    rig.e.set_unexpected_limit(1 << 30, 1 << 20)
+    testing.set_unexpected_limit(rig.e, 1 << 30, 1 << 20)
     s = seqs.get(7, 0)
     assert rig.feed(1, data_header(7, s, 0, CS, CS, flags=FL_P2P, aux=9) + bytes([42]) * CS)
     plan = eng.Plan([("recv", 1, 0, 0, 0, CS, 0, False)], [], "t")
@@ -250,7 +250,7 @@ def test_a_frame_of_the_next_lap_is_not_taken_for_a_stale_one(rig, last):
     assert state == 1 and (b == 2).all(), (state, msg)
     # and a frame of the lap before is still stale (dropped, the next call is not disturbed)
     assert rig.feed(0, data_header(9, last, 0, 10, 10, sig=0x11) + bytes([3]) * 10)
-    assert rig.e.debug_state()["unexpected"] == 0
+    assert testing.debug_state(rig.e)["unexpected"] == 0
 
 
 def test_p2p_messages_match_in_order_across_the_wrap(rig):
@@ -259,7 +259,7 @@ def test_p2p_messages_match_in_order_across_the_wrap(rig):
     order, 2**32 - 2, 2**32 - 1, 0, 1. Old code: compared sequences as plain integers (a
     message after the wrap was taken for one already seen)."""
     start = 2**32 - 2
-    rig.e._p2p_start(1, 1, start)
+    testing.p2p_start(rig.e, 1, 1, start)
     seqs = [start, start + 1, 0, 1]
     for k in (2, 3, 1, 0):                                      # arrival order
         s = seqs[k]
@@ -270,7 +270,7 @@ def test_p2p_messages_match_in_order_across_the_wrap(rig):
     for k in range(4):
         assert rig.e.wait(oids[k], 1.0)[0] == 1, k
         assert (bufs[k] == k + 1).all(), (k, bufs[k])
-    assert rig.e.debug_state()["unexpected_msgs"] == 0
+    assert testing.debug_state(rig.e)["unexpected_msgs"] == 0
 
 
 def test_unexpected_limits_from_the_environment(monkeypatch):
@@ -282,8 +282,9 @@ def test_unexpected_limits_from_the_environment(monkeypatch):
     try:
         for i in range(5):
             assert r.feed(0, data_header(3000 + i, 0, 0, 10, 10, sig=1) + bytes(10))
-        assert not r.e.fuzz_feed(1, 0, data_header(4000, 0, 0, 10, 10, sig=1) + bytes(10))[1]
-        assert r.e.debug_state()["unexpected_msgs"] == 0          # the peer's were dropped
+        frame = data_header(4000, 0, 0, 10, 10, sig=1) + bytes(10)
+        assert not testing.fuzz_feed(r.e, 1, 0, frame)[1]
+        assert testing.debug_state(r.e)["unexpected_msgs"] == 0          # the peer's were dropped
     finally:
         r.close()
     monkeypatch.setenv("R2COMM_UNEXPECTED_BYTES", "lots")

@@ -105,23 +105,23 @@ def test_ack_on_another_rail_for_a_chunk_still_being_written_is_ignored():
     at rail Y only), the message completed and its owned copy was freed, and rail X then wrote
     the chunk from freed memory. Its only copy is not received yet: the ack is ignored, and the
     chunk goes out intact."""
-    from r2comm._core import engine as eng
+    from r2comm._core import engine as eng, testing
     CS, HDR = fuzz_wire.CS, fuzz_wire.HDR
     e = eng.Engine(0, 2, [0, 2], CS, 5.0, 10.0, CS)          # window: one chunk per rail
     keep = []
     try:
         for k in (0, 1, 2):
-            e.fuzz_attach(1, k, 7 + k)
+            testing.fuzz_attach(e, 1, k, 7 + k)
         src = (np.arange(3 * CS) % 97).astype(np.uint8)
         plan = eng.Plan([("send", 1, 0, 0, 0, 3 * CS, 0, True)], [], "t")
         bw = eng.Buffer(src, True)
         keep += [plan, bw]
         oid = e.post(plan, bw.ptr, 0, 0, fuzz_wire.U8, 0, 1, 0, 0, 5.0, [0, 1], 1, 5, 3 * CS)
         e.release(oid)
-        e.fuzz_feed(1, 2, b"")
+        testing.fuzz_feed(e, 1, 2, b"")
 
         def chunks(rail):
-            out, pos, buf = [], 0, e.fuzz_sent(rail)
+            out, pos, buf = [], 0, testing.fuzz_sent(e, rail)
             while pos + 48 <= len(buf):
                 h = HDR.unpack(buf[pos:pos + 48])
                 if h[1] == fuzz_wire.F_DATA:
@@ -134,17 +134,18 @@ def test_ack_on_another_rail_for_a_chunk_still_being_written_is_ignored():
         y = 1 - x
 
         def ack(c):
-            return eng.encode_header(fuzz_wire.F_ACK, 1, 0, 0, 1, 0, 0, 0, c, 0, 0, 0)
+            return testing.encode_header(fuzz_wire.F_ACK, 1, 0, 0, 1, 0, 0, 0, c, 0, 0, 0)
         # chunk 0 acked on X: X takes chunk 2, but cannot write it yet
-        assert e.fuzz_feed(1, x, ack(0), 0, True)[1]
+        assert testing.fuzz_feed(e, 1, x, ack(0), 0, True)[1]
         # chunk 1 acked on Y, and a premature ack of chunk 2 on Y
-        assert e.fuzz_feed(1, y, ack(1) + ack(2), 0, True)[1]
-        assert e.debug_state()["sends"] == 1, "the message completed before its last chunk went out"
-        e.fuzz_feed(1, 2, b"")                                # X's socket drains
+        assert testing.fuzz_feed(e, 1, y, ack(1) + ack(2), 0, True)[1]
+        assert testing.debug_state(e)["sends"] == 1, \
+            "the message completed before its last chunk went out"
+        testing.fuzz_feed(e, 1, 2, b"")                                # X's socket drains
         last = chunks(x)
         assert [c for c, _ in last] == [2] and last[0][1] == src[2 * CS:].tobytes()
-        assert e.fuzz_feed(1, x, ack(2))[1]                   # the real ack completes it
-        assert e.debug_state()["sends"] == 0
+        assert testing.fuzz_feed(e, 1, x, ack(2))[1]                   # the real ack completes it
+        assert testing.debug_state(e)["sends"] == 0
     finally:
         e.close()
         for b in keep:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from r2comm._core import engine as eng
+from r2comm._core import engine as eng, testing
 from r2comm.config import Config
 from r2comm.errors import R2commArgumentError
 from conftest import run_scenario
@@ -20,14 +20,14 @@ SHM_OK = True           # run and passing over shared memory between local ranks
 
 def test_blake2s_matches_hashlib_and_rfc7693():
     # RFC 7693, appendix B: BLAKE2s-256("abc")
-    assert eng.blake2s(b"abc").hex() == ("508c5e8c327c14e2e1a72ba34eeb452f"
+    assert testing.blake2s(b"abc").hex() == ("508c5e8c327c14e2e1a72ba34eeb452f"
                                          "37458b209ed63a294d999b4c86675982")
     rng = __import__("random").Random(7)
     for n in (0, 1, 47, 48, 63, 64, 65, 127, 128, 129, 191, 192, 1000, 4096, 65537):
         for klen in (0, 1, 31, 32):
             for size in (1, 16, 32):
                 data, key = rng.randbytes(n), rng.randbytes(klen)
-                assert eng.blake2s(data, key, size) == \
+                assert testing.blake2s(data, key, size) == \
                     hashlib.blake2s(data, key=key, digest_size=size).digest(), (n, klen, size)
 
 
@@ -44,28 +44,28 @@ def _poly1305_ref(key, msg):
 def test_poly1305_matches_rfc8439_and_a_reference():
     # RFC 8439, section 2.5.2
     key = bytes.fromhex("85d6be7857556d337f4452fe42d506a80103808afb0db2fd4abff6af4149f51b")
-    assert eng.poly1305(key, b"Cryptographic Forum Research Group").hex() == \
+    assert testing.poly1305(key, b"Cryptographic Forum Research Group").hex() == \
         "a8061dc1305136c6c22b8baf0c0127a9"
     rng = __import__("random").Random(3)
     for n in list(range(0, 70)) + [1000, 4096, 65537]:
         key, msg = rng.randbytes(32), rng.randbytes(n)
-        assert eng.poly1305(key, msg) == _poly1305_ref(key, msg), n
+        assert testing.poly1305(key, msg) == _poly1305_ref(key, msg), n
     for _ in range(200):                       # accumulators close to 2^130 - 5
         key, msg = b"\xff" * 16 + rng.randbytes(16), b"\xff" * rng.randrange(100)
-        assert eng.poly1305(key, msg) == _poly1305_ref(key, msg)
+        assert testing.poly1305(key, msg) == _poly1305_ref(key, msg)
 
 
 def test_frame_tag_covers_header_payload_and_counter():
     key, hdr, pay = os.urandom(32), os.urandom(48), os.urandom(3000)
-    tag = eng.frame_tag(key, hdr, pay, 5)
+    tag = testing.frame_tag(key, hdr, pay, 5)
     # Poly1305 over the frame, its one-time key keyed BLAKE2s of the frame counter
     otk = hashlib.blake2s((5).to_bytes(8, "little"), key=key).digest()
     assert tag == _poly1305_ref(otk, hdr + pay)
     flipped = bytearray(pay)
     flipped[1500] ^= 1
-    assert eng.frame_tag(key, hdr, bytes(flipped), 5) != tag
-    assert eng.frame_tag(key, hdr, pay, 6) != tag
-    assert eng.frame_tag(os.urandom(32), hdr, pay, 5) != tag
+    assert testing.frame_tag(key, hdr, bytes(flipped), 5) != tag
+    assert testing.frame_tag(key, hdr, pay, 6) != tag
+    assert testing.frame_tag(os.urandom(32), hdr, pay, 5) != tag
 
 
 def test_integrity_setting(monkeypatch):
@@ -94,7 +94,7 @@ def _engine(mac):
 
 def _data_frame(seq, payload):
     # an unexpected collective chunk (comm 3): buffered and acknowledged at once
-    return eng.encode_header(1, 0, 9, 0, 3, seq, 0, 0, 0, len(payload), len(payload), 0)
+    return testing.encode_header(1, 0, 9, 0, 3, seq, 0, 0, 0, len(payload), len(payload), 0)
 
 
 def _recv(b, n):
@@ -119,14 +119,14 @@ def test_mac_frames_verify_both_ways_and_an_altered_payload_closes_the_rail():
     try:
         pay = os.urandom(1000)
         h = _data_frame(17, pay)
-        b.sendall(h + pay + eng.frame_tag(KR, h, pay, 0))
+        b.sendall(h + pay + testing.frame_tag(KR, h, pay, 0))
         ack = _recv(b, 48 + 16)                    # the engine's ack carries its own tag
-        assert ack[4] == 2 and ack[48:] == eng.frame_tag(KT, ack[:48], b"", 0)
+        assert ack[4] == 2 and ack[48:] == testing.frame_tag(KT, ack[:48], b"", 0)
         assert e.rail_stats()[1][0][0] == "up"
         assert not [ev for ev in e.events_since(0) if ev["kind"] == "bad_frame"]
         pay2 = bytearray(os.urandom(1000))
         h2 = _data_frame(18, pay2)
-        tag2 = eng.frame_tag(KR, h2, bytes(pay2), 1)
+        tag2 = testing.frame_tag(KR, h2, bytes(pay2), 1)
         pay2[500] ^= 0x10                          # written into the stream after the MAC
         b.sendall(h2 + bytes(pay2) + tag2)
         assert _wait_down(e)
@@ -142,14 +142,14 @@ def test_mac_refuses_replayed_reordered_and_foreign_frames(how):
     e, b = _engine(True)
     try:
         p1, p2 = os.urandom(100), os.urandom(100)
-        f1 = _data_frame(17, p1) + p1 + eng.frame_tag(KR, _data_frame(17, p1), p1, 0)
-        f2 = _data_frame(18, p2) + p2 + eng.frame_tag(KR, _data_frame(18, p2), p2, 1)
+        f1 = _data_frame(17, p1) + p1 + testing.frame_tag(KR, _data_frame(17, p1), p1, 0)
+        f2 = _data_frame(18, p2) + p2 + testing.frame_tag(KR, _data_frame(18, p2), p2, 1)
         if how == "replay":
             b.sendall(f1 + f1)
         elif how == "reorder":
             b.sendall(f2 + f1)
         else:                                      # a frame MACed for another connection
-            b.sendall(_data_frame(17, p1) + p1 + eng.frame_tag(KT, _data_frame(17, p1), p1, 0))
+            b.sendall(_data_frame(17, p1) + p1 + testing.frame_tag(KT, _data_frame(17, p1), p1, 0))
         assert _wait_down(e)
         assert any("MAC mismatch" in ev["info"] for ev in e.events_since(0)
                    if ev["kind"] == "bad_frame")

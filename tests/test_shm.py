@@ -17,20 +17,21 @@ import sys
 import pytest
 
 from conftest import run_mpi, ROOT
+from r2comm._core import testing
 
 SHM_WORKER = os.path.join(ROOT, "tests", "shm_worker.py")
 JOB = b"testjob!"
 SHM_OK = True           # (conftest: these jobs run over shared memory)
 
 
-def _engine():
-    from r2comm._core import engine
-    return engine
+def _segments():
+    from r2comm._core import shm_segments
+    return shm_segments
 
 
 def _pair(ring=4096, conn_id=7):
     """Both ends of one link in this process: (creator end, peer end, segment name)."""
-    E = _engine()
+    E = _segments()
     name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-{conn_id:08x}"
     base, n = E.shm_create(name.encode(), ring, conn_id, JOB, os.getpid())
     try:
@@ -40,7 +41,7 @@ def _pair(ring=4096, conn_id=7):
     s1, s2 = socket.socketpair()
     s1.setblocking(False)
     s2.setblocking(False)
-    return E.ShmEnd(s1.detach(), base, n, 0), E.ShmEnd(s2.detach(), b2, n2, 1), name
+    return testing.ShmEnd(s1.detach(), base, n, 0), testing.ShmEnd(s2.detach(), b2, n2, 1), name
 
 
 # -- the ring --------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def test_ring_peer_death_after_its_last_bytes():
 
 
 def test_segment_is_checked_and_named_per_job():
-    E = _engine()
+    E = _segments()
     name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-0000abcd"
     base, n = E.shm_create(name.encode(), 8192, 0xabcd, JOB, os.getpid())
     try:
@@ -193,7 +194,7 @@ def test_attach_refuses_bad_ring_sizes(ring_bytes, size):
     """A header whose ring size overflows the length check, is out of bounds, or does not match
     the segment's length is refused (EPROTO) before anything is used; with 2**63 in a 4096-byte
     segment the old attach accepted it and adopt put the rings far outside the mapping."""
-    E = _engine()
+    E = _segments()
     name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-00000007"
     _craft(name, size, ring_bytes)
     try:
@@ -209,7 +210,7 @@ def test_attach_refuses_another_users_or_a_shared_mode_segment():
     """A segment that another user owns, or that group/other may open, is refused (EPERM) even
     when its header is right: someone else could rewrite it under us. The old attach mapped
     both."""
-    E = _engine()
+    E = _segments()
     name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-00000008"
     base, n = E.shm_create(name.encode(), 4096, 8, JOB, os.getpid())
     fd = os.open("/dev/shm" + name, os.O_RDONLY)
@@ -246,7 +247,7 @@ def test_hostile_segment_fails_the_link_with_a_protocol_error(hostile):
     opener sees the link refused. The old code attached the overflowing segment."""
     from r2comm.transport import shm
     from r2comm.errors import R2commProtocolError
-    E = _engine()
+    E = _segments()
     conn_id = 0x55
     name = shm.segment_name(JOB, os.getpid(), 0, 1, conn_id)
     mapped = None
@@ -278,7 +279,7 @@ def test_hostile_segment_fails_the_link_with_a_protocol_error(hostile):
 def _pair_mapped(conn_id):
     """A created and an attached mapping of one fresh segment, not adopted yet, and its name
     (still linked, so the test can map the header again as the peer would)."""
-    E = _engine()
+    E = _segments()
     name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-{conn_id:08x}"
     a = E.shm_create(name.encode(), 4096, conn_id, JOB, os.getpid())
     b = E.shm_attach(name.encode(), conn_id, JOB)
@@ -286,28 +287,28 @@ def _pair_mapped(conn_id):
 
 
 def _ends(a, b):
-    E = _engine()
+    E = _segments()
     s1, s2 = socket.socketpair()
     s1.setblocking(False)
     s2.setblocking(False)
-    return E.ShmEnd(s1.detach(), *a, 0), E.ShmEnd(s2.detach(), *b, 1)
+    return testing.ShmEnd(s1.detach(), *a, 0), testing.ShmEnd(s2.detach(), *b, 1)
 
 
 def test_adopt_refuses_a_length_that_is_no_segments():
     """The rings' size comes from the mapped length: a length no valid ring size gives is
-    refused before anything is adopted (ShmEnd here, Engine.attach_shm the same way)."""
+    refused before anything is adopted (ShmEnd here, shm_segments.attach the same way)."""
     a, b, name = _pair_mapped(0x40)
     _unlinked(name)
     s1, s2 = socket.socketpair()
     try:
         for n in (4096, 4096 + 5000, 4096 + 2 * 2048, 4096 + 2 * 4096 + 1):
             with pytest.raises(ValueError):
-                _engine().ShmEnd(s1.fileno(), a[0], n, 0)
+                testing.ShmEnd(s1.fileno(), a[0], n, 0)
     finally:
         s1.close()
         s2.close()
-        _engine().shm_unmap(*a)
-        _engine().shm_unmap(*b)
+        _segments().shm_unmap(*a)
+        _segments().shm_unmap(*b)
 
 
 def test_counters_far_out_of_range_at_set_up_fail_the_link():
@@ -356,7 +357,7 @@ def test_counters_moved_out_of_range_after_set_up_fail_the_link():
 _REWRITER = r"""
 import os, sys, mmap, socket, struct
 sys.path.insert(0, sys.argv[1])
-from r2comm._core import engine as E
+from r2comm._core import shm_segments as E, testing
 job = b"testjob!"
 name = "/r2comm-%s-%d-0-1-00000043" % (job.hex(), os.getpid())
 a = E.shm_create(name.encode(), 4096, 0x43, job, os.getpid())
@@ -368,8 +369,8 @@ os.close(fd)
 os.unlink("/dev/shm" + name)
 struct.pack_into("<Q", m, 16, 1 << 40)          # ring_bytes: 1 TiB
 s1, s2 = socket.socketpair()
-x = E.ShmEnd(s1.detach(), *a, 0)                # the creator
-y = E.ShmEnd(s2.detach(), *b, 1)                # the peer (it attached before the rewrite)
+x = testing.ShmEnd(s1.detach(), *a, 0)                # the creator
+y = testing.ShmEnd(s2.detach(), *b, 1)                # the peer (it attached before the rewrite)
 canary = bytearray(b"C" * (1 << 20))
 blob = os.urandom(100_000)
 for src, dst in ((y, x), (x, y)):
@@ -417,7 +418,7 @@ def test_stale_segments_of_dead_processes_are_removed():
     behind: cleanup_stale() removes it once it is older than any set-up (its creator's pid and
     pid namespace are in the name), and leaves a live process's segment alone."""
     from r2comm.transport import shm
-    code = ("import os, sys; sys.path.insert(0, %r); from r2comm._core import engine as E; "
+    code = ("import os, sys; sys.path.insert(0, %r); from r2comm._core import shm_segments as E; "
             "from r2comm.transport import shm; n = shm.segment_name(%r, os.getpid(), 0, 1, 1); "
             "E.shm_create(n.encode(), 4096, 1, %r, os.getpid()); print(n, flush=True); "
             "os._exit(0)") % (ROOT, JOB, JOB)
@@ -426,7 +427,7 @@ def test_stale_segments_of_dead_processes_are_removed():
     dead = out[0]
     assert os.path.exists("/dev/shm" + dead)
     live = shm.segment_name(JOB, os.getpid(), 0, 1, 2)
-    E = _engine()
+    E = _segments()
     base, n = E.shm_create(live.encode(), 4096, 2, JOB, os.getpid())
     try:
         _age(dead)
@@ -448,7 +449,7 @@ def test_cleanup_spares_young_foreign_and_other_users_segments():
     set-up as far as anyone can tell), one owned by another user, one named in another pid
     namespace (a job sharing /dev/shm with --ipc=host) all stay; the old one of ours goes."""
     from r2comm.transport import shm
-    E = _engine()
+    E = _segments()
     pid = _dead_pid()
     ns = os.stat("/proc/self/ns/pid").st_ino
     names = {"young": shm.segment_name(JOB, pid, 0, 1, 0x21),
@@ -482,7 +483,7 @@ def test_cleanup_spares_young_foreign_and_other_users_segments():
 _OTHER_NS_CREATOR = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from r2comm._core import engine as E
+from r2comm._core import shm_segments as E
 from r2comm.transport import shm
 job = sys.argv[2].encode()
 name = shm.segment_name(job, os.getpid(), 0, 1, 0x31)
@@ -672,10 +673,10 @@ def test_failed_link_is_set_up_again(n):
 _WRITER = r"""
 import os, random, select, sys, time
 sys.path.insert(0, sys.argv[1])
-from r2comm._core import engine as E
+from r2comm._core import shm_segments as E, testing
 name, fd, total, seed = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 base, n = E.shm_attach(name.encode(), 9, b"testjob!")
-end = E.ShmEnd(fd, base, n, 1)
+end = testing.ShmEnd(fd, base, n, 1)
 rng = random.Random(seed)
 blob = rng.randbytes(total)
 sent, sleeps, stalls = 0, 0, 0
@@ -700,7 +701,7 @@ def test_ring_across_processes_with_doorbells():
     byte arrives in order, both sides really slept and rang, and no sleep ever waited out its
     5 s timeout (a lost wake-up)."""
     import select
-    E = _engine()
+    E = _segments()
     total, seed = 16_000_000, 11
     name = f"/r2comm-{JOB.hex()}-{os.getpid()}-0-1-00000009"
     base, n = E.shm_create(name.encode(), 4096, 9, JOB, os.getpid())
@@ -713,7 +714,7 @@ def test_ring_across_processes_with_doorbells():
                                  stdout=subprocess.PIPE, text=True)
     finally:
         s2.close()
-    reader = E.ShmEnd(s1.detach(), base, n, 0)
+    reader = testing.ShmEnd(s1.detach(), base, n, 0)
     try:
         got = bytearray()
         sleeps = stalls = 0

@@ -37,15 +37,16 @@ def test_spec_parsing():
 
 
 def test_engine_selects_its_transport():
+    from r2comm._core import testing
     from r2comm._core.engine import Engine
     e = Engine(0, 2, [0, 1], 65536, 0.5, 1.5, 1 << 20)
     try:
-        assert e.transport_stats()["transport"] == "tcp"
-        e.fake_transport(7, short=0.5)
-        st = e.transport_stats()
+        assert testing.transport_stats(e)["transport"] == "tcp"
+        testing.use_fake_transport(e, 7, short=0.5)
+        st = testing.transport_stats(e)
         assert st["transport"] == "fake" and st["conns"] == 0
-        e.fuzz_attach(1, 0, 1)
-        assert e.transport_stats()["transport"] == "fuzz"
+        testing.fuzz_attach(e, 1, 0, 1)
+        assert testing.transport_stats(e)["transport"] == "fuzz"
     finally:
         e.close()
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from r2comm import faults, planner
-from r2comm._core import engine as eng
+from r2comm._core import engine as eng, testing
 from r2comm.transport import tcp
 from r2comm.ops import DTYPES, as_op, SUM, MAX
 from r2comm.errors import R2commArgumentError
@@ -32,7 +32,7 @@ def test_reduce_kernels_match_numpy(dt, op):
         b = rng.integers(info.min, info.max, 1001, dtype=dt, endpoint=True)
     for rev in (0, 1):
         d = a.copy()
-        eng.reduce_local(d.ctypes.data, b.ctypes.data, d.nbytes, DTYPES[np.dtype(dt)],
+        testing.reduce_local(d.ctypes.data, b.ctypes.data, d.nbytes, DTYPES[np.dtype(dt)],
                          as_op(op).code, rev)
         with np.errstate(all="ignore"):
             ref = (NP[op](b, a) if rev else NP[op](a, b)).astype(dt)
@@ -44,7 +44,7 @@ def test_float16_rounding_matches_numpy_exhaustively():
     a = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
     b = np.roll(a, 12345)
     d = a.copy()
-    eng.reduce_local(d.ctypes.data, b.ctypes.data, d.nbytes, DTYPES[np.dtype("float16")], 0)
+    testing.reduce_local(d.ctypes.data, b.ctypes.data, d.nbytes, DTYPES[np.dtype("float16")], 0)
     with np.errstate(all="ignore"):
         ref = (a.astype(np.float32) + b.astype(np.float32)).astype(np.float16)
     nan = np.isnan(ref)
@@ -53,21 +53,22 @@ def test_float16_rounding_matches_numpy_exhaustively():
 
 
 def test_wire_header_round_trip_and_validation():
-    h = eng.encode_header(1, 0, 9, 0, 3, 17, 2, 0xABCD, 4, 1000, 5000, 0)
-    assert len(h) == 48 and eng.validate_header(h, 1 << 18) == 0
+    h = testing.encode_header(1, 0, 9, 0, 3, 17, 2, 0xABCD, 4, 1000, 5000, 0)
+    assert len(h) == 48 and testing.validate_header(h, 1 << 18) == 0
     bad_magic = b"XXXX" + h[4:]
-    assert eng.validate_header(bad_magic, 1 << 18) == -1
+    assert testing.validate_header(bad_magic, 1 << 18) == -1
     flipped = bytearray(h)
     flipped[20] ^= 1                       # any changed byte breaks the checksum
-    assert eng.validate_header(bytes(flipped), 1 << 18) == -2
-    too_long = eng.encode_header(1, 0, 9, 0, 3, 17, 2, 0, 0, 1 << 20, 1 << 21, 0)
-    assert eng.validate_header(too_long, 1 << 18) == -4
-    past_end = eng.encode_header(1, 0, 9, 0, 3, 17, 2, 0, 0, 100, 50, 0)
-    assert eng.validate_header(past_end, 1 << 18) == -4
-    assert eng.validate_header(eng.encode_header(9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), 1024) == -3
+    assert testing.validate_header(bytes(flipped), 1 << 18) == -2
+    too_long = testing.encode_header(1, 0, 9, 0, 3, 17, 2, 0, 0, 1 << 20, 1 << 21, 0)
+    assert testing.validate_header(too_long, 1 << 18) == -4
+    past_end = testing.encode_header(1, 0, 9, 0, 3, 17, 2, 0, 0, 100, 50, 0)
+    assert testing.validate_header(past_end, 1 << 18) == -4
+    bad_type = testing.encode_header(9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert testing.validate_header(bad_type, 1024) == -3
     rng = np.random.default_rng(0)         # random garbage is always rejected
     for _ in range(2000):
-        assert eng.validate_header(rng.bytes(48), 1 << 18) < 0
+        assert testing.validate_header(rng.bytes(48), 1 << 18) < 0
 
 
 def _listener():

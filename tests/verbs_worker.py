@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 import r2comm
+from r2comm._core import testing
 from r2comm.bootstrap_store import DirStore
 
 
@@ -198,7 +199,7 @@ def fault(comm, args):
             if any(carried) or time.monotonic() > t_end:
                 break
         assert any(carried), f"restored rail carries nothing in {extra} ops: {comm.rails} " \
-                             f"{comm._engine.debug_state()}"
+                             f"{testing.debug_state(comm._engine)}"
     pause = max(times) - sorted(times)[len(times) // 2]
     return (f"{ops} ops bitwise equal to the fault-free run; slowest op {max(times) * 1e3:.0f} ms "
             f"(median {sorted(times)[len(times) // 2] * 1e3:.0f} ms, pause {pause * 1e3:.0f} ms); "
@@ -353,7 +354,7 @@ def watchdog(comm, seconds):
             for ev in comm.events:
                 print(f"EVENT {comm.rank} {ev['kind']} peer {ev['peer']} rail {ev['rail']}: "
                       f"{ev['info'][:200]}", flush=True)
-            print(f"STATE {comm.rank} {comm._engine.debug_state()}", flush=True)
+            print(f"STATE {comm.rank} {testing.debug_state(comm._engine)}", flush=True)
         finally:
             os._exit(3)
     t = threading.Timer(seconds, fire)

@@ -1,1 +1,3 @@
-"""Compiled engine (engine.pyx) and the TCP transport's connection set-up (tcp.py)."""
+"""Compiled engine (engine.pyx; its declarations in engine.pxd), the verbs transport (verbs.pyx,
+where libibverbs exists) and, in development and test builds only, the tests' hooks
+(testing.pyx: setup.py)."""

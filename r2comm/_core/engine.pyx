@@ -16,7 +16,6 @@ GIL. With R2COMM_INTEGRITY=mac every frame ends in a Poly1305 tag (r2_mac.h) key
 connection, direction and frame counter; a frame is acted on only once its tag verifies, and one
 that does not fails its rail like any other malformed frame.
 """
-import errno
 import os
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t, intptr_t
@@ -37,32 +36,13 @@ from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
                                      TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC,
                                      TPF_LATE_READ)
-from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_conn, r2_shm_seg_len,
-                               r2_shm_ring_ok, r2_shm_ring_of,
-                               r2_shm_create, r2_shm_attach, r2_shm_adopt, r2_shm_write,
-                               r2_shm_read, r2_shm_arm, r2_shm_wake, r2_shm_close, ShmConn)
-from r2comm._core.tcp cimport (tcp_transport, TcpConn, tcp_adopt, tcp_sendv, tcp_recv1, tcp_test,
-                               tcp_shutdown, tcp_close, tcp_event_fd, SHUT_RDWR)
-from r2comm._core.tcp cimport shutdown as sock_shutdown, MSG_NOSIGNAL, MSG_DONTWAIT
+# Every transport is reached through its transport.pxd table: TCP's (the default, tcp.pxd) here,
+# the others' by address (attach_transport: shm_segments.pyx, verbs.pyx); the health checks use
+# a connection's OS socket (the table's os_fd)
+from r2comm._core.tcp cimport tcp_transport, MSG_NOSIGNAL, MSG_DONTWAIT
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t sock_send "send"(int fd, const void* buf, size_t n, int flags)
-
-cdef extern from "r2_mac.h" namespace "r2" nogil:
-    cdef struct b2s_state:
-        uint32_t buflen
-    void b2s_init(b2s_state* s, uint32_t outlen, const void* key, uint32_t keylen)
-    void b2s_update(b2s_state* s, const void* data, size_t n)
-    void b2s_final(b2s_state* s, uint8_t* out)
-    void b2s_prepare_more(b2s_state* s)
-    cdef struct p1305_state:
-        uint32_t buflen
-    void p1305_init(p1305_state* st, const uint8_t* key)
-    void p1305_update(p1305_state* st, const void* data, size_t n)
-    void p1305_final(p1305_state* st, uint8_t* tag)
-    void frame_mac(const b2s_state* keyed, const void* hdr, size_t hlen, const void* payload,
-                   size_t plen, uint64_t counter, uint8_t* tag)
-    int tag_equal(const uint8_t* a, const uint8_t* b, size_t n)
 
 cdef extern from "r2_reduce.h" namespace "r2" nogil:
     int reduce_into(void* d, const void* s, size_t nbytes, int dt, int op, int rev)
@@ -106,24 +86,6 @@ cdef extern from "<unistd.h>" nogil:
 cdef extern from "<sched.h>" nogil:
     int sched_yield()
 
-cdef extern from "<pthread.h>" nogil:
-    ctypedef struct pthread_mutex_t:
-        pass
-    ctypedef struct pthread_cond_t:
-        pass
-    ctypedef struct pthread_condattr_t:
-        pass
-    int pthread_mutex_init(pthread_mutex_t*, void*)
-    int pthread_mutex_lock(pthread_mutex_t*)
-    int pthread_mutex_unlock(pthread_mutex_t*)
-    int pthread_mutex_destroy(pthread_mutex_t*)
-    int pthread_condattr_init(pthread_condattr_t*)
-    int pthread_condattr_setclock(pthread_condattr_t*, int)
-    int pthread_cond_init(pthread_cond_t*, pthread_condattr_t*)
-    int pthread_cond_timedwait(pthread_cond_t*, pthread_mutex_t*, const timespec*)
-    int pthread_cond_broadcast(pthread_cond_t*)
-    int pthread_cond_destroy(pthread_cond_t*)
-
 
 cdef extern from *:
     """
@@ -145,9 +107,11 @@ cdef extern from "<stdio.h>" nogil:
 # ---------------------------------------------------------------------------------------------
 # The engine's parts, included as text into this one extension (one C++ translation unit: the
 # same code as when they were one file, inlined across parts alike). They share the declarations
-# above; only types need declaring before use, so engine_state.pxi comes first.
-#   engine_state.pxi    constants, structs and C++ classes (Op, SendMsg, RecvMsg, Rail, Peer,
-#                       State, PlanC) and small helpers (clocks, keys, chunk sizes, events)
+# above and engine.pxd's; engine_state.pxi comes first.
+#   engine.pxd          (read first, by Cython) constants, structs and C++ classes (Op, SendMsg,
+#                       RecvMsg, Rail, Peer, State, PlanC), Plan's and Engine's C fields
+#   engine_state.pxi    constants' Python names, limits, making a Rail and the State, small
+#                       helpers (clocks, keys, chunk sizes, events)
 #   ops.pxi             an operation's life: posted from a Plan, counted done, freed
 #   scheduler.pxi       the chunk scheduler: ready queues, rail windows and rates, striping,
 #                       chunk-level dependencies, tail hedging
@@ -160,9 +124,10 @@ cdef extern from "<stdio.h>" nogil:
 #   failover.pxi        acks, failing a rail and re-queueing its chunks, aborts, lost peers
 #   health.pxi          late rails judged by TCP_INFO; the timers (check_timers)
 #   progress.pxi        the epoll progress loop
-#   fuzz_transport.pxi  the in-memory transport of Engine.fuzz_attach / fuzz_feed (tests)
-#   fake_transport.pxi  TCP with seeded faults, Engine.fake_transport (tests)
-# Here, after them: Plan, Buffer, the wire and kernel helpers for tests, and the Engine class.
+# Here, after them: Plan, Buffer and the Engine class. The
+# declarations they share with other extensions (the state's types, the classes' C fields) are in
+# engine.pxd; the test hooks (fuzz and fake transports, wire and crypto helpers, ShmEnd, the
+# engine's debug views) are a separate extension, r2comm/_core/testing.pyx, built only for tests.
 include "engine_state.pxi"
 include "ops.pxi"
 include "scheduler.pxi"
@@ -172,13 +137,9 @@ include "matching.pxi"
 include "failover.pxi"
 include "health.pxi"
 include "progress.pxi"
-include "fuzz_transport.pxi"
-include "fake_transport.pxi"
 
 cdef Transport TCP_TP                 # the production transport (tcp.pxd)
 tcp_transport(&TCP_TP)
-cdef Transport SHM_TP                 # local peers (shm.pxd, r2comm/shm.py)
-shm_transport(&SHM_TP)
 
 # ---------------------------------------------------------------------------------------------
 # Python-facing objects
@@ -186,10 +147,7 @@ shm_transport(&SHM_TP)
 cdef class Plan:
     """One rank's compiled schedule for one (operation, size, dtype, epoch): messages and the
     chunk-level dependencies between them. Buffers are referred to by index (0 work, 1 send,
-    2 scratch) and bound at post time, so a Plan is cached and reused."""
-    cdef PlanC* c
-    cdef public str algo
-    cdef public object info
+    2 scratch) and bound at post time, so a Plan is cached and reused (C fields: engine.pxd)."""
 
     def __cinit__(self, *args, **kwargs):
         self.c = r2_new[PlanC]()
@@ -226,16 +184,6 @@ cdef class Plan:
         self.algo = algo
         self.info = info
 
-    def messages(self):
-        """The compiled messages, as tuples (for tests)."""
-        return [("send" if self.c.kind[i] else "recv", self.c.peer[i], self.c.step[i],
-                 self.c.buf[i], self.c.off[i], self.c.nbytes[i], self.c.mode[i],
-                 bool(self.c.owned[i])) for i in range(self.c.kind.size())]
-
-    @property
-    def nmsgs(self):
-        return self.c.kind.size()
-
 
 cdef class Buffer:
     """Holds a buffer export for as long as the engine may touch the memory."""
@@ -260,15 +208,6 @@ cdef class Buffer:
             PyBuffer_Release(&self.view)
 
 
-def validate_header(bytes frame, uint32_t max_chunk):
-    """The wire validator on raw bytes: 0 if the 48-byte header is well formed, else < 0."""
-    cdef r2_hdr h
-    if len(frame) < HDR_SIZE:
-        return -5
-    memcpy(&h, <const char*>frame, HDR_SIZE)
-    return hdr_validate(&h, max_chunk)
-
-
 def _env_uint(str name, uint64_t default):
     """A non-negative integer from the environment (default if unset); R2commArgumentError
     naming the variable if malformed."""
@@ -285,15 +224,6 @@ def _env_uint(str name, uint64_t default):
     return n
 
 
-def encode_header(int type, int flags, int dtype, int redop, uint32_t comm, uint32_t seq,
-                  uint32_t step, uint32_t sig, uint32_t chunk, uint32_t length, uint64_t total,
-                  uint32_t aux):
-    """The wire encoder (for tests and fuzzing): 48 header bytes."""
-    cdef r2_hdr h
-    hdr_encode(&h, type, flags, dtype, redop, comm, seq, step, sig, chunk, length, total, aux)
-    return (<char*>&h)[:HDR_SIZE]
-
-
 def memcopy(uint64_t dst, uint64_t src, uint64_t n):
     """memcpy between two buffer addresses without the GIL (local copies of a schedule)."""
     if n == 0:
@@ -302,196 +232,8 @@ def memcopy(uint64_t dst, uint64_t src, uint64_t n):
         memcpy(<void*>dst, <const void*>src, n)
 
 
-def reduce_local(uint64_t dst, uint64_t src, uint64_t nbytes, int dtype, int redop, int rev=0):
-    """dst op= src with the engine's kernels (used for local steps and by the tests)."""
-    cdef int rc
-    with nogil:
-        rc = reduce_into(<void*>dst, <const void*>src, nbytes, dtype, redop, rev)
-    if rc != 0:
-        raise ValueError("unknown dtype or op code")
-
-
-def blake2s(bytes data, bytes key=b"", int digest_size=32):
-    """The engine's BLAKE2s (RFC 7693), for tests against hashlib.blake2s."""
-    cdef b2s_state st
-    cdef uint8_t out[32]
-    if not 1 <= digest_size <= 32 or len(key) > 32:
-        raise ValueError("digest_size 1..32, key at most 32 bytes")
-    b2s_init(&st, digest_size, <const char*>key, len(key))
-    b2s_update(&st, <const char*>data, len(data))
-    b2s_final(&st, out)
-    return bytes(out[:digest_size])
-
-
-def poly1305(bytes key, bytes data):
-    """The engine's Poly1305 (RFC 8439), for tests."""
-    cdef p1305_state st
-    cdef uint8_t tag[16]
-    if len(key) != 32:
-        raise ValueError("a Poly1305 key is 32 bytes")
-    p1305_init(&st, <const uint8_t*><const char*>key)
-    p1305_update(&st, <const char*>data, len(data))
-    p1305_final(&st, tag)
-    return bytes(tag[:16])
-
-
-def frame_tag(bytes key, bytes header, bytes payload, uint64_t counter):
-    """The MAC the engine puts after a frame (mac mode), for tests."""
-    cdef b2s_state st
-    cdef uint8_t tag[16]
-    b2s_init(&st, 32, <const char*>key, len(key))
-    b2s_prepare_more(&st)
-    frame_mac(&st, <const char*>header, len(header), <const char*>payload, len(payload), counter, tag)
-    return bytes(tag[:MAC_LEN])
-
-
-cdef extern from "<sys/mman.h>" nogil:
-    int munmap(void* addr, size_t n)
-
-
-def shm_create(bytes name, uint64_t ring_bytes, uint32_t conn_id, bytes job, uint64_t pid):
-    """Create, size and map the POSIX shm segment `name` of a shared-memory link (two rings of
-    ring_bytes each, a power of two from 4 KiB to 1 GiB; mode 0600, O_EXCL) and fill its header:
-    (address, length). Raises OSError (the name is gone again then)."""
-    cdef size_t n = 0
-    cdef int err = 0
-    cdef char* base
-    cdef const char* cname = name
-    cdef const char* cjob
-    if not r2_shm_ring_ok(ring_bytes):
-        raise ValueError(f"ring size {ring_bytes}: a power of two from 4096 to 2**30")
-    if len(job) != 8:
-        raise ValueError("job id: 8 bytes")
-    cjob = job
-    with nogil:
-        base = r2_shm_create(cname, ring_bytes, conn_id, cjob, pid, &n, &err)
-    if base == NULL:
-        raise OSError(err, f"shm segment {name.decode()}: {os.strerror(err)}")
-    return <uint64_t>base, n
-
-
-SHM_EOWNER = errno.EPERM     # shm_attach: the segment is another user's or open to group/other
-SHM_EBADSEG = errno.EPROTO   # shm_attach: its header or size is not what the handshake named
-
-
-def shm_attach(bytes name, uint32_t conn_id, bytes job):
-    """Map the existing segment `name` after checking that only this user can open it and that
-    its header names this job and connection with a valid ring size matching its length:
-    (address, length). Raises OSError: errno SHM_EOWNER (owner or mode), SHM_EBADSEG (header or
-    size), or that of shm_open / mmap."""
-    cdef size_t n = 0
-    cdef int err = 0
-    cdef char* base
-    cdef const char* cname = name
-    cdef const char* cjob
-    if len(job) != 8:
-        raise ValueError("job id: 8 bytes")
-    cjob = job
-    with nogil:
-        base = r2_shm_attach(cname, conn_id, cjob, &n, &err)
-    if base == NULL:
-        why = {SHM_EOWNER: "not this user's, or group/other may open it",
-               SHM_EBADSEG: "its header or size is not the segment the handshake named"}
-        raise OSError(err, f"shm segment {name.decode()}: {why.get(err, os.strerror(err))}")
-    return <uint64_t>base, n
-
-
-def shm_unmap(uint64_t base, uint64_t n):
-    """Unmap a segment mapped by shm_create / shm_attach that no connection took over."""
-    if base:
-        munmap(<void*>base, n)
-
-
-cdef class ShmEnd:
-    """Testing only: one end of a shared-memory link outside an engine (the ring unit tests):
-    the same r2_shm.h code the transport runs, driven from Python."""
-    cdef r2_shm_conn* c
-
-    def __cinit__(self, int fd, uint64_t base, uint64_t map_len, int side):
-        cdef r2_shm_setup st
-        st.fd = fd
-        st.side = side
-        st.base = <char*>base
-        st.map_len = map_len
-        if side not in (0, 1) or base == 0 or r2_shm_ring_of(map_len) == 0:
-            raise ValueError("ShmEnd: side 0 or 1 and a mapped segment of a valid length")
-        self.c = r2_shm_adopt(&st)
-        if self.c == NULL:
-            raise MemoryError()
-
-    cdef r2_shm_conn* _c(self) except NULL:
-        if self.c == NULL:
-            raise ValueError("ShmEnd is closed")
-        return self.c
-
-    def send(self, const unsigned char[:] data, int pieces=1):
-        """Post data as a gather list of `pieces` parts: bytes accepted (a prefix), 0 if full,
-        < 0 failed."""
-        cdef iovec iov[8]
-        cdef r2_shm_conn* c = self._c()
-        cdef Py_ssize_t n = data.shape[0], step, off = 0
-        cdef int k = 0
-        if pieces < 1 or pieces > 8:
-            raise ValueError("1..8 pieces")
-        if n == 0:
-            return 0
-        step = max(1, n // pieces)
-        while off < n and k < pieces:
-            iov[k].iov_base = <void*>&data[off]
-            iov[k].iov_len = (n - off) if k == pieces - 1 else min(step, n - off)
-            off += iov[k].iov_len
-            k += 1
-        return r2_shm_write(c, iov, k)
-
-    def recv(self, size_t n):
-        """Up to n bytes (b"" if none); an int < 0 once the ring is empty and the peer is gone."""
-        cdef bytearray out = bytearray(n)
-        cdef char* p = out
-        cdef int64_t got = r2_shm_read(self._c(), p, n)
-        if got < 0:
-            return got
-        return bytes(out[:got])
-
-    def arm(self):
-        return r2_shm_arm(self._c())
-
-    def wake(self):
-        return r2_shm_wake(self._c())
-
-    def fileno(self):
-        return self._c().fd
-
-    @property
-    def dead(self):
-        return self._c().dead
-
-    @property
-    def bells(self):
-        return self._c().bells
-
-    def close(self):
-        if self.c != NULL:
-            r2_shm_close(self.c)
-            self.c = NULL
-
-    def __dealloc__(self):
-        self.close()
-
-
 cdef class Engine:
-    """The engine of one rank: peers, rails, the progress thread's state."""
-    cdef State* e
-    cdef int started
-    cdef object thread
-    cdef public double spin          # seconds a waiter busy-polls before blocking in epoll
-    cdef public int spin_short_left  # waits left that spin only SPIN_CONTENDED (see wait())
-    cdef public bint spin_adapt      # shorten the spin after preempted ones (default on)
-    cdef public bint spin_extend     # keep spinning while the sockets are busy (default on)
-    cdef public int spin_yield       # empty polls between sched_yield() calls in a spin; 0 never
-    cdef public uint64_t spin_yields     # sched_yield() calls made by spinning waiters
-    cdef public uint64_t spin_extended   # waits that spun past their spin because sockets were busy
-    cdef int spin_strikes            # judged spins in a row that were preempted
-    cdef public uint64_t spin_preempted   # waits whose spin was preempted (contended)
+    """The engine of one rank: peers, rails, the progress thread's state (C fields: engine.pxd)."""
 
     def __cinit__(self, int me, int nranks, list nrails_per_peer, uint32_t chunk_size,
                   double rail_timeout, double peer_timeout, uint64_t window,
@@ -505,7 +247,7 @@ cdef class Engine:
         cdef uint64_t max_unexp_bytes = _env_uint("R2COMM_UNEXPECTED_BYTES", UNEXP_MAX_BYTES)
         cdef uint32_t max_unexp_msgs = <uint32_t>min(
             _env_uint("R2COMM_UNEXPECTED_MSGS", UNEXP_MAX_MSGS), 0xFFFFFFFF)
-        self.e = r2_new[State]()
+        self.e = new_state()
         e = self.e
         e.me = me
         e.nranks = nranks
@@ -539,7 +281,7 @@ cdef class Engine:
             p.nhot = 0
             p.nrails = nrails_per_peer[i]
             for k in range(p.nrails + 1):
-                r = r2_new[Rail]()
+                r = new_rail()
                 r.peer = i
                 r.index = k
                 r.window = window
@@ -674,27 +416,12 @@ cdef class Engine:
         """As attach, for a connection of another transport: `transport` is the address of
         its transport.pxd table (e.g. r2comm._core.verbs.transport_address()), `handle` what
         its adopt takes (a connected verbs connection, which the engine then owns: closed by
-        the engine on failure or close, never by the caller)."""
+        the engine on failure or close, never by the caller; for shared memory the address of
+        a set-up that adopt copies during this call: shm_segments.attach)."""
         if transport == 0 or handle == 0:
             raise ValueError("attach_transport needs a transport table and a connection handle")
         self._attach(peer, rail, <Transport*><intptr_t>transport, <intptr_t>handle, conn_id,
                      tx_key, rx_key)
-
-    def attach_shm(self, int peer, int rail, int fd, uint32_t conn_id, uint64_t base,
-                   uint64_t map_len, int side, bytes tx_key=b"", bytes rx_key=b""):
-        """Hand a shared-memory link to the engine as (peer, rail) (r2comm/shm.py): the mapped
-        segment at `base` (map_len bytes, from shm_create / shm_attach; side 0 the creator, 1
-        the peer) and the connected, authenticated, non-blocking doorbell socket fd. On success
-        the connection owns both (unmapped and closed with it); on an exception the caller
-        still does."""
-        cdef r2_shm_setup st
-        st.fd = fd
-        st.side = side
-        st.base = <char*>base
-        st.map_len = map_len
-        if side not in (0, 1) or base == 0 or r2_shm_ring_of(map_len) == 0:
-            raise ValueError("attach_shm: side 0 or 1 and a mapped segment of a valid length")
-        self._attach(peer, rail, &SHM_TP, <intptr_t>&st, conn_id, tx_key, rx_key)
 
     def set_shm_peer(self, int peer, bint on=True):
         """`peer` is on this host and its data rail is shared memory: NIC faults (inject,
@@ -720,26 +447,6 @@ cdef class Engine:
                 out[i] = [(<bytes>e.peers[i].rails[k].tp.name).decode()
                           if e.peers[i].rails[k].tp != NULL else ""
                           for k in range(e.peers[i].nrails)]
-        finally:
-            pthread_mutex_unlock(&e.mu)
-        return out
-
-    def shm_bells(self):
-        """Per peer with a live shared-memory link: doorbells this rank has rung on it (a
-        doorbell is a system call: only towards a peer that announced it sleeps)."""
-        cdef State* e = self._live()
-        cdef dict out = {}
-        cdef int i
-        cdef Rail* r
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-        try:
-            for i in range(e.nranks):
-                if e.peers[i] == NULL or e.peers[i].nrails < 1:
-                    continue
-                r = e.peers[i].rails[0]
-                if r.state == R_UP and r.tp == &SHM_TP and r.conn != NULL:
-                    out[i] = (<ShmConn*>r.conn).c.bells
         finally:
             pthread_mutex_unlock(&e.mu)
         return out
@@ -987,18 +694,6 @@ cdef class Engine:
                     else:
                         r.mbuf, r.mbuf_cap = <char*>malloc(MAX_CTRL_PAYLOAD), MAX_CTRL_PAYLOAD
         e.mac = mac
-
-    def _test_corrupt(self, int peer, int rail):
-        """Test hook: flip one payload byte of the next DATA frame to `peer` on `rail` as it
-        goes on the wire, after its MAC (if any) was computed: a middlebox writing into the
-        stream. Not a user fault mode: with the checksum only, the change goes undetected."""
-        cdef State* e = self._live()
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail >= e.peers[peer].nrails:
-            raise ValueError(f"no such peer/rail {peer}/{rail}")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            e.peers[peer].rails[rail].corrupt_next = 1
-            pthread_mutex_unlock(&e.mu)
 
     def set_noack(self, bint on):
         """Benchmark-only: trust TCP, count a chunk done once written (measures what the
@@ -1375,72 +1070,6 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
         return out
 
-    def _p2p_start(self, int peer, uint32_t comm, uint32_t seq):
-        """Testing only: the point-to-point sequences of (peer, comm), both ways, start at seq
-        (nothing sent or received on them yet): tests of the wrap at 2**32."""
-        cdef State* e = self._live()
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
-            raise ValueError(f"no such peer {peer}")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            e.peers[peer].p2p_send_seq[comm] = seq
-            p2p_state(e.peers[peer], comm).seen_upto = seq
-            pthread_mutex_unlock(&e.mu)
-
-    def set_unexpected_limit(self, uint64_t max_bytes, uint32_t max_msgs):
-        """Most payload bytes and messages this rank keeps for messages no receive wants yet
-        (every peer together); a peer that sends more fails its operations with this rank."""
-        cdef State* e = self._live()
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            e.unexp_max_bytes = max_bytes
-            e.unexp_max_msgs = max_msgs
-            pthread_mutex_unlock(&e.mu)
-
-    def debug_state(self):
-        """Counts of the engine's tables (for tests and debugging)."""
-        cdef State* e = self._live()
-        cdef dict out
-        cdef size_t np2p = 0
-        cdef int i
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-        try:
-            for i in range(e.nranks):
-                if e.peers[i] != NULL:
-                    np2p += e.peers[i].p2p.size()
-            out = {"ops": e.ops.size(), "sends": e.smap.size(), "recvs": e.rmap.size(),
-                   "unexpected": e.cunexp.size(), "notices": e.notices.size(),
-                   # what a peer's frames can grow, each bounded (issue 28)
-                   "unexpected_msgs": e.unexp_msgs, "unexpected_bytes": e.unexp_bytes,
-                   "aborted": e.aborted.size(), "next_seq": e.next_seq.size(),
-                   "p2p_states": np2p, "events_kept": e.events.size(),
-                   "events_total": e.events_base + e.events.size(),
-                   "ready": {i: e.peers[i].ready.size() for i in range(e.nranks) if e.peers[i] != NULL},
-                   "inflight": {i: [e.peers[i].rails[k].inflight.size() for k in range(e.peers[i].nrails)]
-                                for i in range(e.nranks) if e.peers[i] != NULL},
-                   # per connection (rails, then control): state, unwritten frame bytes, a chunk
-                   # being written, delayed acks waiting
-                   "unsent": {i: [(e.peers[i].rails[k].state,
-                                   e.peers[i].rails[k].txq.size() - e.peers[i].rails[k].txq_pos,
-                                   e.peers[i].rails[k].tx_busy,
-                                   e.peers[i].rails[k].dackq.size() // HDR_SIZE)
-                                  for k in range(e.peers[i].nrails + 1)]
-                              for i in range(e.nranks) if e.peers[i] != NULL},
-                   # what the chunk scheduler sees of each rail: measured rate (B/s), bytes in
-                   # flight, its window, a frame being written, posted, s since last progress
-                   "sched": {i: [(round(e.peers[i].rails[k].rate),
-                                  e.peers[i].rails[k].inflight_bytes,
-                                  rail_window(e, e.peers[i].rails[k]),
-                                  e.peers[i].rails[k].tx_busy, e.peers[i].rails[k].tx_posted,
-                                  round(mono() - e.peers[i].rails[k].last_progress, 3),
-                                  e.peers[i].rails[k].ghosts)
-                                 for k in range(e.peers[i].nrails)]
-                             for i in range(e.nranks) if e.peers[i] != NULL}}
-        finally:
-            pthread_mutex_unlock(&e.mu)
-        return out
-
     # -- failure detector (r2comm/transport/liveness.py; issue 31) ------------------------------
     def peer_dead(self, int peer, str reason, bint process=True):
         """The failure detector confirmed rank `peer` dead: it is lost exactly as when every rail
@@ -1472,104 +1101,6 @@ cdef class Engine:
     def peer_ok(self, int peer):
         cdef State* e = self._live()
         return e.peers[peer] != NULL and not e.peers[peer].lost
-
-    # -- wire fuzzing (tests/fuzz_wire.py) -------------------------------------------------------
-    def fuzz_attach(self, int peer, int rail, uint32_t conn_id, bytes tx_key=b"",
-                    bytes rx_key=b"", bint late_read=False):
-        """Testing only: switch this engine to the in-memory fuzz transport and bring up
-        (peer, rail) on it (in mac mode with the connection's frame keys, as attach). What
-        fuzz_feed() gives is then what the rail reads; what the engine writes is accepted (and
-        counted, and kept per rail for fuzz_sent) or, with block_send, left unwritten.
-        late_read: the transport is TPF_LATE_READ, as verbs zero-copy (no hedge copies)."""
-        global fz_late_read
-        cdef State* e = self._live()
-        if self.started:
-            raise RuntimeError("fuzz transport: the engine must not have a progress thread")
-        fz_late_read = late_read
-        e.tp = fuzz_transport()
-        if 0 <= rail < FZ_RAILS:
-            fz.out[rail].clear()        # what the previous connection wrote is gone with it
-        # (a negative fd, as closed to the engine, that names the rail to fz_post_send)
-        self.attach(peer, rail, -2 - rail, conn_id, tx_key, rx_key)
-
-    def fuzz_sent(self, int rail):
-        """Testing only: the bytes the engine wrote on `rail` (fuzz transport) since the last
-        call or its fuzz_attach."""
-        cdef bytes out
-        if rail < 0 or rail >= FZ_RAILS:
-            raise ValueError(f"fuzz transport keeps rails 0..{FZ_RAILS - 1}")
-        out = fz.out[rail]
-        fz.out[rail].clear()
-        return out
-
-    def fuzz_feed(self, int peer, int rail, const unsigned char[:] data, uint32_t step=0,
-                  bint block_send=False, uint32_t send_step=0):
-        """Testing only: the rail reads `data` (in reads of at most `step` bytes; 0: as much as
-        it asks for), then the engine sends what it has to (acks, chunks, notices) as its
-        progress loop would (sends take at most `send_step` bytes each: partial writes; 0: all).
-        Returns (bytes consumed, rail still up, bytes the engine wrote)."""
-        cdef State* e = self._live()
-        cdef Rail* r
-        cdef size_t before
-        cdef int i, guard = 0
-        cdef uint64_t sent0
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
-            raise ValueError(f"no such peer/rail {peer}/{rail}")
-        if e.tp != fuzz_transport():
-            raise RuntimeError("fuzz_feed needs fuzz_attach first")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            r = e.peers[peer].rails[rail]
-            fz.src = <const char*>&data[0] if data.shape[0] > 0 else NULL
-            fz.n = data.shape[0]
-            fz.pos = 0
-            fz.step = step
-            fz.block = block_send
-            fz.send_step = send_step
-            sent0 = fz.sent
-            # each round consumes input or stops: bounded by the input size
-            while r.state == R_UP and fz.pos < fz.n and guard <= <int>fz.n + 2:
-                guard += 1
-                before = fz.pos
-                rail_read(e, r)
-                if fz.pos == before:
-                    break
-            for i in range(e.nranks):
-                if e.peers[i] != NULL:
-                    pump_peer(e, e.peers[i])
-            if e.dack_rails > 0:
-                lazy_ack_timer(e, mono() + DACK_DELAY)
-            fz.src = NULL
-            pthread_mutex_unlock(&e.mu)
-        return fz.pos, r.state == R_UP, fz.sent - sent0
-
-    # -- the fake transport (tests/test_transport_iface.py) ----------------------------------
-    def fake_transport(self, uint64_t seed, double block=0.0, double short=0.0, double delay=0.0,
-                       double lose=0.0, double fail=0.0, int64_t fail_bytes=0, int max_fails=0):
-        """Testing only: connections attached from now on use the fake transport
-        (fake_transport.pxi): TCP underneath, with faults drawn from `seed`: a post refused
-        (would block) with probability `block`, a post or read accepted in part with `short`, a
-        completion held back at each test with `delay` (then handed over shuffled) or lost with
-        `lose`, and a connection, with probability `fail` (at most `max_fails` of them), shut down
-        at a random byte within its first `fail_bytes` sent."""
-        cdef State* e = self._live()
-        memset(&fk, 0, sizeof(fk))
-        fk.seed = seed
-        fk.p_block, fk.p_short, fk.p_delay, fk.p_lose, fk.p_fail = block, short, delay, lose, fail
-        fk.fail_bytes = fail_bytes
-        fk.fails_left = max_fails
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            e.tp = fake_transport()
-            pthread_mutex_unlock(&e.mu)
-
-    def transport_stats(self):
-        """The transport new connections use, and the fake transport's counts of what it did."""
-        cdef State* e = self._live()
-        return {"transport": (<bytes>e.tp.name).decode(), "conns": fk.conns,
-                "blocked": fk.blocked, "shorts": fk.shorts, "delayed": fk.delayed,
-                "reordered": fk.reordered, "lost": fk.lost, "failed": fk.failed,
-                "completed": fk.completed}
 
     cdef State* _live(self) except NULL:
         if self.e == NULL:

@@ -1,9 +1,9 @@
-# The fake transport (tests only; Engine.fake_transport, R2COMM_TEST_TRANSPORT): transport.pxd's
-# interface over real TCP sockets with seeded faults, so multi-rank collectives run on it under
-# mpiexec: posts refused (would block) or accepted in part, short reads, send completions held
-# back and handed over late and shuffled, some lost, and connections that fail at a random byte
-# (the socket is shut down there: both ends lose it and what was in flight). One configuration
-# per process (fk), as the fuzz transport's.
+# The fake transport (part of the test extension, testing.pyx; testing.use_fake_transport,
+# R2COMM_TEST_TRANSPORT): transport.pxd's interface over real TCP sockets with seeded faults, so
+# multi-rank collectives run on it under mpiexec: posts refused (would block) or accepted in
+# part, short reads, send completions held back and handed over late and shuffled, some lost,
+# and connections that fail at a random byte (the socket is shut down there: both ends lose it
+# and what was in flight). One configuration per process (fk), as the fuzz transport's.
 
 cdef enum:
     FK_HELD = 16              # completions a connection holds back

@@ -1,7 +1,8 @@
-# The fuzz transport: an in-memory implementation of transport.pxd's interface (Engine.fuzz_attach
-# / fuzz_feed) that feeds a rail bytes from a buffer and keeps what the engine writes, so
-# tests/fuzz_wire.py drives the receive path with any frames, without sockets or a progress
-# thread. A connection's state names its rail (slot); posts complete inside isend, as TCP's.
+# The fuzz transport (part of the test extension, testing.pyx): an in-memory implementation of
+# transport.pxd's interface (testing.fuzz_attach / fuzz_feed) that feeds a rail bytes from a
+# buffer and keeps what the engine writes, so tests/fuzz_wire.py drives the receive path with any
+# frames, without sockets or a progress thread. A connection's state names its rail (slot);
+# posts complete inside isend, as TCP's.
 
 cdef enum:
     FZ_RAILS = 4              # rails the fuzz transport keeps what the engine wrote for
@@ -14,7 +15,7 @@ cdef struct FuzzFeed:
     uint64_t sent
     string out[FZ_RAILS]        # what the engine wrote, per rail (handle -2 - rail)
 
-cdef FuzzFeed fz      # the in-memory transport of Engine.fuzz_attach / fuzz_feed (one at a time)
+cdef FuzzFeed fz      # the in-memory transport of fuzz_attach / fuzz_feed (one at a time)
 cdef bint fz_late_read = 0   # flag the transport TPF_LATE_READ (as verbs zero-copy): tests
 
 cdef struct FuzzConn:

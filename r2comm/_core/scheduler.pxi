@@ -64,21 +64,6 @@ cdef inline double min_d(double a, double b) noexcept nogil:
 
 cdef double SLOW_RAIL = 0.25   # a rail this much slower than a busy one does not take its chunks
 
-cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
-    """Outstanding bytes a rail may hold: the configured window, but no more than win_s of
-    its measured throughput (at least one chunk), so a slow rail never sits on a backlog that
-    the fast ones would have to wait for at the end of an operation. win_s must cover the
-    round trip of an ack under load: acks ride behind the other direction's data in the NIC
-    queues, and a window shorter than that round trip caps the rail below its rate, which the
-    next measurement then confirms (a spiral measured in the testbed at 50 ms)."""
-    cdef uint64_t w
-    if r.rate <= 0:
-        return r.window
-    w = <uint64_t>(r.rate * e.win_s)
-    if w < <uint64_t>e.cs:
-        w = e.cs
-    return w if w < r.window else r.window
-
 cdef inline bint rate_chunk(SendMsg* m, uint32_t ln) noexcept nogil:
     """Whether a chunk counts for its rail's measured rate. Small ones do not: their time is
     latency, not bandwidth, and delayed acks keep them outstanding across the idle gaps

@@ -91,16 +91,17 @@
 # registration keeps the pages pinned until the SENDs complete (TPF_LATE_READ: no hedge copies). Registration is per device and
 # owned by the cache, not by the engine (reg_mr stays unused).
 #
-# shm (shm.pxd, r2_shm.h; set-up in r2comm/shm.py): a pair of single-producer/single-consumer
-# byte rings in one POSIX shm segment per pair of local ranks, and a connected socket used as
-# doorbell and liveness (TPF_POLLED | TPF_WAKE_OUT | TPF_NO_NIC). A stream, like TCP: isend
-# copies a prefix into the ring and completes inside the call; irecv copies out. os_fd is -1
-# (no TCP_INFO).
+# shm (shm.pxd, r2_shm.h; the table and the segments in shm_segments.pyx, its own extension that
+# hands a connection to the engine by address as verbs does; set-up in r2comm/transport/shm.py):
+# a pair of single-producer/single-consumer byte rings in one POSIX shm segment per pair of local
+# ranks, and a connected socket used as doorbell and liveness (TPF_POLLED | TPF_WAKE_OUT |
+# TPF_NO_NIC). A stream, like TCP: isend copies a prefix into the ring and completes inside the
+# call; irecv copies out. os_fd is -1 (no TCP_INFO).
 #
-# Implementations: tcp.pxd and verbs_transport.pxi (production), shm.pxd (local peers),
-# fuzz_transport.pxi (in-memory, the wire fuzzer),
-# fake_transport.pxi (TCP underneath, seeded faults: short and refused posts, delayed,
-# reordered and lost completions, a connection failing at a random byte; tests only).
+# Implementations: tcp.pxd and verbs_transport.pxi (production), shm.pxd (local peers), and in
+# the test extension (testing.pyx, not in the production engine) fuzz_transport.pxi (in-memory,
+# the wire fuzzer) and fake_transport.pxi (TCP underneath, seeded faults: short and refused
+# posts, delayed, reordered and lost completions, a connection failing at a random byte).
 from libc.stdint cimport int64_t, uint64_t, intptr_t
 
 cdef extern from "<sys/uio.h>" nogil:

@@ -124,14 +124,6 @@ cdef void seal_frame(State* e, Rail* r) noexcept nogil:
     if e.mac:
         frame_mac(&r.tx_key, &r.tx_hdr, HDR_SIZE, r.tx_payload, r.tx_plen, r.tx_ctr, r.tx_tag)
         r.tx_ctr += 1
-    if r.corrupt_next and r.tx_plen > 0:
-        # test hook: what a middlebox writing into the stream would do, after the tag
-        r.corrupt_next = 0
-        if r.tx_orphan == NULL:
-            r.tx_orphan = <char*>malloc(r.tx_plen)
-            memcpy(r.tx_orphan, r.tx_payload, r.tx_plen)
-            r.tx_payload = r.tx_orphan
-        r.tx_payload[r.tx_plen // 2] ^= 0x10
 
 cdef void tx_complete(State* e, Rail* r) noexcept nogil:
     """The transport is done with the DATA frame (its completion came): the rail is free."""

@@ -69,9 +69,9 @@ class SegmentError(R2commProtocolError, OSError):
     """A peer's shared-memory segment failed a check (owner, mode, header or size)."""
 
 
-def _engine():
-    from .._core import engine
-    return engine
+def _segments():
+    from .._core import shm_segments        # the segments and the hand-over to the engine
+    return shm_segments
 
 
 def shm_key():
@@ -228,12 +228,12 @@ def open_link(engine, boot, cfg, peer, timeout):
     listener, wait for it to map the segment, unlink the name, attach. With no room for the
     segment, a TCP connection takes its place (open_tcp_link). Raises OSError or
     tcp.HandshakeError."""
-    eng = _engine()
+    seg = _segments()
     me, job = boot.rank, boot.job
     conn_id = struct.unpack("!I", os.urandom(4))[0]
     name = segment_name(job, os.getpid(), me, peer, conn_id)
     try:
-        base, n = eng.shm_create(name.encode(), cfg.shm_ring, conn_id, job, os.getpid())
+        base, n = seg.shm_create(name.encode(), cfg.shm_ring, conn_id, job, os.getpid())
     except OSError as exc:
         _warn_no_room(me, peer, cfg.shm_ring, exc)
         open_tcp_link(engine, boot, cfg, peer, timeout)
@@ -247,13 +247,13 @@ def open_link(engine, boot, cfg, peer, timeout):
         keys = tcp.take_keys(fd)
         _wait_byte(fd, deadline)
         _unlink(name)
-        engine.attach_shm(peer, 0, fd, conn_id, base, n, 0, *keys)
+        seg.attach(engine, peer, 0, fd, conn_id, base, n, 0, *keys)
     except BaseException:
         _unlink(name)
         if fd is not None:
             tcp.take_keys(fd)
             os.close(fd)
-        eng.shm_unmap(base, n)
+        seg.shm_unmap(base, n)
         raise
 
 
@@ -302,11 +302,11 @@ def accept_tcp_link(engine, boot, peer, fd, conn_id):
 
 def _map_peer_segment(name, conn_id, job, peer):
     """shm_attach, with its refusals (owner, mode, header, size) as SegmentError."""
-    eng = _engine()
+    seg = _segments()
     try:
-        return eng.shm_attach(name.encode(), conn_id, job)
+        return seg.shm_attach(name.encode(), conn_id, job)
     except OSError as exc:
-        if exc.errno in (eng.SHM_EOWNER, eng.SHM_EBADSEG):
+        if exc.errno in (seg.SHM_EOWNER, seg.SHM_EBADSEG):
             raise SegmentError(exc.errno, f"rank {peer}'s shared-memory segment refused: "
                                           f"{exc.strerror}") from None
         raise
@@ -316,7 +316,7 @@ def accept_link(engine, boot, peer, fd, conn_id):
     """The accepting side (higher rank), after the handshake on fd: map the segment that the
     authenticated HELLO names, answer one byte, attach. On failure fd is closed and the error
     raised (the opener then sees EOF): SegmentError for a segment that fails its checks."""
-    eng = _engine()
+    seg = _segments()
     keys = tcp.take_keys(fd)
     base = 0
     n = 0
@@ -330,9 +330,9 @@ def accept_link(engine, boot, peer, fd, conn_id):
         base, n = _map_peer_segment(name, conn_id, boot.job, peer)
         if os.write(fd, b"\x01") != 1:
             raise OSError(errno.EAGAIN, "could not answer the shared-memory set-up")
-        engine.attach_shm(peer, 0, fd, conn_id, base, n, 1, *keys)
+        seg.attach(engine, peer, 0, fd, conn_id, base, n, 1, *keys)
     except BaseException:
         os.close(fd)
         if base:
-            eng.shm_unmap(base, n)
+            seg.shm_unmap(base, n)
         raise
