@@ -609,6 +609,7 @@ class Communicator:
                 algo += "+agree"
             msgs = [(k, self._members[p], st, b, off, n, mode, own)
                     for (k, p, st, b, off, n, mode, own) in msgs]
+            self._world.links.connect_for({m[1] for m in msgs})   # issue 31: on first use
             count = nbytes // itemsize if itemsize else nbytes
             h = zlib.crc32(f"{coll}|{nbytes}|{itemsize}|{dtc}|{redop}|{root}|{algo}|{self.size}|"
                            f"{count >> 32}".encode())
@@ -666,6 +667,7 @@ class Communicator:
         msg = (f"rank {self._world.boot.rank} could not start its {name} (call #{seq} on "
                f"communicator {self._id}): {type(exc).__name__}: {exc}")
         try:
+            self._world.links.connect_for(self._members)   # issue 31: every peer hears it
             self._engine.post_error(self._id, seq, self._members, PEER_ARGUMENT_CODE, msg)
         except Exception:                   # never hide the caller's own error
             log.exception("r2comm: could not tell the peers about a local argument error")
@@ -1102,6 +1104,8 @@ class Communicator:
             raise R2commArgumentError("a send needs a tag >= 0")
         Plan, Buffer = _engine().Plan, _engine().Buffer
         gpeer = -1 if any_source else self._members[peer]
+        if not any_source:          # issue 31: on first use (ANY_SOURCE: the sender connects)
+            self._world.links.connect_for((gpeer,))
         nbytes = arr.nbytes
         owned = kind == "send" and nbytes <= self._cfg.eager
         plan = Plan([(kind, gpeer, 0, WORK, 0, nbytes, 0, owned)], [], "p2p")
