@@ -351,7 +351,8 @@ class Communicator:
         return cls(comm, **kwargs)
 
     def _bandwidth_probe(self, nbytes):
-        """Time every rail to every peer (probe.py) and seed the engine's measured rates."""
+        """Time every rail to the ring neighbours (probe.py) and seed the engine's measured
+        rates of every peer."""
         from . import control, probe
         eng, g = self._engine, self._members
         stats = eng.rail_stats()
@@ -369,9 +370,17 @@ class Communicator:
         finally:
             if hedge is not None:
                 hedge(self._cfg.hedge)
-        for (p, k), rate in res.rates.items():
-            if rate > 0:
-                eng.set_rail_rate(g[p], k, rate)
+        # issue 31: partners timed, every other peer seeded with the slower of the two NICs
+        nics = self._mpi.allgather(probe.nic_rates(res, len(self._world.boot.rail_addrs)))
+        res.nic_rates = nics[self.rank]
+        eps, me = self._world.boot.endpoints, self._world.boot.rank
+        for p in range(self.size):
+            local = p != self.rank and shm.is_local(eps, me, g[p])   # (no NIC: as measured)
+            for k in range(len(stats[g[p]]) if p != self.rank else 0):
+                rate = res.rates.get((p, k)) or (0.0 if local else
+                                                 probe.pair_rate(nics[self.rank], nics[p], k))
+                if rate > 0:
+                    eng.set_rail_rate(g[p], k, rate)
         self._world.probe = res
         if self._cfg.debug in ("INFO", "DEBUG"):
             log.warning("r2comm rank %d: bandwidth probe %.1f ms: %s", self.rank,
