@@ -286,9 +286,17 @@ class Communicator:
                 if spec.start and spec.rank in (-1, boot.rank):
                     engine.inject(spec.rail, _faults.MODES[spec.mode], spec.peer)
             links = Links(engine, boot, cfg)
-            # start on the rails that connect within R2COMM_CONNECT_TIMEOUT (startup.py)
+            # Loopback rails are one device: the probe would time the CPUs (the planner then
+            # uses only the scale of the rates), so it runs there only when asked for. (After
+            # it the loopback allreduce used to run up to 2x slower at 64 KiB-2 MiB: the
+            # unequal rates it read had the tail hedge copy chunks, which loopback rails no
+            # longer do, _hedge_mode.)
+            want = cfg.bw_probe > 0 and (cfg.bw_probe_set or not _loopback_only(boot.endpoints))
+            # start on the rails that connect within R2COMM_CONNECT_TIMEOUT (startup.py); the
+            # same reduction agrees on the probe's message size (issue 31: one collective less)
             start = startup.agree(mpi_comm, boot, links.establish(cfg.connect_timeout),
-                                  cfg.timeout + cfg.connect_timeout)
+                                  cfg.timeout + cfg.connect_timeout,
+                                  max(cfg.bw_probe, cfg.eager + 4096) if want else 0)
             start.check(cfg.connect_timeout)
             links.settle(start)
             if start.down_rails() and boot.rank == 0:
@@ -320,14 +328,9 @@ class Communicator:
         _live_worlds.add(world)
         self._init(world, mpi_comm, list(range(boot.size)), 0, owner=True)
         world.probe = None
-        # Loopback rails are one device: the probe would time the CPUs (the planner then uses
-        # only the scale of the rates), so it runs there only when asked for. (After it the
-        # loopback allreduce used to run up to 2x slower at 64 KiB-2 MiB: the unequal rates it
-        # read had the tail hedge copy chunks, which loopback rails no longer do, _hedge_mode.)
-        loop_only = _loopback_only(boot.endpoints)
-        want = cfg.bw_probe > 0 and (cfg.bw_probe_set or not loop_only)
-        nbytes = mpi_comm.bcast(max(cfg.bw_probe, cfg.eager + 4096) if want else 0,
-                                root=0)        # every rank probes alike (message sizes), or none
+        nbytes = start.probe_bytes             # every rank probes alike (message sizes), or none
+        if nbytes is None:
+            nbytes = mpi_comm.bcast(max(cfg.bw_probe, cfg.eager + 4096) if want else 0, root=0)
         if nbytes and boot.params["acks"] and boot.size > 1:
             try:
                 self._bandwidth_probe(nbytes)
@@ -335,7 +338,7 @@ class Communicator:
                 world.close()
                 raise
         self._arm_faults(cfg.fault)
-        mpi_comm.Barrier()
+        startup.quiet_barrier(mpi_comm, cfg.timeout, "start-up (the last ranks' set-up)")
 
     @classmethod
     def from_store(cls, store, rank, size, *, prefix="r2comm", store_timeout=300.0, **kwargs):

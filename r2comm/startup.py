@@ -57,6 +57,7 @@ class StartOutcome:
         self.size = size
         self.nrails = nrails
         self._pair_rails = {}
+        self.probe_bytes = None               # agree(): the start-up probe's message size
         self.failed = failed
         self.endpoints = endpoints
         self.rail_addrs = rail_addrs          # per rank: its local rail addresses
@@ -150,17 +151,17 @@ class StartOutcome:
         return RailState.from_rail_stats(hosts, stats, rail_bw or None, rates=rates)
 
 
-def quiet_max(mpi_comm, value, timeout, what):
-    """The maximum over ranks of a non-negative int, without a busy CPU (Iallreduce tested
-    between sleeps, as quiet_barrier); a store bootstrap: a quiet barrier, then -1 (unknown)."""
+def quiet_max(mpi_comm, values, timeout, what):
+    """The element-wise maximum over ranks of a few ints, without a busy CPU (Iallreduce
+    tested between sleeps, as quiet_barrier); a store bootstrap: a barrier, then None."""
     if mpi_comm.Get_size() == 1:
-        return value
+        return list(values)
     if not hasattr(mpi_comm, "Iallreduce"):
         quiet_barrier(mpi_comm, timeout, what)
-        return -1
+        return None
     import numpy as np
     from mpi4py import MPI
-    mine, out = np.array([value], np.int64), np.zeros(1, np.int64)
+    mine, out = np.array(values, np.int64), np.zeros(len(values), np.int64)
     req = mpi_comm.Iallreduce(mine, out, op=MPI.MAX)
     deadline = time.monotonic() + timeout
     nap = 0.001
@@ -170,22 +171,27 @@ def quiet_max(mpi_comm, value, timeout, what):
                                 f"arrive within {timeout:.0f} s")
         time.sleep(nap)
         nap = min(nap * 1.5, 0.01)
-    return int(out[0])
+    return [int(v) for v in out]
 
 
-def agree(mpi_comm, boot, outcome, timeout):
+def agree(mpi_comm, boot, outcome, timeout, probe_bytes=0):
     """Exchange every rank's Links.establish() report (quietly) -> the same StartOutcome on
     every rank. outcome: {(peer, rail): None or reason} for the connections this rank opened,
-    rail tcp.CTRL_RAIL for the control connection. One quiet reduction of the failure counts;
-    the reports themselves travel only when a connection failed somewhere."""
+    rail tcp.CTRL_RAIL for the control connection. One quiet reduction of the failure counts
+    (and of probe_bytes: the start-up probe's message size, StartOutcome.probe_bytes, the
+    largest any rank asked for; None where unknown, a store bootstrap); the reports themselves
+    travel only when a connection failed somewhere."""
     from .transport import tcp
     mine = {(p, CTRL if k == tcp.CTRL_RAIL else k): why
             for (p, k), why in outcome.items() if why is not None}
     failed = {}
-    if quiet_max(mpi_comm, len(mine), timeout,
-                 "start-up (waiting for the other ranks' connections)") != 0:
+    most = quiet_max(mpi_comm, [len(mine), probe_bytes], timeout,
+                     "start-up (waiting for the other ranks' connections)")
+    if most is None or most[0] != 0:
         for a, rep in enumerate(mpi_comm.allgather(mine)):
             for (b, k), why in rep.items():
                 failed[(a, b, k)] = why
     eps = boot.endpoints
-    return StartOutcome(len(eps), None, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps])
+    start = StartOutcome(len(eps), None, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps])
+    start.probe_bytes = None if most is None else most[1]
+    return start

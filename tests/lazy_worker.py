@@ -147,10 +147,12 @@ def dead_nic(args):
     comm = r2comm.Communicator(w)
     n, me = comm.size, comm.rank
     far = int(args.get("far", 2))
-    t0 = time.monotonic()
     if me in (0, far):
         other = far if me == 0 else 0
         check(all(s == "idle" for s in states(comm, other)), "connected before first use")
+    w.Barrier()                           # (before either end uses the pair)
+    t0 = time.monotonic()
+    if me in (0, far):
         data = np.arange(1 << 15, dtype=np.float64)
         if me == 0:
             comm.Send(data, far, tag=1)
@@ -171,7 +173,13 @@ def dead_nic(args):
         while states(comm, other)[1] != "up" and time.monotonic() < deadline:
             time.sleep(0.05)
         check(states(comm, other)[1] == "up", f"rail 1 never came back: {states(comm, other)}")
+    w.Barrier()                           # (the counters read before anything is sent)
+    if me in (0, far):
+        other = far if me == 0 else 0
+        data = np.arange(1 << 15, dtype=np.float64)
         before = comm._engine.rail_stats()[other][1][1 if me == 0 else 2]
+    w.Barrier()
+    if me in (0, far):
         if me == 0:
             comm.Send(data, far, tag=2, rail=1)
         else:
