@@ -196,7 +196,34 @@ def dead_nic(args):
         print(f"OK dead_nic {n}", flush=True)
 
 
+def mismatch(args):
+    """Rank 3 calls a ring allreduce with another count: every rank raises
+    R2commMismatchError at once with the same message, also the ranks that hold no connection
+    to the ranks that detected it (the abort is relayed along the plan's connections)."""
+    w = MPI.COMM_WORLD
+    comm = r2comm.Communicator(w, timeout=30)
+    me = comm.rank
+    cnt = (1 << 14) + (8 if me == 3 else 0)
+    x = np.ones(cnt, np.float32)
+    y = np.empty_like(x)
+    t0 = time.monotonic()
+    try:
+        comm.Allreduce(x, y)
+        got = ("no error", "")
+    except r2comm.R2commError as exc:
+        got = (type(exc).__name__, str(exc))
+    took = time.monotonic() - t0
+    rows = w.allgather((got, took))
+    kinds = {g[0] for g, _ in rows}
+    check(kinds == {"R2commMismatchError"}, f"errors {[g[0] for g, _ in rows]}")
+    check(len({g[1] for g, _ in rows}) == 1, f"messages differ: {[g[1] for g, _ in rows]}")
+    check(max(t for _, t in rows) < 5, f"took {[round(t, 2) for _, t in rows]} s")
+    comm.Free()
+    if me == 0:
+        print(f"OK mismatch {comm.size}", flush=True)
+
+
 if __name__ == "__main__":
     scenario = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
-    {"ring": ring, "far": far, "dead_nic": dead_nic}[scenario](kw)
+    {"ring": ring, "far": far, "dead_nic": dead_nic, "mismatch": mismatch}[scenario](kw)

@@ -19,10 +19,12 @@ A failed rail is re-connected once the engine says a probe is due, by either end
 prober thread, never blocking the accepting one), so a rail whose link came back is
 re-admitted without user action, also where only one end ever needed it. At start-up the
 eager connections are tried in parallel until a short deadline; one that does not come up
-starts down and is probed the same way (r2comm/startup.py). One thread accepts incoming connections for the whole life of the
-engine and authenticates them without blocking (tcp.ServerHandshake, driven by a selector): a
-connection that never finishes its handshake holds one of MAX_PENDING slots until its
-deadline, never the thread, so fail-back probes and event delivery keep running.
+starts down and is probed the same way (r2comm/startup.py).
+
+One thread accepts incoming connections for the whole life of the engine and authenticates
+them without blocking (tcp.ServerHandshake, driven by a selector): a connection that never
+finishes its handshake holds one of MAX_PENDING slots until its deadline, never the thread, so
+fail-back probes and event delivery keep running.
 
 A client that floods the listeners cannot lock the ranks out (admission, _make_room): sources
 that are not a peer's address (the endpoint table) hold at most MAX_PENDING_UNKNOWN slots in
@@ -53,7 +55,7 @@ LOG_EVERY = 5.0             # s: at most one warning about refused connections p
 CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a silent NIC)
 CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
 CONNECT_THREADS = 32     # start-up connection attempts in flight at once
-BUSY = "busy"             # _attempt: another attempt at that connection is under way
+BUSY = object()           # _attempt: another attempt at that connection is under way
 VERBS_EXCHANGE_S = 10.0  # s: a verbs rail's queue-pair exchange after its handshake (creating
                          # a QP and registering its slots takes ~1 s in an emulated guest)
 
