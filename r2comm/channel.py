@@ -59,14 +59,16 @@ class Channel:
             raise R2commClosedError("communicator has been freed")
 
     def _schedule(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0, separate=False):
-        """(compiled Plan, Schedule, element count, descriptor), cached per operation shape.
+        """(compiled Plan, Schedule, element count, descriptor), cached per operation shape; the
+        plan's peers are connected when it is compiled.
         The count and descriptor travel in every frame header so that ranks with other
         arguments are detected (plans.py)."""
         key = (coll, nbytes, itemsize, root, dtc, redop, separate)
         hit = self._plans.get(key)
         if hit is None:
-            hit = compile_call(_engine().Plan, coll, self.rank, self._members, nbytes, itemsize,
+            *hit, peers = compile_call(_engine().Plan, coll, self.rank, self._members, nbytes, itemsize,
                                root, dtc, redop, separate, self._cfg, self._state, self._topo)
+            self._world.links.connect_for(peers)     # connections on first use (links.py)
             if len(self._plans) > 256:
                 self._plans.clear()
             self._plans[key] = hit
@@ -224,6 +226,7 @@ class Channel:
 
     def post_error(self, seq, code, message):
         """Fail call `seq` of this communicator on every peer with error `code` (an ABORT)."""
+        self._world.links.connect_for(self._members)   # every peer hears it (error path only)
         self._engine.post_error(self._id, seq, self._members, code, message)
 
     @property

@@ -17,6 +17,7 @@ from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_o
 from .plans import NONBLOCKING as _NONBLOCKING, call_name
 from .planner.schedule import WORK, SEND
 from .request import Request
+from .startup import quiet_barrier
 from .world import World, bootstrap_consts, agree_max, engine_module as _engine
 
 __all__ = ["Communicator", "IN_PLACE", "ANY_TAG", "ANY_SOURCE"]
@@ -53,13 +54,13 @@ class Communicator(Channel):
         nbytes = world.probe_size(mpi_comm)    # every rank probes alike (message sizes), or none
         if nbytes:
             try:
-                world.probe_bandwidth(control.plane(self), nbytes, self._state,
+                world.probe_bandwidth(control.plane(self), mpi_comm, nbytes, self._state,
                                       min(self.timeout, 30.0))
             except BaseException:
                 world.close()
                 raise
         world.arm_faults(cfg.fault, self.rank, self.fail_rail, self.restore_rail)
-        mpi_comm.Barrier()
+        quiet_barrier(mpi_comm, cfg.timeout, "start-up (the last ranks' set-up)")
 
     @classmethod
     def from_store(cls, store, rank, size, *, prefix="r2comm", store_timeout=300.0, **kwargs):
@@ -518,6 +519,8 @@ class Communicator(Channel):
                                len(self._world.boot.rail_addrs))
         eng = _engine()
         gpeer = -1 if any_source else self._members[peer]
+        if not any_source:                 # on first use (ANY_SOURCE: the sender connects)
+            self._world.links.connect_for((gpeer,))
         nbytes = arr.nbytes
         plan, owned = p2p.message_plan(eng.Plan, kind, gpeer, nbytes, self._cfg.eager)
         b = eng.Buffer(arr, kind == "recv")

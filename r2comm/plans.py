@@ -66,8 +66,9 @@ def descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size):
 
 def compile_call(Plan, coll, rank, members, nbytes, itemsize, root, dtc, redop, separate, cfg,
                  state, topo):
-    """(compiled Plan, Schedule, element count, descriptor) of one call shape on this rank
-    (members: the communicator's global ranks; Plan: the engine's plan class)."""
+    """(compiled Plan, Schedule, element count, descriptor, the global ranks it exchanges with)
+    of one call shape on this rank (members: the communicator's global ranks; Plan: the
+    engine's plan class)."""
     size = len(members)
     algo = cfg.algo
     if coll != "allreduce" and algo not in planner.GENERIC_ALGOS:
@@ -83,4 +84,4 @@ def compile_call(Plan, coll, rank, members, nbytes, itemsize, root, dtc, redop, 
         algo += "+agree"
     msgs = [(k, members[p], st, b, off, n, mode, own) for (k, p, st, b, off, n, mode, own) in msgs]
     count, desc = descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size)
-    return Plan(msgs, deps, algo), sched, count, desc
+    return Plan(msgs, deps, algo), sched, count, desc, {m[1] for m in msgs}

@@ -1,4 +1,5 @@
-"""Start-up bandwidth probe: every pair of ranks times each rail, both directions at once.
+"""Start-up bandwidth probe: each rank times each rail against its ring neighbours, both
+directions at once, so a NIC's rate costs O(1) messages per rank (issue 31), not n - 1.
 
 Run once by Communicator construction (R2COMM_PROBE bytes per probe message; 0 disables it), on
 the communicator's control plane (its own communicator id, so it shares no sequence numbers or
@@ -6,8 +7,15 @@ tags with the application). The result seeds the engine's measured rate of every
 (Engine.set_rail_rate): the striping uses it from the first operation on, the acknowledgements
 refine it online, and RailState (planner/state.py) reads it through rail_stats() row[7].
 
-Schedule. Pairs meet in the rounds of a round-robin tournament (circle method: n-1 rounds for
-even n, n for odd, every pair exactly once, every rank in at most one pair per round). In a round
+What it means. A rank's send rate to a partner on rail k is bounded by its own NIC k and the
+partner's; the larger of its (one or two) partners' figures is its NIC k's rate (nic_rates).
+The ranks exchange those (one row per rank), and every (peer, rail) the probe did not time is
+seeded with min(this rank's NIC, the peer's NIC), the rate a transfer between the two NICs
+can reach: the striping and RailState's per-rail weights get a figure for every pair, as when
+every pair was timed.
+
+Schedule. The ring's edges (i, i+1) meet in two rounds (three for odd n), every rank in at
+most one pair per round (ring_rounds). In a round
 the rails are timed one after the other (a pinned message waits for its rail, and one pair's
 messages share one queue, so two rails of one pair timed at once would serialise), every pair of
 the round at the same time, each rank sending to its partner while the partner sends back. When
@@ -68,17 +76,38 @@ class ProbeResult:
         self.seconds = seconds
         self.nbytes = nbytes
         self.skipped = skipped            # (peer, rail) left unmeasured (down or over budget)
+        self.nic_rates = []               # per rail: this rank's NIC (set by the communicator)
 
     def __repr__(self):
         return (f"ProbeResult({len(self.rates)} rails measured in {self.seconds * 1e3:.1f} ms, "
                 f"{len(self.skipped)} skipped)")
 
 
+def ring_rounds(n):
+    """The ring's edges (i, (i + 1) % n) as pairs (a, b), a < b, in rounds of disjoint pairs:
+    two rounds for even n, three for odd n (the closing edge alone), one edge for n = 2."""
+    if n < 2:
+        return []
+    if n == 2:
+        return [[(0, 1)]]
+    even = [(i, i + 1) for i in range(0, n - 1, 2)]
+    odd = [(i, i + 1) for i in range(1, n - 1, 2)]
+    closing = [(0, n - 1)]
+    if n % 2 == 0:
+        return [even, sorted(odd + closing)]
+    return [even, odd, closing]
+
+
+def partners(n, me):
+    """The ranks this rank's rails are timed against: its ring neighbours."""
+    return sorted({(me - 1) % n, (me + 1) % n} - {me}) if n > 1 else []
+
+
 def slots(n, hosts=None):
-    """The pairs that are timed together, slot after slot: the rounds of rounds(n); but when
-    every rank is on one machine (loopback rails, or the netns testbed: one host name), one
-    pair at a time, since concurrent pairs would only measure how they share the CPUs."""
-    rr = rounds(n)
+    """The pairs that are timed together, slot after slot: the rounds of ring_rounds(n); but
+    when every rank is on one machine (loopback rails, or the netns testbed: one host name),
+    one pair at a time, since concurrent pairs would only measure how they share the CPUs."""
+    rr = ring_rounds(n)
     if hosts is not None and n > 2 and len(set(hosts)) == 1:
         return [[p] for rnd in rr for p in rnd]
     return rr
@@ -86,7 +115,7 @@ def slots(n, hosts=None):
 
 def run(comm, nbytes, rail_up, nrails, eager, timeout=30.0, reps=REPS, max_msg_s=MAX_MSG_S,
         budget_s=BUDGET_S, hosts=None, max_rails=None, reachable=None):
-    """Probe every rail to every peer of `comm` (collective: every rank calls it).
+    """Probe every rail to the ring neighbours of `comm` (collective: every rank calls it).
 
     comm: a Communicator (the control plane), rail_up(peer, rail) -> bool, nrails(peer) ->
     rails towards that peer, eager: the eager limit (timed messages must be larger), hosts:
@@ -137,3 +166,18 @@ def run(comm, nbytes, rail_up, nrails, eager, timeout=30.0, reps=REPS, max_msg_s
                 skipped.append((partner, k))
     comm.Barrier()
     return ProbeResult(rates, time.perf_counter() - t_start, nbytes, skipped)
+
+
+def nic_rates(res, nrails):
+    """This rank's NIC rates from a ProbeResult: per rail, the best rate to a partner (0 where
+    none was measured)."""
+    return [max((v for (p, k), v in res.rates.items() if k == rail), default=0.0)
+            for rail in range(nrails)]
+
+
+def pair_rate(mine, theirs, rail):
+    """The rate a transfer from a NIC measured at `mine` to one at `theirs` (per-rail lists)
+    can reach on `rail`: the slower of the two (0: one of them unmeasured)."""
+    a = mine[rail] if rail < len(mine) else 0.0
+    b = theirs[rail] if rail < len(theirs) else 0.0
+    return min(a, b) if a > 0 and b > 0 else 0.0

@@ -8,7 +8,9 @@ from . import planner
 def loopback_only(endpoints):
     """Every rail of these ranks' endpoints is a loopback address: one device (the CPUs),
     not several NICs."""
-    return all(ipaddress.ip_address(a).is_loopback for ep in endpoints for a, _ in ep["rails"])
+    # (rail addresses are dotted IPv4: 127/8 is loopback; ipaddress objects cost ~20 us each,
+    # n x rails of them at start-up)
+    return all(a.split(".", 1)[0] == "127" for ep in endpoints for a, _ in ep["rails"])
 
 
 def host_keys(endpoints):

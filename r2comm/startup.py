@@ -49,12 +49,15 @@ class StartOutcome:
     """The agreed start-up table, identical on every rank.
 
     failed[(a, b, rail)] = why the connection between ranks a < b did not come up (rail: a data
-    rail index, or CTRL); nrails[a][b]: the data rails of that pair; addrs[r]: rank r's
-    endpoints (bootstrap)."""
+    rail index, or CTRL); nrails[a][b]: the data rails of that pair (None: read from the
+    endpoints when asked, so that a healthy start-up costs O(1) here, not O(n^2));
+    addrs[r]: rank r's endpoints (bootstrap)."""
 
     def __init__(self, size, nrails, failed, endpoints, rail_addrs):
         self.size = size
         self.nrails = nrails
+        self._pair_rails = {}
+        self.probe_bytes = None               # agree(): the start-up probe's message size
         self.failed = failed
         self.endpoints = endpoints
         self.rail_addrs = rail_addrs          # per rank: its local rail addresses
@@ -92,7 +95,16 @@ class StartOutcome:
 
     def pair_ok(self, a, b):
         lo, hi = min(a, b), max(a, b)
-        return any(self.rail_up(lo, hi, k) for k in range(self.nrails[lo][hi]))
+        return any(self.rail_up(lo, hi, k) for k in range(self.rails_of(lo, hi)))
+
+    def rails_of(self, a, b):
+        """The data rails between ranks a and b."""
+        if self.nrails is not None:
+            return self.nrails[a][b]
+        key = (min(a, b), max(a, b))
+        if key not in self._pair_rails:
+            self._pair_rails[key] = shm.data_rails(self.endpoints, *key)
+        return self._pair_rails[key]
 
     def check(self, connect_timeout):
         """Raise R2commNetworkError (every rank computes the same) when a control connection
@@ -103,6 +115,8 @@ class StartOutcome:
                 f"r2comm start-up: control connections did not come up within "
                 f"{connect_timeout:g} s (R2COMM_CONNECT_TIMEOUT); each pair of ranks needs one on "
                 f"the management network (R2COMM_CTRL_ADDR): {self._lines(ctrl)}")
+        if not any(k != CTRL for (_, _, k) in self.failed):
+            return                        # every data rail tried came up: one group
         groups = self.connected_groups()
         if len(groups) > 1:
             broken = [(a, b) for a in range(self.size) for b in range(a + 1, self.size)
@@ -128,7 +142,7 @@ class StartOutcome:
                     continue
                 lo, hi = min(r, p), max(r, p)
                 rows = [("up" if self.rail_up(r, p, k) else "down", 1.0, 0.0)
-                        for k in range(self.nrails[lo][hi])]
+                        for k in range(self.rails_of(lo, hi))]
                 if shm.is_local(eps, r, p):      # the shm link as a full set of rails (see
                     rows = rows[:1] * max(len(eps[r]["rails"]), len(eps[p]["rails"]))
                 row[p] = rows                    # Communicator.rail_state)
@@ -137,20 +151,47 @@ class StartOutcome:
         return RailState.from_rail_stats(hosts, stats, rail_bw or None, rates=rates)
 
 
-def agree(mpi_comm, boot, outcome, timeout):
+def quiet_max(mpi_comm, values, timeout, what):
+    """The element-wise maximum over ranks of a few ints, without a busy CPU (Iallreduce
+    tested between sleeps, as quiet_barrier); a store bootstrap: a barrier, then None."""
+    if mpi_comm.Get_size() == 1:
+        return list(values)
+    if not hasattr(mpi_comm, "Iallreduce"):
+        quiet_barrier(mpi_comm, timeout, what)
+        return None
+    import numpy as np
+    from mpi4py import MPI
+    mine, out = np.array(values, np.int64), np.zeros(len(values), np.int64)
+    req = mpi_comm.Iallreduce(mine, out, op=MPI.MAX)
+    deadline = time.monotonic() + timeout
+    nap = 0.001
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise R2commTimeout(f"rank {mpi_comm.Get_rank()}: {what}: the other ranks did not "
+                                f"arrive within {timeout:.0f} s")
+        time.sleep(nap)
+        nap = min(nap * 1.5, 0.01)
+    return [int(v) for v in out]
+
+
+def agree(mpi_comm, boot, outcome, timeout, probe_bytes=0):
     """Exchange every rank's Links.establish() report (quietly) -> the same StartOutcome on
     every rank. outcome: {(peer, rail): None or reason} for the connections this rank opened,
-    rail tcp.CTRL_RAIL for the control connection."""
+    rail tcp.CTRL_RAIL for the control connection. One quiet reduction of the failure counts
+    (and of probe_bytes: the start-up probe's message size, StartOutcome.probe_bytes, the
+    largest any rank asked for; None where unknown, a store bootstrap); the reports themselves
+    travel only when a connection failed somewhere."""
     from .transport import tcp
-    quiet_barrier(mpi_comm, timeout, "start-up (waiting for the other ranks' connections)")
     mine = {(p, CTRL if k == tcp.CTRL_RAIL else k): why
             for (p, k), why in outcome.items() if why is not None}
-    reports = mpi_comm.allgather(mine)
     failed = {}
-    for a, rep in enumerate(reports):
-        for (b, k), why in rep.items():
-            failed[(a, b, k)] = why
+    most = quiet_max(mpi_comm, [len(mine), probe_bytes], timeout,
+                     "start-up (waiting for the other ranks' connections)")
+    if most is None or most[0] != 0:
+        for a, rep in enumerate(mpi_comm.allgather(mine)):
+            for (b, k), why in rep.items():
+                failed[(a, b, k)] = why
     eps = boot.endpoints
-    size = len(eps)
-    nrails = [[shm.data_rails(eps, a, b) for b in range(size)] for a in range(size)]
-    return StartOutcome(size, nrails, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps])
+    start = StartOutcome(len(eps), None, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps])
+    start.probe_bytes = None if most is None else most[1]
+    return start

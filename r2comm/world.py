@@ -94,6 +94,7 @@ class World:
         self.callbacks = []
         self.timers = []
         self.probe = None            # the start-up bandwidth probe's ProbeResult
+        self.start_probe_bytes = None   # the probe size agreed at start-up (None: not agreed)
         self.liveness = None         # the failure detector (transport/liveness.py), or None
         self.regcache = transports.registration_cache()   # zero-copy sends from user memory
 
@@ -121,6 +122,7 @@ class World:
         transports.attach(engine)
         links, start = _connect(engine, boot, cfg, mpi_comm)
         world = cls(engine, links, boot, cfg, transports)
+        world.start_probe_bytes = start.probe_bytes
         try:                               # issue 31: the ring failure detector
             world.liveness = liveness.start(engine, boot, cfg, mpi_comm)
         except BaseException:
@@ -136,19 +138,17 @@ class World:
         return world
 
     def probe_size(self, mpi_comm):
-        """The bandwidth probe's message size, the same on every rank (0: no probe). Loopback
-        rails are one device: the probe would time the CPUs (the planner then uses only the
-        scale of the rates), so it runs there only when asked for. (After it the loopback
-        allreduce used to run up to 2x slower at 64 KiB-2 MiB: the unequal rates it read had the
-        tail hedge copy chunks, which loopback rails no longer do, hedge_mode.)"""
-        cfg = self.cfg
-        want = cfg.bw_probe > 0 and (cfg.bw_probe_set or not loopback_only(self.boot.endpoints))
-        nbytes = mpi_comm.bcast(max(cfg.bw_probe, cfg.eager + 4096) if want else 0, root=0)
+        """The bandwidth probe's message size, the same on every rank (0: no probe; see
+        wanted_probe_bytes)."""
+        nbytes = self.start_probe_bytes        # agreed with the start-up outcome (startup.agree)
+        if nbytes is None:
+            nbytes = mpi_comm.bcast(wanted_probe_bytes(self.cfg, self.boot), root=0)
         return nbytes if self.boot.params["acks"] and self.boot.size > 1 else 0
 
-    def probe_bandwidth(self, ctl, nbytes, state, timeout):
-        """Time every rail to every peer over control plane `ctl` (probe.py; state: the plans'
-        RailState or None) and seed the engine's measured rates."""
+    def probe_bandwidth(self, ctl, mpi_comm, nbytes, state, timeout):
+        """Time every rail to the ring neighbours over control plane `ctl` (probe.py; state: the
+        plans' RailState or None), exchange each NIC's rate over `mpi_comm` and seed the engine's
+        measured rates of every peer (a pair not timed: the slower of its two NICs)."""
         from . import probe
         eng, g, rank = self.engine, ctl.global_ranks(), ctl.rank
         stats = eng.rail_stats()
@@ -166,9 +166,15 @@ class World:
         finally:
             if hedge is not None:
                 hedge(self.cfg.hedge)
-        for (p, k), rate in res.rates.items():
-            if rate > 0:
-                eng.set_rail_rate(g[p], k, rate)
+        nics = mpi_comm.allgather(probe.nic_rates(res, len(self.boot.rail_addrs)))
+        res.nic_rates = nics[rank]
+        for p in range(len(g)):
+            local = p != rank and self.transports.is_local(g[p])   # (no NIC: as measured)
+            for k in range(len(stats[g[p]]) if p != rank else 0):
+                rate = res.rates.get((p, k)) or (0.0 if local else
+                                                 probe.pair_rate(nics[rank], nics[p], k))
+                if rate > 0:
+                    eng.set_rail_rate(g[p], k, rate)
         self.probe = res
         if self.cfg.debug in ("INFO", "DEBUG"):
             log.warning("r2comm rank %d: bandwidth probe %.1f ms: %s", rank,
@@ -218,6 +224,16 @@ class World:
             self.regcache.clear()    # (the connections are closed: nothing reads them now)
 
 
+def wanted_probe_bytes(cfg, boot):
+    """The bandwidth probe's message size this rank asks for (0: none). Loopback rails are one
+    device: the probe would time the CPUs (the planner then uses only the scale of the rates),
+    so it runs there only when asked for. (After it the loopback allreduce used to run up to 2x
+    slower at 64 KiB-2 MiB: the unequal rates it read had the tail hedge copy chunks, which
+    loopback rails no longer do, hedge_mode.)"""
+    want = cfg.bw_probe > 0 and (cfg.bw_probe_set or not loopback_only(boot.endpoints))
+    return max(cfg.bw_probe, cfg.eager + 4096) if want else 0
+
+
 def _connect(engine, boot, cfg, mpi_comm):
     """Start the engine and connect its links; (links, the agreed startup outcome). The engine
     (and links) are closed again when anything fails."""
@@ -234,8 +250,9 @@ def _connect(engine, boot, cfg, mpi_comm):
                 engine.inject(spec.rail, faults.MODES[spec.mode], spec.peer)
         links = Links(engine, boot, cfg)
         # start on the rails that connect within R2COMM_CONNECT_TIMEOUT (startup.py)
+        # the same reduction agrees on the probe's message size (one collective less)
         start = startup.agree(mpi_comm, boot, links.establish(cfg.connect_timeout),
-                              cfg.timeout + cfg.connect_timeout)
+                              cfg.timeout + cfg.connect_timeout, wanted_probe_bytes(cfg, boot))
         start.check(cfg.connect_timeout)
         links.settle(start)
         if start.down_rails() and boot.rank == 0:

@@ -47,6 +47,7 @@ def run_schedule(comm, sched, recvbuf, sendbuf=None, op=SUM, coll="allreduce", m
     gm = comm._members
     msgs = [(k, gm[p], st, b, off, n, mode, own) for (k, p, st, b, off, n, mode, own) in sched.msgs]
     plan = Plan(msgs, sched.deps, sched.algo)
+    comm._world.links.connect_for({m[1] for m in msgs})   # as the communicator (issue 31)
     work = recvbuf
     send = recvbuf if sendbuf is None else sendbuf
     scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None

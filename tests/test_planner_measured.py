@@ -8,7 +8,7 @@ import pytest
 
 from r2comm import planner
 from r2comm.planner.state import RailState, snap_rates, measured_figures, MEASURE_NOISE
-from r2comm.probe import rounds, slots
+from r2comm.probe import pair_rate, partners, ring_rounds, rounds, slots
 
 GBIT = 125e6          # bytes/s of 1 Gbit/s
 
@@ -169,8 +169,33 @@ def test_probe_rounds_meet_every_pair_once(n):
         ranks = [x for p in rnd for x in p]
         assert len(ranks) == len(set(ranks))              # a rank in one pair per round
     assert len(rr) == (0 if n < 2 else (n - 1 if n % 2 == 0 else n))
+
+
+
+@pytest.mark.parametrize("n", range(1, 12))
+def test_probe_slots_time_each_ring_edge_once(n):
+    """Issue 31: the probe times the ring's edges, in 2 rounds (3 for odd n) of disjoint
+    pairs, so each rank meets its two ring neighbours (partners) and nobody else."""
+    rr = ring_rounds(n)
+    pairs = [p for rnd in rr for p in rnd]
+    edges = sorted({tuple(sorted((i, (i + 1) % n))) for i in range(n)} if n > 1 else set())
+    assert sorted(pairs) == edges
+    for rnd in rr:
+        ranks = [x for p in rnd for x in p]
+        assert len(ranks) == len(set(ranks))              # a rank in one pair per round
+    assert len(rr) <= 3
+    for me in range(n):
+        met = sorted({b if a == me else a for a, b in pairs if me in (a, b)})
+        assert met == partners(n, me)
     one_machine = slots(n, ["h"] * n)
     assert sorted(p for s in one_machine for p in s) == sorted(pairs)
     if n > 2:
         assert all(len(s) == 1 for s in one_machine)
     assert slots(n, list(range(n))) == rr
+
+
+def test_probe_pair_rate_is_the_slower_nic():
+    assert pair_rate([10.0, 4.0], [6.0, 8.0], 0) == 6.0
+    assert pair_rate([10.0, 4.0], [6.0, 8.0], 1) == 4.0
+    assert pair_rate([10.0, 0.0], [6.0, 8.0], 1) == 0.0     # unmeasured: no figure
+    assert pair_rate([10.0], [6.0, 8.0], 1) == 0.0

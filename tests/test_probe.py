@@ -22,7 +22,7 @@ def scenario(n, name, timeout=60, env=None):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, 5])
 def test_probe_measures_every_rail_and_pins_to_it(n):
     # loopback rails are probed only when R2COMM_PROBE is given (the default skips them)
     count, out = scenario(n, "probe", env={"R2COMM_PROBE": "1M"})

@@ -1062,7 +1062,9 @@ cdef class Engine:
                 rows = []
                 for k in range(e.peers[i].nrails):
                     r = e.peers[i].rails[k]
-                    rows.append(("up" if r.state == R_UP else "down", r.bytes_sent, r.bytes_recv,
+                    # (an idle rail, not connected yet, is connected on first use: usable)
+                    rows.append(("up" if r.state == R_UP or rail_idle(r) else "down",
+                                 r.bytes_sent, r.bytes_recv,
                                  r.bytes_resent, r.inflight_bytes, r.weight, r.fail_count, r.rate,
                                  r.bytes_hedged))
                 out[i] = rows
@@ -1097,6 +1099,23 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
             write(e.evfd, &one, 8)          # a waiter asleep in epoll looks again
         return fresh
+
+    def link_state(self, int peer, int rail):
+        """One connection's state: "up", "down" (failed, or did not connect) or "idle" (never
+        connected: made on first use, r2comm/transport/links.py); rail == nrails(peer) is the
+        control connection."""
+        cdef State* e = self._live()
+        cdef Rail* r
+        cdef int st
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or \
+                rail > e.peers[peer].nrails:
+            raise ValueError(f"no such peer/rail {peer}/{rail}")
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            r = e.peers[peer].rails[rail]
+            st = 2 if r.state == R_UP else (1 if rail_idle(r) else 0)
+            pthread_mutex_unlock(&e.mu)
+        return ("down", "idle", "up")[st]
 
     def peer_ok(self, int peer):
         cdef State* e = self._live()

@@ -128,6 +128,19 @@ cdef void on_abort(State* e, Rail* r, const char* text, uint32_t n) noexcept nog
     add_event(e, EV_ABORT, r.peer, r.index, r.peer, 0, 0, msg.c_str())
     if op != NULL and op.state == ST_ACTIVE:
         fail_op(e, op, <int>h.aux, msg.c_str(), 0)
+        relay_abort(e, op, <int>h.aux, msg.c_str(), r.peer)
+
+cdef void relay_abort(State* e, Op* op, int code, const char* msg, int skip) noexcept nogil:
+    """Pass a peer's abort of a collective on to the op's other members, as it came (issue
+    31: with connections made on first use a rank may hold none to the rank that detected the
+    failure, so the news travels along the connections the plans made; a rank relays once,
+    when its op fails; a member it holds no connection to is skipped, see send_abort)."""
+    cdef size_t i
+    if op.p2p:
+        return
+    for i in range(op.members.size()):
+        if op.members[i] != e.me and op.members[i] != skip:
+            send_abort(e, op.members[i], 0, op.comm, op.seq, code, msg)
 
 cdef void on_rail_down(State* e, Rail* r) noexcept nogil:
     cdef r2_hdr* h = &r.rh

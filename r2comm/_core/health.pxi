@@ -24,6 +24,19 @@ cdef inline int fast_probing(State* e, Rail* r, double now) noexcept nogil:
     return r.state == R_DOWN and r.fail_time > 0 and now - r.fail_time < FAST_PROBE_S and \
         r.backoff <= e.probe_base
 
+cdef inline int rail_idle(Rail* r) noexcept nogil:
+    """Never connected and never failed: a connection made on first use that no schedule
+    needed yet (issue 31, r2comm/transport/links.py); not judged, not probed, counted usable."""
+    return r.state != R_UP and r.gen == 0 and r.fail_count == 0
+
+cdef inline int peer_idle(Peer* p) noexcept nogil:
+    """Every data rail to the peer is idle (rail_idle): no rail can be lost to it yet."""
+    cdef int k
+    for k in range(p.nrails):
+        if not rail_idle(p.rails[k]):
+            return 0
+    return 1
+
 cdef inline double hc_round(State* e) noexcept nogil:
     """A health-check round: long enough for the peer's kernel to acknowledge a segment
     (delayed acks wait 40 ms, at most 200 ms), at most half the rail deadline; 250 ms for
@@ -343,7 +356,7 @@ cdef void check_timers(State* e) noexcept nogil:
                             CAUSE_PEER_PROCESS)
         if up > 0:
             hedge_tail(e, p)                # a rail gone quiet gets its tail copied elsewhere
-        if up == 0 and p.nrails > 0:
+        if up == 0 and p.nrails > 0 and not peer_idle(p):     # (idle: not connected yet)
             if p.all_down_since == 0:
                 p.all_down_since = now
             elif not p.lost and now - p.all_down_since > e.peer_timeout:

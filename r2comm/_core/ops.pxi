@@ -208,6 +208,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
         ita = e.aborted.find(CS(comm, seq))
         if ita != e.aborted.end():
             fail_op(e, op, deref(ita).second.first, deref(ita).second.second.c_str(), 0)
+            relay_abort(e, op, deref(ita).second.first, deref(ita).second.second.c_str(), -1)
             e.aborted.erase(ita)
             take_unexpected(e, NULL, comm, seq, members)
             return op.id

@@ -1,13 +1,30 @@
-"""Connections between ranks: the initial mesh and fail-back.
+"""Connections between ranks: made on first use, and fail-back.
 
-Rank i connects to every higher rank j once per common rail and once for control; the lower
-rank also re-connects a failed rail once the engine says a probe is due, so a rail whose link
-came back is re-admitted without user action. At start-up the connections are tried in
-parallel until a short deadline; one that does not come up starts down and is probed the same
-way (r2comm/startup.py). One thread accepts incoming connections for the whole life of the
-engine and authenticates them without blocking (tcp.ServerHandshake, driven by a selector): a
-connection that never finishes its handshake holds one of MAX_PENDING slots until its
-deadline, never the thread, so fail-back probes and event delivery keep running.
+A rank connects to a peer when a schedule first needs it (connect_for: a compiled plan's whole
+neighbour set, a point-to-point peer), every common rail and the control connection in
+parallel, each retried until R2COMM_CONNECT_TIMEOUT; a data rail that does not come up by then
+starts down (rail_never_up) and is probed for fail-back like a rail that failed later. So a
+rank holds connections to the peers its schedules use: O(1) for ring plans, O(log n) for
+halving, tree and dissemination ones, not n - 1 (issue 31). Only the start-up set
+(eager_peers: the ring neighbours, whose connections the start-up bandwidth probe times and
+whose outcome the ranks agree on, and the local peers' shared-memory links) is connected
+before the Communicator returns.
+
+Either end may open a pair's connection, also both at once: the lower rank's wins. A rank
+refuses an incoming connection from a higher rank for a (peer, rail) it is opening itself or
+has up, and accepts the lower rank's always; its own attempt waits while an incoming one for
+the same (peer, rail) is being set up (_claim). So a pair ends with exactly one connection per
+rail, and a one-sided need (the other rank never asks) is accepted by the other's links thread.
+A failed rail is re-connected once the engine says a probe is due, by either end (on the
+prober thread, never blocking the accepting one), so a rail whose link came back is
+re-admitted without user action, also where only one end ever needed it. At start-up the
+eager connections are tried in parallel until a short deadline; one that does not come up
+starts down and is probed the same way (r2comm/startup.py).
+
+One thread accepts incoming connections for the whole life of the engine and authenticates
+them without blocking (tcp.ServerHandshake, driven by a selector): a connection that never
+finishes its handshake holds one of MAX_PENDING slots until its deadline, never the thread, so
+fail-back probes and event delivery keep running.
 
 A client that floods the listeners cannot lock the ranks out (admission, _make_room): sources
 that are not a peer's address (the endpoint table) hold at most MAX_PENDING_UNKNOWN slots in
@@ -38,6 +55,7 @@ LOG_EVERY = 5.0             # s: at most one warning about refused connections p
 CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a silent NIC)
 CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
 CONNECT_THREADS = 32     # start-up connection attempts in flight at once
+BUSY = object()           # _attempt: another attempt at that connection is under way
 VERBS_EXCHANGE_S = 10.0  # s: a verbs rail's queue-pair exchange after its handshake (creating
                          # a QP and registering its slots takes ~1 s in an emulated guest)
 
@@ -73,14 +91,148 @@ class Links:
         self._stop = threading.Event()
         self.on_tick = None           # called every ~20 ms from the thread (event delivery)
         self._thread = threading.Thread(target=self._serve, name="r2comm-links", daemon=True)
+        self.connect_timeout = getattr(cfg, "connect_timeout", 5.0)   # s: a first use's bound
+        self._opening = set()         # (peer, rail) this rank is connecting now (_claim)
+        self._accepting = collections.Counter()   # (peer, rail) of incoming handshakes admitted
+        self._ready = set()           # peers connected (or tried) for use: connect_for skips them
+        self._want = threading.Lock()  # one connect_for at a time makes the connections
+        self._probe_q = collections.deque()   # (peer, rail) fail-back probes for the prober
+        self._probing = set()         # of which queued or running
+        self._prober = None
+        self.nconnect_for = 0         # first uses that made connections (tests, bench)
 
     def engine_rail(self, peer, rail):
         return self.nrails[peer] if rail == tcp.CTRL_RAIL else rail
 
+    # -- which connections, and who opens -------------------------------------------------------
+    def eager_peers(self):
+        """The peers connected at start-up (the same relation on both ends): the local peers
+        (shared-memory links: a host runs a bounded number of ranks, and their set-up needs
+        /dev/shm's room agreed before the first plan) and the ring neighbours (the bandwidth
+        probe's partners; their outcome is agreed, so a wrong R2COMM_CTRL_ADDR still fails
+        start-up on every rank)."""
+        n, me = self.boot.size, self.me
+        ring = {(me - 1) % n, (me + 1) % n} - {me} if n > 1 else set()
+        return sorted(ring | self.shm_peers)
+
+    def _rails_of(self, peer):
+        return list(range(self.nrails[peer])) + [tcp.CTRL_RAIL]
+
+    def _up(self, peer, rail):
+        """Connection (peer, rail) is up in the engine (an engine without link_state, a test's
+        fake: it was attached once)."""
+        state = getattr(self.engine, "link_state", None)
+        if state is None:
+            return (peer, rail) in self._seen
+        return state(peer, self.engine_rail(peer, rail)) == "up"
+
+    def _claim(self, peer, rail):
+        """Take (peer, rail) for an attempt of this rank: False while one of ours or an
+        admitted incoming handshake for it is under way, or it is up."""
+        key = (peer, rail)
+        with self._cv:
+            if key in self._opening or self._accepting[key] > 0 or self._up(peer, rail):
+                return False
+            self._opening.add(key)
+            return True
+
+    def _unclaim(self, peer, rail):
+        with self._cv:
+            self._opening.discard((peer, rail))
+            self._cv.notify_all()
+
+    def _admit_pair(self, peer, rail):
+        """An incoming handshake for (peer, rail) may go on: the lower rank's always; a higher
+        rank's unless this rank is opening that connection itself or has it up (the lower
+        rank's connection wins, so both ends keep the same one). Admitted: counted in
+        _accepting until _release."""
+        key = (peer, rail)
+        with self._cv:
+            if peer > self.me and (key in self._opening or self._up(peer, rail)):
+                return False
+            self._accepting[key] += 1
+            return True
+
+    def _release(self, key):
+        if key is None:
+            return
+        with self._cv:
+            self._accepting[key] -= 1
+            if self._accepting[key] <= 0:
+                del self._accepting[key]
+            self._cv.notify_all()
+
+    def _attempt(self, peer, rail, timeout):
+        """One claimed attempt at (peer, rail): None (up), why it failed, or BUSY (another
+        attempt for it is under way)."""
+        if not self._claim(peer, rail):
+            return None if self._up(peer, rail) else BUSY
+        try:
+            return self._open(peer, rail, timeout)
+        finally:
+            self._unclaim(peer, rail)
+
+    # -- connect on first use -------------------------------------------------------------------
+    def connect_for(self, peers):
+        """Connect what a schedule needs: every rail and the control connection to each of
+        `peers` (global ranks) not connected for use yet, all in parallel, each retried until
+        R2COMM_CONNECT_TIMEOUT. A data rail that did not come up by then starts down
+        (Engine.mark_unconnected: event rail_never_up, probed for fail-back); the others carry
+        the traffic. Never raises for a connection that stays down. O(1) for peers already
+        connected (the hot path: a set lookup each)."""
+        ready = self._ready
+        need = [p for p in peers if p not in ready and p != self.me]
+        if not need:
+            return
+        with self._want:
+            need = sorted({p for p in need if p not in self._ready})
+            if not need:
+                return
+            self.nconnect_for += 1
+            jobs = [(p, k) for p in need if p not in self.shm_peers for k in self._rails_of(p)]
+            deadline = time.monotonic() + self.connect_timeout
+            outcome = _parallel(jobs, lambda p, k: self._first_use(p, k, deadline),
+                                self.connect_timeout + CONNECT_TRY_S + 1.0)
+            for (p, k), why in sorted(outcome.items()):
+                if why is None or self._up(p, k):
+                    continue
+                if k == tcp.CTRL_RAIL:
+                    log.warning("r2comm rank %d: the control connection to rank %d did not come "
+                                "up within %g s (R2COMM_CONNECT_TIMEOUT): %s", self.me, p,
+                                self.connect_timeout, why)
+                    continue
+                self.engine.mark_unconnected(
+                    p, k, f"did not connect on first use (rank {self.me} -> rank {p}, rail {k}, "
+                    f"within {self.connect_timeout:g} s): {why}")
+            self._ready.update(need)
+
+    def _first_use(self, peer, rail, deadline):
+        """Bring (peer, rail) up by `deadline`: this rank's attempts, or the peer's connection
+        arriving meanwhile (then this rank's are refused there, or wait here). -> None if up,
+        else why not."""
+        why = f"no attempt finished within {self.connect_timeout:g} s"
+        while True:
+            if self._up(peer, rail):
+                return None
+            if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
+                return "the NIC is dark on this side (injected fault)"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return why
+            err = self._attempt(peer, rail, max(min(left, CONNECT_TRY_S), 0.05))
+            if err is None:
+                return None
+            if err is not BUSY:
+                why = err
+            with self._cv:                # woken when a connection is attached or released
+                if not self._up(peer, rail):  # (the peer's may have come in meanwhile)
+                    self._cv.wait(max(min(CONNECT_RETRY_S, deadline - time.monotonic()), 0.001))
+
     # -- set-up ---------------------------------------------------------------------------------
     def establish(self, timeout):
-        """Open this rank's connections (every data rail and the control connection to every
-        higher rank) in parallel, each retried until the start-up deadline `timeout` s from now
+        """Open this rank's start-up connections (every data rail and the control connection
+        to each higher rank of eager_peers()) in parallel, each retried until the start-up
+        deadline `timeout` s from now
         (R2COMM_CONNECT_TIMEOUT): a refused or unreachable one every CONNECT_RETRY_S, a silent
         one (a blackholed NIC) after CONNECT_TRY_S. Never raises for a connection that stays
         down: returns {(peer, rail): None if up, else why not}; the ranks then agree on the
@@ -89,8 +241,8 @@ class Links:
         deadline = time.monotonic() + timeout
         todo = collections.deque()
         outcome = {}
-        for peer in range(self.me + 1, self.boot.size):
-            for rail in list(range(self.nrails[peer])) + [tcp.CTRL_RAIL]:
+        for peer in [p for p in self.eager_peers() if p > self.me]:
+            for rail in self._rails_of(peer):
                 if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
                     outcome[(peer, rail)] = "the NIC is dark on this side (injected fault, " \
                                             "R2COMM_FAULT start=1)"
@@ -109,8 +261,10 @@ class Links:
                 if nap > 0:
                     time.sleep(nap)
                 left = deadline - time.monotonic()
-                err = self._open(peer, rail, max(min(left, CONNECT_TRY_S), 0.05))
+                err = self._attempt(peer, rail, max(min(left, CONNECT_TRY_S), 0.05))
                 with lock:
+                    if err is BUSY:
+                        err = "an incoming connection for it did not finish"
                     if err is not None and deadline - time.monotonic() > CONNECT_RETRY_S:
                         todo.append((peer, rail, time.monotonic() + CONNECT_RETRY_S))
                     else:
@@ -132,9 +286,7 @@ class Links:
         of its handshake may still be on the way); one that does not arrive is marked down
         here and fails on the opener's side when this side closes it."""
         deadline = time.monotonic() + grace
-        for peer in range(self.boot.size):
-            if peer == self.me:
-                continue
+        for peer in self.eager_peers():
             lo, hi = min(self.me, peer), max(self.me, peer)
             for rail in range(self.nrails[peer]):
                 why = start.failed.get((lo, hi, rail))
@@ -150,6 +302,7 @@ class Links:
                     self.engine.mark_unconnected(
                         peer, rail, f"did not connect at start-up ({who} -> rank {hi}, "
                         f"{start.describe(lo, hi, rail)}): {why}")
+        self._ready.update(self.eager_peers())
 
     def _open(self, peer, rail, timeout):
         """One attempt at connection (peer, rail); attached to the engine when it works.
@@ -259,6 +412,7 @@ class Links:
         finally:
             for p in list(self._pending.values()):
                 p.hs.close()
+                self._release(p.claim)
             self._pending.clear()
             sel.close()
 
@@ -287,24 +441,32 @@ class Links:
                          "handshakes already pending, from peers' addresses")
             return
         ctrl_index = len(self.boot.listeners) - 1
+        pending = _Pending(None, lindex, addr[0], known)
 
         def admit(peer, rail, lindex=lindex):
             if not (0 <= peer < self.boot.size and peer != self.me):
                 return False
-            if rail == tcp.CTRL_RAIL:
-                return lindex == ctrl_index
             if rail in (shm.SHM_RAIL, shm.TCP_RAIL):   # only a local, lower rank opens one
                 return lindex == ctrl_index and peer in self.shm_peers and peer < self.me
-            if peer in self.shm_peers:
+            if rail == tcp.CTRL_RAIL:
+                ok = lindex == ctrl_index
+            elif peer in self.shm_peers:
                 return False               # a local peer has no NIC rails
-            # the listener must be that rail's, and an injected fault keeps the NIC dark
-            return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
+            else:
+                # the listener must be that rail's, and an injected fault keeps the NIC dark
+                ok = rail < self.nrails[peer] and lindex == rail and \
+                    not self.engine.injected(rail, peer)
+            if not ok or not self._admit_pair(peer, rail):
+                return False
+            pending.claim = (peer, rail)   # released once attached or failed (_release)
+            return True
         hs = tcp.ServerHandshake(sock, addr, self.boot.secret, self.boot.job, self.me,
                                  time.monotonic() + self.handshake_timeout,
                                  self.cfg.rail_timeout_ms, admit, self.cfg.sockbuf,
                                  self.cfg.notsent_lowat)
+        pending.hs = hs
         fd = sock.fileno()
-        self._pending[fd] = _Pending(hs, lindex, addr[0], known)
+        self._pending[fd] = pending
         sel.register(fd, selectors.EVENT_READ, None)
         self._step(sel, fd)
 
@@ -339,22 +501,26 @@ class Links:
         p = self._pending[fd]
         self._forget(sel, fd)
         p.hs.close()
+        self._release(p.claim)
         self._reject(f"connection from {p.src} closed to make room: {why}")
 
     def _step(self, sel, fd, now=None):
         """Advance the pending handshake on socket fd; past its deadline it is refused."""
-        hs = self._pending[fd].hs
+        pend = self._pending[fd]
+        hs = pend.hs
         try:
             res = hs.step(now)
         except (OSError, tcp.HandshakeError) as exc:
             self._forget(sel, fd)
             hs.close()
+            self._release(pend.claim)
             if "refused (rail failed" not in str(exc):
                 self._reject(str(exc))
             return
         except Exception as exc:          # noqa: BLE001 (e.g. admit() on a closed engine)
             self._forget(sel, fd)
             hs.close()
+            self._release(pend.claim)
             self._link_error("handshake", -1, -1, exc)
             return
         if res is not None:
@@ -362,8 +528,8 @@ class Links:
             if res[1] not in (tcp.CTRL_RAIL, shm.SHM_RAIL, shm.TCP_RAIL) and self.verbs:
                 # the queue-pair exchange waits for the peer: not on this thread, which
                 # drives every other handshake
-                threading.Thread(target=self._attach_verbs, args=res, daemon=True,
-                                 name="r2comm-qpx").start()
+                threading.Thread(target=self._attach_verbs, args=(pend.claim, *res),
+                                 daemon=True, name="r2comm-qpx").start()
             else:
                 try:
                     self._attach(*res)
@@ -371,8 +537,10 @@ class Links:
                     self._reject(f"rank {res[0]} rail {res[1]}: connection refused: {exc}")
                 except Exception as exc:  # noqa: BLE001 (_attach released what it took)
                     self._link_error("attaching", res[0], res[1], exc)
+                finally:
+                    self._release(pend.claim)
 
-    def _attach_verbs(self, *res):
+    def _attach_verbs(self, claim, *res):
         try:
             self._attach(*res)
         except OSError as exc:             # the exchange failed: the socket is closed
@@ -380,6 +548,8 @@ class Links:
         except Exception as exc:           # noqa: BLE001 (_attach released what it took)
             if not self._stop.is_set():    # (else: the engine was closed meanwhile)
                 self._link_error("attaching a verbs rail", res[0], res[1], exc)
+        finally:
+            self._release(claim)
 
     def _link_error(self, what, peer, rail, exc):
         """One connection failed unexpectedly (it is closed): log, count, event; -> the text."""
@@ -421,21 +591,54 @@ class Links:
             self._log_quiet += 1
 
     def _probe(self):
+        """Fail-back probes that are due: a shared-memory link's on this thread, by the lower
+        rank (as it was set up); a NIC rail's by either end (the other may never have needed
+        the pair), on the prober thread: a probe waits for the peer's links thread, and two
+        ends probing each other from their accepting threads would each wait for the other."""
         try:
             due = self.engine.reconnect_due()
         except RuntimeError:
             return
         for peer, rail in due:
             try:
-                if peer > self.me:
-                    if not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
-                        self.engine.probe_failed(peer, rail)
-                else:
-                    self.engine.probe_failed(peer, rail)   # the lower rank re-connects
+                if peer in self.shm_peers:
+                    if peer < self.me or \
+                            not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
+                        self.engine.probe_failed(peer, rail)   # the lower rank re-connects
+                elif (peer, rail) not in self._probing:
+                    with self._cv:
+                        self._probing.add((peer, rail))
+                        self._probe_q.append((peer, rail))
+                        self._cv.notify_all()
+                    if self._prober is None:
+                        self._prober = threading.Thread(target=self._probe_loop, daemon=True,
+                                                        name="r2comm-prober")
+                        self._prober.start()
             except RuntimeError:
                 return                                     # the engine was closed
             except Exception as exc:                       # noqa: BLE001
                 self._link_error("fail-back probe", peer, rail, exc)
+
+    def _probe_loop(self):
+        """The prober thread: one fail-back attempt at a time, from _probe's queue."""
+        while not self._stop.is_set():
+            with self._cv:
+                if not self._probe_q:
+                    self._cv.wait(0.1)
+                    continue
+                peer, rail = self._probe_q.popleft()
+            try:
+                err = self._attempt(peer, rail, self.engine.probe_timeout(peer, rail))
+                if err is not None and err is not BUSY and not self._up(peer, rail):
+                    self.engine.probe_failed(peer, rail)
+                # (BUSY: a connection for it is being made; the next due probe sees how it went)
+            except RuntimeError:
+                return                                     # the engine was closed
+            except Exception as exc:                       # noqa: BLE001
+                self._link_error("fail-back probe", peer, rail, exc)
+            finally:
+                with self._cv:
+                    self._probing.discard((peer, rail))
 
     @property
     def alive(self):
@@ -444,20 +647,52 @@ class Links:
 
     def close(self):
         self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(2.0)
+        if self._prober is not None:
+            self._prober.join(2.0)
         for s in self.boot.listeners:
             s.close()
 
 
 class _Pending:
     """One incoming handshake in progress: its state machine, listener, source address, whether
-    that is a peer's address, and when it was accepted."""
-    __slots__ = ("hs", "lindex", "src", "known", "since")
+    that is a peer's address, when it was accepted, and the (peer, rail) it was admitted for."""
+    __slots__ = ("hs", "lindex", "src", "known", "since", "claim")
 
     def __init__(self, hs, lindex, src, known):
         self.hs, self.lindex, self.src, self.known = hs, lindex, src, known
         self.since = time.monotonic()
+        self.claim = None
+
+
+def _parallel(jobs, attempt, wait_s):
+    """Run attempt(peer, rail) for every (peer, rail) of `jobs` at once (CONNECT_THREADS
+    threads); -> {(peer, rail): its result}, None for one still running after wait_s."""
+    todo = collections.deque(jobs)
+    out = {job: "still connecting" for job in jobs}
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                job = todo.popleft()
+            res = attempt(*job)
+            with lock:
+                out[job] = res
+    workers = [threading.Thread(target=work, name="r2comm-connect", daemon=True)
+               for _ in range(min(len(jobs), CONNECT_THREADS))]
+    for w in workers:
+        w.start()
+    end = time.monotonic() + wait_s
+    for w in workers:
+        w.join(max(end - time.monotonic(), 0))
+    with lock:
+        return dict(out)
 
 
 def _peer_addresses(endpoints, me):
