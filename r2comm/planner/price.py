@@ -314,7 +314,8 @@ def latency_share(x):
 
 # Fitted (least squares) to the exact replay of 70 random points of hosts 3-24, NICs 2-8, loss
 # 1/8-1 of one NIC, 8-256 MiB (sim/sweep.py's fabric): with a ring part this price is 0.88-1.28
-# x the replay (rms 9%; the factor 1.25 on the whole price used before: 0.95-1.43, rms 14%).
+# x the replay (rms 9%; the factor 1.25 on the whole price used before: about 0.84-1.55, rms
+# 25%).
 FOLD_GAP = 0.57
 LATENCY_SHARE_SPLIT = 0.88
 LATENCY_SHARE_FOLD = 0.5
