@@ -96,8 +96,9 @@ def _sweep(sw):
                         f"candidate's from 256 MiB on: **{'met' if ok else 'not met'}** (worst "
                         f"{wb['ratio']:.3f}, hosts 3-24)", ok))
     ok = w["ratio"] <= SWEEP_RATIO
-    targets.append((f"... at every size of the sweep (1 MiB-1 GiB): **{'met' if ok else 'not met'}**"
-                    f" (worst {w['ratio']:.3f}; the issue's hosts 25-512 not swept: see the next "
+    targets.append((f"... at every size of the sweep (1 MiB-1 GiB): "
+                    f"**{'met' if ok else 'not met'}** (worst {w['ratio']:.3f}; the issue's "
+                    "hosts 25-512 not swept: see the next "
                     "table for the planner's choice there)", ok))
     return out, targets
 
