@@ -918,5 +918,22 @@ def test_results_planner_section_from_fake_json(tmp_path):
     assert "worst 1.004" in sec and "| 8192 | 1024 | hierarchical_tree |" in sec
     glance = text.split("## Targets at a glance")[1].split("\n## ")[0]
     assert glance.count("| Planner at scale |") == 5
+    # the exact-replay sweep split at 256 MiB, and replay/T* of the choice per host count
+    doc["sweep"]["ratios"] = [[24, 2, 1.0, 1 << 30, "treefold", 1.0],
+                              [6, 4, 0.125, 64 << 20, "ring", 1.16]]
+    doc["sweep"]["worst"] = {"hosts": 6, "nics": 4, "loss": 0.125, "bytes": 64 << 20,
+                             "chosen": "ring", "ratio": 1.16}
+    doc["bound"] = [{"hosts": H, "nic_rate": v, "bytes": 256 << 20, "nics": 2, "chosen": c,
+                     "ratio": q} for H, v, c, q in ((3, 0.0, "degraded", 1.004),
+                                                    (512, 0.0, "treefold", 1.035),
+                                                    (3, 0.5, "ring", 1.222),
+                                                    (512, 0.5, "treefold", 1.037))]
+    (tmp_path / "planner_scale.json").write_text(json.dumps(doc))
+    sec = results.render(str(tmp_path)).split("## Planner at scale (issue 32)")[1].split("\n## ")[0]
+    assert "from 256 MiB on: **met** (worst 1.000, hosts 3-24)" in sec
+    assert "(1 MiB-1 GiB): **not met** (worst 1.160" in sec
+    assert "| 512 | 1.035 (treefold) | 1.037 (treefold) |" in sec
+    assert "with a NIC down: **met** (all of 3-512 hosts)" in sec
+    assert "with a NIC at 0.5: **not met** (over at 3 hosts 1.222)" in sec
     os.remove(tmp_path / "planner_scale.json")
     assert "Planner at scale" in results.render(str(tmp_path))

@@ -486,16 +486,18 @@ def test_choose_degraded_when_beta_small_ring_when_healthy(n):
     slow = degraded_state(n, factor=0.25)
     assert slow.beta() == pytest.approx(0.25)
     costs = planner.evaluate("allreduce", n, N, 4, slow)
-    assert planner.choose("allreduce", n, N, 4, slow) == "degraded"
+    want = planner.choose("allreduce", n, N, 4, slow)
+    # a degraded-server schedule: the tree fold is offered from 4 healthy ranks on (n = 6)
+    assert want == "degraded" if n < 5 else want in ("degraded", "treefold")
     t_star = cost.lower_bound_state(N, slow)
-    assert costs["degraded"] < costs["ring"]
-    assert costs["degraded"] <= 1.01 * t_star          # at the bound: N/(βB)
+    assert costs[want] < costs["ring"]
+    assert costs[want] <= 1.01 * t_star                # at the bound: N/(βB)
     assert costs["ring"] >= 2 * (n - 1) / n * t_star * 0.99
     mild = degraded_state(n, factor=0.99)               # within tolerance: not degraded
     assert planner.choose("allreduce", n, N, 4, mild) == "ring"
     # build() with a state and no algorithm runs what choose() picked
     s = planner.build("allreduce", 0, n, N, 4, 0, 64 << 10, state=slow)
-    assert s.algo == "degraded" and s.cost == pytest.approx(costs["degraded"])
+    assert s.algo == want and s.cost == pytest.approx(costs[want])
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 7])

@@ -4,10 +4,12 @@ NIC 3 of host H/2 down (a planner.state.NicRailState of 8 NICs per host); the fi
 new size (every planner cache cleared, the Topology or rail state made inside the timing) and a
 later size of the same size class; with --old, every rank's schedules priced by cost.py as
 before (planner.build_topo), where that takes seconds, not hours. --sweep adds the choice
-against the simulator's replay (sim/sweep.py). JSON for bench/RESULTS.md
+against the simulator's replay (sim/sweep.py), --bound the replay/T* of the planner's own choice
+at 3-512 hosts with a NIC down or partly slow (sim/sweep.bound_case). JSON for bench/RESULTS.md
 (results_planner.py).
 
     python -m r2comm.bench.planner_scale --json bench/out/planner_scale.json [--old] [--sweep N]
+        [--bound] [--bound-hosts 3,4,8,...]
 """
 import argparse
 import json
@@ -70,6 +72,17 @@ def old_time(H):
     return time.perf_counter() - t0
 
 
+def bound_rows(hosts=None):
+    """sweep.bound_case() over BOUND_HOSTS (or `hosts`) x BOUND_RATES, printed as they come."""
+    from ..sim import sweep
+    rows = []
+    for rate in sweep.BOUND_RATES:
+        for H in hosts or sweep.BOUND_HOSTS:
+            rows.append(sweep.bound_case(H, rate))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
@@ -77,9 +90,13 @@ def main(argv=None):
     p.add_argument("--old", action="store_true", help="time the old path up to 128 ranks")
     p.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="also the sweep against the replay with N random points")
+    p.add_argument("--bound", action="store_true",
+                   help="also replay/T* of the planner's choice per host count and NIC state")
+    p.add_argument("--bound-hosts", default="")
+    p.add_argument("--no-plan-times", action="store_true", help="skip the plan-time rows")
     a = p.parse_args(argv)
     rows = []
-    for H in [int(x) for x in a.hosts.split(",")]:
+    for H in ([] if a.no_plan_times else [int(x) for x in a.hosts.split(",")]):
         for down in (False, True):
             row = plan_times(H, down)
             if a.old and not down and H * G <= OLD_MAX:
@@ -98,6 +115,9 @@ def main(argv=None):
                         "ratios": [[r["hosts"], r["nics"], r["loss"], r["bytes"], r["chosen"],
                                     r["ratio"]] for r in pts]}
         print(json.dumps(doc["sweep"]["worst"]), flush=True)
+    if a.bound:
+        doc["bound"] = bound_rows([int(x) for x in a.bound_hosts.split(",")] if a.bound_hosts
+                                  else None)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)

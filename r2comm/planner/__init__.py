@@ -6,7 +6,7 @@ Without a RailState the planner is static (ring / recursive doubling by size). W
 (`state=`, the same on every rank) it is bandwidth-aware: build() prices every candidate with the
 cost model (cost.py) and routes around broken pairs (routing.py); "degraded" (degraded.py) keeps a
 slow host off the critical path, and "treefold" (treefold.py) does so with a pipeline depth of
-log H; it is built where it is asked for (algo="treefold", R2COMM_ALGO), not chosen on its own yet.
+log H; both are priced in closed form (price.py) and chosen where they cost least.
 
 Hosts. With a topology (topology.py: which ranks share a host, `topo=` without a RailState; a
 RailState's `hosts` with one) where several hosts run several ranks, the hierarchical schedules
@@ -276,7 +276,7 @@ def _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_sen
             rank, n, nbytes, itemsize, eager, state, degraded=deg,
             frac=degraded.state_fraction(state), order_all=_ring_order(state),
             order_ok=_ring_order(state, ok))
-    if coll == "allreduce" and name == "treefold":     # forced only (algo=): not priced yet
+    if coll == "allreduce" and name == "treefold":     # a state with no degraded rank
         return treefold.allreduce_treefold(rank, n, nbytes, itemsize, eager, state)
     if coll == "allreduce" and name == "ring":
         return routing.allreduce_ring_ordered(rank, list(range(n)), nbytes, itemsize, eager,

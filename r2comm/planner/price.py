@@ -13,7 +13,7 @@ bottleneck bandwidth b, with α per message and the engine's chunk c:
                                                          the rest streams behind it)
     volume = V/B + h·α                                   (the busiest NIC or link's bytes)
 
-Adding a candidate (e.g. the degraded-server tree fold): write `price(net, nbytes)` -> seconds
+Adding a candidate (as the degraded-server tree fold, below): write `price(net, nbytes)` -> seconds
 and `build(rank, net, nbytes, itemsize, eager)` -> Schedule, and register it:
     price.register(price.Candidate("tree_fold", applies, price_fn, build_fn))
 `applies(coll, net)` says when it is offered. choose() then compares it with the others, and
@@ -274,7 +274,10 @@ def hierarchical_tree(net, nbytes):
 
 def degraded(net, nbytes):
     """degraded.py's split: part A a ring over all ranks, part B a ring among the healthy ranks
-    with the slow ranks folded in; both run together."""
+    with the slow ranks folded in; both run together. The fold stalls by m·c at the slow rank's
+    rate (it streams its m blocks at once, nothing returns before the first chunk of every
+    block arrived: 1 + m·c/N with x = 0, exact in the replay, bench/SIM.md); with a ring part
+    the two parts slow each other down by fold_factor(x)."""
     from .degraded import volumes
     st, n = net.state, net.n
     deg = net.degraded
@@ -285,19 +288,72 @@ def degraded(net, nbytes):
     x, b_d, b_ok = net.degraded_split()
     vd, vh = volumes(x, n, k)
     tv = nbytes * max(vd / b_d, vh / b_ok)
+    if x < 1:                       # the fold's stall: a chunk of each of m blocks first
+        tv += m * min(net.chunk, (1 - x) * nbytes / m) / b_d
     hops_a = 2 * (n - 1) if x > 0 else 0
     hops_b = 2 * (m - 1) + k + 1 if x < 1 else 0
     hops = max(hops_a, hops_b)
     ch = max(chain(hops_a, x * nbytes / n, b_d, net.alpha, net.chunk),
              chain(hops_b, (1 - x) * nbytes / m, b_d, net.alpha, net.chunk))
-    return (FOLD_FACTOR if x > 0 else 1.0) * max(ch, tv + hops * net.alpha)
+    return max(ch, fold_factor(x) * tv + latency_share(x) * hops * net.alpha)
 
 
-# The degraded schedule's replay runs 4-34% over its α-β volume (the slow host streams its part
-# to every healthy rank at once and gets nothing back before it has sent all of it, issue 32
-# item 3), where part of the buffer still goes round the full ring (a small loss), so its price
-# is scaled there by the mean gap measured in the sweep (sim/sweep.py).
-FOLD_FACTOR = 1.25
+def fold_factor(x):
+    """How much longer the degraded schedule's bytes take than its α-β volume when a fraction
+    0 < x < 1 of the buffer goes round the full ring beside the fold: the full ring moves in
+    lockstep at the slow rank, whose NIC the fold's m streams share max-min fairly, so the
+    healthy ranks idle at times; worst where both parts are large (small x)."""
+    return 1.0 + FOLD_GAP * (1.0 - x) ** 0.8 if 0 < x < 1 else 1.0
+
+
+def latency_share(x):
+    """The share of its chain's per-message latencies the degraded schedule pays: its parts
+    (the ring, the fold's m streams) fill each other's waits."""
+    return LATENCY_SHARE_SPLIT if 0 < x < 1 else LATENCY_SHARE_FOLD
+
+
+# Fitted (least squares) to the exact replay of 70 random points of hosts 3-24, NICs 2-8, loss
+# 1/8-1 of one NIC, 8-256 MiB (sim/sweep.py's fabric): with a ring part this price is 0.88-1.28
+# x the replay (rms 9%; the factor 1.25 on the whole price used before: about 0.84-1.55, rms
+# 25%).
+FOLD_GAP = 0.57
+LATENCY_SHARE_SPLIT = 0.88
+LATENCY_SHARE_FOLD = 0.5
+
+
+def treefold(net, nbytes):
+    """treefold.py's two binary trees over the healthy ranks, the slow ranks folded in at the
+    roots: treefold_time() (the busiest NIC's bytes over its rate, plus 2·depth + 2 chunk
+    times and latencies of pipeline fill), the slowest degraded rank against the median
+    healthy one as degraded_split() (the state's figures, not the split)."""
+    from .treefold import treefold_time
+    _, b_d, b_ok = net.degraded_split()
+    k = len(net.degraded)
+    t = treefold_time(net.n, nbytes, b_d, b_ok, k, net.chunk, net.alpha)
+    return t * treefold_factor(net.n - k, b_d, b_ok)
+
+
+def treefold_factor(m, b_d, b_ok):
+    """The replay over the closed form with few healthy ranks and a partly slow one: the pair
+    (root, slow rank) stripes its traffic over the rails in proportion to the slow rank's
+    NICs, which loads the root's other rails beyond their share (bench/SIM.md: +11-25% at 5
+    hosts, within 1% from 8 on)."""
+    return 1.0 + TREEFOLD_SMALL_GAP if m < 7 and b_d > 0.55 * b_ok else 1.0
+
+
+TREEFOLD_SMALL_GAP = 0.15
+
+
+def _treefold_applies(coll, net):
+    from .treefold import offered
+    return coll == "allreduce" and net.state is not None and 0 < len(net.degraded) < net.n \
+        and offered(net.n, len(net.degraded))
+
+
+def _treefold_build(rank, net, nbytes, itemsize, eager):
+    from .treefold import allreduce_treefold
+    return allreduce_treefold(rank, net.n, nbytes, itemsize, eager, net.state,
+                              degraded=net.degraded)
 
 
 @dataclass
@@ -340,6 +396,7 @@ register(Candidate("hierarchical_tree", lambda c, net: _hier_any(c, net) and net
                    hierarchical_tree))
 register(Candidate("degraded", lambda c, net: _ar(c, net) and net.state is not None and
                    net.n > 2 and 0 < len(net.degraded) < net.n, degraded))
+register(Candidate("treefold", _treefold_applies, treefold, _treefold_build))
 
 
 def prices(coll, net, nbytes, names=None):
