@@ -132,13 +132,13 @@ plot() {
 SWEEP=(--rounds 5 --budget 0.2 -f)  # 5: a median that one slow round of a bimodal machine cannot move
 BIG=64M; COLL_MAX=16M; P2P=(--rounds 3 --budget 0.2); FO=(--duration 6 --fail-at 2); SR=(--duration 4)
 TB_FO=(--ranks 2,4); TB_DG=(--mib 64); ACKS=(--rounds 15 --budget 0.3); TB_TORCH=(); TB_TORCH_CY=()
-TORCH_SZ=(--rounds 3 --max-mib 64); TORCH_SC=(--rounds 6); TORCH_FS=(--steps 30)
+TORCH_SZ=(--rounds 3 --max-mib 64); TORCH_SC=(--rounds 8); TORCH_FS=(--steps 30)
 if [[ ${QUICK:-0} == 1 ]]; then  # a smoke test of this script and the report (about 1.5 minutes)
     SWEEP=(--rounds 1 --budget 0.05 -f); BIG=4M; COLL_MAX=1M; P2P=(--rounds 1 --budget 0.05)
     FO=(--duration 2.5 --fail-at 0.8); SR=(--duration 1.5)
     TB_FO=(--ranks 2 --size $((16 << 20)) --iters 2 --stream-seconds 3 --fail-at 1); TB_DG=(--mib 16 --reps 1); ACKS=(--rounds 2 --budget 0.1)
     TB_TORCH=(--quick --shapes network); TB_TORCH_CY=(--quick)
-    TORCH_SZ=(--rounds 1 --max-mib 1 --budget-s 0.05); TORCH_SC=(--rounds 3 --iters 300)
+    TORCH_SZ=(--rounds 1 --max-mib 1 --budget-s 0.05); TORCH_SC=(--rounds 4 --iters 300)
     TORCH_FS=(--steps 4 --warmup 1 --width 128 --depth 2)
 fi
 

@@ -1,10 +1,11 @@
 """Per-call time of an 8-byte all_reduce through the torch backend against the same
-Communicator's Allreduce on numpy, in one torchrun job (2 ranks, one host); Gloo's 8-byte
-all_reduce (a Gloo group over the same ranks) in the same job for reference.
+Communicator's Allreduce on numpy, in one torchrun job (2 ranks, one host); for reference in the
+same job, the group's allreduce method called directly (what the backend costs without torch's
+dist.all_reduce wrapper) and Gloo's 8-byte all_reduce (a Gloo group over the same ranks).
 
-    torchrun --nproc-per-node 2 bench/torch_small_call.py [--iters 3000] [--rounds 6] [--json FILE]
+    torchrun --nproc-per-node 2 bench/torch_small_call.py [--iters 3000] [--rounds 8] [--json FILE]
 
-Each round runs every path, the order turning from round to round (each path first as often);
+Each round runs every path, the order rotating from round to round;
 each call is timed alone and a round reports the median call (robust to the scheduling hiccups
 of a shared host). The report gives the median over rounds of each path and the median over
 rounds of the round's ratio torch / numpy (rank 0 prints it and writes --json). A benchmark,
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm.torch  # noqa: E402,F401  (registers "r2comm")
 
 NUMPY, TORCH, GLOO = "numpy Communicator.Allreduce", "torch dist.all_reduce", "gloo dist.all_reduce"
+BACKEND = "backend pg.allreduce"     # the group's method called directly: torch's wrapper left out
 
 
 def per_call(fn, iters, group=None):
@@ -55,7 +57,7 @@ def record(args, times, ratios, loads):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=3000)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--no-gloo", action="store_true", help="leave Gloo's path out")
     ap.add_argument("--json", help="write the per-round medians here (rank 0)")
     args = ap.parse_args()
@@ -64,8 +66,12 @@ def main():
     arr = np.ones(2, dtype=np.float32)
     out = np.empty_like(arr)
     t = torch.ones(2, dtype=torch.float32)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp, opts.asyncOp = dist.ReduceOp.SUM, False
+    pg = dist.group.WORLD
     paths = {NUMPY: (lambda: comm.Allreduce(arr, out), None),
-             TORCH: (lambda: dist.all_reduce(t), None)}
+             TORCH: (lambda: dist.all_reduce(t), None),
+             BACKEND: (lambda: pg.allreduce([t], opts).wait(), None)}
     if not args.no_gloo:
         gloo = dist.new_group(backend="gloo")
         tg = torch.ones(2, dtype=torch.float32)

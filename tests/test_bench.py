@@ -953,7 +953,8 @@ def test_results_torchdist_section_from_fake_json(tmp_path):
              "nproc": 2, "iters": 3000, "rounds": 3,
              "rounds_us": {"numpy Communicator.Allreduce": [4.0, 5.0, 4.0],
                            "torch dist.all_reduce": [10.0, 9.0, 11.0],
-                           "gloo dist.all_reduce": [30.0, 31.0, 29.0]},
+                           "gloo dist.all_reduce": [30.0, 31.0, 29.0],
+                           "backend pg.allreduce": [6.0, 7.0, 6.0]},
              "ratio_torch_numpy": [2.5, 1.8, 2.75]}
     fsdp = {"bench": "torch_fsdp2", "command": "python bench/torch_fsdp2.py --steps 3",
             "nproc": 2, "width": 64, "depth": 2, "batch": 8, "params": 9360, "warmup": 1,
@@ -972,6 +973,8 @@ def test_results_torchdist_section_from_fake_json(tmp_path):
     assert "8 B all_reduce through torch ≤ 2× the numpy path: **met** (10.0 µs vs 4.0 µs: 2.50×)" not in sec
     assert "8 B all_reduce through torch ≤ 2× the numpy path: **not met** (10.0 µs vs 4.0 µs: 2.50×)" in sec
     assert "| gloo dist.all_reduce | 30.0 µs |" in sec
+    assert ("Of the 6.0 µs a call through torch costs beyond the numpy path, 4.0 µs are torch's "
+            "own `dist.all_reduce`") in sec and "and 2.0 µs the backend's method" in sec
     assert "bitwise equal." in sec and "| r2comm | 11.00 ms | 3 |" in sec
     assert "the same losses as on Gloo, bit for bit: **met** (step 0.60× Gloo's time)" in sec
     glance = text.split("## Targets at a glance")[1].split("\n## ")[0]

@@ -90,8 +90,10 @@ def small_call_part(res):
     ratio = _median(doc.get("ratio_torch_numpy") or [])
     out += [f"One torchrun job, {doc.get('nproc', '?')} ranks on one host: `dist.all_reduce` of an "
             "8 B float32 tensor on the r2comm default group, `Communicator.Allreduce` on numpy "
-            "arrays with the same group's Communicator and, for reference, `dist.all_reduce` on a "
-            "Gloo group of the same ranks. Each round times "
+            "arrays with the same group's Communicator and, for reference, the group's "
+            "`allreduce` method called directly (`pg.allreduce([t], opts).wait()`: the backend "
+            "without torch's `dist.all_reduce` wrapper) and `dist.all_reduce` on a Gloo group of "
+            "the same ranks. Each round times "
             f"{doc.get('iters', '?')} calls of each path one by one (the order turning from round "
             "to round) and keeps the median call; shown: the median over "
             f"{doc.get('rounds', '?')} rounds, and torch / numpy as the median of the rounds' "
@@ -101,6 +103,12 @@ def small_call_part(res):
     out += table(["path", "median per call", "rounds' medians, µs"], rows) + [""]
     if torch_us is None or numpy_us is None or ratio is None:
         return out, []
+    direct_us = _median(rounds.get("backend pg.allreduce") or [])
+    if direct_us is not None:
+        out += [f"Of the {fus(torch_us - numpy_us)} a call through torch costs beyond the numpy "
+                f"path, {fus(torch_us - direct_us)} are torch's own `dist.all_reduce` (its checks, "
+                f"the options object, the group look-up) and {fus(direct_us - numpy_us)} the "
+                "backend's method (its checks, the tensor's numpy view, the Work).", ""]
     ok = ratio <= SMALL_CALL_OF_NUMPY
     return out, [(f"8 B all_reduce through torch ≤ {SMALL_CALL_OF_NUMPY:g}× the numpy path: "
                   f"**{'met' if ok else 'not met'}** ({fus(torch_us)} vs {fus(numpy_us)}: "
