@@ -975,7 +975,7 @@ def test_results_torchdist_section_from_fake_json(tmp_path):
     assert "| gloo dist.all_reduce | 30.0 µs |" in sec
     assert ("Of the 6.0 µs a call through torch costs beyond the numpy path, 4.0 µs are torch's "
             "own `dist.all_reduce`") in sec and "and 2.0 µs the backend's method" in sec
-    assert "bitwise equal." in sec and "| r2comm | 11.00 ms | 3 |" in sec
+    assert "bitwise equal." in sec and "| r2comm | 11.0 ms | 3 |" in sec
     assert "the same losses as on Gloo, bit for bit: **met** (step 0.60× Gloo's time)" in sec
     glance = text.split("## Targets at a glance")[1].split("\n## ")[0]
     assert glance.count("| torch backend vs Gloo |") == 2 and "❌ not met" in glance

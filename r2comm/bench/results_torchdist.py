@@ -20,7 +20,9 @@ def _command(res, name, doc):
 
 
 def _ftime(seconds):
-    return "–" if seconds is None else fus(seconds * 1e6) if seconds < 1e-3 else fms(seconds, 2)
+    if seconds is None or seconds < 1e-3:
+        return fus(None if seconds is None else seconds * 1e6)
+    return fms(seconds, 2 if seconds < 0.01 else 1)
 
 
 def _loads(doc):
@@ -94,7 +96,7 @@ def small_call_part(res):
             "`allreduce` method called directly (`pg.allreduce([t], opts).wait()`: the backend "
             "without torch's `dist.all_reduce` wrapper) and `dist.all_reduce` on a Gloo group of "
             "the same ranks. Each round times "
-            f"{doc.get('iters', '?')} calls of each path one by one (the order turning from round "
+            f"{doc.get('iters', '?')} calls of each path one by one (the order rotating from round "
             "to round) and keeps the median call; shown: the median over "
             f"{doc.get('rounds', '?')} rounds, and torch / numpy as the median of the rounds' "
             "ratios." + _loads(doc)]
