@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # r2comm comparison suite on one host, then bench/RESULTS.md written from its JSON files.
-# About 5 minutes on 2 cores for the loopback part, plus about 28 minutes of testbed as root
+# About 10 minutes on 2 cores for the loopback and torch part, plus about 28 minutes of testbed as root
 # (1.5 for the multi-rail and degraded-server benches, 5 for torch.distributed, 1 for the
 # hierarchical allreduce, 20 for torch.distributed's interleaved faults); the testbed steps get
 # what is left of a 45-minute budget (BUDGET) and are skipped when too little is left; then the soft-RoCE verbs bench (about 6 minutes with the
@@ -25,6 +25,10 @@
 #   acks, acks_rev   16 MiB allreduce with and without acknowledgements, interleaved in one job;
 #                    acks_rev builds the two communicators in the other order
 #   acks1, acks1_rev the same on one rail (the machinery's own cost: both stripe alike)
+#   torch_sizes      torch.distributed all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+#                    r2comm vs Gloo, 8 B .. 64 MiB (bench/torch_sizes.py)
+#   torch_small_call 8 B all_reduce through torch vs r2comm's numpy path (bench/torch_small_call.py)
+#   torch_fsdp2      an FSDP2 training step, r2comm vs Gloo, losses compared (bench/torch_fsdp2.py)
 # and, as root with iproute2 (network namespaces; traffic stays in 198.18.0.0/15):
 #   testbed_failover          2 hosts x 2 NICs at 1 Gbit/s: 1 vs 2 NICs, a real NIC down
 #   testbed_degraded_<H>hosts H = 3, 4 hosts at 500 Mbit/s, one NIC of the last host down
@@ -128,11 +132,14 @@ plot() {
 SWEEP=(--rounds 5 --budget 0.2 -f)  # 5: a median that one slow round of a bimodal machine cannot move
 BIG=64M; COLL_MAX=16M; P2P=(--rounds 3 --budget 0.2); FO=(--duration 6 --fail-at 2); SR=(--duration 4)
 TB_FO=(--ranks 2,4); TB_DG=(--mib 64); ACKS=(--rounds 15 --budget 0.3); TB_TORCH=(); TB_TORCH_CY=()
+TORCH_SZ=(--rounds 3 --max-mib 64); TORCH_SC=(--rounds 8); TORCH_FS=(--steps 30)
 if [[ ${QUICK:-0} == 1 ]]; then  # a smoke test of this script and the report (about 1.5 minutes)
     SWEEP=(--rounds 1 --budget 0.05 -f); BIG=4M; COLL_MAX=1M; P2P=(--rounds 1 --budget 0.05)
     FO=(--duration 2.5 --fail-at 0.8); SR=(--duration 1.5)
     TB_FO=(--ranks 2 --size $((16 << 20)) --iters 2 --stream-seconds 3 --fail-at 1); TB_DG=(--mib 16 --reps 1); ACKS=(--rounds 2 --budget 0.1)
     TB_TORCH=(--quick --shapes network); TB_TORCH_CY=(--quick)
+    TORCH_SZ=(--rounds 1 --max-mib 1 --budget-s 0.05); TORCH_SC=(--rounds 4 --iters 300)
+    TORCH_FS=(--steps 4 --warmup 1 --width 128 --depth 2)
 fi
 
 step allreduce_shm -- allreduce -m 8:$BIG --peer mpi,gloo "${SWEEP[@]}" --json "$OUT/allreduce_shm.json"
@@ -179,6 +186,14 @@ run sim_validate 120 TERM "$PY" -m r2comm.sim validate --json "$OUT/sim_validate
 # ranks, and the choice against the simulator's replay
 run planner_scale 600 TERM "$PY" -m r2comm.bench.planner_scale --old --sweep 12 \
     --json "$OUT/planner_scale.json"
+
+# torch.distributed against Gloo on this host (issue 29; about 5 minutes, no root needed): the
+# collectives per size (a torchrun job per backend and round), the 8 B all_reduce against the
+# numpy path, an FSDP2 step
+run torch_sizes 420 TERM "$PY" bench/torch_sizes.py --nproc "$NP" "${TORCH_SZ[@]}" --json "$OUT/torch_sizes.json"
+run torch_small_call 180 TERM "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NP" \
+    bench/torch_small_call.py "${TORCH_SC[@]}" --json "$OUT/torch_small_call.json"
+run torch_fsdp2 240 TERM "$PY" bench/torch_fsdp2.py --nproc "$NP" "${TORCH_FS[@]}" --json "$OUT/torch_fsdp2.json"
 
 # the netns testbed (issue 4, 5, 18): root and iproute2 only; bounded by the budget
 TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts testbed_torch testbed_hier

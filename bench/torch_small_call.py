@@ -1,27 +1,40 @@
 """Per-call time of an 8-byte all_reduce through the torch backend against the same
-Communicator's Allreduce on numpy, in one torchrun job (2 ranks, one host).
+Communicator's Allreduce on numpy, in one torchrun job (2 ranks, one host); for reference in the
+same job, the group's allreduce method called directly (what the backend costs without torch's
+dist.all_reduce wrapper) and Gloo's 8-byte all_reduce (a Gloo group over the same ranks).
 
-    torchrun --nproc-per-node 2 bench/torch_small_call.py [--iters 3000] [--rounds 5]
+    torchrun --nproc-per-node 2 bench/torch_small_call.py [--iters 3000] [--rounds 8] [--json FILE]
 
-Rounds alternate the two paths; each call is timed alone and each round reports the median
-call (robust to the scheduling hiccups of a shared host), the report the median over rounds
-(rank 0 prints it). A benchmark, not a test."""
+Each round runs every path, the order rotating from round to round;
+each call is timed alone and a round reports the median call (robust to the scheduling hiccups
+of a shared host). The report gives the median over rounds of each path and the median over
+rounds of the round's ratio torch / numpy (rank 0 prints it and writes --json). A benchmark,
+not a test."""
 import argparse
+import json
+import os
+import shlex
+import socket
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-import r2comm.torch  # noqa: F401  (registers "r2comm")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import r2comm.torch  # noqa: E402,F401  (registers "r2comm")
+
+NUMPY, TORCH, GLOO = "numpy Communicator.Allreduce", "torch dist.all_reduce", "gloo dist.all_reduce"
+BACKEND = "backend pg.allreduce"     # the group's method called directly: torch's wrapper left out
 
 
-def per_call(fn, iters):
+def per_call(fn, iters, group=None):
     """The median time of one call, in microseconds."""
     clock = time.perf_counter
     took = []
-    dist.barrier()
+    dist.barrier(group=group)
     for _ in range(iters):
         t0 = clock()
         fn()
@@ -29,30 +42,58 @@ def per_call(fn, iters):
     return statistics.median(took) * 1e6
 
 
+def record(args, times, ratios, loads):
+    """The JSON document (what r2comm/bench/results_torchdist.py reads)."""
+    argv = sys.argv[1:]
+    return {"bench": "torch_small_call", "time": time.time(), "host": socket.gethostname(),
+            "command": f"torchrun --nproc-per-node {dist.get_world_size()} "
+                       "bench/torch_small_call.py " + shlex.join(argv),
+            "argv": argv, "nproc": dist.get_world_size(), "iters": args.iters,
+            "rounds": args.rounds, "bytes": 8, "torch": torch.__version__, "loadavg": loads,
+            "env": {k: os.environ[k] for k in ("R2COMM_SHM",) if k in os.environ},
+            "rounds_us": times, "ratio_torch_numpy": ratios}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=3000)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--no-gloo", action="store_true", help="leave Gloo's path out")
+    ap.add_argument("--json", help="write the per-round medians here (rank 0)")
     args = ap.parse_args()
     dist.init_process_group("r2comm")
     comm = dist.group.WORLD.comm
     arr = np.ones(2, dtype=np.float32)
     out = np.empty_like(arr)
     t = torch.ones(2, dtype=torch.float32)
-    paths = {"numpy Communicator.Allreduce": lambda: comm.Allreduce(arr, out),
-             "torch dist.all_reduce": lambda: dist.all_reduce(t)}
-    for fn in paths.values():
-        per_call(fn, 200)                       # warm-up
-    times = {k: [] for k in paths}
-    for _ in range(args.rounds):
-        for name, fn in paths.items():
-            times[name].append(per_call(fn, args.iters))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp, opts.asyncOp = dist.ReduceOp.SUM, False
+    pg = dist.group.WORLD
+    paths = {NUMPY: (lambda: comm.Allreduce(arr, out), None),
+             TORCH: (lambda: dist.all_reduce(t), None),
+             BACKEND: (lambda: pg.allreduce([t], opts).wait(), None)}
+    if not args.no_gloo:
+        gloo = dist.new_group(backend="gloo")
+        tg = torch.ones(2, dtype=torch.float32)
+        paths[GLOO] = (lambda: dist.all_reduce(tg, group=gloo), gloo)
+    for fn, group in paths.values():
+        per_call(fn, 200, group)                       # warm-up
+    names = list(paths)
+    times, loads = {k: [] for k in names}, [os.getloadavg()[0]]
+    for i in range(args.rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn, group = paths[name]
+            times[name].append(per_call(fn, args.iters, group))
+        loads.append(os.getloadavg()[0])
+    ratios = [a / b for a, b in zip(times[TORCH], times[NUMPY])]
     if dist.get_rank() == 0:
-        med = {k: statistics.median(v) for k, v in times.items()}
-        for k, v in med.items():
-            print(f"{k:32s} median {v:7.2f} us/call  rounds {[round(x, 2) for x in times[k]]}")
-        ratio = med["torch dist.all_reduce"] / med["numpy Communicator.Allreduce"]
-        print(f"ratio torch/numpy {ratio:.2f}")
+        for k, v in times.items():
+            print(f"{k:32s} median {statistics.median(v):7.2f} us/call  "
+                  f"rounds {[round(x, 2) for x in v]}")
+        print(f"ratio torch/numpy {statistics.median(ratios):.2f} (median of the rounds' ratios)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record(args, times, ratios, loads), f, indent=1)
     dist.destroy_process_group()
 
 

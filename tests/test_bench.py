@@ -937,3 +937,60 @@ def test_results_planner_section_from_fake_json(tmp_path):
     assert "with a NIC at 0.5: **not met** (over at 3 hosts 1.222)" in sec
     os.remove(tmp_path / "planner_scale.json")
     assert "Planner at scale" in results.render(str(tmp_path))
+
+
+def test_results_torchdist_section_from_fake_json(tmp_path):
+    """Issue 29's torch.distributed vs Gloo section from the three benches' JSON: the per-size
+    medians and paired ratios, the 8 B target met / not met, the FSDP2 losses' equality."""
+    def job(scale):
+        return {op: {"8": 10e-6 * scale, str(1 << 20): 2e-3 * scale}
+                for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    sizes = {"bench": "torch_sizes", "command": "python bench/torch_sizes.py --rounds 3",
+             "nproc": 2, "budget_s": 0.3, "ops": ["all_reduce", "all_gather", "reduce_scatter"],
+             "sizes": [8, 1 << 20], "loadavg": [0.5, 1.5],
+             "runs": {"r2comm": [job(1), job(1), job(3)], "gloo": [job(2), job(4), job(2)]}}
+    small = {"bench": "torch_small_call", "command": "torchrun bench/torch_small_call.py",
+             "nproc": 2, "iters": 3000, "rounds": 3,
+             "rounds_us": {"numpy Communicator.Allreduce": [4.0, 5.0, 4.0],
+                           "torch dist.all_reduce": [10.0, 9.0, 11.0],
+                           "gloo dist.all_reduce": [30.0, 31.0, 29.0],
+                           "backend pg.allreduce": [6.0, 7.0, 6.0]},
+             "ratio_torch_numpy": [2.5, 1.8, 2.75]}
+    fsdp = {"bench": "torch_fsdp2", "command": "python bench/torch_fsdp2.py --steps 3",
+            "nproc": 2, "width": 64, "depth": 2, "batch": 8, "params": 9360, "warmup": 1,
+            "step_s": {"r2comm": [0.010, 0.012, 0.011], "gloo": [0.020, 0.020, 0.011]},
+            "losses": {"r2comm": [1.5, 1.25, 1.0], "gloo": [1.5, 1.25, 1.0]}}
+    for name, doc in (("torch_sizes", sizes), ("torch_small_call", small), ("torch_fsdp2", fsdp)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    text = results.render(str(tmp_path))
+    sec = text.split("## torch.distributed on r2comm vs Gloo (issue 29)")[1].split("\n## ")[0]
+    # medians over rounds; the ratio is the median of the rounds' ratios (0.5, 0.25, 1.5 -> 0.5),
+    # not the ratio of the medians (10/20)
+    assert "| 8 B | 10.0 µs | 20.0 µs | 0.50 | 10.0 µs | 20.0 µs | 0.50 |" in sec
+    assert "| 1 MiB | 2.00 ms | 4.00 ms | 0.50 |" in sec
+    assert "    python bench/torch_sizes.py --rounds 3" in sec
+    assert "Load average (1 min) during the run: 0.5–1.5." in sec
+    assert ("8 B all_reduce through torch ≤ 2× the numpy path: **not met** (10.0 µs vs 4.0 µs: "
+            "2.50×)") in sec
+    assert "| gloo dist.all_reduce | 30.0 µs |" in sec
+    assert ("Of the 6.0 µs a call through torch costs beyond the numpy path, 4.0 µs are torch's "
+            "own `dist.all_reduce`") in sec and "and 2.0 µs the backend's method" in sec
+    assert "bitwise equal." in sec and "| r2comm | 11.0 ms | 3 |" in sec
+    assert "the same losses as on Gloo, bit for bit: **met** (step 0.60× Gloo's time)" in sec
+    glance = text.split("## Targets at a glance")[1].split("\n## ")[0]
+    assert glance.count("| torch backend vs Gloo |") == 2 and "❌ not met" in glance
+    # met under 2x; losses that differ are said; a missing file says why
+    small["ratio_torch_numpy"] = [1.9, 1.8, 2.5]
+    fsdp["losses"]["gloo"][2] = 1.0000001
+    for name, doc in (("torch_small_call", small), ("torch_fsdp2", fsdp)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    os.remove(tmp_path / "torch_sizes.json")
+    sec = results.render(str(tmp_path)).split("Gloo (issue 29)")[1].split("\n## ")[0]
+    assert "the numpy path: **met** (10.0 µs vs 4.0 µs: 1.90×)" in sec
+    assert "**not** equal." in sec and "bit for bit: **not met**" in sec
+    assert "Not run (no `torch_sizes.json` in the results folder)." in sec
+    for name in ("torch_small_call", "torch_fsdp2"):
+        os.remove(tmp_path / f"{name}.json")
+    text = results.render(str(tmp_path))
+    assert ("| torch backend vs Gloo | Not run (no `torch_small_call.json` in the results "
+            "folder); no target evaluated | – not evaluated |") in text

@@ -32,6 +32,7 @@ from .results_loopback import COLLECTIVES, allreduce_section, collectives_sectio
 from .results_shm import shm_section
 from .results_testbed import degraded_section, slow_rail_section, testbed_section
 from .results_torch import sim_section, torch_section
+from .results_torchdist import torchdist_section
 from .results_verbs import verbs_section
 
 FIGURES = ("allreduce.png", "failover_hard.png", "failover_silent.png", "testbed_timeline.png",
@@ -56,6 +57,7 @@ SECTIONS = (
     Section(testbed_section, "Testbed"),
     Section(degraded_section, "Degraded server"),
     Section(torch_section, "torch.distributed"),
+    Section(torchdist_section, "torch backend vs Gloo"),
     Section(sim_section),
     Section(shm_section, "Shared memory"),
     Section(hier_section, "Hierarchical"),
