@@ -43,6 +43,7 @@ VERBS_SLAB = (16 + 32) * 64 * 1024   # a verbs connection's registered slot slab
                                      # 32 receive slots of 64 KiB: r2comm/_core/verbs_transport)
 VERBS_RAIL_FDS = 3                   # side socket, completion channel, epoll fd (r2comm/fdlimit)
 ENGINE_FDS = 3                       # the engine's own (epoll and wake-up fds; measured)
+DETECTOR_FDS = 6   # the failure detector (transport/liveness.py): listener, wake pair, epoll, 2 ring links
 
 
 # -- the full-mesh model -----------------------------------------------------------------------
@@ -55,7 +56,7 @@ def model(n, nics, transport="tcp", base_fds=0):
     per_rail = VERBS_RAIL_FDS if transport == "verbs" else 1
     qps = peers * nics if transport == "verbs" else 0
     return {"n": n, "nics": nics, "transport": transport,
-            "fds": base_fds + ENGINE_FDS + peers * (nics * per_rail + 1) + nics + 1,
+            "fds": base_fds + ENGINE_FDS + DETECTOR_FDS + peers * (nics * per_rail + 1) + nics + 1,
             "qps": qps, "pinned_bytes": qps * VERBS_SLAB}
 
 

@@ -236,8 +236,8 @@ def sc_autoreplan(comm, args):
     """R2COMM_REPLAN: rank n-1 loses NIC 1; at the next agreed boundary every rank switches
     to the degraded-server allreduce, and results stay exact."""
     n, r = comm.size, comm.rank
-    cnt = 750_000
-    ref = reduce_ref("auto", n, cnt, "int32", SUM)
+    cnt = 2_097_152          # 8 MiB: at 3 MB one NIC down prices the ring and the degraded
+    ref = reduce_ref("auto", n, cnt, "int32", SUM)   # schedule within 1% (planner/price.py)
     x = data("auto", r, cnt, "int32", SUM)
     y = np.empty_like(x)
     before = comm.plan("allreduce", cnt * 4, 4).algo
@@ -253,7 +253,7 @@ def sc_autoreplan(comm, args):
     check(len(set(agreed)) == 1, f"all ranks chose the same schedule: {agreed}")
     if r == 0:
         print(f"AUTOREPLAN before={before} after={after} beta={comm._state.beta():.2f}", flush=True)
-    # the static plan: the ring, or recursive halving for 4 ranks of one host (3 MB)
+    # the static plan: the ring, or recursive halving for 4 ranks of one host (8 MiB)
     flat = "rabenseifner" if n == 4 and comm.topology()["nhosts"] == 1 else "ring"
     check(before == flat and after.startswith("degraded"), f"switched {before} -> {after}")
     return 12

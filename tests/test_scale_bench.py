@@ -18,9 +18,9 @@ def test_model_full_mesh():
     """The model's figures at the issue's scale: 1,024 ranks x 8 NICs."""
     tcp = scale.model(1024, 8)
     verbs = scale.model(1024, 8, "verbs")
-    assert tcp["fds"] == 1023 * 9 + 9 + scale.ENGINE_FDS and tcp["qps"] == 0
+    assert tcp["fds"] == 1023 * 9 + 9 + scale.ENGINE_FDS + scale.DETECTOR_FDS and tcp["qps"] == 0
     assert verbs["qps"] == 8184 and verbs["pinned_bytes"] == 8184 * 3 * 2**20
-    assert verbs["fds"] == 1023 * (8 * 3 + 1) + 9 + scale.ENGINE_FDS
+    assert verbs["fds"] == 1023 * (8 * 3 + 1) + 9 + scale.ENGINE_FDS + scale.DETECTOR_FDS
     assert scale.model(64, 8, "verbs")["qps"] == 504
 
 
