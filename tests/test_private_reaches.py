@@ -21,15 +21,6 @@ ALLOWED = {
     ("r2comm.torch.backend", "_c10d.FakeProcessGroup._create_internal"):
         "torch's own constructor of its fake process group (no public one)",
     ("r2comm.bench.failover", "os._exit"): "the standard library's exit without clean-up",
-    ("r2comm.planner", "state._planner_topo"): "planner's per-RailState cache (planner package; "
-                                               "left to the planner's clean-up, issue 30)",
-    ("r2comm.planner.hierarchical", "from .algorithms import _tree"):
-        "a planner helper shared inside the planner package (planner's clean-up)",
-    ("r2comm.bench.planner_scale", "planner._CACHE"): "the planner's caches, cleared to time a "
-                                                      "cold planner (planner's clean-up)",
-    ("r2comm.bench.planner_scale", "planner._CHOICE"): "the same",
-    ("r2comm.bench.planner_scale", "planner._NETS"): "the same",
-    ("r2comm.bench.planner_scale", "planner._TEMPLATES"): "the same",
 }
 
 

@@ -26,8 +26,7 @@ OLD_MAX = 128                          # ranks: the old path above this takes mi
 
 def _clear():
     from .. import planner
-    for cache in (planner._CACHE, planner._CHOICE, planner._NETS, planner._TEMPLATES):
-        cache.clear()
+    planner.clear_caches()
 
 
 def _context(H, down):

@@ -48,6 +48,15 @@ def latency_allreduce(n, nbytes, eager):
     up: on loopback 74 vs 101 us at 256 KiB, 201 vs 179 us at 512 KiB (ring ahead)."""
     return nbytes <= (max(eager, PAIR_RD_MAX) if n == 2 else eager)
 _CACHE = {}
+
+
+def clear_caches():
+    """Forget every plan, choice, price net and template this process cached (to time a cold
+    planner)."""
+    for cache in (_CACHE, _CHOICE, _NETS, _TEMPLATES):
+        cache.clear()
+
+
 _CACHE_MAX = 128
 _CHOICE = {}                # size class -> (algorithm, how to build it): planner.build's plans
 _CHOICE_MAX = 4096
@@ -189,13 +198,12 @@ def _build_or_resize(key, coll, rank, name, n, nbytes, itemsize, root, eager, se
 
 def _state_topo(state):
     """Topology.from_state(), made once per state object."""
-    t = getattr(state, "_planner_topo", None)
+    derived = getattr(state, "derived", None)      # (a RailState's; any other state: none)
+    t = None if derived is None else derived.get("topology")
     if t is None:
         t = Topology.from_state(state)
-        try:
-            state._planner_topo = t
-        except AttributeError:
-            pass
+        if derived is not None:
+            derived["topology"] = t
     return t
 
 

@@ -150,7 +150,7 @@ def allreduce_rd(rank, n, nbytes, itemsize=1, separate_send=False, eager=0):
     return s
 
 
-def _tree(v, n):
+def binomial_tree(v, n):
     """Binomial tree on relative ranks: (parent or None, children in ascending order)."""
     parent = None if v == 0 else v - (1 << (v.bit_length() - 1))
     kids, k = [], v.bit_length() if v else 0
@@ -164,7 +164,7 @@ def bcast_tree(rank, n, nbytes, root, eager=0):
     """Binomial tree, each chunk forwarded as soon as it arrives."""
     s = Schedule("binomial")
     v = (rank - root) % n
-    parent, kids = _tree(v, n)
+    parent, kids = binomial_tree(v, n)
     ri = None
     if parent is not None:
         ri = s.recv((parent + root) % n, 0, WORK, 0, nbytes, COPY)
@@ -177,7 +177,7 @@ def bcast_tree(rank, n, nbytes, root, eager=0):
 def reduce_tree(rank, n, nbytes, root, eager=0):
     """Binomial tree reduce into WORK (root) or SCRATCH; children applied in a fixed order."""
     v = (rank - root) % n
-    parent, kids = _tree(v, n)
+    parent, kids = binomial_tree(v, n)
     s = Schedule("binomial")
     buf = WORK if v == 0 else (SCRATCH if kids else SEND)
     if buf == SCRATCH:

@@ -34,7 +34,7 @@ NICs (every rank lists all of them), so after a NIC of one host fails, the chunk
 inter-host messages (those in flight are re-sent) go on its surviving NICs without a new
 schedule, and the reduction order, hence every bit, stays the same. The planner prices a
 degraded host through the RailState (host_bw), like any other schedule."""
-from .algorithms import blocks, _tree
+from .algorithms import blocks, binomial_tree
 from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_SEND
 
 HIER_COLLS = ("allreduce", "allgather", "reduce_scatter_block", "bcast")
@@ -327,7 +327,7 @@ def bcast(rank, topo, nbytes, root, eager=0):
     ri = None
     if rank == leader[h]:                             # inter-host tree among the leaders
         order = [leader[(hr + k) % H] for k in range(H)]
-        parent, kids = _tree(order.index(rank), H)
+        parent, kids = binomial_tree(order.index(rank), H)
         if parent is not None:
             ri = s.recv(order[parent], 0, WORK, 0, nbytes, COPY)
         for c in kids:
@@ -335,7 +335,7 @@ def bcast(rank, topo, nbytes, root, eager=0):
     mine = hosts[h]
     L, lead = len(mine), mine.index(leader[h])
     order = [mine[(lead + k) % L] for k in range(L)]
-    parent, kids = _tree(order.index(rank), L)
+    parent, kids = binomial_tree(order.index(rank), L)
     if parent is not None:
         ri = s.recv(order[parent], 1, WORK, 0, nbytes, COPY)
     for c in kids:

@@ -146,6 +146,8 @@ class RailState:
     chunk: int = DEFAULT_CHUNK
     degraded_tol: float = 0.02                   # a host below (1 - tol) x the best is degraded
     measured: dict = field(default_factory=dict, compare=False)  # (rank, peer, rail) -> raw B/s
+    derived: dict = field(default_factory=dict, compare=False, repr=False)  # what the planner
+                                                 # derives from this state once (its Topology)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
