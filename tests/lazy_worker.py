@@ -72,10 +72,10 @@ def ring(args):
     check(np.all(b == 1), "bcast")
     used = plan_peers(comm, comm.plan("allreduce", x.nbytes, 4), comm.plan("allgather", g.nbytes, 4),
                       comm.plan("bcast", b.nbytes, 8, root=1)) | set(nbrs)
-    d = 1                                 # the Bcast's agreement: a dissemination (rank +- 2^k)
-    while d < n:
-        used |= {(me + d) % n, (me - d) % n}
-        d *= 2
+    tree = [(me - 1) // 2] if me else []  # the Bcast's agreement: a binary tree in rank order
+    tree += [c for c in (2 * me + 1, 2 * me + 2) if c < n]
+    used |= set(tree)
+    w.Barrier()                           # (before any rank's Free: its barrier connects more)
     row["mix_peers"] = connected(comm)
     check(row["mix_peers"] == sorted(used), f"connected to {row['mix_peers']}, the plans use "
           f"{sorted(used)}")

@@ -35,7 +35,7 @@ def test_ring_allreduce_holds_constant_connections():
     """After a ring allreduce every rank holds connections to its two ring neighbours only,
     and the same number of fds at 16 ranks as at 6 (the full mesh grew 3 per peer); then
     allgather and bcast connect exactly the peers their plans (and the Bcast's agreement)
-    use."""
+    use (the agreement: its tree peers, tests/test_agreement_tree.py)."""
     env = dict(NET, R2COMM_ALGO="ring")
     small = _rows(_job(6, "ring", env))
     big = _rows(_job(16, "ring", env, timeout=180))
