@@ -75,10 +75,13 @@ def ring(args):
     tree = [(me - 1) // 2] if me else []  # the Bcast's agreement: a binary tree in rank order
     tree += [c for c in (2 * me + 1, 2 * me + 2) if c < n]
     used |= set(tree)
-    w.Barrier()                           # (before any rank's Free: its barrier connects more)
-    row["mix_peers"] = connected(comm)
+    w.Barrier()                           # every rank's plans are connected, and no rank has
+    row["mix_peers"] = connected(comm)    # reached Free (its barrier connects more) until all read
+    w.Barrier()
+    extra = sorted(set(row["mix_peers"]) - used)
     check(row["mix_peers"] == sorted(used), f"connected to {row['mix_peers']}, the plans use "
-          f"{sorted(used)}")
+          f"{sorted(used)}; the others: {[(p, states(comm, p)) for p in extra]}, events "
+          f"{[(e['kind'], e.get('peer')) for e in comm.events[-8:]]}")
     rows = w.gather(row, root=0)
     comm.Free()
     if me == 0:
