@@ -1,10 +1,13 @@
-"""File descriptors for the connection mesh (issue 31).
+"""File descriptors at start-up (issue 31).
 
-Today a rank connects to every peer at start-up: per peer it holds one socket per common data
-rail plus the control connection (a shared-memory peer: its doorbell and the control
-connection), and a verbs rail adds its completion channel and its epoll fd to the socket kept
-beside the queue pair. At a few hundred ranks that passes a common `ulimit -n` of 1,024, so
-before the mesh is built each rank
+A rank connects at start-up only to its ring neighbours and its local peers (links.start_peers):
+per peer one socket per common data rail plus the control connection (a shared-memory peer: its
+doorbell and the control connection); a verbs rail adds its completion channel and its epoll fd
+to the socket kept beside the queue pair; the failure detector (liveness.py) holds
+DETECTOR_FDS more. Plans connect more peers on first use (links.connect_for), bounded by the
+peers of the plans a rank runs (O(1) for ring plans, O(log n) for tree and halving ones; an
+alltoall or point-to-point to every peer reaches the full mesh), so fds_needed is the start-up
+figure, not a bound for the whole run. Before connecting each rank
 
   * raises its soft RLIMIT_NOFILE to the hard limit (once per process, raise_soft_limit), and
   * counts the fds it is about to hold (fds_needed); the ranks agree on the worst ratio to the
@@ -16,11 +19,13 @@ import os
 import resource
 
 from .transport import shm
+from .transport.links import start_peers
 from .errors import R2commResourceError
 
 log = logging.getLogger("r2comm")
 WARN_FRACTION = 0.8      # warn when a rank would hold more than this share of its fd limit
 VERBS_RAIL_FDS = 3       # a verbs rail connection: TCP side socket, completion channel, epoll fd
+DETECTOR_FDS = 5         # the failure detector: listener, wake-up pair, two ring connections
 NR_OPEN_FALLBACK = 1 << 20
 
 _limits = None           # (soft before, soft now, hard) once raise_soft_limit ran
@@ -61,13 +66,11 @@ def open_fds():
 
 
 def connection_fds(endpoints, me, transport):
-    """The fds rank `me` holds for its connections once the mesh is up (endpoints: the
-    bootstrap's, transport "tcp" or "verbs")."""
+    """The fds rank `me` holds for its connections once start-up is done (endpoints: the
+    bootstrap's, transport "tcp" or "verbs"): its start-up peers' and the detector's."""
     per_rail = VERBS_RAIL_FDS if transport == "verbs" else 1
-    total = 0
-    for peer in range(len(endpoints)):
-        if peer == me:
-            continue
+    total = DETECTOR_FDS if len(endpoints) > 1 else 0
+    for peer in start_peers(endpoints, me):
         rails = shm.data_rails(endpoints, me, peer)
         total += 1 + (rails if shm.is_local(endpoints, me, peer) else rails * per_rail)
     return total
@@ -79,7 +82,7 @@ def fds_needed(endpoints, me, transport):
 
 
 def check(mpi_comm, max_op, endpoints, me, transport):
-    """Agree on the fd budget before the mesh is built: a warning (rank 0) when a rank would
+    """Agree on the fd budget before the start-up connections: a warning (rank 0) when a rank would
     hold more than WARN_FRACTION of its limit, R2commResourceError on every rank when one would
     hold more than its limit. max_op: the bootstrap communicator's MAX."""
     _, limit, hard = raise_soft_limit()
@@ -90,7 +93,8 @@ def check(mpi_comm, max_op, endpoints, me, transport):
     if ratio > 1.0:
         raise R2commResourceError(
             f"r2comm start-up: rank {rank} would hold about {need} file descriptors "
-            f"({len(endpoints) - 1} peers, every peer connected on every rail and for control), "
+            f"({len(start_peers(endpoints, rank))} peers connected at start-up, on every rail and "
+            f"for control, and the failure detector), "
             f"over its limit of {cap} (RLIMIT_NOFILE; r2comm lifts the soft limit to the hard "
             f"one, {_show(hard)}): raise the hard limit (`ulimit -n` / `ulimit -Hn`, limits.conf or the "
             f"launcher's), or run fewer ranks or rails")

@@ -9,10 +9,15 @@ engine (check_match) and both sides can be named in the error:
 
 Rooted collectives (Bcast, Reduce) leave ranks that hear from nobody (a Bcast root, a Reduce
 leaf): their data alone cannot tell them that the others called the same thing. They get an
-agreement: a dissemination exchange of header-only frames (ceil(log2 n) rounds, each round's
-send gated on the previous round's receive) that carries the descriptor, so every rank hears,
-directly or through a checked chain, from every other rank before its call returns. The other
-collectives need none: every rank's result already depends on a frame from every rank."""
+agreement: header-only frames that carry the descriptor over a binary tree in rank order (rank
+r's parent (r - 1) // 2), a fan-in to rank 0 (a rank's frame to its parent gated on its
+children's) then a fan-out (a rank's frames to its children gated on its parent's), so every
+rank hears, through a checked chain, from every other rank before its call returns (no rank
+leaves before all arrived), and a rank whose call differs fails a neighbour's compare; the abort
+travels along the connections the plans made (failover.pxi relay_abort). Each rank exchanges
+with at most 3 peers (2 * depth dependent steps), so the connections the agreement adds do not
+grow with n (issue 31). The other collectives need none: every rank's result already depends on
+a frame from every rank."""
 import zlib
 
 from . import planner
@@ -36,23 +41,36 @@ def call_name(kind, blocking=True):
     return name if blocking else "I" + name[0].lower() + name[1:]
 
 
+def agreement_peers(rank, n):
+    """(parent or None, children) of `rank` in the agreement's tree over ranks 0..n-1."""
+    parent = (rank - 1) // 2 if rank else None
+    return parent, [c for c in (2 * rank + 1, 2 * rank + 2) if c < n]
+
+
 def agreement(rank, n, base):
-    """The agreement's messages (schedule tuples, global indices from `base`) and deps."""
-    msgs, deps, prev, k, d = [], [], None, 0, 1
-    while d < n:
-        msgs.append(("send", (rank + d) % n, AGREE_STEP + k, WORK, 0, 0, COPY, True))
-        if prev is not None:
-            deps.append((prev, base + len(msgs) - 1))
-        msgs.append(("recv", (rank - d) % n, AGREE_STEP + k, WORK, 0, 0, COPY, False))
-        prev = base + len(msgs) - 1
-        k, d = k + 1, d * 2
+    """The agreement's messages (schedule tuples, global indices from `base`) and deps: a
+    fan-in over the tree (step AGREE_STEP) then a fan-out (step AGREE_STEP + 1)."""
+    parent, children = agreement_peers(rank, n)
+    msgs, deps = [], []
+
+    def add(kind, peer, step, own):
+        msgs.append((kind, peer, AGREE_STEP + step, WORK, 0, 0, COPY, own))
+        return base + len(msgs) - 1
+
+    heard = [add("recv", c, 0, False) for c in children]        # the subtrees' fan-in
+    if parent is not None:
+        up = add("send", parent, 0, True)
+        deps += [(h, up) for h in heard]
+        heard = [add("recv", parent, 1, False)]                 # the fan-out: all arrived
+    for c in children:
+        down = add("send", c, 1, True)
+        deps += [(h, down) for h in heard]
     return msgs, deps
 
 
 def _agreement_reachable(state, size):
-    """The agreement's pairs (i, i + 2^b) all work under `state` (None: static plans)."""
-    return state is None or all(state.working(i, (i + d) % size) for i in range(size)
-                                for d in (1 << b for b in range((size - 1).bit_length())))
+    """The agreement's tree pairs (r, (r - 1) // 2) all work under `state` (None: static plans)."""
+    return state is None or all(state.working(r, (r - 1) // 2) for r in range(1, size))
 
 
 def descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size):

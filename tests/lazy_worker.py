@@ -72,18 +72,50 @@ def ring(args):
     check(np.all(b == 1), "bcast")
     used = plan_peers(comm, comm.plan("allreduce", x.nbytes, 4), comm.plan("allgather", g.nbytes, 4),
                       comm.plan("bcast", b.nbytes, 8, root=1)) | set(nbrs)
-    d = 1                                 # the Bcast's agreement: a dissemination (rank +- 2^k)
-    while d < n:
-        used |= {(me + d) % n, (me - d) % n}
-        d *= 2
-    row["mix_peers"] = connected(comm)
+    tree = [(me - 1) // 2] if me else []  # the Bcast's agreement: a binary tree in rank order
+    tree += [c for c in (2 * me + 1, 2 * me + 2) if c < n]
+    used |= set(tree)
+    w.Barrier()                           # every rank's plans are connected, and no rank has
+    row["mix_peers"] = connected(comm)    # reached Free (its barrier connects more) until all read
+    w.Barrier()
+    extra = sorted(set(row["mix_peers"]) - used)
     check(row["mix_peers"] == sorted(used), f"connected to {row['mix_peers']}, the plans use "
-          f"{sorted(used)}")
+          f"{sorted(used)}; the others: {[(p, states(comm, p)) for p in extra]}, events "
+          f"{[(e['kind'], e.get('peer')) for e in comm.events[-8:]]}")
     rows = w.gather(row, root=0)
     comm.Free()
     if me == 0:
         print("LAZY " + json.dumps(rows), flush=True)
         print(f"OK ring {n}", flush=True)
+
+
+def ctl(args):
+    """The control plane's allgather (rail_state(), R2COMM_REPLAN's epoch check) runs over the
+    control tree: after a ring allreduce and rail_state() a rank holds connections to its ring
+    neighbours and tree peers only (the flooding allgather connected every peer), and the state
+    is the same on every rank."""
+    w = MPI.COMM_WORLD
+    comm = r2comm.Communicator(w)
+    n, me = comm.size, comm.rank
+    x = np.ones(1 << 16, np.float32)
+    comm.Allreduce(r2comm.IN_PLACE, x)
+    check(np.all(x == n), "allreduce")
+    st = comm.rail_state()
+    comm.replan()
+    epoch = comm.epoch
+    digests = w.allgather((st.fingerprint(), epoch))
+    check(len(set(digests)) == 1, f"rail states or epochs differ: {digests}")
+    w.Barrier()
+    tree = [(me - 1) // 2] if me else []
+    tree += [c for c in (2 * me + 1, 2 * me + 2) if c < n]
+    allowed = {(me - 1) % n, (me + 1) % n} | set(tree)
+    peers = connected(comm)
+    w.Barrier()
+    check(set(peers) <= allowed and len(peers) <= 5, f"connected to {peers}, the ring and the "
+          f"control tree are {sorted(allowed)}")
+    comm.Free()
+    if me == 0:
+        print(f"OK ctl {n}", flush=True)
 
 
 def far(args):
@@ -226,4 +258,4 @@ def mismatch(args):
 if __name__ == "__main__":
     scenario = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
-    {"ring": ring, "far": far, "dead_nic": dead_nic, "mismatch": mismatch}[scenario](kw)
+    {"ring": ring, "ctl": ctl, "far": far, "dead_nic": dead_nic, "mismatch": mismatch}[scenario](kw)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import run_mpi, ROOT
+from r2comm import fdlimit
 
 WORKER = f"{ROOT}/tests/fdlimit_worker.py"
 
@@ -123,3 +124,26 @@ def test_handshake_waits_work_past_fd_1024(high_fds):
     assert verbs_rails._recv_exact(a, 10, time.monotonic() + 5) == b"qp-address"
     a.close()
     b.close()
+
+
+def _endpoints(n, per_host, rails=2, shm_on=True):
+    """Bootstrap-like endpoints: `per_host` ranks per host, `rails` NICs each."""
+    return [{"rails": [("127.0.0.1", 1)] * rails, "host_key": f"h{r // per_host}",
+             "shm": f"k{r // per_host}" if shm_on else None} for r in range(n)]
+
+
+@pytest.mark.parametrize("transport,per_rail", [("tcp", 1), ("verbs", fdlimit.VERBS_RAIL_FDS)])
+def test_start_up_model_is_ring_neighbours_local_peers_and_detector(transport, per_rail):
+    """What a rank holds after start-up does not grow with n (issue 31: plans connect the rest
+    on first use): 2 ring neighbours x (2 rails + control) + the detector, at 8 ranks as at
+    1,024 (the full-mesh count grew 3 per peer); local peers count 2 each (doorbell, control)."""
+    remote = 2 * (2 * per_rail + 1) + fdlimit.DETECTOR_FDS
+    for n in (3, 8, 1024):
+        assert fdlimit.connection_fds(_endpoints(n, 1), 1, transport) == remote, n
+    # 4 ranks per host: rank 5's local peers are 4, 6, 7 (4 and 6 also its ring neighbours)
+    eps = _endpoints(64, 4)
+    assert fdlimit.connection_fds(eps, 5, transport) == 3 * 2 + fdlimit.DETECTOR_FDS
+    # rank 4: local 5, 6, 7 and remote ring neighbour 3
+    assert fdlimit.connection_fds(eps, 4, transport) == 3 * 2 + (2 * per_rail + 1) + \
+        fdlimit.DETECTOR_FDS
+    assert fdlimit.connection_fds(_endpoints(1, 1), 0, transport) == 0

@@ -35,7 +35,7 @@ def test_ring_allreduce_holds_constant_connections():
     """After a ring allreduce every rank holds connections to its two ring neighbours only,
     and the same number of fds at 16 ranks as at 6 (the full mesh grew 3 per peer); then
     allgather and bcast connect exactly the peers their plans (and the Bcast's agreement)
-    use."""
+    use (the agreement: its tree peers, tests/test_agreement_tree.py)."""
     env = dict(NET, R2COMM_ALGO="ring")
     small = _rows(_job(6, "ring", env))
     big = _rows(_job(16, "ring", env, timeout=180))
@@ -44,6 +44,14 @@ def test_ring_allreduce_holds_constant_connections():
     fds_big = max(r["fds_ring"] for r in big)
     assert fds_big == fds_small, (fds_small, fds_big)
     assert fds_big <= 20, fds_big                  # listeners, engine, 2 peers x 3 connections
+
+
+@pytest.mark.mpi
+def test_control_plane_allgather_uses_the_tree():
+    """rail_state() and replan() (the control plane's allgather) at 12 ranks connect only the
+    ring neighbours and the control tree's peers (at most 5 peers; the flood connected all 11)
+    and agree on the state and epoch."""
+    _job(12, "ctl", dict(NET, R2COMM_ALGO="ring"), timeout=150)
 
 
 @pytest.mark.mpi

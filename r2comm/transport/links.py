@@ -60,6 +60,14 @@ VERBS_EXCHANGE_S = 10.0  # s: a verbs rail's queue-pair exchange after its hands
                          # a QP and registering its slots takes ~1 s in an emulated guest)
 
 
+
+def start_peers(endpoints, me):
+    """The peers rank `me` connects at start-up (Links.eager_peers): its ring neighbours and
+    its local (shared-memory) peers, in rank order."""
+    n = len(endpoints)
+    ring = {(me - 1) % n, (me + 1) % n} - {me} if n > 1 else set()
+    return sorted(ring | set(shm.local_peers(endpoints, me)))
+
 class Links:
     def __init__(self, engine, boot, cfg):
         self.engine = engine
@@ -111,9 +119,7 @@ class Links:
         /dev/shm's room agreed before the first plan) and the ring neighbours (the bandwidth
         probe's partners; their outcome is agreed, so a wrong R2COMM_CTRL_ADDR still fails
         start-up on every rank)."""
-        n, me = self.boot.size, self.me
-        ring = {(me - 1) % n, (me + 1) % n} - {me} if n > 1 else set()
-        return sorted(ring | self.shm_peers)
+        return start_peers(self.boot.endpoints, self.me)
 
     def _rails_of(self, peer):
         return list(range(self.nrails[peer])) + [tcp.CTRL_RAIL]
