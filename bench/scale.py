@@ -43,7 +43,7 @@ VERBS_SLAB = (16 + 32) * 64 * 1024   # a verbs connection's registered slot slab
                                      # 32 receive slots of 64 KiB: r2comm/_core/verbs_transport)
 VERBS_RAIL_FDS = 3                   # side socket, completion channel, epoll fd (r2comm/fdlimit)
 ENGINE_FDS = 3                       # the engine's own (epoll and wake-up fds; measured)
-DETECTOR_FDS = 6   # the failure detector (transport/liveness.py): listener, wake pair, epoll, 2 ring links
+DETECTOR_FDS = 6   # the failure detector: r2comm.transport.liveness.STEADY_FDS (test_scale_bench)
 
 
 # -- the full-mesh model -----------------------------------------------------------------------

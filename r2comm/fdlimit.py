@@ -18,14 +18,14 @@ import logging
 import os
 import resource
 
-from .transport import shm
+from .transport import liveness, shm
 from .transport.links import start_peers
 from .errors import R2commResourceError
 
 log = logging.getLogger("r2comm")
 WARN_FRACTION = 0.8      # warn when a rank would hold more than this share of its fd limit
 VERBS_RAIL_FDS = 3       # a verbs rail connection: TCP side socket, completion channel, epoll fd
-DETECTOR_FDS = 5         # the failure detector: listener, wake-up pair, two ring connections
+DETECTOR_FDS = liveness.STEADY_FDS   # the failure detector (transport/liveness.py)
 NR_OPEN_FALLBACK = 1 << 20
 
 _limits = None           # (soft before, soft now, hard) once raise_soft_limit ran

@@ -21,6 +21,8 @@ def test_model_full_mesh():
     assert tcp["fds"] == 1023 * 9 + 9 + scale.ENGINE_FDS + scale.DETECTOR_FDS and tcp["qps"] == 0
     assert verbs["qps"] == 8184 and verbs["pinned_bytes"] == 8184 * 3 * 2**20
     assert verbs["fds"] == 1023 * (8 * 3 + 1) + 9 + scale.ENGINE_FDS + scale.DETECTOR_FDS
+    from r2comm.transport import liveness
+    assert scale.DETECTOR_FDS == liveness.STEADY_FDS
     assert scale.model(64, 8, "verbs")["qps"] == 504
 
 

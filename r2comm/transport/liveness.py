@@ -77,6 +77,10 @@ MAX_CONNS = 64         # connections held at once (ring, pending, short-lived) b
 MAX_ASKS = 16          # others' suspicions waiting for a probe here (more: not answered)
 
 
+# fds the detector holds once its ring is up: listener, wake-up pair, its selector's epoll fd and
+# the connections to both ring neighbours (fds() counts all but the epoll fd)
+STEADY_FDS = 6
+
 class Settings:
     """The detector's timing (config.Config: R2COMM_LIVENESS_*), in seconds."""
 
