@@ -89,35 +89,6 @@ def ring(args):
         print(f"OK ring {n}", flush=True)
 
 
-def ctl(args):
-    """The control plane's allgather (rail_state(), R2COMM_REPLAN's epoch check) runs over the
-    control tree: after a ring allreduce and rail_state() a rank holds connections to its ring
-    neighbours and tree peers only (the flooding allgather connected every peer), and the state
-    is the same on every rank."""
-    w = MPI.COMM_WORLD
-    comm = r2comm.Communicator(w)
-    n, me = comm.size, comm.rank
-    x = np.ones(1 << 16, np.float32)
-    comm.Allreduce(r2comm.IN_PLACE, x)
-    check(np.all(x == n), "allreduce")
-    st = comm.rail_state()
-    comm.replan()
-    epoch = comm.epoch
-    digests = w.allgather((st.fingerprint(), epoch))
-    check(len(set(digests)) == 1, f"rail states or epochs differ: {digests}")
-    w.Barrier()
-    tree = [(me - 1) // 2] if me else []
-    tree += [c for c in (2 * me + 1, 2 * me + 2) if c < n]
-    allowed = {(me - 1) % n, (me + 1) % n} | set(tree)
-    peers = connected(comm)
-    w.Barrier()
-    check(set(peers) <= allowed and len(peers) <= 5, f"connected to {peers}, the ring and the "
-          f"control tree are {sorted(allowed)}")
-    comm.Free()
-    if me == 0:
-        print(f"OK ctl {n}", flush=True)
-
-
 def far(args):
     """Point-to-point to a peer no plan used (send, receive and ANY_SOURCE), then alltoall:
     each connects what it uses; simultaneous connects of both ends leave one connection."""
@@ -258,4 +229,4 @@ def mismatch(args):
 if __name__ == "__main__":
     scenario = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
-    {"ring": ring, "ctl": ctl, "far": far, "dead_nic": dead_nic, "mismatch": mismatch}[scenario](kw)
+    {"ring": ring, "far": far, "dead_nic": dead_nic, "mismatch": mismatch}[scenario](kw)

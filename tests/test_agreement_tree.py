@@ -76,30 +76,3 @@ def test_reachable_only_when_every_tree_pair_works():
     on_tree = state.copy()
     on_tree.break_pair(3, 1)                    # 3's parent is 1
     assert not plans._agreement_reachable(on_tree, 8)
-
-
-def test_control_tree_is_the_agreement_tree_when_healthy():
-    """control.allgather's tree (issue 31): with every pair working it is the agreement's tree
-    (no connections beyond those), at most 2 children per rank."""
-    from r2comm import control
-    for n in (2, 7, 64):
-        assert control.tree_parents(n) == [plans.agreement_peers(r, n)[0] for r in range(n)]
-        assert control.tree_parents(n, lambda a, b: True) == control.tree_parents(n)
-
-
-def test_control_tree_routes_around_broken_pairs():
-    """Pairs broken in the rail state are never tree edges; every rank is attached while the
-    working pairs connect it; a rank nobody reaches is left out (None: the caller floods)."""
-    from r2comm import control
-    broken = {frozenset(p) for p in [(0, 1), (1, 3), (2, 5), (0, 2)]}
-
-    def working(a, b):
-        return frozenset((a, b)) not in broken
-
-    parents = control.tree_parents(9, working)
-    assert parents[0] is None and all(p is not None for p in parents[1:])
-    assert all(working(r, p) for r, p in enumerate(parents) if p is not None)
-    kids = [parents.count(q) for q in range(9)]
-    assert max(kids) <= 3, kids
-    alone = control.tree_parents(4, lambda a, b: 3 not in (a, b))
-    assert alone[3] is None and alone[:3] == [None, 0, 0]

@@ -47,14 +47,6 @@ def test_ring_allreduce_holds_constant_connections():
 
 
 @pytest.mark.mpi
-def test_control_plane_allgather_uses_the_tree():
-    """rail_state() and replan() (the control plane's allgather) at 12 ranks connect only the
-    ring neighbours and the control tree's peers (at most 5 peers; the flood connected all 11)
-    and agree on the state and epoch."""
-    _job(12, "ctl", dict(NET, R2COMM_ALGO="ring"), timeout=150)
-
-
-@pytest.mark.mpi
 def test_point_to_point_and_alltoall_connect_what_they_use():
     """A send/receive pair between ranks no plan used connects on first use, both ends at once
     leaving one connection per rail (one socket each, no rail replaced or failed); an
