@@ -34,7 +34,12 @@ def quiet_barrier(mpi_comm, timeout, what):
     if not hasattr(mpi_comm, "Ibarrier"):    # a store bootstrap (StoreComm) waits quietly itself
         mpi_comm.Barrier()
         return
-    req = mpi_comm.Ibarrier()
+    _test_quietly(mpi_comm, mpi_comm.Ibarrier(), timeout, what)
+
+
+def _test_quietly(mpi_comm, req, timeout, what):
+    """Test MPI request `req` between sleeps (1 ms, growing to 10 ms) until it completes;
+    R2commTimeout after `timeout` s."""
     deadline = time.monotonic() + timeout
     nap = 0.001
     while not req.Test():
@@ -162,15 +167,7 @@ def quiet_max(mpi_comm, values, timeout, what):
     import numpy as np
     from mpi4py import MPI
     mine, out = np.array(values, np.int64), np.zeros(len(values), np.int64)
-    req = mpi_comm.Iallreduce(mine, out, op=MPI.MAX)
-    deadline = time.monotonic() + timeout
-    nap = 0.001
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise R2commTimeout(f"rank {mpi_comm.Get_rank()}: {what}: the other ranks did not "
-                                f"arrive within {timeout:.0f} s")
-        time.sleep(nap)
-        nap = min(nap * 1.5, 0.01)
+    _test_quietly(mpi_comm, mpi_comm.Iallreduce(mine, out, op=MPI.MAX), timeout, what)
     return [int(v) for v in out]
 
 

@@ -99,6 +99,15 @@ def _latencies(got, t0):
     return sorted(v[0] - t0 for v in got.values() if v)
 
 
+def _signal_and_wait(j, n, victim, sig):
+    """Send `sig` to rank `victim` of job `j` (n ranks) -> (what each survivor was told,
+    the latencies of those told, s)."""
+    t0 = time.time()
+    os.kill(j.procs[victim].pid, sig)
+    got = j.wait_told([r for r in range(n) if r != victim], victim, BOUND + 2)
+    return got, _latencies(got, t0)
+
+
 @pytest.mark.parametrize("n", [8, 16])
 def test_killed_rank_reaches_every_survivor(job, n):
     """SIGKILL of one rank: every survivor learns it (cause: process gone, suspected and
@@ -106,12 +115,8 @@ def test_killed_rank_reaches_every_survivor(job, n):
     j = job(n)
     j.wait_up()
     victim = n // 2 + 1
-    t0 = time.time()
-    os.kill(j.procs[victim].pid, signal.SIGKILL)
-    survivors = [r for r in range(n) if r != victim]
-    got = j.wait_told(survivors, victim, BOUND + 2)
-    lat = _latencies(got, t0)
-    print(f"LIVENESS kill n={n}: {len(lat)}/{len(survivors)} told, median "
+    got, lat = _signal_and_wait(j, n, victim, signal.SIGKILL)
+    print(f"LIVENESS kill n={n}: {len(lat)}/{n - 1} told, median "
           f"{statistics.median(lat) * 1e3:.0f} ms, max {max(lat) * 1e3:.0f} ms" if lat else "none")
     assert all(got.values()), f"not told: {[r for r, v in got.items() if not v]}"
     assert max(lat) < BOUND, lat
@@ -148,11 +153,7 @@ def test_stopped_rank_detected_confirmed_spread(job, n):
     j = job(n, frozen=0)
     j.wait_up()
     victim = 3
-    t0 = time.time()
-    os.kill(j.procs[victim].pid, signal.SIGSTOP)
-    survivors = [r for r in range(n) if r != victim]
-    got = j.wait_told(survivors, victim, BOUND + 2)
-    lat = _latencies(got, t0)
+    got, lat = _signal_and_wait(j, n, victim, signal.SIGSTOP)
     print(f"LIVENESS stop n={n}: median {statistics.median(lat) * 1e3:.0f} ms, max "
           f"{max(lat) * 1e3:.0f} ms" if lat else "none")
     assert all(got.values()), got

@@ -37,6 +37,18 @@ cdef extern from "r2_shm.h" nogil:
     void r2_shm_shutdown(r2_shm_conn* c)
     void r2_shm_close(r2_shm_conn* c)
 
+cdef inline int shm_setup(r2_shm_setup* st, int fd, uint64_t base, uint64_t map_len, int side,
+                          str what) except -1:
+    """Fill `st` for r2_shm_adopt, checked: side 0 or 1 and a mapped segment of a valid length
+    (ValueError naming `what` otherwise)."""
+    if side not in (0, 1) or base == 0 or r2_shm_ring_of(map_len) == 0:
+        raise ValueError(f"{what}: side 0 or 1 and a mapped segment of a valid length")
+    st.fd = fd
+    st.side = side
+    st.base = <char*>base
+    st.map_len = map_len
+    return 0
+
 cdef struct ShmConn:
     r2_shm_conn* c
     TDone done

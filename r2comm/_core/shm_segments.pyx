@@ -8,7 +8,7 @@ import errno
 import os
 from libc.stdint cimport uint32_t, uint64_t, intptr_t
 from r2comm._core.transport cimport Transport
-from r2comm._core.shm cimport (shm_transport, r2_shm_setup, r2_shm_ring_ok, r2_shm_ring_of,
+from r2comm._core.shm cimport (shm_transport, r2_shm_setup, shm_setup, r2_shm_ring_ok, r2_shm_ring_of,
                                r2_shm_create, r2_shm_attach)
 
 cdef extern from "<sys/mman.h>" nogil:
@@ -31,12 +31,7 @@ def attach(engine, int peer, int rail, int fd, uint32_t conn_id, uint64_t base, 
     success the connection owns both (unmapped and closed with it); on an exception the caller
     still does."""
     cdef r2_shm_setup st
-    st.fd = fd
-    st.side = side
-    st.base = <char*>base
-    st.map_len = map_len
-    if side not in (0, 1) or base == 0 or r2_shm_ring_of(map_len) == 0:
-        raise ValueError("shm attach: side 0 or 1 and a mapped segment of a valid length")
+    shm_setup(&st, fd, base, map_len, side, "shm attach")
     # the engine adopts the connection from st during this call (shm_adopt copies what it keeps)
     engine.attach_transport(peer, rail, <uint64_t>&SHM_TP, <uint64_t><intptr_t>&st, conn_id,
                             tx_key, rx_key)

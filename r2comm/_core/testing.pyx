@@ -17,7 +17,7 @@ from cython.operator cimport dereference as deref
 from r2comm._core.wire cimport r2_hdr, hdr_encode, hdr_validate, HDR_SIZE
 from r2comm._core.transport cimport (iovec, Transport, TDone, tdone_push, tdone_take, iov_total,
                                      tp_reg_none, tp_dereg_none, TPF_LATE_READ)
-from r2comm._core.shm cimport (ShmConn, r2_shm_setup, r2_shm_conn, r2_shm_ring_of, r2_shm_adopt,
+from r2comm._core.shm cimport (ShmConn, r2_shm_setup, shm_setup, r2_shm_conn, r2_shm_ring_of, r2_shm_adopt,
                                r2_shm_write, r2_shm_read, r2_shm_arm, r2_shm_wake, r2_shm_close)
 from r2comm._core.tcp cimport tcp_sendv, tcp_recv1, close, SHUT_RDWR
 from r2comm._core.tcp cimport shutdown as sock_shutdown
@@ -111,12 +111,7 @@ cdef class ShmEnd:
 
     def __cinit__(self, int fd, uint64_t base, uint64_t map_len, int side):
         cdef r2_shm_setup st
-        st.fd = fd
-        st.side = side
-        st.base = <char*>base
-        st.map_len = map_len
-        if side not in (0, 1) or base == 0 or r2_shm_ring_of(map_len) == 0:
-            raise ValueError("ShmEnd: side 0 or 1 and a mapped segment of a valid length")
+        shm_setup(&st, fd, base, map_len, side, "ShmEnd")
         self.c = r2_shm_adopt(&st)
         if self.c == NULL:
             raise MemoryError()
