@@ -183,6 +183,27 @@ def rfab(rdma_ok):
         assert not fab.dir.exists()
 
 
+@pytest.fixture(autouse=True)
+def _healthy_rails(request):
+    """Before each test on the shared fabric: every rail link on and every path answering.  A
+    test that died with a link cut (or a rail QEMU left broken) must not fail the ones after
+    it; a fabric that cannot be healed is booted again, once, with what was wrong printed."""
+    if "rfab" not in request.fixturenames:
+        yield
+        return
+    fab = request.getfixturevalue("rfab")
+    problems = fab.heal()
+    if problems:
+        print("\nrails broken before this test:", *problems, fab.diagnose(), sep="\n")
+        if os.environ.get("R2COMM_TEST_RDMA_FABRIC"):
+            pytest.fail(f"the reused fabric's rails are broken: {problems}")
+        fab.down()
+        fab.up()
+        problems = fab.check_rails()
+        assert not problems, f"rails broken after a fresh boot: {problems}"
+    yield
+
+
 def _pingpong(fab, nic, port, server_host=0, client_host=1, timeout=60):
     """ibv_rc_pingpong over rail NIC; the TCP exchange of QP numbers goes over the management
     network, so a dead rail fails the RDMA traffic itself.  Returns (ok, Mbit/s, outputs)."""

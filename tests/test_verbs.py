@@ -221,7 +221,8 @@ def verbs_pair_checks(vfab):
             vfab.nic_up(1, 0)
     out = proc.stdout + proc.stderr
     print(f"\nverbs_pair: {time.monotonic() - started:.1f} s")
-    assert proc.returncode == 0, out[-6000:]
+    assert proc.returncode == 0, (f"link orchestration: {did}\n{out[-6000:]}\n"
+                                  f"{vfab.diagnose()}")
     rows = _results(out)
 
     def get(phase, **kw):

@@ -382,7 +382,9 @@ class RdmaFabric:
 
     def down(self, grace=10.0):
         """Stop the guests (asked first, then killed) and remove the state; idempotent."""
-        return remove_rdma_fabric(self.tag, grace=grace, procs=self._procs)
+        removed = remove_rdma_fabric(self.tag, grace=grace, procs=self._procs)
+        self._procs = []            # all gone: a later up() boots anew with this handle
+        return removed
 
     # --- state ------------------------------------------------------------------------------
     def _save(self, desc):
@@ -434,19 +436,25 @@ class RdmaFabric:
         return rc, proc.output()
 
     # --- faults and rates ----------------------------------------------------------------------
-    def monitor(self, host, command, timeout=10.0):
-        """Send one HMP command to guest HOST's QEMU monitor; returns its reply text."""
+    def monitor(self, host, command, timeout=30.0, tries=3):
+        """Send one HMP command to guest HOST's QEMU monitor; returns its reply text.  Only for
+        idempotent commands: a monitor that does not answer in TIMEOUT s (a TCG guest under
+        load) is asked again, TRIES times in all."""
         self._check(host)
         path = str(self.dir / f"h{host}.mon")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            try:
-                sock.connect(path)
-            except OSError as exc:
-                raise TestbedError(f"QEMU monitor of guest {host} ({path}): {exc}") from None
-            _read_prompt(sock)
-            sock.sendall(command.encode() + b"\n")
-            reply = _read_prompt(sock)
+        for attempt in range(tries):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout)
+                try:
+                    sock.connect(path)
+                    _read_prompt(sock)
+                    sock.sendall(command.encode() + b"\n")
+                    reply = _read_prompt(sock)
+                    break
+                except OSError as exc:
+                    if attempt == tries - 1:
+                        raise TestbedError(f"QEMU monitor of guest {host} ({path}), "
+                                           f"{command!r}: {exc}") from None
         # the monitor echoes the command line first
         lines = [ln for ln in reply.splitlines() if command not in ln]
         return "\n".join(lines).strip()
@@ -480,6 +488,62 @@ class RdmaFabric:
             raise TestbedError(f"degrade guest {host} {dev}: {out.strip()}")
         with self._locked_desc() as desc:
             desc["rates"][host][nic] = bps
+
+    def check_rails(self, timeout=5.0):
+        """What is wrong with the rails, as a list of lines ([] when all work): every rxe port
+        ACTIVE, and from every guest each other guest's rail address answering (a TCP connect
+        to a closed port is refused at once where the path works and times out where not)."""
+        probe = ("import socket,sys\n"
+                 "nics,addrs,t=int(sys.argv[1]),sys.argv[2].split(','),float(sys.argv[3])\n"
+                 "for k in range(nics):\n"
+                 "    st=open(f'/sys/class/infiniband/rxe{k}/ports/1/state').read().split()[-1]\n"
+                 "    if st!='ACTIVE': print(f'rxe{k} port {st}')\n"
+                 "for a in filter(None,addrs):\n"
+                 "    s=socket.socket(); s.settimeout(t)\n"
+                 "    try: s.connect((a,9))\n"
+                 "    except ConnectionRefusedError: pass\n"
+                 "    except OSError as e: print(f'{a} does not answer ({e})')\n"
+                 "    finally: s.close()\n")
+        problems = []
+        for h in range(self.hosts):
+            others = [rail_addr(k, g) for k in range(self.nics) for g in range(self.hosts) if g != h]
+            try:
+                rc, out = self.run(h, [sys.executable, "-c", probe, str(self.nics), ",".join(others),
+                                       str(timeout)], timeout=60 + timeout * len(others))
+            except TestbedError as exc:
+                problems.append(f"guest {h}: {exc}")
+                continue
+            problems += [f"guest {h}: {ln}" for ln in out.splitlines() if ln.strip()]
+            if rc != 0 and not out.strip():
+                problems.append(f"guest {h}: the rail check exited {rc}")
+        return problems
+
+    def heal(self, timeout=90.0):
+        """Every rail link set on again (idempotent: a test that cut one and died before it
+        restored it leaves no trace) and shaping kept; waits until `check_rails` finds nothing
+        or TIMEOUT s pass.  Returns what is still wrong ([] when healthy)."""
+        for h in range(self.hosts):
+            for k in range(self.nics):
+                self._set_link(h, k, True)
+        deadline = time.monotonic() + timeout
+        while True:
+            problems = self.check_rails()
+            if not problems or time.monotonic() > deadline:
+                return problems
+            time.sleep(2)
+
+    def diagnose(self):
+        """Text for a failure report: each guest's links, addresses, neighbours, RDMA links
+        and its QEMU's view of the network."""
+        parts = []
+        for h in range(self.hosts):
+            with contextlib.suppress(TestbedError):
+                parts.append(f"--- guest {h}: QEMU info network\n" + self.monitor(h, "info network"))
+            with contextlib.suppress(TestbedError):
+                rc, out = self.run(h, ["sh", "-c", "ip -s -br link; ip -br addr; ip neigh; "
+                                   "rdma link show"], timeout=60)
+                parts.append(f"--- guest {h}: links (rc {rc})\n{out}")
+        return "\n".join(parts)
 
     def status(self):
         desc = self._load_desc(self.tag)
