@@ -18,12 +18,12 @@ import socket
 import warnings
 from dataclasses import dataclass
 
-from . import hostid
-from .transport import shm
+from . import fdlimit, hostid
+from .transport import liveness, shm
 from .transport import rails as _rails
 from .transport import verbs as verbs_transport
 from .errors import R2commArgumentError, R2commProtocolError
-from .startup import quiet_barrier
+from .startup import quiet_allgather, quiet_bcast
 
 log = logging.getLogger("r2comm")
 SALT_LEN = 32
@@ -43,60 +43,84 @@ class Bootstrap:
     endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
                              #  "host_key": str (r2comm.hostid: same key = same host),
                              #  "shm": shm.shm_key() or None (R2COMM_SHM=0),
-                             #  "pid": int (names its shm segments)}
+                             #  "pid": int (names its shm segments),
+                             #  "detector": (addr, port) of its failure detector or None}
+    detector: object = None  # this rank's failure-detector listener (liveness.listener) or None
 
 
 def run(mpi_comm, cfg, rails=None):
+    """Job secret, shared parameters and every rank's endpoints: under mpi4py three quiet
+    collectives (salt and parameters in one Ibcast, then the JSON endpoint records: a MAX of
+    their lengths and one Iallgather), none of them busy-polling while ranks still arrive."""
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    # ranks start at different times (imports, MPI start-up): wait for the others asleep, not
-    # in a busy-polling MPI collective
-    quiet_barrier(mpi_comm, cfg.timeout, "start-up (waiting for every rank to create its "
-                  "Communicator)")
-    secret = job_secret(_share_salt(mpi_comm, rank), cfg.job_secret)
+    what = "start-up (waiting for every rank to create its Communicator)"
+    mine = dict(chunk_size=cfg.chunk_size, acks=cfg.acks, integrity=cfg.integrity)
+    if hasattr(mpi_comm, "bcast_secret"):     # a StoreComm: the salt's key is deleted later
+        salt = _share_salt(mpi_comm, rank)
+        params = mpi_comm.bcast(mine if rank == 0 else None, root=0)
+    else:                                     # parameters every rank must share: rank 0's
+        shared = quiet_bcast(mpi_comm, {"salt": os.urandom(SALT_LEN).hex(), "params": mine}
+                             if rank == 0 else None, 0, cfg.timeout, what)
+        salt, params = _salt_and_params(shared)
+    secret = job_secret(salt, cfg.job_secret)
     job = hashlib.sha256(secret).digest()[:8]
-    # parameters every rank must share come from rank 0
-    params = mpi_comm.bcast(dict(chunk_size=cfg.chunk_size, acks=cfg.acks,
-                                 integrity=cfg.integrity) if rank == 0 else None,
-                            root=0)
-    error = None
-    listeners = []
-    what = "rails=" if rails is not None else "R2COMM_RAILS"
+    listeners, addrs, detector, record = [], [], None, None
+    where = "rails=" if rails is not None else "R2COMM_RAILS"
     try:
-        addrs = _rails.resolve_all(rails if rails is not None else cfg.rails, what)
+        addrs = _rails.resolve_all(rails if rails is not None else cfg.rails, where)
         for k, a in enumerate(addrs):
-            listeners.append(_rails.listen_on(a, what, k))
+            listeners.append(_rails.listen_on(a, where, k))
         listeners.append(_rails.listen_on(_rails.resolve(cfg.ctrl_addr, "R2COMM_CTRL_ADDR"),
                                           "R2COMM_CTRL_ADDR"))
-    except (OSError, ValueError) as exc:
-        addrs, error = [], f"rank {rank}: {exc}"
-    errors = [e for e in mpi_comm.allgather(error) if e]
-    if errors:
-        for s in listeners:
-            s.close()
-        raise R2commArgumentError("r2comm bootstrap failed: " + "; ".join(errors))
-    kind, devices, why = verbs_transport.local_offer(cfg.transport, addrs)
-    mine = {"rails": [s.getsockname() for s in listeners[:-1]],
-            "transport": (cfg.transport, kind, why),
-            "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
-            "host_key": hostid.host_key(), "pid": os.getpid(),
-            "shm": shm.shm_key() if cfg.shm else None, "check": secret_check(secret)}
-    endpoints = mpi_comm.allgather(mine)
-    # every rank read the salt before it published its endpoints: the salt can go
-    forget = getattr(mpi_comm, "forget_secrets", None)
-    if forget is not None:
-        forget()
-        if params["integrity"] == "mac" and not cfg.job_secret:
-            _warn_store_mac(rank)
+        if cfg.liveness and size > 1:         # the failure detector's (transport/liveness.py)
+            detector = liveness.listener(listeners[-1].getsockname()[0])
+        kind, devices, why = verbs_transport.local_offer(cfg.transport, addrs)
+        record = {"rails": [s.getsockname() for s in listeners[:-1]],
+                  "transport": (cfg.transport, kind, why),
+                  "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
+                  "host_key": hostid.host_key(), "pid": os.getpid(),
+                  "shm": shm.shm_key() if cfg.shm else None, "check": secret_check(secret),
+                  "detector": detector.getsockname() if detector else None,
+                  "fds": fdlimit.own_record()}
+    except (OSError, ValueError) as exc:      # said by every rank below, not only this one
+        record = {"error": f"rank {rank}: {exc}"}
+    sockets = listeners + ([detector] if detector else [])
     try:
+        endpoints = quiet_allgather(mpi_comm, record, cfg.timeout, what)
+        errors = [ep.get("error") for ep in endpoints if isinstance(ep, dict) and "error" in ep]
+        if errors:
+            raise R2commArgumentError("r2comm bootstrap failed: " +
+                                      "; ".join(str(e)[:512] for e in errors[:16]))
+        # every rank read the salt before it published its endpoints: the salt can go
+        forget = getattr(mpi_comm, "forget_secrets", None)
+        if forget is not None:
+            forget()
+            if params["integrity"] == "mac" and not cfg.job_secret:
+                _warn_store_mac(rank)
         endpoints = validate_endpoints(endpoints, size)
         _same_secret(endpoints)
         transport = verbs_transport.decide([ep["transport"] for ep in endpoints])
-    except (R2commArgumentError, R2commProtocolError):
-        for s in listeners:
+    except BaseException:
+        for s in sockets:
             s.close()
         raise
     return Bootstrap(rank, size, secret, job, params, addrs, listeners, transport,
-                     devices if transport == "verbs" else None, endpoints)
+                     devices if transport == "verbs" else None, endpoints, detector)
+
+
+def _salt_and_params(shared):
+    """The salt and parameters rank 0 broadcast, checked (they crossed a process boundary)."""
+    try:
+        salt = bytes.fromhex(shared["salt"])
+        params = shared["params"]
+        ok = (isinstance(params, dict) and set(params) == {"chunk_size", "acks", "integrity"}
+              and isinstance(params["chunk_size"], int) and isinstance(params["acks"], bool)
+              and isinstance(params["integrity"], str))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise R2commProtocolError("r2comm bootstrap: rank 0's parameters are malformed")
+    return salt, params
 
 
 def job_secret(salt, oob_secret):
@@ -145,6 +169,14 @@ def _addr_port(v, what):
     return (v[0], v[1])
 
 
+def _fd_record(v):
+    """[fds open, limit, hard limit] (fdlimit.own_record): three ints."""
+    if not (isinstance(v, (list, tuple)) and len(v) == 3 and
+            all(isinstance(x, int) and not isinstance(x, bool) and -1 <= x < 1 << 62 for x in v)):
+        raise ValueError("fds is not [open, limit, hard limit]")
+    return [int(x) for x in v]
+
+
 def _text(v, what, none_ok=False, limit=4096):
     if (v is None and none_ok) or (isinstance(v, str) and len(v) <= limit):
         return v
@@ -176,7 +208,10 @@ def validate_endpoints(endpoints, size):
                         "host": _text(ep["host"], "host"),
                         "host_key": _text(ep["host_key"], "host_key"), "pid": pid,
                         "shm": _text(ep["shm"], "shm", none_ok=True),
-                        "check": _text(ep["check"], "check", limit=64)})
+                        "check": _text(ep["check"], "check", limit=64),
+                        "detector": None if ep.get("detector") is None else
+                        _addr_port(ep["detector"], "detector"),
+                        "fds": _fd_record(ep["fds"])})
         except (KeyError, TypeError, ValueError) as exc:
             raise R2commProtocolError(f"r2comm bootstrap: rank {r}'s endpoint record is "
                                       f"invalid: {exc}") from None

@@ -10,10 +10,10 @@ alltoall or point-to-point to every peer reaches the full mesh), so fds_needed i
 figure, not a bound for the whole run. Before connecting each rank
 
   * raises its soft RLIMIT_NOFILE to the hard limit (once per process, raise_soft_limit), and
-  * counts the fds it is about to hold (fds_needed); the ranks agree on the worst ratio to the
-    limit (one MAX allreduce, O(log n) rounds): above WARN_FRACTION rank 0 logs a warning, above
-    the limit every rank raises R2commResourceError with the same message, instead of EMFILE
-    in some rank's connection attempt."""
+  * publishes the fds it holds and its limits in its endpoint record (own_record); from the
+    records every rank judges every rank's start-up budget alike (check: no collective): above
+    WARN_FRACTION rank 0 logs a warning, above the limit every rank raises R2commResourceError
+    with the same message, instead of EMFILE in some rank's connection attempt."""
 import logging
 import os
 import resource
@@ -65,14 +65,27 @@ def open_fds():
         return 0
 
 
-def connection_fds(endpoints, me, transport):
+def _local_groups(endpoints):
+    """rank -> the ranks it reaches through shared memory (shm.is_local), built in O(n)."""
+    groups = {}
+    for r, ep in enumerate(endpoints):
+        if ep.get("shm") and ep.get("host_key") is not None:
+            groups.setdefault((ep["shm"], ep["host_key"]), []).append(r)
+    return {r: members for members in groups.values() for r in members}
+
+
+def connection_fds(endpoints, me, transport, groups=None):
     """The fds rank `me` holds for its connections once start-up is done (endpoints: the
     bootstrap's, transport "tcp" or "verbs"): its start-up peers' and the detector's."""
     per_rail = VERBS_RAIL_FDS if transport == "verbs" else 1
-    total = DETECTOR_FDS if len(endpoints) > 1 else 0
-    for peer in start_peers(endpoints, me):
+    n = len(endpoints)
+    if n < 2:
+        return 0
+    local = (groups if groups is not None else _local_groups(endpoints)).get(me, ())
+    total = DETECTOR_FDS
+    for peer in {(me - 1) % n, (me + 1) % n, *local} - {me}:    # links.start_peers
         rails = shm.data_rails(endpoints, me, peer)
-        total += 1 + (rails if shm.is_local(endpoints, me, peer) else rails * per_rail)
+        total += 1 + (rails if peer in local else rails * per_rail)
     return total
 
 
@@ -81,14 +94,25 @@ def fds_needed(endpoints, me, transport):
     return open_fds() + connection_fds(endpoints, me, transport)
 
 
-def check(mpi_comm, max_op, endpoints, me, transport):
-    """Agree on the fd budget before the start-up connections: a warning (rank 0) when a rank would
-    hold more than WARN_FRACTION of its limit, R2commResourceError on every rank when one would
-    hold more than its limit. max_op: the bootstrap communicator's MAX."""
+def own_record():
+    """[fds open now, the soft limit once raised, the hard limit] for this rank's endpoint
+    record (bootstrap): every rank judges every rank's budget from these, with no collective."""
     _, limit, hard = raise_soft_limit()
-    need = fds_needed(endpoints, me, transport)
     cap = limit if limit != resource.RLIM_INFINITY else NR_OPEN_FALLBACK
-    worst = mpi_comm.allreduce((need / cap, need, cap, hard, me), op=max_op)
+    return [open_fds(), int(cap), int(hard)]
+
+
+def check(endpoints, transport, me):
+    """The fd budget before the start-up connections, judged alike on every rank from the
+    endpoint records' "fds" (own_record): a warning (rank 0) when a rank would hold more than
+    WARN_FRACTION of its limit, R2commResourceError on every rank when one would hold more than
+    its limit. O(n) arithmetic per rank, no messages. Returns (ratio, need, cap, hard, rank)."""
+    groups = _local_groups(endpoints)
+    worst = (0.0, 0, 0, 0, 0)
+    for r, ep in enumerate(endpoints):
+        opened, cap, hard = ep["fds"]
+        need = opened + connection_fds(endpoints, r, transport, groups)
+        worst = max(worst, (need / max(cap, 1), need, cap, hard, r))
     ratio, need, cap, hard, rank = worst
     if ratio > 1.0:
         raise R2commResourceError(

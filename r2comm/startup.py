@@ -18,9 +18,10 @@ finished), and then:
 
 No rank busy-polls while it waits: MPI collectives spin, so every wait for the other ranks
 here is a non-blocking barrier tested between short sleeps (quiet_barrier)."""
+import json
 import time
 
-from .errors import R2commNetworkError, R2commTimeout
+from .errors import R2commArgumentError, R2commNetworkError, R2commProtocolError, R2commTimeout
 from .transport import shm
 
 CTRL = "ctrl"          # the control connection's key in a report (tcp.CTRL_RAIL on the wire)
@@ -35,6 +36,77 @@ def quiet_barrier(mpi_comm, timeout, what):
         mpi_comm.Barrier()
         return
     _test_quietly(mpi_comm, mpi_comm.Ibarrier(), timeout, what)
+
+
+RECORD_MAX = 1 << 16     # bytes of one rank's JSON record in quiet_allgather / quiet_bcast
+
+
+def _mpi_quiet(mpi_comm):
+    """True for an mpi4py communicator (non-blocking collectives); False for a StoreComm."""
+    return hasattr(mpi_comm, "Iallgather")
+
+
+def _encode(obj):
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > RECORD_MAX - 4:
+        raise R2commArgumentError(f"r2comm start-up: a record of {len(data)} bytes is over "
+                                  f"{RECORD_MAX - 4}")
+    return data
+
+
+def _decode(slot, what):
+    """One length-prefixed JSON record of an exchange, validated (never unpickled)."""
+    n = int.from_bytes(bytes(slot[:4]), "little")
+    if n > len(slot) - 4:
+        raise R2commProtocolError(f"r2comm start-up: {what}: a record claims {n} bytes, "
+                                  f"{len(slot) - 4} arrived")
+    try:
+        return json.loads(bytes(slot[4:4 + n]))
+    except (ValueError, RecursionError) as exc:
+        raise R2commProtocolError(f"r2comm start-up: {what}: a record is not JSON: "
+                                  f"{exc}") from None
+
+
+def _slot(data, width):
+    import numpy as np
+    buf = np.zeros(width, np.uint8)
+    buf[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
+    buf[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+    return buf
+
+
+def quiet_bcast(mpi_comm, obj, root, timeout, what, width=4096):
+    """Root's JSON-able `obj` on every rank, without a busy CPU (Ibcast of one length-prefixed
+    JSON record, tested between sleeps); a StoreComm's bcast otherwise."""
+    if not _mpi_quiet(mpi_comm) or mpi_comm.Get_size() == 1:
+        return mpi_comm.bcast(obj, root=root)
+    data = _encode(obj) if mpi_comm.Get_rank() == root else b""
+    if len(data) > width - 4:
+        raise R2commArgumentError(f"r2comm start-up: {what}: {len(data)} bytes to broadcast")
+    buf = _slot(data, width)
+    from mpi4py import MPI
+    _test_quietly(mpi_comm, mpi_comm.Ibcast([buf, MPI.BYTE], root=root), timeout, what)
+    return _decode(buf, what)
+
+
+def quiet_allgather(mpi_comm, obj, timeout, what):
+    """Every rank's JSON-able `obj` (a list, rank order), without a busy CPU: a quiet MAX of the
+    records' lengths, then one Iallgather of that width (each rank's memory: n x the longest
+    record); a StoreComm's allgather otherwise. JSON turns tuples into lists."""
+    if not _mpi_quiet(mpi_comm) or mpi_comm.Get_size() == 1:
+        return mpi_comm.allgather(obj)
+    import numpy as np
+    from mpi4py import MPI
+    data = _encode(obj)
+    mine, most = np.array([len(data) + 4], np.int64), np.zeros(1, np.int64)
+    _test_quietly(mpi_comm, mpi_comm.Iallreduce(mine, most, op=MPI.MAX), timeout, what)
+    width = int(most[0])
+    if not 4 <= width <= RECORD_MAX:
+        raise R2commProtocolError(f"r2comm start-up: {what}: record width {width}")
+    rows = np.zeros((mpi_comm.Get_size(), width), np.uint8)
+    _test_quietly(mpi_comm, mpi_comm.Iallgather([_slot(data, width), MPI.BYTE],
+                                                [rows, MPI.BYTE]), timeout, what)
+    return [_decode(row, what) for row in rows]
 
 
 def _test_quietly(mpi_comm, req, timeout, what):

@@ -104,12 +104,22 @@ class World:
         start-up outcome (startup.py); every rank calls it."""
         boot = bootstrap.run(mpi_comm, cfg, rails)
         try:                               # the fd limit raised, and checked for the mesh
-            fdlimit.check(mpi_comm, bootstrap_consts(mpi_comm)[0], boot.endpoints, boot.rank,
-                          boot.transport)
+            fdlimit.check(boot.endpoints, boot.transport, boot.rank)
         except BaseException:
             for sock in boot.listeners:
                 sock.close()
+            if boot.detector is not None:
+                boot.detector.close()
             raise
+        try:
+            return cls._open_on(boot, mpi_comm, cfg, on_event)
+        except BaseException:
+            if boot.detector is not None:  # closing twice is harmless (the detector's own)
+                boot.detector.close()
+            raise
+
+    @classmethod
+    def _open_on(cls, boot, mpi_comm, cfg, on_event):
         transports = select.for_job(boot, cfg)
         cfg.rail_timeout_ms = max(cfg.rail_timeout_ms, transports.min_rail_timeout_ms())
         cfg.chunk_size = boot.params["chunk_size"]
@@ -124,7 +134,7 @@ class World:
         world = cls(engine, links, boot, cfg, transports)
         world.start_probe_bytes = start.probe_bytes
         try:                               # issue 31: the ring failure detector
-            world.liveness = liveness.start(engine, boot, cfg, mpi_comm)
+            world.liveness = liveness.start(engine, boot, cfg)
         except BaseException:
             world.close()
             raise

@@ -191,8 +191,8 @@ def test_store_reader_cannot_join_with_an_out_of_band_secret(tmp_path, oob):
 
 
 def test_no_secret_left_in_a_torch_tcpstore_after_start_up():
-    """A job over torch's TCPStore: once every rank is up, the salt's key (the bcast after the
-    start-up barrier: r2comm/0/2) is gone; the endpoint records stay."""
+    """A job over torch's TCPStore: once every rank is up, the salt's key (the first bcast:
+    r2comm/0/1) is gone; the parameters and the endpoint records stay."""
     torch_dist = pytest.importorskip("torch.distributed", reason="torch is not installed")
     server = torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60),
                                  wait_for_workers=False)
@@ -201,9 +201,9 @@ def test_no_secret_left_in_a_torch_tcpstore_after_start_up():
         got = _collect(lines, lambda g: sum(ln.startswith("INFO") for _, ln in g) == 2)
         assert sum(ln.startswith("INFO") for _, ln in got) == 2, \
             "".join(ln for _, ln in got)[-3000:]
-        assert server.check(["r2comm/0/1/0", "r2comm/0/1/1"])     # the start-up barrier
-        assert not server.check(["r2comm/0/2"])                     # the salt: deleted
-        keys = [f"r2comm/0/5/{r}" for r in range(2)]            # 3 params, 4 errors, 5 endpoints
+        assert not server.check(["r2comm/0/1"])                     # the salt: deleted
+        assert server.check(["r2comm/0/2"])                         # the parameters
+        keys = [f"r2comm/0/3/{r}" for r in range(2)]                # 3: the endpoint records
         assert server.check(keys)
         eps = [server.get(k) for k in keys]
         assert all("ctrl" in str(decode(ep)) for ep in eps)

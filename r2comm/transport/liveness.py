@@ -838,25 +838,32 @@ class Detector:
                 break
 
 
-def start(engine, boot, cfg, comm):
-    """The communicator's detector (None when R2COMM_LIVENESS=0 or one rank): a listener on the
-    control address, its address shared through the bootstrap communicator (one allgather),
-    every new dead rank handed to engine.peer_dead."""
-    if not cfg.liveness or boot.size < 2:
-        return None
+def listener(addr):
+    """The detector's listening socket on control address `addr` (bootstrap opens it, so that
+    its address travels in the endpoint records)."""
     lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        lst.bind((boot.endpoints[boot.rank]["ctrl"][0], 0))
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lst.bind((addr, 0))
         lst.listen(1024)       # a frozen rank's kernel queues the probes it does not accept
-        addrs = comm.allgather(lst.getsockname())
-        addrs = [_addr(a, r) for r, a in enumerate(addrs)]
-        if len(addrs) != boot.size:
-            raise ValueError("liveness: one address per rank expected")
     except BaseException:
         lst.close()
         raise
-    det = Detector(boot.rank, boot.size, boot.secret, boot.job, lst, addrs,
+    return lst
+
+
+def start(engine, boot, cfg):
+    """The communicator's detector (None when R2COMM_LIVENESS=0 or one rank) on the listener
+    bootstrap opened (boot.detector), every rank's address from the endpoint records, every new
+    dead rank handed to engine.peer_dead."""
+    if boot.detector is None:
+        return None
+    try:
+        addrs = [_addr(ep.get("detector"), r) for r, ep in enumerate(boot.endpoints)]
+    except BaseException:
+        boot.detector.close()
+        raise
+    det = Detector(boot.rank, boot.size, boot.secret, boot.job, boot.detector, addrs,
                    Settings(cfg.liveness_period_ms / 1e3, cfg.liveness_suspect_ms / 1e3,
                             cfg.liveness_frozen_ms / 1e3),
                    on_dead=engine.peer_dead)
