@@ -160,11 +160,19 @@ def binomial_tree(v, n):
     return parent, kids
 
 
+def binary_tree(v, n):
+    """Binary tree on relative ranks in heap order: (parent or None, children in ascending
+    order). Every rank talks to at most 3 peers whatever n (a binomial tree's root talks to
+    log2 n), so a tree collective connects O(1) peers per rank (issue 31); depth log2 n."""
+    parent = None if v == 0 else (v - 1) // 2
+    return parent, [c for c in (2 * v + 1, 2 * v + 2) if c < n]
+
+
 def bcast_tree(rank, n, nbytes, root, eager=0):
-    """Binomial tree, each chunk forwarded as soon as it arrives."""
-    s = Schedule("binomial")
+    """Binary tree, each chunk forwarded to both children as soon as it arrives."""
+    s = Schedule("binary")
     v = (rank - root) % n
-    parent, kids = binomial_tree(v, n)
+    parent, kids = binary_tree(v, n)
     ri = None
     if parent is not None:
         ri = s.recv((parent + root) % n, 0, WORK, 0, nbytes, COPY)
@@ -175,10 +183,10 @@ def bcast_tree(rank, n, nbytes, root, eager=0):
 
 
 def reduce_tree(rank, n, nbytes, root, eager=0):
-    """Binomial tree reduce into WORK (root) or SCRATCH; children applied in a fixed order."""
+    """Binary tree reduce into WORK (root) or SCRATCH; children applied in a fixed order."""
     v = (rank - root) % n
-    parent, kids = binomial_tree(v, n)
-    s = Schedule("binomial")
+    parent, kids = binary_tree(v, n)
+    s = Schedule("binary")
     buf = WORK if v == 0 else (SCRATCH if kids else SEND)
     if buf == SCRATCH:
         s.scratch = nbytes

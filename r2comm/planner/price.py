@@ -431,13 +431,13 @@ def collective(coll, name, net, nbytes, root=0):
         return t_inter + volume((S - 1) * H * nbytes, intra, S - 1, a)
     if coll == "bcast":
         if name != "hierarchical":
-            out = [0] * H                         # binomial tree edges leaving each host
+            out = [0] * H                         # binary tree edges leaving each host
             for v in range(1, n):
-                p = v - (1 << (v.bit_length() - 1))
+                p = (v - 1) // 2                  # algorithms.binary_tree
                 ha, hb = net.host_of[(p + root) % n], net.host_of[(v + root) % n]
                 if ha != hb:
                     out[net.hidx[ha]] += 1
-            depth = max(1, (n - 1).bit_length())
+            depth = max(1, n.bit_length() - 1)
             b = min((net.hbw[i] / k for i, k in enumerate(out) if k), default=intra)
             return chain(depth, nbytes, min(b, intra), a, c)
         depth = (H - 1).bit_length() + (S - 1).bit_length()
