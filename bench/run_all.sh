@@ -40,6 +40,8 @@
 # and always:
 #   sim_validate     the simulator's replay of the testbed scenarios (python -m r2comm.sim validate)
 #   planner_scale    one rank's plan time, 64-8,192 ranks, and the choice against the replay
+#   scale            start-up, fds, RSS and first op per rank at 8-48 ranks (bench/scale.py);
+#                    scale.png
 #
 # MPI over TCP: the MPICH wheel uses shared memory between local ranks, and with
 # MPIR_CVAR_NOLOCAL=1 alone its UCX netmod still picks shared memory.  The OFI
@@ -186,6 +188,10 @@ run sim_validate 120 TERM "$PY" -m r2comm.sim validate --json "$OUT/sim_validate
 # ranks, and the choice against the simulator's replay
 run planner_scale 600 TERM "$PY" -m r2comm.bench.planner_scale --old --sweep 12 \
     --json "$OUT/planner_scale.json"
+
+# connections at scale (issue 31; about 1-2 min, no root needed): start-up, fds and memory per
+# rank at 8-48 ranks on loopback, the ring forced as the issue's mix asks
+run scale 600 TERM "$PY" bench/scale.py --ns 8,16,32,48 --algo ring --budget 400 --out "$OUT"
 
 # torch.distributed against Gloo on this host (issue 29; about 5 minutes, no root needed): the
 # collectives per size (a torchrun job per backend and round), the 8 B all_reduce against the

@@ -27,6 +27,7 @@ runs past --timeout is reported and the sweep goes on; n that would start after 
 seconds are skipped (said so)."""
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -60,6 +61,25 @@ def model(n, nics, transport="tcp", base_fds=0):
             "qps": qps, "pinned_bytes": qps * VERBS_SLAB}
 
 
+def on_demand_peers(n):
+    """The peers a rank connects with connections on demand (links.connect_for) once it ran the
+    usual plans, shared memory off: its ring neighbours (start-up, ring plans), its binary
+    tree's parent and two children (bcast, reduce: algorithms.binary_tree) and its log2 n
+    partners of recursive doubling / halving (small allreduces, barrier), at most n - 1."""
+    return min(n - 1, 2 + 3 + max(0, math.ceil(math.log2(n))))
+
+
+def model_on_demand(n, nics, transport="tcp"):
+    """What a rank holds with connections on demand (on_demand_peers), as model() does for the
+    full mesh."""
+    peers = on_demand_peers(n)
+    per_rail = VERBS_RAIL_FDS if transport == "verbs" else 1
+    qps = peers * nics if transport == "verbs" else 0
+    return {"n": n, "nics": nics, "transport": transport, "peers": peers,
+            "fds": ENGINE_FDS + DETECTOR_FDS + peers * (nics * per_rail + 1) + nics + 1,
+            "qps": qps, "pinned_bytes": qps * VERBS_SLAB}
+
+
 def model_table(ns=(8, 48, 64, 256, 1024), nics=8):
     rows = [model(n, nics, t) for t in ("tcp", "verbs") for n in ns]
     lines = [f"full-mesh model per rank, {nics} NICs (fds without MPI's and Python's own):",
@@ -67,7 +87,15 @@ def model_table(ns=(8, 48, 64, 256, 1024), nics=8):
     for r in rows:
         lines.append(f"{r['transport']:>9} {r['n']:>6} {r['fds']:>8} {r['qps']:>10} "
                      f"{r['pinned_bytes'] / 2**30:>8.2f} GiB")
-    return rows, "\n".join(lines)
+    lazy = [model_on_demand(n, nics, t) for t in ("tcp", "verbs") for n in ns]
+    lines += [f"connections-on-demand model per rank, {nics} NICs:",
+              f"{'transport':>9} {'ranks':>6} {'peers':>6} {'fds':>8} {'verbs QPs':>10} "
+              f"{'pinned':>10}"]
+    for r in lazy:
+        lines.append(f"{r['transport']:>9} {r['n']:>6} {r['peers']:>6} {r['fds']:>8} "
+                     f"{r['qps']:>10} {r['pinned_bytes'] / 2**30:>8.2f} GiB")
+    return ([dict(r, model="full_mesh") for r in rows] +
+            [dict(r, model="on_demand") for r in lazy]), "\n".join(lines)
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -167,6 +195,7 @@ def run_job(n, a, json_path):
 def summary(n, rows, rails):
     """Median and maximum over ranks of every measured field, and the model's fds (r2comm's)."""
     out = {"n": n, "ranks": len(rows), "model_fds": model(n, rails)["fds"],
+           "on_demand_fds": model_on_demand(n, rails)["fds"],
            "mix_algo": sorted({r["mix_algo"] for r in rows})}
     for key in ("startup_s", "fds_before", "fds_start", "fds_mix", "fds_r2comm", "rss_mib", "pinned_kib", "first_ms",
                 "rails_down"):
@@ -197,7 +226,9 @@ def driver(a):
     ns = [int(x) for x in a.ns.split(",") if x.strip()]
     started = time.monotonic()
     summaries, skipped = [], {}
+    loads = []
     for n in ns:
+        loads.append(os.getloadavg()[0])
         if time.monotonic() - started > a.budget:
             skipped[n] = f"over the --budget of {a.budget} s"
             continue
@@ -211,8 +242,15 @@ def driver(a):
     models, text = model_table()
     report = {"config": {"ns": ns, "rails": a.rails, "hosts": a.hosts, "shm": 0, "algo": a.algo,
                          "argv": sys.argv[1:]},
+              "command": " ".join(["python", "bench/scale.py", *sys.argv[1:]]),
+              "loadavg": loads, "cpus": os.cpu_count(), "time": time.time(),
               "summaries": summaries, "skipped": skipped, "model_1024": models}
     (out / "scale.json").write_text(json.dumps(report, indent=1))
+    try:                                  # the figure RESULTS.md shows (matplotlib optional)
+        from r2comm.bench.plot import plot_scale
+        plot_scale(report, out / "scale.png")
+    except ImportError as exc:
+        print(f"no scale.png: {exc}")
     print(table(summaries))
     for n, why in skipped.items():
         print(f"n={n} skipped: {why}")

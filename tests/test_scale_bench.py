@@ -26,6 +26,15 @@ def test_model_full_mesh():
     assert scale.model(64, 8, "verbs")["qps"] == 504
 
 
+def test_model_on_demand_is_logarithmic():
+    """Connections on demand: ring (2) + binary tree (3) + log2 n partners, never the mesh."""
+    assert scale.on_demand_peers(2) == 1 and scale.on_demand_peers(8) == 7
+    assert scale.on_demand_peers(1024) == 15 and scale.on_demand_peers(8192) == 18
+    m = scale.model_on_demand(1024, 8, "verbs")
+    assert m["qps"] == 15 * 8 and m["pinned_bytes"] == 120 * scale.VERBS_SLAB
+    assert m["fds"] < scale.model(1024, 8, "verbs")["fds"] / 50
+
+
 @pytest.mark.mpi
 def test_scale_bench_small(tmp_path):
     cmd = [sys.executable, f"{ROOT}/bench/scale.py", "--ns", "2,4", "--out", str(tmp_path),
@@ -44,5 +53,13 @@ def test_scale_bench_small(tmp_path):
         assert 20 < s["rss_mib"]["median"] < 4096, s
         assert s["fds_start"]["median"] > s["fds_before"]["median"], s
         assert s["fds_r2comm"]["median"] == s["fds_r2comm"]["max"] == s["model_fds"], s
+    # the report's section and figure (bench/RESULTS.md, results_scale.py)
+    from r2comm.bench.results_format import Results
+    from r2comm.bench.results_scale import scale_section
+    lines, targets = scale_section(Results(str(tmp_path)))
+    text = "\n".join(lines)
+    assert "| 2 |" in text and "| 4 |" in text and "on demand | verbs | 15 |" in text, text
+    assert targets and targets[0][1] is None                    # n = 8 and 32 not measured
+    assert (tmp_path / "scale.png").stat().st_size > 10_000
     # two more peers: 2 x (2 rails + control) more fds per rank
     assert by_n[4]["fds_r2comm"]["median"] - by_n[2]["fds_r2comm"]["median"] == 6

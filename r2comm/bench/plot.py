@@ -114,3 +114,40 @@ def plot_failover(report, path, bin_s=0.05):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_scale(report, path):
+    """bench/scale.py's report: r2comm's fds per rank (median and max over ranks) and start-up
+    time against n, with the full-mesh and connections-on-demand models out to 1,024 ranks."""
+    plt = _pyplot()
+    sums = sorted(report.get("summaries") or [], key=lambda s: s["n"])
+    models = report.get("model_1024") or []
+    rails = (report.get("config") or {}).get("rails", 2)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if sums:
+        ns = [s["n"] for s in sums]
+        ax1.plot(ns, [s["fds_r2comm"]["median"] for s in sums], "o-", label="measured, median")
+        ax1.plot(ns, [s["fds_r2comm"]["max"] for s in sums], "s--", label="measured, max")
+        ax1.plot(ns, [s["model_fds"] for s in sums], "x:", label=f"full mesh ({rails} rails)")
+        ax2.plot(ns, [s["startup_s"]["median"] for s in sums], "o-", label="median")
+        ax2.plot(ns, [s["startup_s"]["max"] for s in sums], "s--", label="slowest rank")
+    for kind, style in (("full_mesh", "^-"), ("on_demand", "v-")):
+        rows = sorted((m for m in models if m.get("model") == kind and m["transport"] == "tcp"),
+                      key=lambda m: m["n"])
+        if rows:
+            ax1.plot([m["n"] for m in rows], [m["fds"] for m in rows], style, alpha=0.6,
+                     label=f"model, {kind.replace('_', ' ')}, {rows[0]['nics']} NICs")
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("ranks")
+    ax1.set_ylabel("r2comm's fds per rank")
+    ax1.legend(fontsize=7)
+    ax1.grid(True, which="both", alpha=0.3)
+    ax2.set_xlabel("ranks")
+    ax2.set_ylabel("start-up (s)")
+    ax2.legend(fontsize=7)
+    ax2.grid(True, alpha=0.3)
+    fig.suptitle("Connections at scale (loopback, shared memory off)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -28,6 +28,7 @@ from .results_failover import failover_section
 from .results_format import Results, glance_rows, not_run_note
 from .results_hier import hier_section
 from .results_planner import planner_section
+from .results_scale import scale_section
 from .results_loopback import COLLECTIVES, allreduce_section, collectives_section, p2p_section
 from .results_shm import shm_section
 from .results_testbed import degraded_section, slow_rail_section, testbed_section
@@ -36,6 +37,7 @@ from .results_torchdist import torchdist_section
 from .results_verbs import verbs_section
 
 FIGURES = ("allreduce.png", "failover_hard.png", "failover_silent.png", "testbed_timeline.png",
+           "scale.png",
            "testbed_torch.png")
 
 
@@ -62,6 +64,7 @@ SECTIONS = (
     Section(shm_section, "Shared memory"),
     Section(hier_section, "Hierarchical"),
     Section(planner_section, "Planner at scale"),
+    Section(scale_section, "Connections at scale"),
     Section(verbs_section, "Verbs rails"),
     Section(slow_rail_section),
 )
