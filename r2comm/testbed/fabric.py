@@ -332,6 +332,20 @@ class Fabric:
         for ns, dev in self._ends(host, nic):
             iproute.ip(ns, "link", "set", dev, "up")
 
+    def isolate(self, host):
+        """Cut HOST off the network: the switch ports of its rail NICs and of its management
+        NIC go down (the host sees no carrier; nothing it sends arrives, nothing refuses), while
+        its processes run on: an unreachable host, not a dead one. reconnect() undoes it."""
+        self._check_host(host)
+        for port in [_port(host, nic) for nic in range(self.nics)] + [f"h{host}m"]:
+            iproute.ip(self.switch_ns, "link", "set", port, "down")
+
+    def reconnect(self, host):
+        """Undo isolate(HOST)."""
+        self._check_host(host)
+        for port in [_port(host, nic) for nic in range(self.nics)] + [f"h{host}m"]:
+            iproute.ip(self.switch_ns, "link", "set", port, "up")
+
     def flap(self, host, nic, period=1.0, count=3, side="host"):
         """COUNT cycles of down for PERIOD/2 then up for PERIOD/2 (blocking)."""
         lo, hi = FLAP_PERIOD_S
