@@ -35,6 +35,8 @@
 #   testbed_torch             DDP LM and TP serving under torchrun, 2 hosts x 2 NICs at 500 Mbit/s,
 #                             4 ranks: r2comm healthy / NIC down / NIC degraded / NIC flap vs Gloo
 #                             healthy / NIC down (bench/testbed_torch.py); testbed_torch.png
+#   testbed_fsdp2             FSDP2 x TP (examples/torch_fsdp2_tp.py), 4 ranks: r2comm healthy / NIC
+#                             down and back (losses bitwise equal) vs Gloo healthy; testbed_fsdp2.png
 #   testbed_torch_cycles      the same NIC down and up in alternating blocks within one job: the
 #                             compute step's and the serving p99's overhead, with intervals
 # and always:
@@ -203,7 +205,7 @@ run torch_fsdp2 240 TERM "$PY" bench/torch_fsdp2.py --nproc "$NP" "${TORCH_FS[@]
 
 # the netns testbed (issue 4, 5, 18): root and iproute2 only; bounded by the budget
 TESTBED_NAMES=(testbed_failover testbed_degraded_3hosts testbed_degraded_4hosts testbed_torch testbed_hier
-               testbed_torch_cycles)
+               testbed_fsdp2 testbed_torch_cycles)
 why_not=""
 if [[ $TESTBED == 0 ]]; then
     why_not="TESTBED=0"
@@ -233,6 +235,9 @@ else
     # hierarchical vs flat allreduce, healthy and with a NIC of one host down (issue 20; ~1 min)
     testbed testbed_hier 240 60 bench/testbed_hier.py --rate 1gbit --size "${HIER_SIZE:-64M}" \
         --rounds "${HIER_ROUNDS:-5}" --out "$OUT"
+    # FSDP2 x TP through a NIC down and back (issue 29; ~2 minutes, 3 torchrun jobs)
+    rm -f "$OUT/testbed_fsdp2.png"
+    testbed testbed_fsdp2 300 120 bench/testbed_fsdp2.py --out "$OUT"
     # the 1% and 3% targets of issue 18: the NIC down and up in alternating blocks (~20 min)
     testbed testbed_torch_cycles 1600 300 bench/testbed_torch.py --part cycles "${TB_TORCH_CY[@]}" --out "$OUT"
 fi

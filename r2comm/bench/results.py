@@ -37,7 +37,7 @@ from .results_torchdist import torchdist_section
 from .results_verbs import verbs_section
 
 FIGURES = ("allreduce.png", "failover_hard.png", "failover_silent.png", "testbed_timeline.png",
-           "scale.png",
+           "scale.png", "testbed_fsdp2.png",
            "testbed_torch.png")
 
 

@@ -155,6 +155,45 @@ def fsdp2_part(res):
                   f"**{'met' if equal else 'not met'}** (step {fratio(ratio)}× Gloo's time)", equal)]
 
 
+def _before(step):
+    return step - 1 if isinstance(step, int) else "?"
+
+
+def testbed_fsdp2_part(res):
+    """(lines, targets) of FSDP2 x TP through a real NIC failure (testbed_fsdp2.json)."""
+    doc = res.doc("testbed_fsdp2")
+    out = ["### FSDP2 x TP through a NIC failure in the testbed", ""]
+    if not doc:
+        return out + [f"{res.why_missing('testbed_fsdp2').capitalize()}.", ""], []
+    cfg, s = doc.get("config") or {}, doc.get("summary") or {}
+    cases, nd = doc.get("cases") or {}, s.get("nic_down") or {}
+    out += [f"The emulated cluster: {cfg.get('hosts', '?')} hosts x {cfg.get('nics', '?')} NICs at "
+            f"{cfg.get('rate', '?')}, {cfg.get('ranks', '?')} ranks (torchrun per host), "
+            "`examples/torch_fsdp2_tp.py`: a 2 x 2 DeviceMesh, TP within a host, FSDP2 across the "
+            f"hosts, {s.get('params') or 0:,} parameters. In the *NIC down* run host 1's NIC 0 goes "
+            f"down for real once rank 0 has finished step {_before(cfg.get('fail_step'))} and comes "
+            f"back once it has finished step {_before(cfg.get('restore_step'))}; step times are "
+            "rank 0's." + _loads(doc)]
+    out += code(_command(res, "testbed_fsdp2", doc))
+    rows = []
+    for name, label in (("fsdp_r2comm_healthy", "r2comm, healthy"),
+                        ("fsdp_r2comm_nic_down", "r2comm, NIC down and back"),
+                        ("fsdp_gloo_healthy", "Gloo (both NICs), healthy")):
+        rec = cases.get(name) or {}
+        st = rec.get("step_s") or []
+        rows.append([label, _ftime(_median(st[2:])), f"{len(st)} / {rec.get('steps', '?')}",
+                     str(rec.get("digest")), rec.get("error") or "–"])
+    out += table(["run", "median step", "steps done", "loss-curve digest", "error"], rows)
+    out += ["", f"While the NIC was down: median step {_ftime(nd.get('during_median_s'))} against "
+            f"{_ftime(nd.get('base_same_steps_median_s'))} for the same steps of the healthy run, "
+            f"after it {_ftime(nd.get('after_median_s'))}; failover events "
+            f"{s.get('failover_events') or {}}.", "",
+            "![FSDP2 x TP step times, a NIC down and back](figures/testbed_fsdp2.png)", ""]
+    equal = s.get("digests_equal") is True
+    return out, [("FSDP2 x TP through a real NIC failure in the testbed: losses bitwise equal to "
+                  f"the fault-free run: **{'met' if equal else 'not met'}**", equal)]
+
+
 def torchdist_section(res):
     """(lines, targets) of the torch.distributed vs Gloo section."""
     out = [TITLE, "",
@@ -164,8 +203,9 @@ def torchdist_section(res):
     out += sizes_part(res)
     small, targets = small_call_part(res)
     fsdp, fsdp_targets = fsdp2_part(res)
-    out += small + fsdp
-    targets += fsdp_targets
+    testbed, testbed_targets = testbed_fsdp2_part(res)
+    out += small + fsdp + testbed
+    targets += fsdp_targets + testbed_targets
     if not targets:     # the first line after the title is the glance table's "not run" note
         out[2:2] = [f"{res.why_missing('torch_small_call').capitalize()}; no target evaluated.", ""]
     else:
