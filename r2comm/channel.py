@@ -224,6 +224,11 @@ class Channel:
         cid = self._world.ids.agree(agree_max(boot_comm))
         return self._child(self._world, boot_comm, members, cid)
 
+    def connect(self, ranks):
+        """Connect (on first use) every rail to each of `ranks` (ranks of this communicator)
+        not connected yet, all in parallel; a connection that stays down is marked so."""
+        self._world.links.connect_for([self._members[r] for r in ranks])
+
     def post_error(self, seq, code, message):
         """Fail call `seq` of this communicator on every peer with error `code` (an ABORT)."""
         self._world.links.connect_for(self._members)   # every peer hears it (error path only)
