@@ -1,0 +1,35 @@
+"""control.allgather over its two trees on the real engine under mpiexec
+(tests/control_worker.py; the protocol over every failure timing: tests/test_control_tree.py).
+Loopback, shared memory off (every pair a network pair), 10 ranks: the trees, not the flood of
+up to 7 ranks."""
+import os
+
+import pytest
+
+from conftest import ROOT, run_mpi
+
+pytestmark = pytest.mark.mpi
+WORKER = os.path.join(ROOT, "tests", "control_worker.py")
+
+
+def scenario(n, name, timeout=200, **kw):
+    _, out = run_mpi(n, [WORKER, name] + [f"{k}={v}" for k, v in kw.items()], timeout=timeout)
+    assert any(ln.startswith(f"OK {name} ") for ln in out.splitlines()), out[-4000:]
+    return out
+
+
+def test_tree_and_flood_agree_and_only_tree_peers_connect():
+    scenario(10, "same")
+
+
+@pytest.mark.parametrize("tree,child", [("A", 3), ("A", 1), ("B", 9)])
+def test_a_pair_failing_between_up_and_down_leaves_every_later_call_agreed(tree, child):
+    """The reverted tree (ab7982c) desynchronised the ranks' tags here and every later
+    rail_state() failed; now that call and the later ones agree, without flooding."""
+    out = scenario(10, "updown", tree=tree, child=child)
+    assert "UPDOWN pair" in out
+
+
+def test_a_partition_raises_on_every_rank_within_the_timeout():
+    out = scenario(10, "partition", timeout=240)
+    assert "PARTITION slowest" in out
