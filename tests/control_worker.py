@@ -72,7 +72,7 @@ def sc_same(comm, args):
 
 def sc_updown(comm, args):
     """Tree `tree` (A or B) pair (parent of `child`, child): in the second allgather the
-    parent fails every rail to the child as its down phases start (after the child's up
+    parent fails every rail to the child (`mode` hard or silent) as its down phases start (after the child's up
     message arrived). That call and four more (allgathers and rail_state()) end with the same
     table on every rank, the broken pair shows in the rail state, and no rank flooded (it
     would have connected every peer)."""
@@ -87,7 +87,7 @@ def sc_updown(comm, args):
     def hook(plane, call, phase):
         if call == 1 and phase == control.DOWN_A and plane.rank == parent:
             for k in range(len(comm.rails)):
-                plane.fail_rail(k, "hard", peer=child)
+                plane.fail_rail(k, args.get("mode", "hard"), peer=child)
             struck.append(time.monotonic())
     control.on_phase = hook
     try:
