@@ -52,6 +52,7 @@ CALL_MASK = (1 << CALL_BITS) - 1
 UP_A, UP_B, DOWN_A, DOWN_B, FLOOD_PHASE = 0, 1, 2, 3, 4     # phases (FLOOD_PHASE + round)
 ROUNDS = 2                  # flooding rounds: enough when every broken pair has a common neighbour
 MAX_ROUNDS = 8
+GROW_PASSES = 4             # passes of a tree's growth over the ranks not attached yet
 FLOOD_MAX = 7               # up to 7 ranks the flood alone (6 peers, the trees' bound)
 UNKNOWN, DONE, FLOOD = 0.0, 1.0, 2.0      # verdicts (the last row of a tree message)
 
@@ -90,11 +91,12 @@ def _grow(order, n, usable):
     """Parents (None: root or not attached) of a tree grown in `order` from order[0]: each rank
     goes under the earliest attached rank with fewer than 2 children that `usable(q, r)`
     allows (with every pair usable and order 0..n-1: the binary tree r -> (r - 1) // 2).
-    Ranks that nothing attached yet are tried again after each pass while any attaches."""
+    Ranks that nothing attached yet are tried again after each pass while any attaches (at
+    most GROW_PASSES passes: a rank left out is carried by the other tree or the flood)."""
     parent, kids = [None] * n, [0] * n
     room = deque([order[0]])
     waiting = list(order[1:])
-    while waiting:
+    for _ in range(GROW_PASSES):
         left = []
         for r in waiting:
             q = next((q for q in room if usable(q, r)), None)
@@ -106,7 +108,7 @@ def _grow(order, n, usable):
             if kids[q] == 2:
                 room.remove(q)
             room.append(r)
-        if len(left) == len(waiting):
+        if not left or len(left) == len(waiting):
             break
         waiting = left
     return parent

@@ -199,6 +199,7 @@ def test_the_trees_route_around_broken_pairs():
         assert all(state.working(r, parents[r]) for r in range(1, 12))
     assert not {frozenset((r, ta[r])) for r in range(1, 12)} & \
         {frozenset((r, tb[r])) for r in range(1, 12)}
+    assert max(len(control.tree_peers(r, 12, state.working)) for r in range(12)) <= 6
 
 
 @pytest.mark.parametrize("ack_lost", [False, True])
