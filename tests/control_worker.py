@@ -7,6 +7,7 @@ same       tree and flood give the same table, rail_state() agrees, only tree pe
 updown     a tree pair's rails all fail (for real: engine.inject) as the parent starts the down
            phases; that call and the ones after agree on every rank, nobody flooded
 partition  half of the ranks cut off: every rank raises, twice, within the timeout
+argerr     a local argument error reaches every rank without new connections
 """
 import os
 import sys
@@ -146,7 +147,40 @@ def sc_partition(comm, args):
     return 1
 
 
-SCENARIOS = {"same": sc_same, "updown": sc_updown, "partition": sc_partition}
+def sc_argerr(comm, args):
+    """Ring plans (R2COMM_ALGO=ring): rank 4 passes a read-only receive buffer. It raises an
+    argument error, every other rank R2commPeerError within 5 s (the abort relayed along the
+    ring's connections), and nobody connected a new peer (the telling once connected every
+    peer); the next allreduce works."""
+    n, me = comm.size, comm.rank
+    x = np.ones(1 << 14, np.float32)
+    y = np.empty_like(x)
+    comm.Allreduce(x, y)
+    WORLD.Barrier()
+    start = connected(comm)
+    bad = y
+    if me == 4:
+        bad = np.empty_like(x)
+        bad.flags.writeable = False
+    t0 = time.monotonic()
+    try:
+        comm.Allreduce(x, bad)
+        got = "no error"
+    except r2comm.R2commError as exc:
+        got = type(exc).__name__ if me == 4 or "rank 4" in str(exc) else repr(exc)
+    rows = WORLD.allgather((got, time.monotonic() - t0))
+    check(rows[4][0] == "R2commBufferError" and
+          all(g == "R2commPeerError" for r, (g, _) in enumerate(rows) if r != 4), f"{rows}")
+    check(max(t for _, t in rows) < 5, f"took {rows}")
+    WORLD.Barrier()
+    check(connected(comm) == start, f"connected {sorted(connected(comm))}, was {sorted(start)}")
+    comm.Allreduce(x, y)
+    check(np.all(y == n), "the allreduce after the error")
+    return 1
+
+
+SCENARIOS = {"same": sc_same, "updown": sc_updown, "partition": sc_partition,
+             "argerr": sc_argerr}
 
 
 if __name__ == "__main__":

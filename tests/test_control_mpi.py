@@ -12,8 +12,9 @@ pytestmark = pytest.mark.mpi
 WORKER = os.path.join(ROOT, "tests", "control_worker.py")
 
 
-def scenario(n, name, timeout=200, **kw):
-    _, out = run_mpi(n, [WORKER, name] + [f"{k}={v}" for k, v in kw.items()], timeout=timeout)
+def scenario(n, name, timeout=200, env=None, **kw):
+    _, out = run_mpi(n, [WORKER, name] + [f"{k}={v}" for k, v in kw.items()], timeout=timeout,
+                     env=env)
     assert any(ln.startswith(f"OK {name} ") for ln in out.splitlines()), out[-4000:]
     return out
 
@@ -36,3 +37,9 @@ def test_a_pair_failing_between_up_and_down_leaves_every_later_call_agreed(tree,
 def test_a_partition_raises_on_every_rank_within_the_timeout():
     out = scenario(10, "partition", timeout=240)
     assert "PARTITION slowest" in out
+
+
+def test_a_local_argument_error_reaches_every_rank_over_the_plans_connections():
+    """Telling the peers about a local argument error (channel.post_error) connected every
+    peer; now the ring neighbours hear it and relay it: no new connection, all raise at once."""
+    scenario(10, "argerr", env={"R2COMM_ALGO": "ring"})
