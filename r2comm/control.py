@@ -14,7 +14,7 @@ allgather() gathers one small float64 row per rank with point-to-point messages 
   every tag of the call is a function of (that number, the phase) only, so nothing that fails
   in one call can shift the tags of a later one; a receive that did not match is cancelled
   before the call returns, and a message that arrives late carries a tag no later call
-  (within 2**24 calls) posts.
+  (within 2**24 calls) posts. Nothing is posted to a peer the engine holds lost.
 - Two trees (n > FLOOD_MAX). Trees A and B (control_trees) both rooted at rank 0, with no pair
   in common, and routed around the pairs broken in the rail state the plans follow (the same
   on every rank). The phases, in this order on every rank: up A (a rank sends the rows it
@@ -159,11 +159,19 @@ class _Exchange:
 
     def __init__(self, ctl, shape, deadline):
         self.ctl, self.shape, self.deadline = ctl, shape, deadline
+        self.engine, self.members = ctl.engine, ctl.global_ranks()
         self.pending = []
+
+    def reachable(self, peer):
+        """False for a peer the engine holds lost (every rail to it failed): nothing is posted
+        to it, so no message of the pair's sequence is spent on a certain failure."""
+        return self.engine.peer_ok(self.members[peer])
 
     def post_recv(self, peer, phase_tag):
         """(buffer, request, status) of a receive from `peer`; request None if it failed."""
         box, status = np.zeros(self.shape), Status()
+        if not self.reachable(peer):
+            return box, None, status
         try:
             rq = self.ctl.Irecv(box, peer, phase_tag, status)
         except R2commError:
@@ -173,6 +181,8 @@ class _Exchange:
 
     def send(self, table, peer, phase_tag):
         """Send a copy of `table` to `peer` (its outcome is not waited for here)."""
+        if not self.reachable(peer):
+            return
         try:
             self.pending.append(self.ctl.Isend(table.copy(), peer, phase_tag))
         except R2commError:
@@ -257,13 +267,12 @@ def _flood(ctl, table, call, rounds, timeout):
     """`rounds` flooding rounds of call `call`: every rank sends the rows it knows to every
     peer it can still reach and merges what it receives."""
     n, me = ctl.size, ctl.rank
-    eng, members = ctl.engine, ctl.global_ranks()
     ex = _Exchange(ctl, table.shape, time.monotonic() + timeout)
     try:
         ctl.connect([p for p in range(n) if p != me])
         for rnd in range(rounds):
             phase_tag = tag(call, FLOOD_PHASE + rnd)
-            peers = [p for p in range(n) if p != me and eng.peer_ok(members[p])]
+            peers = [p for p in range(n) if p != me and ex.reachable(p)]
             posted = [ex.post_recv(p, phase_tag) for p in peers]
             out = table.copy()                # what this round sends (the merge goes in table)
             for p in peers:
