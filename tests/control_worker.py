@@ -73,8 +73,8 @@ def sc_same(comm, args):
 
 def sc_updown(comm, args):
     """Tree `tree` (A or B) pair (parent of `child`, child): in the second allgather the
-    parent fails every rail to the child (`mode` hard or silent) as its down phases start (after the child's up
-    message arrived). That call and four more (allgathers and rail_state()) end with the same
+    parent fails every rail to the child (`mode` hard or silent) as its down phases start
+    (after the child's up message arrived). That call and four more (allgathers and rail_state()) end with the same
     table on every rank, the broken pair shows in the rail state, and no rank flooded (it
     would have connected every peer)."""
     n, me = comm.size, comm.rank
