@@ -224,9 +224,19 @@ class Channel:
         cid = self._world.ids.agree(agree_max(boot_comm))
         return self._child(self._world, boot_comm, members, cid)
 
+    def connect(self, ranks):
+        """Connect (on first use) every rail to each of `ranks` (ranks of this communicator)
+        not connected yet, all in parallel; a connection that stays down is marked so."""
+        self._world.links.connect_for([self._members[r] for r in ranks])
+
     def post_error(self, seq, code, message):
-        """Fail call `seq` of this communicator on every peer with error `code` (an ABORT)."""
-        self._world.links.connect_for(self._members)   # every peer hears it (error path only)
+        """Fail call `seq` of this communicator on every peer with error `code`: an ABORT to
+        each peer this rank holds a connection to (its ring neighbours here connected first);
+        each peer relays it along its own plan's connections when its call `seq` fails
+        (failover.pxi relay_abort), so O(1) connections, not one to every peer (issue 31)."""
+        n = self.size
+        ring = {self._members[(self.rank + step) % n] for step in (-1, 1)}
+        self._world.links.connect_for(sorted(ring - {self._members[self.rank]}))
         self._engine.post_error(self._id, seq, self._members, code, message)
 
     @property

@@ -3,88 +3,320 @@ through the engine (not through the bootstrap MPI communicator).
 
 Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
 CONTROL_BIT | id (comm_ids.py), so its operations have their own sequence numbers and tags and
-never match the application's. The start-up bandwidth probe (probe.py), the rail-state
-agreement (rail_state(): agree_rails, per-rank summaries of planner/agree.py) and the epoch check
-of R2COMM_REPLAN run on it.
+never match the application's. It follows its communicator's plans (the rail state of the
+agreed epoch). The start-up bandwidth probe (probe.py), the rail-state agreement (rail_state():
+agree_rails, per-rank summaries of planner/agree.py) and the epoch check of R2COMM_REPLAN run
+on it.
 
-allgather() is a flooding allgather of one small float64 row per rank built from point-to-point
-messages: each round every rank sends the rows it knows to every peer it can still reach and
-merges what it receives. The engine makes each message lossless under rail failures (chunks of a
-failed rail move to a surviving one). A message to or from a peer that lost every rail fails
-alone, not the whole operation, and the second round brings that peer's row along a third rank.
-So the agreement survives pairs with no common rail that the plans do not know about yet,
-whenever each broken pair has a common working neighbour. Every rank ends with the same table,
-or raises R2commNetworkError when it could not learn every row."""
+allgather() gathers one small float64 row per rank with point-to-point messages (issue 31):
+
+- Call numbers. Every call takes the next number of its plane, first thing, on every rank, and
+  every tag of the call is a function of (that number, the phase) only, so nothing that fails
+  in one call can shift the tags of a later one; a receive that did not match is cancelled
+  before the call returns, and a message that arrives late carries a tag no later call
+  (within 2**24 calls) posts. Nothing is posted to a peer the engine holds lost.
+- Two trees (n > FLOOD_MAX). Trees A and B (control_trees) both rooted at rank 0, with no pair
+  in common, and routed around the pairs broken in the rail state the plans follow (the same
+  on every rank). The phases, in this order on every rank: up A (a rank sends the rows it
+  heard from its A-children to its A-parent), up B (the rows it knows, A's included, to its
+  B-parent), then rank 0 decides (DONE: it knows every row; else FLOOD), down A and down B
+  (a rank passes what it knows, with the verdict when it has it, to its children). At most 6
+  peers and 2 messages per peer per rank, 4 * depth dependent steps at most.
+- Why that is agreed: whatever one pair does (fail before, during or between any phases, seen
+  by both sides or by one: a send whose acknowledgement was lost while its receive completed),
+  every row still reaches rank 0 over the other tree (the up B messages carry the A rows too)
+  and rank 0's table and verdict still reach every rank, so every rank ends with the same
+  table, and no rank floods. A rank acts only on what it received, never on a failed send.
+- Fallback, after more failures than that (rank 0 missed a row: verdict FLOOD), or on a rank
+  that heard no verdict and misses rows: the flood (flood(), ROUNDS rounds: every rank sends
+  what it knows to every peer it can still reach; enough when each broken pair has a common
+  working neighbour). Every rank that took part ends with the same table, or raises
+  R2commNetworkError: a partition raises on every rank. O(n) messages, after failures only.
+- n <= FLOOD_MAX: the flood alone (at most 6 peers, as the trees).
+
+Every rank ends with the same table, or raises R2commNetworkError when it could not learn every
+row. The engine makes each message lossless under rail failures (chunks of a failed rail move
+to a surviving one); a message to or from a peer that lost every rail fails alone."""
+import time
 import weakref
+from collections import deque
 
 import numpy as np
 
 from .errors import R2commError, R2commNetworkError
+from .request import Status
 
-TAG_FLOOD = 0x52000000     # tags of flooding rounds (the probe uses 0x51......)
-ROUNDS = 2                 # flooding rounds: enough when every broken pair has a common neighbour
+TAG_BASE = 0x60000000       # tags of the allgather (the probe uses 0x51......)
+CALL_BITS = 24              # a tag: TAG_BASE | phase << CALL_BITS | call number mod 2**24
+CALL_MASK = (1 << CALL_BITS) - 1
+UP_A, UP_B, DOWN_A, DOWN_B, FLOOD_PHASE = 0, 1, 2, 3, 4     # phases (FLOOD_PHASE + round)
+ROUNDS = 2                  # flooding rounds: enough when every broken pair has a common neighbour
+MAX_ROUNDS = 8
+GROW_PASSES = 4             # passes of a tree's growth over the ranks not attached yet
+FLOOD_MAX = 7               # up to 7 ranks the flood alone (6 peers, the trees' bound)
+UNKNOWN, DONE, FLOOD = 0.0, 1.0, 2.0      # verdicts (the last row of a tree message)
 
+on_phase = None             # test instrumentation: on_phase(ctl, call, phase) before each tree
+                            # phase (tests fail a pair between phases); None in production
 
 _planes = weakref.WeakKeyDictionary()     # communicator -> its control-plane twin
-_floods = weakref.WeakKeyDictionary()     # control-plane twin -> flooding rounds run
+_calls = weakref.WeakKeyDictionary()      # control-plane twin -> allgather call numbers taken
+_tree_cache = weakref.WeakKeyDictionary()  # control-plane twin -> (state, size, trees)
 
 
 def plane(comm):
-    """The control-plane twin of `comm` (created on first use, the same on every rank)."""
+    """The control-plane twin of `comm` (created on first use, the same on every rank); it
+    follows `comm`'s plans (the rail state of its agreed epoch)."""
     ctl = _planes.get(comm)
     if ctl is None:
         ctl = _planes[comm] = comm.twin("control")
-        _floods[ctl] = 0
+    ctl.follow(comm.plan_state)
     return ctl
+
+
+def tag(call, phase):
+    """The tag of `phase` of allgather call number `call`."""
+    return TAG_BASE | (phase << CALL_BITS) | (call & CALL_MASK)
+
+
+def _take_calls(ctl, count=1):
+    """The first of `count` consecutive call numbers of `ctl` (the same on every rank)."""
+    first = _calls.get(ctl, 0)
+    _calls[ctl] = first + count
+    return first
+
+
+# -- the trees ---------------------------------------------------------------------------------
+def _grow(order, n, usable):
+    """Parents (None: root or not attached) of a tree grown in `order` from order[0]: each rank
+    goes under the earliest attached rank with fewer than 2 children that `usable(q, r)`
+    allows (with every pair usable and order 0..n-1: the binary tree r -> (r - 1) // 2).
+    Ranks that nothing attached yet are tried again after each pass while any attaches (at
+    most GROW_PASSES passes: a rank left out is carried by the other tree or the flood)."""
+    parent, kids = [None] * n, [0] * n
+    room = deque([order[0]])
+    waiting = list(order[1:])
+    for _ in range(GROW_PASSES):
+        left = []
+        for r in waiting:
+            q = next((q for q in room if usable(q, r)), None)
+            if q is None:
+                left.append(r)
+                continue
+            parent[r] = q
+            kids[q] += 1
+            if kids[q] == 2:
+                room.remove(q)
+            room.append(r)
+        if not left or len(left) == len(waiting):
+            break
+        waiting = left
+    return parent
+
+
+def control_trees(n, working=None):
+    """(parents in tree A, parents in tree B) over ranks 0..n-1, both rooted at rank 0 (None:
+    the root, or a rank the tree could not attach): A grows in rank order (the Bcast agreement's
+    binary tree when every pair works), B in reverse rank order; B uses no pair of A, neither
+    uses a pair `working(a, b)` rejects (None: every pair works). At most 2 children per rank
+    in each, so at most 6 peers per rank."""
+    ok = working or (lambda a, b: True)
+    a = _grow(list(range(n)), n, ok)
+
+    def usable_b(q, r):
+        return a[q] != r and a[r] != q and ok(q, r)
+    b = _grow([0] + list(range(n - 1, 0, -1)), n, usable_b)
+    return a, b
+
+
+def tree_peers(rank, n, working=None):
+    """The ranks `rank` exchanges with in the control trees (what allgather connects)."""
+    if n <= FLOOD_MAX:
+        return {p for p in range(n) if p != rank}
+    out = set()
+    for parents in control_trees(n, working):
+        out |= {c for c in range(n) if parents[c] == rank}
+        if parents[rank] is not None:
+            out.add(parents[rank])
+    return out
+
+
+def _trees(ctl):
+    """This plane's trees for its current plans (cached until they change)."""
+    state, n = ctl.plan_state, ctl.size
+    hit = _tree_cache.get(ctl)
+    if hit is None or hit[0] is not state or hit[1] != n:
+        broken = state is not None and state.has_broken_pairs()
+        hit = (state, n, control_trees(n, state.working if broken else None))
+        _tree_cache[ctl] = hit
+    return hit[2]
+
+
+# -- messages ------------------------------------------------------------------------------------
+class _Exchange:
+    """The messages of one allgather call on this rank: every request it posts is waited for or
+    cancelled before the call ends (close)."""
+
+    def __init__(self, ctl, shape, deadline):
+        self.ctl, self.shape, self.deadline = ctl, shape, deadline
+        self.engine, self.members = ctl.engine, ctl.global_ranks()
+        self.pending = []
+
+    def reachable(self, peer):
+        """False for a peer the engine holds lost (every rail to it failed): nothing is posted
+        to it, so no message of the pair's sequence is spent on a certain failure."""
+        return self.engine.peer_ok(self.members[peer])
+
+    def post_recv(self, peer, phase_tag):
+        """(buffer, request, status) of a receive from `peer`; request None if it failed."""
+        box, status = np.zeros(self.shape), Status()
+        if not self.reachable(peer):
+            return box, None, status
+        try:
+            rq = self.ctl.Irecv(box, peer, phase_tag, status)
+        except R2commError:
+            return box, None, status
+        self.pending.append(rq)
+        return box, rq, status
+
+    def send(self, table, peer, phase_tag):
+        """Send a copy of `table` to `peer` (its outcome is not waited for here)."""
+        if not self.reachable(peer):
+            return
+        try:
+            self.pending.append(self.ctl.Isend(table.copy(), peer, phase_tag))
+        except R2commError:
+            pass
+
+    def arrived(self, posted):
+        """True when receive `posted` (post_recv's triple) ended with a whole message."""
+        box, rq, status = posted
+        if rq is None:
+            return False
+        try:
+            rq.Wait(max(self.deadline - time.monotonic(), 0.0))
+        except R2commError:          # the pair lost every rail, or the deadline passed
+            return False
+        return status.count == box.nbytes
+
+    def close(self):
+        """Wait for (or cancel, past the deadline) every request still in flight."""
+        for rq in self.pending:
+            if not rq.done:
+                try:
+                    rq.Wait(max(self.deadline - time.monotonic(), 0.0))
+                except R2commError:
+                    pass
+        self.pending = []
+
+
+def _merge(table, got):
+    """Copy into `table` the rows `got` knows that `table` does not (column 0: 1.0 where known;
+    anything else in column 0 is ignored); take its verdict if `table` has none."""
+    n = table.shape[0] - 1
+    known = got[:n, 0] == 1.0
+    new = known & (table[:n, 0] == 0)
+    table[:n][new] = got[:n][new]
+    verdict = got[n, 0]
+    if table[n, 0] == UNKNOWN and verdict in (DONE, FLOOD):
+        table[n, 0] = verdict
+
+
+def _complete(table):
+    return bool((table[:-1, 0] == 1.0).all())
+
+
+def _tree_call(ctl, table, call, timeout):
+    """The four tree phases on this rank (module doc); the verdict this rank ends with."""
+    n, me = ctl.size, ctl.rank
+    trees = _trees(ctl)
+    kids = [[c for c in range(n) if parents[c] == me] for parents in trees]
+    ex = _Exchange(ctl, table.shape, time.monotonic() + timeout)
+    try:
+        ctl.connect(sorted({p for parents in trees for p in (parents[me], *kids[0], *kids[1])
+                            if p is not None}))
+        ups = [[ex.post_recv(c, tag(call, UP_A + t)) for c in kids[t]] for t in (0, 1)]
+        downs = [ex.post_recv(parents[me], tag(call, DOWN_A + t))
+                 if parents[me] is not None else None for t, parents in enumerate(trees)]
+        for t, parents in enumerate(trees):
+            _hook(ctl, call, UP_A + t)
+            for posted in ups[t]:
+                if ex.arrived(posted):
+                    _merge(table, posted[0])
+            if parents[me] is not None:
+                ex.send(table, parents[me], tag(call, UP_A + t))
+        if me == 0:
+            table[n, 0] = DONE if _complete(table) else FLOOD
+        for t in (0, 1):
+            _hook(ctl, call, DOWN_A + t)
+            if downs[t] is not None and ex.arrived(downs[t]):
+                _merge(table, downs[t][0])
+            for c in kids[t]:
+                ex.send(table, c, tag(call, DOWN_A + t))
+    finally:
+        ex.close()
+    return table[n, 0]
+
+
+def _hook(ctl, call, phase):
+    if on_phase is not None:
+        on_phase(ctl, call, phase)
+
+
+def _flood(ctl, table, call, rounds, timeout):
+    """`rounds` flooding rounds of call `call`: every rank sends the rows it knows to every
+    peer it can still reach and merges what it receives."""
+    n, me = ctl.size, ctl.rank
+    ex = _Exchange(ctl, table.shape, time.monotonic() + timeout)
+    try:
+        ctl.connect([p for p in range(n) if p != me])
+        for rnd in range(rounds):
+            phase_tag = tag(call, FLOOD_PHASE + rnd)
+            peers = [p for p in range(n) if p != me and ex.reachable(p)]
+            posted = [ex.post_recv(p, phase_tag) for p in peers]
+            out = table.copy()                # what this round sends (the merge goes in table)
+            for p in peers:
+                ex.send(out, p, phase_tag)
+            for got in posted:
+                if ex.arrived(got):           # else: that pair lost every rail, rows come around
+                    _merge(table, got[0])
+    finally:
+        ex.close()
+
+
+def _gather(ctl, row, call, rounds, timeout, tree):
+    """allgather() under call number `call` (tree False: the flood alone)."""
+    n, me = ctl.size, ctl.rank
+    row = np.asarray(row, np.float64).ravel()
+    if not 0 < rounds <= MAX_ROUNDS:
+        raise ValueError(f"control plane: rounds must be 1 .. {MAX_ROUNDS}, not {rounds}")
+    table = np.zeros((n + 1, row.size + 1))   # column 0: 1.0 where the row is known; row n:
+    table[me, 0] = 1.0                        # the tree's verdict
+    table[me, 1:] = row
+    timeout = ctl.timeout if timeout is None else timeout
+    if n > 1:
+        verdict = _tree_call(ctl, table, call, timeout) if tree and n > FLOOD_MAX else FLOOD
+        if verdict == FLOOD or not _complete(table):
+            _flood(ctl, table, call, rounds, timeout)
+    missing = [r for r in range(n) if table[r, 0] != 1.0]
+    if missing:
+        raise R2commNetworkError(f"control plane: rank {me} could not learn the state of ranks "
+                                 f"{missing} (the fabric is partitioned, or more pairs failed "
+                                 f"during the call than the trees and {rounds} flooding rounds "
+                                 f"route around)")
+    return table[:n, 1:].copy()
 
 
 def allgather(ctl, row, rounds=ROUNDS, timeout=None):
     """Every rank's `row` (1-D, the same length on every rank), as an (n, len) float64 array
-    identical on every rank. Collective over the control plane `ctl`."""
-    n, me = ctl.size, ctl.rank
-    row = np.asarray(row, np.float64).ravel()
-    width = row.size + 1                      # column 0: 1.0 where the row is known
-    table = np.zeros((n, width))
-    table[me, 0] = 1.0
-    table[me, 1:] = row
-    timeout = ctl.timeout if timeout is None else timeout
-    eng, members = ctl.engine, ctl.global_ranks()
-    for _ in range(rounds if n > 1 else 0):
-        _floods[ctl] = rounds_run = _floods.get(ctl, 0) + 1
-        tag = TAG_FLOOD + (rounds_run & 0xFFFFFF)
-        peers = [p for p in range(n) if p != me and eng.peer_ok(members[p])]
-        inbox = {p: np.zeros((n, width)) for p in peers}
-        reqs = []
-        out = table.copy()                    # what this round sends (the merge goes in table)
-        for p in peers:
-            try:
-                reqs.append((p, ctl.Irecv(inbox[p], p, tag)))
-            except R2commError:
-                pass
-        sends = []
-        for p in peers:
-            try:
-                sends.append(ctl.Isend(out, p, tag))
-            except R2commError:
-                pass
-        for p, rq in reqs:
-            try:
-                rq.Wait(timeout)
-            except R2commError:              # that pair lost every rail: its rows come around
-                continue
-            got = inbox[p]
-            new = (got[:, 0] > 0) & (table[:, 0] == 0)
-            table[new] = got[new]
-        for sq in sends:
-            try:
-                sq.Wait(timeout)
-            except R2commError:
-                pass
-    missing = [r for r in range(n) if table[r, 0] == 0]
-    if missing:
-        raise R2commNetworkError(f"control plane: rank {me} could not learn the state of ranks "
-                                 f"{missing} in {rounds} rounds (the fabric is partitioned)")
-    return table[:, 1:].copy()
+    identical on every rank. Collective over the control plane `ctl` (module doc)."""
+    return _gather(ctl, row, _take_calls(ctl), rounds, timeout, tree=True)
+
+
+def flood(ctl, row, rounds=ROUNDS, timeout=None):
+    """allgather() by flooding alone (its fallback): the same table, O(n) messages per rank.
+    Collective; takes a call number like allgather()."""
+    return _gather(ctl, row, _take_calls(ctl), rounds, timeout, tree=False)
 
 
 def allreduce_max(ctl, values, **kw):
@@ -96,9 +328,11 @@ def agree_rails(ctl, fixed, exceptions):
     """agree.agree_state's exchange for the control plane: every rank's fixed summary row
     (planner.agree.summarise; the last number its exception count) in one allgather, then the
     exceptions in a second one whose rows are as long as the most any rank has (none when no
-    rank has any). Each rank contributes O(nrails + its exceptions) numbers, not O(n)."""
+    rank has any). Each rank contributes O(nrails + its exceptions) numbers, not O(n). Both
+    call numbers are taken first, so a rank that raises in the first takes the second too."""
     from .planner import agree
-    table = allgather(ctl, fixed)
+    call = _take_calls(ctl, 2)
+    table = _gather(ctl, fixed, call, ROUNDS, None, tree=True)
     try:
         counts = agree.check_fixed(table, ctl.size, (len(fixed) - 1) // (2 * agree.FIELDS))
     except ValueError as exc:
@@ -108,6 +342,6 @@ def agree_rails(ctl, fixed, exceptions):
         return table, [np.zeros((0, agree.EXC_FIELDS)) for _ in counts]
     row = np.zeros(width)
     row[:exceptions.size] = np.asarray(exceptions, np.float64).ravel()
-    rows = allgather(ctl, row)
+    rows = _gather(ctl, row, call + 1, ROUNDS, None, tree=True)
     return table, [rows[r, :c * agree.EXC_FIELDS].reshape(c, agree.EXC_FIELDS)
                    for r, c in enumerate(counts)]

@@ -5,8 +5,8 @@ R2COMM_REPLAN=K runs the epoch check at every K-th operation (the same boundary 
 because all ranks run the same sequence of operations). Each rank proposes the agreed epoch,
 plus one if its own rails changed (one failed or came back: up/down state or failure count)
 since the epoch was agreed; the ranks take the maximum over r2comm's control plane
-(control.allgather: point-to-point messages through the engine, lossless under rail failures,
-routed around pairs that lost every rail). A higher epoch is adopted by every rank before the
+(control.allgather: point-to-point messages through the engine over two trees, O(1) per rank,
+lossless under rail failures, agreed whatever one pair does during the call). A higher epoch is adopted by every rank before the
 operation: they gather the rail state (also over the control plane) and re-plan from it, unless
 the plans are still static and the state is healthy (every rail up, no slow host). The first
 check always starts epoch 1, so a slow NIC seen by the start-up probe is planned for."""

@@ -76,3 +76,15 @@ def test_reachable_only_when_every_tree_pair_works():
     on_tree = state.copy()
     on_tree.break_pair(3, 1)                    # 3's parent is 1
     assert not plans._agreement_reachable(on_tree, 8)
+
+
+@pytest.mark.parametrize("n", [2, 5, 8, 9, 16, 33, 1024])
+def test_control_allgather_exchanges_with_at_most_four_peers(n):
+    """The control plane's allgather (control.py: two trees, 2 messages per tree peer; up to
+    7 ranks the flood): at most 4 peers per rank from 8 ranks on, symmetric, and from 8 ranks
+    on never every peer. Its messages on a run: tests/test_control_tree.py."""
+    from r2comm import control
+    peers = [control.tree_peers(r, n) for r in range(n)]
+    for r in range(n):
+        assert r not in peers[r] and len(peers[r]) <= (4 if n > control.FLOOD_MAX else 6)
+        assert all(r in peers[p] for p in peers[r])
