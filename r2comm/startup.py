@@ -28,8 +28,8 @@ CTRL = "ctrl"          # the control connection's key in a report (tcp.CTRL_RAIL
 
 
 def quiet_barrier(mpi_comm, timeout, what):
-    """MPI barrier without a busy CPU: Ibarrier, tested between sleeps (1 ms, growing to
-    10 ms). Raises R2commTimeout after `timeout` s."""
+    """MPI barrier without a busy CPU: Ibarrier, tested between sleeps (_test_quietly).
+    Raises R2commTimeout after `timeout` s."""
     if mpi_comm.Get_size() == 1:
         return
     if not hasattr(mpi_comm, "Ibarrier"):    # a store bootstrap (StoreComm) waits quietly itself
@@ -38,6 +38,8 @@ def quiet_barrier(mpi_comm, timeout, what):
     _test_quietly(mpi_comm, mpi_comm.Ibarrier(), timeout, what)
 
 
+NAP_MIN_S, NAP_SHORT_S, NAP_LONG_S = 50e-6, 1e-3, 10e-3   # _test_quietly's sleeps ...
+NAP_SHORT_FOR_S = 1.0                                      # ... short for the first second
 RECORD_MAX = 1 << 16     # bytes of one rank's JSON record in quiet_allgather / quiet_bcast
 
 
@@ -110,16 +112,21 @@ def quiet_allgather(mpi_comm, obj, timeout, what):
 
 
 def _test_quietly(mpi_comm, req, timeout, what):
-    """Test MPI request `req` between sleeps (1 ms, growing to 10 ms) until it completes;
-    R2commTimeout after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    nap = 0.001
+    """Test MPI request `req` between sleeps (50 us growing to 1 ms for a second, then to
+    10 ms) until it completes; R2commTimeout after `timeout` s."""
+    start = time.monotonic()
+    deadline = start + timeout
+    nap = NAP_MIN_S
     while not req.Test():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise R2commTimeout(f"rank {mpi_comm.Get_rank()}: {what}: the other ranks did not "
                                 f"arrive within {timeout:.0f} s")
         time.sleep(nap)
-        nap = min(nap * 1.5, 0.01)
+        # MPI's non-blocking collectives progress only inside Test: every round of one waits
+        # for the partner's next Test, so the naps stay short while the others are busy with
+        # the same start-up, and grow long only for a rank that waits for late ones
+        nap = min(nap * 1.5, NAP_SHORT_S if now - start < NAP_SHORT_FOR_S else NAP_LONG_S)
 
 
 class StartOutcome:
