@@ -11,7 +11,6 @@ sent: that is mpi4py's trust model (the MPI launcher and the ranks it started ar
 outside process can write into an MPI communicator). A StoreComm never unpickles."""
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import socket
@@ -165,7 +164,10 @@ def _addr_port(v, what):
     if not (isinstance(v, (tuple, list)) and len(v) == 2 and isinstance(v[0], str)
             and isinstance(v[1], int) and not isinstance(v[1], bool) and 0 < v[1] < 65536):
         raise ValueError(f"{what} is not an (IPv4 address, port) pair")
-    ipaddress.IPv4Address(v[0])          # ValueError if not
+    try:                                 # dotted-quad IPv4 only (~1 us; ipaddress: ~20 us
+        socket.inet_pton(socket.AF_INET, v[0])      # per address, n x rails of them)
+    except OSError:
+        raise ValueError(f"{what}: {v[0][:64]!r} is not an IPv4 address") from None
     return (v[0], v[1])
 
 

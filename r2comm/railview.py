@@ -21,7 +21,8 @@ def host_keys(endpoints):
 
 def topology(endpoints, members):
     """The planner's Topology of the ranks `members` (global ranks, in communicator order)."""
-    return planner.Topology.from_labels([host_keys(endpoints)[g] for g in members],
+    keys = host_keys(endpoints)           # once: O(n), not O(n) per member
+    return planner.Topology.from_labels([keys[g] for g in members],
                                         [len(endpoints[g]["rails"]) for g in members])
 
 

@@ -873,9 +873,11 @@ def start(engine, boot, cfg):
 
 def _addr(a, r):
     """One rank's (IPv4 address, port), validated."""
-    import ipaddress
     if not (isinstance(a, (tuple, list)) and len(a) == 2 and isinstance(a[0], str) and
             isinstance(a[1], int) and 0 < a[1] < 65536):
         raise ValueError(f"liveness: rank {r}'s address is not (IPv4 address, port)")
-    ipaddress.IPv4Address(a[0])
+    try:
+        socket.inet_pton(socket.AF_INET, a[0])      # dotted-quad IPv4 only
+    except OSError:
+        raise ValueError(f"liveness: rank {r}'s address {a[0][:64]!r} is not IPv4") from None
     return (a[0], a[1])
