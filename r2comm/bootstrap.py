@@ -74,7 +74,9 @@ def run(mpi_comm, cfg, rails=None):
         for s in listeners:
             s.close()
         raise R2commArgumentError("r2comm bootstrap failed: " + "; ".join(errors))
-    kind, devices, why = verbs_transport.local_offer(cfg.transport, addrs)
+    kind, devices, why = verbs_transport.local_offer(
+        cfg.transport, addrs, (cfg.verbs_recv_slots, cfg.verbs_send_slots,
+                               cfg.verbs_conn_send_slots))
     mine = {"rails": [s.getsockname() for s in listeners[:-1]],
             "transport": (cfg.transport, kind, why),
             "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
