@@ -39,8 +39,10 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 MIB = 1 << 20
-VERBS_SLAB = (16 + 32) * 64 * 1024   # a verbs connection's registered slot slab (16 send +
-                                     # 32 receive slots of 64 KiB: r2comm/_core/verbs_transport)
+VERBS_POOL = (64 + 32) * 64 * 1024   # a verbs device's registered slot pool (the defaults: 64
+                                     # receive slots in its SRQ + 32 send slots of 64 KiB,
+                                     # R2COMM_VERBS_RECV_SLOTS/_SEND_SLOTS, verbs_transport.pxi),
+                                     # shared by all its QPs: pinned per rank = nics x VERBS_POOL
 VERBS_RAIL_FDS = 3                   # side socket, completion channel, epoll fd (r2comm/fdlimit)
 ENGINE_FDS = 3                       # the engine's own (epoll and wake-up fds; measured)
 DETECTOR_FDS = 6   # the failure detector: r2comm.transport.liveness.STEADY_FDS (test_scale_bench)
@@ -50,14 +52,14 @@ DETECTOR_FDS = 6   # the failure detector: r2comm.transport.liveness.STEADY_FDS 
 def model(n, nics, transport="tcp", base_fds=0):
     """What a rank holds in today's full mesh of n ranks with `nics` rails: fds (one socket per
     peer and rail, a verbs rail 3, plus one control connection per peer and the listeners),
-    verbs QPs and their registered slabs (bytes), on top of base_fds (MPI, Python) and the
-    engine's own few."""
+    verbs QPs, and the registered slot pools (bytes: one per device, shared by its QPs, so
+    independent of n), on top of base_fds (MPI, Python) and the engine's own few."""
     peers = n - 1
     per_rail = VERBS_RAIL_FDS if transport == "verbs" else 1
     qps = peers * nics if transport == "verbs" else 0
     return {"n": n, "nics": nics, "transport": transport,
             "fds": base_fds + ENGINE_FDS + DETECTOR_FDS + peers * (nics * per_rail + 1) + nics + 1,
-            "qps": qps, "pinned_bytes": qps * VERBS_SLAB}
+            "qps": qps, "pinned_bytes": nics * VERBS_POOL if transport == "verbs" else 0}
 
 
 def model_table(ns=(8, 48, 64, 256, 1024), nics=8):
@@ -66,7 +68,7 @@ def model_table(ns=(8, 48, 64, 256, 1024), nics=8):
              f"{'transport':>9} {'ranks':>6} {'fds':>8} {'verbs QPs':>10} {'pinned':>10}"]
     for r in rows:
         lines.append(f"{r['transport']:>9} {r['n']:>6} {r['fds']:>8} {r['qps']:>10} "
-                     f"{r['pinned_bytes'] / 2**30:>8.2f} GiB")
+                     f"{r['pinned_bytes'] / 2**20:>8.0f} MiB")
     return rows, "\n".join(lines)
 
 

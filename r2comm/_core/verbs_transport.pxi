@@ -157,6 +157,7 @@ cdef struct VDev:
     uint64_t r_returned      # slots given back by error completions and closed connections
     int* s_free              # free send slots (a stack)
     int s_nfree, s_waiters   # how many free; connections that found none
+    uint64_t s_waits         # times a connection found none (became a waiter)
     int wake_fd, wake_set    # eventfd: readable while there are waiters and free slots
     int nconns
 
@@ -235,6 +236,7 @@ cdef int vt_slot_take(VConn* c) noexcept nogil:
     elif not c.waiting:
         c.waiting = 1
         d.s_waiters += 1
+        d.s_waits += 1
     vt_unlock(&d.mu)
     return s
 
@@ -766,20 +768,22 @@ cdef class RailDevice:
     def pool_stats(self):
         """The device's slot pool: its size, pinned bytes, and where every slot is (receive:
         posted in the SRQ or held by a connection; send: free or out), the fewest receive slots
-        the SRQ held, slots given back by failed or closed connections, waiters, connections."""
+        the SRQ held, slots given back by failed or closed connections, waiters now and so
+        far, connections."""
         cdef VDev* d = self.dev
         cdef int nrecv, nsend, cap, posted, held, low, sfree, waiters, conns
-        cdef uint64_t returned
+        cdef uint64_t returned, waits
         with nogil:
             vt_lock(&d.mu)
             nrecv, nsend, cap, posted, held = d.nrecv, d.nsend, d.conn_cap, d.r_posted, d.r_held
             low, returned, sfree, waiters, conns = (d.r_low, d.r_returned, d.s_nfree,
                                                     d.s_waiters, d.nconns)
+            waits = d.s_waits
             vt_unlock(&d.mu)
         return {"slot_bytes": VT_SLOT, "recv_slots": nrecv, "send_slots": nsend,
                 "conn_send_slots": cap, "pinned_bytes": (nrecv + nsend) * VT_SLOT,
                 "recv_posted": posted, "recv_held": held, "recv_low": low,
-                "recv_returned": returned, "send_free": sfree, "send_waiters": waiters,
+                "recv_returned": returned, "send_free": sfree, "send_waiters": waiters, "send_waits": waits,
                 "conns": conns}
 
     def register(self, uint64_t addr, size_t length):
