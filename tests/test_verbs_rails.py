@@ -262,16 +262,17 @@ def assert_pools_whole(pools):
 
 
 def pool_checks(fab):
-    """Pinned memory per rank independent of the peer count: 2 and 4 ranks per guest (n=4 and
-    n=8 on 2 guests: 2 and 4 QPs per device) pin the same bytes per rank, the devices' slot
-    pools (R2COMM_VERBS_* defaults), with results exact; then a rail's QP failed mid-stream
+    """Pinned memory per rank independent of the peer count: 1 and 2 ranks per guest (n=2 and
+    n=4 on 2 guests: 1 and 2 QPs per device) pin the same bytes per rank, the devices' slot
+    pools (R2COMM_VERBS_* defaults), with results exact (4 ranks per guest, n=8, do not start
+    on the 2-core CI host's TCG guests, before or after the pools); then a rail's QP failed mid-stream
     with tiny pools (the SRQ runs dry: RNR flow control; send slots shared by waiters): results
     bitwise equal and every slot back in the pool."""
     from r2comm._core import verbs as v
     slot, nrecv, nsend, _ = v.transport_slots()
     want = 2 * (nrecv + nsend) * slot                    # 2 rails: one device each
     seen = {}
-    for n in (4, 8):
+    for n in (2, 4):
         rc, out = rdma_job(fab, n, ["collectives", "sizes=1,1000,300001", "watchdog=300",
                                     "pool=1"])
         assert rc == 0, out[-6000:]
@@ -283,7 +284,7 @@ def pool_checks(fab):
         assert_pools_whole(pools)
         seen[n] = want
         print(f"\nverbs pools, {n} ranks: {want} pinned bytes per rank, {n // 2} QPs per device")
-    assert seen[4] == seen[8]
+    assert seen[2] == seen[4]
     tiny = {"R2COMM_VERBS_RECV_SLOTS": "4", "R2COMM_VERBS_SEND_SLOTS": "3",
             "R2COMM_VERBS_CONN_SEND_SLOTS": "2"}
     rc, out = rdma_job(fab, 2, ["fault", "mode=qp", "failback=1", "n=131072", "ops=30", "at=8",

@@ -547,6 +547,9 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
                     return accepted
                 slot = vt_slot_take(c)
                 if slot < 0:
+                    vt_service(c)                # its own finished SENDs may free some
+                    slot = vt_slot_take(c)
+                if slot < 0:
                     return accepted              # the device's wake fd tells when one is free
                 dst = vt_sslot(c.dev, slot)
             take = iov[i].iov_len - off
