@@ -40,25 +40,31 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 MIB = 1 << 20
-VERBS_SLAB = (16 + 32) * 64 * 1024   # a verbs connection's registered slot slab (16 send +
-                                     # 32 receive slots of 64 KiB: r2comm/_core/verbs_transport)
+VERBS_POOL = (64 + 32) * 64 * 1024   # a verbs device's registered slot pool (the defaults: 64
+                                     # receive slots in its SRQ + 32 send slots of 64 KiB,
+                                     # R2COMM_VERBS_RECV_SLOTS/_SEND_SLOTS, verbs_transport.pxi),
+                                     # shared by all its QPs: pinned per rank = nics x VERBS_POOL
+QP_SLAB = (16 + 32) * 64 * 1024      # before the pools: a registered slab per QP (16 send +
+                                     # 32 receive slots of 64 KiB)
 VERBS_RAIL_FDS = 3                   # side socket, completion channel, epoll fd (r2comm/fdlimit)
 ENGINE_FDS = 3                       # the engine's own (epoll and wake-up fds; measured)
 DETECTOR_FDS = 6   # the failure detector: r2comm.transport.liveness.STEADY_FDS (test_scale_bench)
 
 
 # -- the full-mesh model -----------------------------------------------------------------------
-def model(n, nics, transport="tcp", base_fds=0):
+def model(n, nics, transport="tcp", base_fds=0, slab_per_qp=False):
     """What a rank holds in today's full mesh of n ranks with `nics` rails: fds (one socket per
     peer and rail, a verbs rail 3, plus one control connection per peer and the listeners),
-    verbs QPs and their registered slabs (bytes), on top of base_fds (MPI, Python) and the
-    engine's own few."""
+    verbs QPs, and the registered slot pools (bytes: one per device, shared by its QPs, so
+    independent of n; slab_per_qp: a slab per QP, as before issue 31), on top of base_fds (MPI,
+    Python) and the engine's own few."""
     peers = n - 1
     per_rail = VERBS_RAIL_FDS if transport == "verbs" else 1
     qps = peers * nics if transport == "verbs" else 0
+    pinned = (qps * QP_SLAB if slab_per_qp else nics * VERBS_POOL) if transport == "verbs" else 0
     return {"n": n, "nics": nics, "transport": transport,
             "fds": base_fds + ENGINE_FDS + DETECTOR_FDS + peers * (nics * per_rail + 1) + nics + 1,
-            "qps": qps, "pinned_bytes": qps * VERBS_SLAB}
+            "qps": qps, "pinned_bytes": pinned}
 
 
 def on_demand_peers(n):
@@ -77,23 +83,24 @@ def model_on_demand(n, nics, transport="tcp"):
     qps = peers * nics if transport == "verbs" else 0
     return {"n": n, "nics": nics, "transport": transport, "peers": peers,
             "fds": ENGINE_FDS + DETECTOR_FDS + peers * (nics * per_rail + 1) + nics + 1,
-            "qps": qps, "pinned_bytes": qps * VERBS_SLAB}
+            "qps": qps, "pinned_bytes": nics * VERBS_POOL if transport == "verbs" else 0}
 
 
 def model_table(ns=(8, 48, 64, 256, 1024), nics=8):
-    rows = [model(n, nics, t) for t in ("tcp", "verbs") for n in ns]
-    lines = [f"full-mesh model per rank, {nics} NICs (fds without MPI's and Python's own):",
+    rows = [model(n, nics, t, slab_per_qp=True) for t in ("tcp", "verbs") for n in ns]
+    lines = [f"full-mesh model per rank before issue 31 (a slab per QP), {nics} NICs (fds without "
+             "MPI's and Python's own):",
              f"{'transport':>9} {'ranks':>6} {'fds':>8} {'verbs QPs':>10} {'pinned':>10}"]
     for r in rows:
         lines.append(f"{r['transport']:>9} {r['n']:>6} {r['fds']:>8} {r['qps']:>10} "
-                     f"{r['pinned_bytes'] / 2**30:>8.2f} GiB")
+                     f"{r['pinned_bytes'] / 2**20:>8.0f} MiB")
     lazy = [model_on_demand(n, nics, t) for t in ("tcp", "verbs") for n in ns]
-    lines += [f"connections-on-demand model per rank, {nics} NICs:",
+    lines += [f"connections-on-demand model per rank, pooled verbs slots, {nics} NICs:",
               f"{'transport':>9} {'ranks':>6} {'peers':>6} {'fds':>8} {'verbs QPs':>10} "
               f"{'pinned':>10}"]
     for r in lazy:
         lines.append(f"{r['transport']:>9} {r['n']:>6} {r['peers']:>6} {r['fds']:>8} "
-                     f"{r['qps']:>10} {r['pinned_bytes'] / 2**30:>8.2f} GiB")
+                     f"{r['qps']:>10} {r['pinned_bytes'] / 2**20:>8.0f} MiB")
     return ([dict(r, model="full_mesh") for r in rows] +
             [dict(r, model="on_demand") for r in lazy]), "\n".join(lines)
 

@@ -73,7 +73,9 @@ def run(mpi_comm, cfg, rails=None):
                                           "R2COMM_CTRL_ADDR"))
         if cfg.liveness and size > 1:         # the failure detector's (transport/liveness.py)
             detector = liveness.listener(listeners[-1].getsockname()[0])
-        kind, devices, why = verbs_transport.local_offer(cfg.transport, addrs)
+        kind, devices, why = verbs_transport.local_offer(
+            cfg.transport, addrs, (cfg.verbs_recv_slots, cfg.verbs_send_slots,
+                                   cfg.verbs_conn_send_slots))
         record = {"rails": [s.getsockname() for s in listeners[:-1]],
                   "transport": (cfg.transport, kind, why),
                   "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),

@@ -90,6 +90,13 @@ class Config:
                                                    #   (registered on first use); 0: all copied
     verbs_reg_cache: int = 1 << 30                 # R2COMM_VERBS_REG_CACHE: user memory kept
                                                    #   registered (pinned), bytes per device
+    verbs_recv_slots: int = 64                     # R2COMM_VERBS_RECV_SLOTS: 64 KiB receive
+                                                   #   slots per RDMA device (its shared receive
+                                                   #   queue), whatever the number of peers
+    verbs_send_slots: int = 32                     # R2COMM_VERBS_SEND_SLOTS: 64 KiB send slots
+                                                   #   per RDMA device
+    verbs_conn_send_slots: int = 16                # R2COMM_VERBS_CONN_SEND_SLOTS: of which one
+                                                   #   connection holds at most this many
     verbs_reg_min: int = 64 << 10                  # R2COMM_VERBS_REG_MIN: smaller buffers are
                                                    #   never registered (copied)
     gpu_staging: int = 32 << 20                    # R2COMM_GPU_STAGING: pinned host memory of the
@@ -172,6 +179,16 @@ class Config:
         c.verbs_zcopy = os.environ.get("R2COMM_VERBS_ZCOPY", "1").strip() != "0"
         c.verbs_reg_cache = _bytes("R2COMM_VERBS_REG_CACHE", c.verbs_reg_cache)
         c.verbs_reg_min = max(16 << 10, _bytes("R2COMM_VERBS_REG_MIN", c.verbs_reg_min))
+        c.verbs_recv_slots = _int("R2COMM_VERBS_RECV_SLOTS", c.verbs_recv_slots)
+        c.verbs_send_slots = _int("R2COMM_VERBS_SEND_SLOTS", c.verbs_send_slots)
+        c.verbs_conn_send_slots = min(c.verbs_send_slots, _int("R2COMM_VERBS_CONN_SEND_SLOTS",
+                                                               c.verbs_conn_send_slots))
+        if c.verbs_recv_slots < 2 or c.verbs_send_slots < 1 or c.verbs_conn_send_slots < 1:
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(
+                f"R2COMM_VERBS_RECV_SLOTS={c.verbs_recv_slots} (at least 2), "
+                f"R2COMM_VERBS_SEND_SLOTS={c.verbs_send_slots} (at least 1), "
+                f"R2COMM_VERBS_CONN_SEND_SLOTS={c.verbs_conn_send_slots} (at least 1)")
         c.gpu_staging = _bytes("R2COMM_GPU_STAGING", c.gpu_staging)
         c.gpu_segment = _bytes("R2COMM_GPU_SEGMENT", c.gpu_segment)
         if c.gpu_segment < 4096:

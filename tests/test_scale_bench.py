@@ -19,7 +19,11 @@ def test_model_full_mesh():
     tcp = scale.model(1024, 8)
     verbs = scale.model(1024, 8, "verbs")
     assert tcp["fds"] == 1023 * 9 + 9 + scale.ENGINE_FDS + scale.DETECTOR_FDS and tcp["qps"] == 0
-    assert verbs["qps"] == 8184 and verbs["pinned_bytes"] == 8184 * 3 * 2**20
+    assert verbs["qps"] == 8184 and verbs["pinned_bytes"] == 8 * 6 * 2**20   # 8 device pools
+    assert scale.model(8, 8, "verbs")["pinned_bytes"] == verbs["pinned_bytes"]  # whatever n
+    from r2comm.config import Config
+    cfg = Config()                      # the model's pool is the settings' defaults
+    assert scale.VERBS_POOL == (cfg.verbs_recv_slots + cfg.verbs_send_slots) * 64 * 1024
     assert verbs["fds"] == 1023 * (8 * 3 + 1) + 9 + scale.ENGINE_FDS + scale.DETECTOR_FDS
     from r2comm.transport import liveness
     assert scale.DETECTOR_FDS == liveness.STEADY_FDS
@@ -31,7 +35,9 @@ def test_model_on_demand_is_logarithmic():
     assert scale.on_demand_peers(2) == 1 and scale.on_demand_peers(8) == 7
     assert scale.on_demand_peers(1024) == 15 and scale.on_demand_peers(8192) == 18
     m = scale.model_on_demand(1024, 8, "verbs")
-    assert m["qps"] == 15 * 8 and m["pinned_bytes"] == 120 * scale.VERBS_SLAB
+    assert m["qps"] == 15 * 8 and m["pinned_bytes"] == 8 * scale.VERBS_POOL
+    old = scale.model(1024, 8, "verbs", slab_per_qp=True)           # before issue 31
+    assert old["pinned_bytes"] == 8184 * 3 * 2**20
     assert m["fds"] < scale.model(1024, 8, "verbs")["fds"] / 50
 
 

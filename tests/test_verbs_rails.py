@@ -5,6 +5,7 @@ The checks that need guests are functions called by tests/test_rdma_testbed.py o
 2 x 2 fabric (one boot for every rdma test); each runs tests/verbs_worker.py as the ranks of an
 `rdma-run --keep` job and checks its OK lines."""
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -61,6 +62,28 @@ def test_min_rail_timeout_covers_two_qp_ack_timeouts():
     if v is None:
         pytest.skip(why)
     assert verbs_rails.min_rail_timeout_ms() == pytest.approx(2 * 4.096e-3 * 2 ** v.DEFAULT_QP_TIMEOUT)
+
+
+def test_verbs_pool_settings_validated_and_defaults_agree_with_the_transport(monkeypatch):
+    """R2COMM_VERBS_RECV_SLOTS / _SEND_SLOTS / _CONN_SEND_SLOTS: a clear error when out of range,
+    the per-connection cap clipped to the pool, and Config's defaults are the transport's."""
+    from r2comm.config import Config
+    for name, bad in (("R2COMM_VERBS_RECV_SLOTS", "1"), ("R2COMM_VERBS_SEND_SLOTS", "0"),
+                      ("R2COMM_VERBS_CONN_SEND_SLOTS", "0"), ("R2COMM_VERBS_RECV_SLOTS", "x")):
+        with monkeypatch.context() as m:
+            m.setenv(name, bad)
+            with pytest.raises(R2commArgumentError, match=name):
+                Config.from_env()
+    monkeypatch.setenv("R2COMM_VERBS_SEND_SLOTS", "8")
+    monkeypatch.setenv("R2COMM_VERBS_CONN_SEND_SLOTS", "100")
+    c = Config.from_env()
+    assert (c.verbs_send_slots, c.verbs_conn_send_slots) == (8, 8)
+    v, why = verbs_rails.load()
+    if v is None:
+        pytest.skip(why)
+    d = Config()
+    assert v.transport_slots() == (64 * 1024, d.verbs_recv_slots, d.verbs_send_slots,
+                                   d.verbs_conn_send_slots)
 
 
 def local_rdma_rails():
@@ -220,3 +243,58 @@ def partition_checks(fab, host=1):
     assert did == ["down", "up"], did
     lines = ok_lines(out, "partition", 2)
     print("\nverbs partition:", *lines, sep="\n  ")
+
+
+def pool_lines(out, nranks):
+    """The POOL json of every rank (verbs_worker.py pool=1), by rank."""
+    pools = {int(m.group(1)): json.loads(m.group(2))
+             for m in re.finditer(r"^\[\d+\] POOL (\d+) (\{.*\})$", out, re.M)}
+    assert sorted(pools) == list(range(nranks)), out[-6000:]
+    return pools
+
+
+def assert_pools_whole(pools):
+    """Every slot of every device back in its pool once the connections are closed."""
+    for rank, p in pools.items():
+        for addr, d in p["closed"]["devices"].items():
+            assert (d["recv_posted"], d["recv_held"], d["send_free"], d["conns"]) == \
+                (d["recv_slots"], 0, d["send_slots"], 0), (rank, addr, d)
+
+
+def pool_checks(fab):
+    """Pinned memory per rank independent of the peer count: 1 and 2 ranks per guest (n=2 and
+    n=4 on 2 guests: 1 and 2 QPs per device) pin the same bytes per rank, the devices' slot
+    pools (R2COMM_VERBS_* defaults), with results exact (4 ranks per guest, n=8, do not start
+    on the 2-core CI host's TCG guests, before or after the pools); then a rail's QP failed mid-stream
+    with tiny pools (the SRQ runs dry: RNR flow control; send slots shared by waiters): results
+    bitwise equal and every slot back in the pool."""
+    from r2comm._core import verbs as v
+    slot, nrecv, nsend, _ = v.transport_slots()
+    want = 2 * (nrecv + nsend) * slot                    # 2 rails: one device each
+    seen = {}
+    for n in (2, 4):
+        rc, out = rdma_job(fab, n, ["collectives", "sizes=1,1000,300001", "watchdog=300",
+                                    "pool=1"])
+        assert rc == 0, out[-6000:]
+        ok_lines(out, "collectives", n)
+        pools = pool_lines(out, n)
+        assert {p["live"]["pinned_bytes"] for p in pools.values()} == {want}, pools
+        qps = {d["conns"] for p in pools.values() for d in p["live"]["devices"].values()}
+        assert min(qps) >= n // 2, qps               # a QP per peer on the other guest at least
+        assert_pools_whole(pools)
+        seen[n] = qps
+        print(f"\nverbs pools, {n} ranks: {want} pinned bytes per rank, QPs per device {qps}")
+    assert min(seen[4]) > max(seen[2]), seen        # more QPs, the same pinned bytes
+    tiny = {"R2COMM_VERBS_RECV_SLOTS": "4", "R2COMM_VERBS_SEND_SLOTS": "3",
+            "R2COMM_VERBS_CONN_SEND_SLOTS": "2"}
+    rc, out = rdma_job(fab, 2, ["fault", "mode=qp", "failback=1", "n=131072", "ops=30", "at=8",
+                                "pool=1"], env=tiny)
+    assert rc == 0, out[-6000:]
+    lines = ok_lines(out, "fault", 2)
+    assert all("bitwise equal" in ln and "restored=True" in ln for ln in lines), lines
+    pools = pool_lines(out, 2)
+    assert {p["live"]["pinned_bytes"] for p in pools.values()} == {2 * 7 * slot}, pools
+    assert min(d["recv_low"] for p in pools.values()
+               for d in p["live"]["devices"].values()) == 0    # the SRQ did run dry
+    assert_pools_whole(pools)
+    print("\nverbs pools after a QP failure (4 receive, 3 send slots):", *lines, sep="\n  ")

@@ -17,7 +17,8 @@ Every scenario checks its results bit for bit and prints `OK scenario rank detai
                 (the same addresses come back), overwritten between sends, more of them than
                 the cache holds (R2COMM_VERBS_REG_CACHE), then the same with zero-copy off;
                 every result exact, both passes equal
-Common arguments: rails=0+1 (which of the host's rails), transport=tcp|verbs, watchdog=S.
+Common arguments: rails=0+1 (which of the host's rails), transport=tcp|verbs, watchdog=S,
+pool=1 (print `POOL rank {json}`: the devices' slot pools while connected and after Free).
 """
 import hashlib
 import json
@@ -383,7 +384,16 @@ def main():
                   f"{ev['rail']} cause {ev['cause']}: {ev['info']}", flush=True)
         raise
     finally:
+        live = pool_stats() if args.get("pool") == "1" else None
+        rank = comm.rank
         comm.Free()
+    if live is not None:
+        print(f"POOL {rank} {json.dumps({'live': live, 'closed': pool_stats()})}", flush=True)
+
+
+def pool_stats():
+    from r2comm.transport import verbs as verbs_rails
+    return verbs_rails.pinned_stats()
 
 
 if __name__ == "__main__":

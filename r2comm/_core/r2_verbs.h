@@ -52,6 +52,21 @@ static inline int r2v_post_recv(struct ibv_qp* qp, uint64_t wr_id, uint64_t addr
     return ibv_post_recv(qp, &wr, &bad);
 }
 
+// Post one receive of LEN bytes at ADDR to a shared receive queue. 0 or an errno.
+static inline int r2v_post_srq_recv(struct ibv_srq* srq, uint64_t wr_id, uint64_t addr,
+                                    uint32_t len, uint32_t lkey) {
+    struct ibv_sge sge;
+    struct ibv_recv_wr wr, *bad = nullptr;
+    std::memset(&wr, 0, sizeof(wr));
+    sge.addr = addr;
+    sge.length = len;
+    sge.lkey = lkey;
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    return ibv_post_srq_recv(srq, &wr, &bad);
+}
+
 // Poll up to N completions into OUT; returns how many, or < 0 if polling failed.
 static inline int r2v_poll(struct ibv_cq* cq, struct r2v_wc* out, int n) {
     struct ibv_wc wc[32];

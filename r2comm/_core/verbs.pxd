@@ -63,6 +63,13 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         int sq_sig_all
     cdef struct ibv_async_event:
         int event_type
+    cdef struct ibv_srq_attr:
+        uint32_t max_wr
+        uint32_t max_sge
+        uint32_t srq_limit
+    cdef struct ibv_srq_init_attr:
+        void* srq_context
+        ibv_srq_attr attr
 
     ibv_device** ibv_get_device_list(int* num)
     void ibv_free_device_list(ibv_device** lst)
@@ -86,6 +93,8 @@ cdef extern from "<infiniband/verbs.h>" nogil:
     void ibv_ack_cq_events(ibv_cq* cq, unsigned int nevents)
     ibv_qp* ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* attr)
     int ibv_destroy_qp(ibv_qp* qp)
+    ibv_srq* ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* attr)
+    int ibv_destroy_srq(ibv_srq* srq)
     int ibv_get_async_event(ibv_context* ctx, ibv_async_event* ev)
     void ibv_ack_async_event(ibv_async_event* ev)
 
@@ -132,6 +141,8 @@ cdef extern from "r2_verbs.h" nogil:
     int r2v_post_send(ibv_qp* qp, uint64_t wr_id, ibv_sge* sge, int nsge, int opcode,
                       uint32_t imm, uint64_t raddr, uint32_t rkey, unsigned flags)
     int r2v_post_recv(ibv_qp* qp, uint64_t wr_id, uint64_t addr, uint32_t length, uint32_t lkey)
+    int r2v_post_srq_recv(ibv_srq* srq, uint64_t wr_id, uint64_t addr, uint32_t length,
+                          uint32_t lkey)
     int r2v_poll(ibv_cq* cq, r2v_wc* out, int n)
     int r2v_qp_to_init(ibv_qp* qp, int port, unsigned access)
     int r2v_qp_to_rtr(ibv_qp* qp, int port, int mtu, uint32_t dest_qpn, uint32_t rq_psn,

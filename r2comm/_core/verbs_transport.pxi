@@ -3,15 +3,39 @@
 # (transport_address()) and a connected VConn (VerbsConn.handover()) and calls through them.
 #
 # Design: a reliable byte stream over RC SEND/RECV with registered bounce slots, the shape of a
-# kernel socket buffer. isend copies the gather list into free send slots of one registered slab
-# (a prefix when the slots run out: stream semantics) and posts one signalled SEND per slot; the
-# engine's memory is free when isend returns, so the post completes inside it like TCP's (the
-# cookie goes into TDone at once) and the engine's one-DATA-frame-per-rail rule costs nothing:
-# up to VT_NSEND slots are on the wire. A slot is reused when its send completion comes (RC
-# completes in posting order). The receive side keeps VT_NRECV slots posted; irecv copies out of
-# completed ones in order (RC delivers in order, so the engine's frame parser is unchanged) and
-# re-posts each drained slot. A receiver that falls behind makes the sender's HCA retry on
-# receiver-not-ready (rnr_retry 7: forever), which is flow control, not an error.
+# kernel socket buffer. isend copies the gather list into free send slots (a prefix when the
+# slots run out: stream semantics) and posts one signalled SEND per slot; the engine's memory is
+# free when isend returns, so the post completes inside it like TCP's (the cookie goes into
+# TDone at once) and the engine's one-DATA-frame-per-rail rule costs nothing: up to conn_cap
+# slots are on the wire. A slot goes back when its send completion comes (RC completes in
+# posting order). irecv copies out of completed receive slots in order (RC delivers in order and
+# the connection's own receive CQ completes in that order, so the engine's frame parser is
+# unchanged) and re-posts each drained slot. A receiver that falls behind makes the sender's HCA
+# retry on receiver-not-ready (rnr_retry 7: forever), which is flow control, not an error.
+#
+# Pinned memory per device, not per connection (issue 31): every slot lives in one registered
+# pool per device (VDev): nrecv receive slots posted to the device's shared receive queue (SRQ),
+# which every QP of the device is created with, and nsend send slots on a free stack, of which
+# one connection holds at most conn_cap (R2COMM_VERBS_RECV_SLOTS, _SEND_SLOTS, _CONN_SEND_SLOTS),
+# so a rank pins (nrecv + nsend) x 64 KiB per device whatever the number of peers.
+#   Receive slots: a SEND on any QP takes the next slot of the SRQ; its completion (on that
+# connection's receive CQ, wr_id = the slot) appends the slot to the connection's ring of
+# completed slots; irecv drains them in order and posts each back to the SRQ. Why one slow
+# connection cannot starve the others for good: the engine reads every connection whenever it
+# has data, whatever operation the data belongs to (unexpected messages go to the bounded
+# unexpected store, and exceeding that fails the peer instead of waiting), so a completed slot
+# goes back to the SRQ within one progress pass of its arrival; a SEND that finds the SRQ empty
+# meanwhile is RNR-retried by the sender's HCA until a slot is posted again. Only a process that
+# stops progressing holds its slots, and it stops receiving on every connection anyway. (The
+# SRQ-limit event would tell the same thing late; re-posting at once needs no event. r_low
+# counts how low the SRQ ran.)
+#   Failed connections give their slots back: error (flush) completions on a connection's
+# receive CQ re-post their slot, and closing a connection re-posts the slots it held completed
+# and undrained (pool_stats: recv_posted + recv_held == recv_slots once quiet).
+#   Send slots: a connection that finds the stack empty is a waiter; whoever frees a slot while
+# waiters exist writes the device's wake eventfd (in every connection's epoll set), which stays
+# readable only while there are both waiters and free slots, so a waiter with nothing of its
+# own in flight (no completion of its own to wake it) is woken, and nobody spins.
 #
 # Failures, all turned into a failed connection at once (-errno from isend/irecv, so the engine
 # fails the rail and re-sends its unacknowledged chunks elsewhere): an error completion
@@ -84,12 +108,23 @@ cdef extern from "<pthread.h>" nogil:
     int vt_lock "pthread_mutex_lock"(vt_mutex_t*)
     int vt_unlock "pthread_mutex_unlock"(vt_mutex_t*)
 
+cdef extern from "<sys/eventfd.h>" nogil:
+    int vt_eventfd "eventfd"(unsigned int initval, int flags)
+    enum:
+        VT_EFD_NONBLOCK "EFD_NONBLOCK"
+        VT_EFD_CLOEXEC "EFD_CLOEXEC"
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t vt_fd_read "read"(int fd, void* buf, size_t n)
+    ssize_t vt_fd_write "write"(int fd, const void* buf, size_t n)
+
 cdef enum:
     VT_SLOT = 65536          # bytes per send or receive slot (one SEND each)
-    VT_NSEND = 16            # send slots: what may be on the wire per connection (1 MiB)
     VT_NWR = 64              # send work requests outstanding per connection (slots + zero-copy)
     VT_ZC_MIN = 16384        # gather entries at least this long are looked up for zero-copy
-    VT_NRECV = 32            # receive slots kept posted (more than the peer's send slots)
+    VT_RECV_SLOTS = 64       # defaults of a device's pool (R2COMM_VERBS_RECV_SLOTS, ...):
+    VT_SEND_SLOTS = 32       #   receive slots in the SRQ, send slots,
+    VT_CONN_SEND_SLOTS = 16  #   and the send slots one connection may hold (1 MiB on the wire)
     VT_ENETDOWN = 100
     VT_EIO = 5
     VT_ECONNRESET = 104
@@ -112,6 +147,19 @@ cdef struct VDev:
     VReg* regs               # live registrations (dead ones leave the list)
     int zcopy                # 0: every byte goes through the slots (R2COMM_VERBS_ZCOPY=0)
     uint64_t zc_bytes, zc_posts, copy_bytes, regs_made, regs_freed
+    # the slot pool (mu guards the counters and the free stack)
+    ibv_srq* srq
+    ibv_mr* pool_mr
+    char* pool               # nrecv receive slots, then nsend send slots
+    int nrecv, nsend, conn_cap
+    int r_posted, r_held     # receive slots in the SRQ / completed on a connection, not drained
+    int r_low                # fewest receive slots the SRQ held after a completion
+    uint64_t r_returned      # slots given back by error completions and closed connections
+    int* s_free              # free send slots (a stack)
+    int s_nfree, s_waiters   # how many free; connections that found none
+    uint64_t s_waits         # times a connection found none (became a waiter)
+    int wake_fd, wake_set    # eventfd: readable while there are waiters and free slots
+    int nconns
 
 cdef struct VConn:
     VDev* dev
@@ -119,34 +167,101 @@ cdef struct VConn:
     ibv_cq* scq
     ibv_cq* rcq
     ibv_qp* qp
-    ibv_mr* mr
-    char* slab               # VT_NSEND send slots, then VT_NRECV receive slots
+    int counted              # counted in dev.nconns
     int epfd
     int side                 # companion socket (os_fd); -1 once closed
     int failed               # 0, or the -errno every later call returns
     int eof                  # the companion socket reached EOF (the peer closed the rail)
     uint32_t port_gen0
     unsigned s_unacked, r_unacked    # CQ events taken but not yet acknowledged
-    int s_head, s_used       # send slots: oldest outstanding, how many outstanding
+    int s_used               # send slots outstanding (at most dev.conn_cap)
+    int waiting              # found the device's free send slots empty (a waiter)
     int w_head, w_used       # send work requests (slot or region), in posting order
     VReg* w_reg[VT_NWR]      # NULL: a slot's SEND; else the region a zero-copy SEND reads
+    int w_slot[VT_NWR]       # the pool send slot of a slot's SEND
     int zc_out               # zero-copy SENDs outstanding
-    int r_head, r_ready      # receive slots: oldest posted, how many of them completed
+    int r_head, r_ready      # completed receive slots (a ring of dev.nrecv): oldest, how many
     uint32_t r_off           # bytes of the head slot already copied out
-    uint32_t r_len[VT_NRECV]
+    int* r_slot              # the ring: pool receive slot, bytes received
+    uint32_t* r_len
     int last_status          # the first error completion's status (for the reason)
     uint64_t posts, rposts
     TDone done
 
-cdef inline char* vt_sslot(VConn* c, int i) noexcept nogil:
-    return c.slab + <size_t>i * VT_SLOT
+cdef inline char* vt_sslot(VDev* d, int i) noexcept nogil:
+    return d.pool + <size_t>(d.nrecv + i) * VT_SLOT
 
-cdef inline char* vt_rslot(VConn* c, int i) noexcept nogil:
-    return c.slab + <size_t>(VT_NSEND + i) * VT_SLOT
+cdef inline char* vt_rslot(VDev* d, int i) noexcept nogil:
+    return d.pool + <size_t>i * VT_SLOT
 
-cdef int vt_post_recv(VConn* c, int i) noexcept nogil:
-    c.rposts += 1
-    return r2v_post_recv(c.qp, <uint64_t>i, <uint64_t>vt_rslot(c, i), VT_SLOT, c.mr.lkey)
+cdef int vt_srq_post(VDev* d, int i) noexcept nogil:
+    """Under d.mu: receive slot i back into the SRQ (0, or the post's error)."""
+    cdef int rc = r2v_post_srq_recv(d.srq, <uint64_t>i, <uint64_t>vt_rslot(d, i), VT_SLOT,
+                                    d.pool_mr.lkey)
+    if rc == 0:
+        d.r_posted += 1
+    return rc
+
+cdef int vt_recv_repost(VDev* d, int i, int returned) noexcept nogil:
+    """A held receive slot (drained, or given back by a failed or closed connection) goes back
+    into the SRQ."""
+    cdef int rc
+    vt_lock(&d.mu)
+    d.r_held -= 1
+    d.r_returned += returned
+    rc = vt_srq_post(d, i)
+    vt_unlock(&d.mu)
+    return rc
+
+cdef void vt_wake_clear(VDev* d) noexcept nogil:
+    """Under d.mu: the wake eventfd no longer readable."""
+    cdef uint64_t v
+    if d.wake_set:
+        vt_fd_read(d.wake_fd, &v, 8)
+        d.wake_set = 0
+
+cdef int vt_slot_take(VConn* c) noexcept nogil:
+    """A free send slot of the device's pool for c, or -1 (then c is a waiter)."""
+    cdef VDev* d = c.dev
+    cdef int s = -1
+    vt_lock(&d.mu)
+    if d.s_nfree > 0:
+        d.s_nfree -= 1
+        s = d.s_free[d.s_nfree]
+        if c.waiting:
+            c.waiting = 0
+            d.s_waiters -= 1
+        if d.s_nfree == 0 or d.s_waiters == 0:
+            vt_wake_clear(d)
+    elif not c.waiting:
+        c.waiting = 1
+        d.s_waiters += 1
+        d.s_waits += 1
+    vt_unlock(&d.mu)
+    return s
+
+cdef void vt_slot_give(VDev* d, int s) noexcept nogil:
+    """Send slot s is free again; waiters are woken."""
+    cdef uint64_t one = 1
+    vt_lock(&d.mu)
+    d.s_free[d.s_nfree] = s
+    d.s_nfree += 1
+    if d.s_waiters > 0 and not d.wake_set:
+        vt_fd_write(d.wake_fd, &one, 8)
+        d.wake_set = 1
+    vt_unlock(&d.mu)
+
+cdef void vt_unwait(VConn* c) noexcept nogil:
+    """c waits for free send slots no longer (its own completions wake it, or it is closing)."""
+    cdef VDev* d = c.dev
+    if not c.waiting:
+        return
+    vt_lock(&d.mu)
+    c.waiting = 0
+    d.s_waiters -= 1
+    if d.s_waiters == 0:
+        vt_wake_clear(d)
+    vt_unlock(&d.mu)
 
 cdef void vt_fail(VConn* c, int err) noexcept nogil:
     if c.failed == 0:
@@ -207,9 +322,8 @@ cdef void vt_wr_done(VConn* c) noexcept nogil:
     w = c.w_head
     g = c.w_reg[w]
     if g == NULL:
-        if c.s_used > 0:
-            c.s_used -= 1
-            c.s_head = (c.s_head + 1) % VT_NSEND
+        c.s_used -= 1
+        vt_slot_give(c.dev, c.w_slot[w])
     else:
         c.w_reg[w] = NULL
         c.zc_out -= 1
@@ -229,6 +343,49 @@ cdef VReg* vreg_find(VDev* d, const char* p, size_t n) noexcept nogil:
         g = g.next
     vt_unlock(&d.mu)
     return g
+
+cdef void vt_take_recvs(VConn* c) noexcept nogil:
+    """Receive completions of c, in arrival order: each slot joins c's ring of completed slots;
+    an error (flush) completion's slot goes straight back to the SRQ."""
+    cdef VDev* d = c.dev
+    cdef r2v_wc wc[32]
+    cdef int n, i, k, ok
+    cdef uint64_t slot
+    while True:
+        n = r2v_poll(c.rcq, wc, 32)
+        if n < 0:
+            vt_fail(c, VT_EIO)
+            break
+        ok = 0
+        for i in range(n):
+            slot = wc[i].wr_id
+            if slot >= <uint64_t>d.nrecv:
+                vt_fail(c, VT_EIO)          # not a slot of ours: never posted by this code
+                continue
+            if wc[i].status != IBV_WC_SUCCESS:
+                if c.last_status == 0:
+                    c.last_status = wc[i].status
+                vt_fail(c, VT_EIO)
+                vt_lock(&d.mu)
+                d.r_posted -= 1
+                d.r_returned += 1
+                vt_srq_post(d, <int>slot)
+                vt_unlock(&d.mu)
+                continue
+            k = (c.r_head + c.r_ready) % d.nrecv
+            c.r_slot[k] = <int>slot
+            c.r_len[k] = wc[i].byte_len
+            c.r_ready += 1
+            ok += 1
+        if ok:
+            vt_lock(&d.mu)
+            d.r_posted -= ok
+            d.r_held += ok
+            if d.r_posted < d.r_low:
+                d.r_low = d.r_posted
+            vt_unlock(&d.mu)
+        if n < 32:
+            break
 
 cdef void vt_service(VConn* c) noexcept nogil:
     """Take what the hardware finished: completion-channel events (the CQs re-armed),
@@ -271,22 +428,7 @@ cdef void vt_service(VConn* c) noexcept nogil:
             vt_wr_done(c)
         if n < 32:
             break
-    while True:
-        n = r2v_poll(c.rcq, wc, 32)
-        if n < 0:
-            vt_fail(c, VT_EIO)
-            break
-        for i in range(n):
-            if wc[i].status != IBV_WC_SUCCESS:
-                if c.last_status == 0:
-                    c.last_status = wc[i].status
-                vt_fail(c, VT_EIO)
-                continue
-            # RC completes receives in posting order: this is slot r_head + r_ready
-            c.r_len[(c.r_head + c.r_ready) % VT_NRECV] = wc[i].byte_len
-            c.r_ready += 1
-        if n < 32:
-            break
+    vt_take_recvs(c)
     vt_async(c)
     if c.side >= 0 and not c.eof:
         while True:
@@ -308,18 +450,20 @@ cdef int vt_event_fd(void* conn) noexcept nogil:
 cdef int vt_os_fd(void* conn) noexcept nogil:
     return (<VConn*>conn).side
 
-cdef int vt_post_slot(VConn* c, char* dst, uint32_t n) noexcept nogil:
-    """Post one filled send slot (0, or the post's error)."""
+cdef int vt_post_slot(VConn* c, int slot, uint32_t n) noexcept nogil:
+    """Post one filled send slot (0, or the post's error: then the slot is free again)."""
     cdef ibv_sge sge
     cdef int w = (c.w_head + c.w_used) % VT_NWR
     cdef int rc
-    sge.addr = <uint64_t>dst
+    sge.addr = <uint64_t>vt_sslot(c.dev, slot)
     sge.length = n
-    sge.lkey = c.mr.lkey
+    sge.lkey = c.dev.pool_mr.lkey
     rc = r2v_post_send(c.qp, <uint64_t>w, &sge, 1, IBV_WR_SEND, 0, 0, 0, IBV_SEND_SIGNALED)
     if rc != 0:
+        vt_slot_give(c.dev, slot)
         return rc
     c.w_reg[w] = NULL
+    c.w_slot[w] = slot
     c.w_used += 1
     c.s_used += 1
     c.posts += 1
@@ -337,10 +481,10 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
     cdef char* src
     cdef VReg* g
     cdef ibv_sge sge
-    cdef int nz
+    cdef int nz, slot = -1
     if c.failed:
         return c.failed
-    if c.s_used == VT_NSEND or c.w_used == VT_NWR:
+    if c.s_used == c.dev.conn_cap or c.w_used == VT_NWR:
         vt_service(c)
         if c.failed:
             return c.failed
@@ -352,7 +496,7 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
             g = vreg_find(c.dev, src, iov[i].iov_len)
         if g != NULL:
             if fill > 0:                         # what the slot holds goes first (order)
-                rc = vt_post_slot(c, dst, <uint32_t>fill)
+                rc = vt_post_slot(c, slot, <uint32_t>fill)
                 if rc != 0:
                     vreg_release(c.dev, g)
                     vt_fail(c, rc)
@@ -391,16 +535,23 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
         while off < iov[i].iov_len:
             if dst == NULL or fill == VT_SLOT:
                 if fill > 0:
-                    rc = vt_post_slot(c, dst, <uint32_t>fill)
+                    rc = vt_post_slot(c, slot, <uint32_t>fill)
                     if rc != 0:
                         vt_fail(c, rc)
                         return accepted if accepted > 0 else c.failed
                     accepted += fill
                     fill = 0
                     dst = NULL
-                if c.s_used == VT_NSEND or c.w_used == VT_NWR:
+                if c.s_used == c.dev.conn_cap or c.w_used == VT_NWR:
+                    vt_unwait(c)                 # its own completions wake it
                     return accepted
-                dst = vt_sslot(c, (c.s_head + c.s_used) % VT_NSEND)
+                slot = vt_slot_take(c)
+                if slot < 0:
+                    vt_service(c)                # its own finished SENDs may free some
+                    slot = vt_slot_take(c)
+                if slot < 0:
+                    return accepted              # the device's wake fd tells when one is free
+                dst = vt_sslot(c.dev, slot)
             take = iov[i].iov_len - off
             if take > VT_SLOT - fill:
                 take = VT_SLOT - fill
@@ -410,7 +561,7 @@ cdef int64_t vt_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcep
             if cookie != 0:
                 c.dev.copy_bytes += take
     if fill > 0:
-        rc = vt_post_slot(c, dst, <uint32_t>fill)
+        rc = vt_post_slot(c, slot, <uint32_t>fill)
         if rc != 0:
             vt_fail(c, rc)
             return accepted if accepted > 0 else c.failed
@@ -433,16 +584,16 @@ cdef int64_t vt_irecv(void* conn, void* buf, size_t n) noexcept nogil:
     while got < n and c.r_ready > 0:
         left = c.r_len[c.r_head] - c.r_off
         take = n - got if n - got < left else left
-        memcpy(<char*>buf + got, vt_rslot(c, c.r_head) + c.r_off, take)
+        memcpy(<char*>buf + got, vt_rslot(c.dev, c.r_slot[c.r_head]) + c.r_off, take)
         got += take
         c.r_off += <uint32_t>take
         if c.r_off == c.r_len[c.r_head]:
             c.r_off = 0
-            if c.failed == 0:
-                rc = vt_post_recv(c, c.r_head)
-                if rc != 0:
-                    vt_fail(c, rc)
-            c.r_head = (c.r_head + 1) % VT_NRECV
+            c.rposts += 1
+            rc = vt_recv_repost(c.dev, c.r_slot[c.r_head], 0)
+            if rc != 0:
+                vt_fail(c, rc)
+            c.r_head = (c.r_head + 1) % c.dev.nrecv
             c.r_ready -= 1
     if got > 0:
         return <int64_t>got     # what arrived before a failure is still in order and whole
@@ -458,20 +609,37 @@ cdef void vt_shutdown(void* conn) noexcept nogil:
     if c.side >= 0:
         vt_sock_shutdown(c.side, VT_SHUT_RDWR)   # the peer sees its companion socket close
     vt_fail(c, VT_ECONNRESET)
+    vt_unwait(c)
 
 cdef void vconn_free(VConn* c) noexcept nogil:
     cdef int k, w
     if c == NULL:
         return
+    vt_unwait(c)
     if c.qp != NULL:
+        # receive slots it took come back: its completions (flushed ones re-posted at once),
+        # then what it held undrained
+        r2v_qp_to_error(c.qp)
+        if c.rcq != NULL and c.r_slot != NULL:
+            vt_take_recvs(c)
         ibv_destroy_qp(c.qp)
-    # the QP is gone, so nothing reads the regions of zero-copy SENDs that never completed
+        if c.rcq != NULL and c.r_slot != NULL:
+            vt_take_recvs(c)
+    if c.r_slot != NULL:
+        while c.r_ready > 0:
+            vt_recv_repost(c.dev, c.r_slot[c.r_head], 1)
+            c.r_head = (c.r_head + 1) % c.dev.nrecv
+            c.r_ready -= 1
+    # the QP is gone, so nothing reads the slots and regions of SENDs that never completed
     for k in range(c.w_used):
         w = (c.w_head + k) % VT_NWR
         if c.w_reg[w] != NULL:
             vreg_release(c.dev, c.w_reg[w])
             c.w_reg[w] = NULL
+        else:
+            vt_slot_give(c.dev, c.w_slot[w])
     c.w_used = 0
+    c.s_used = 0
     if c.scq != NULL:
         if c.s_unacked:
             ibv_ack_cq_events(c.scq, c.s_unacked)
@@ -482,9 +650,12 @@ cdef void vconn_free(VConn* c) noexcept nogil:
         ibv_destroy_cq(c.rcq)
     if c.ch != NULL:
         ibv_destroy_comp_channel(c.ch)
-    if c.mr != NULL:
-        ibv_dereg_mr(c.mr)
-    free(c.slab)
+    free(c.r_slot)
+    free(c.r_len)
+    if c.counted:
+        vt_lock(&c.dev.mu)
+        c.dev.nconns -= 1
+        vt_unlock(&c.dev.mu)
     if c.epfd >= 0:
         vt_fd_close(c.epfd)
     if c.side >= 0:
@@ -522,8 +693,9 @@ def discard(uint64_t handle):
 
 
 def transport_slots():
-    """(slot bytes, send slots, receive slots) of a verbs connection."""
-    return VT_SLOT, VT_NSEND, VT_NRECV
+    """(slot bytes, default receive slots, send slots, send slots one connection may hold) of a
+    device's pool."""
+    return VT_SLOT, VT_RECV_SLOTS, VT_SEND_SLOTS, VT_CONN_SEND_SLOTS
 
 
 cdef class RailDevice:
@@ -535,7 +707,14 @@ cdef class RailDevice:
     cdef readonly int gid_index
     cdef readonly str address
 
-    def __init__(self, Context context not None, int gid_index, str address):
+    def __init__(self, Context context not None, int gid_index, str address,
+                 int recv_slots=VT_RECV_SLOTS, int send_slots=VT_SEND_SLOTS,
+                 int conn_send_slots=VT_CONN_SEND_SLOTS):
+        cdef VDev* d
+        if recv_slots < 2 or send_slots < 1 or not 1 <= conn_send_slots <= send_slots:
+            raise ValueError(f"verbs slot pool: recv_slots {recv_slots} (>= 2), send_slots "
+                             f"{send_slots} (>= 1), conn_send_slots {conn_send_slots} (1 to "
+                             f"send_slots)")
         self.context = context
         self.pd = PD(context)
         self.gid_index = gid_index
@@ -543,11 +722,72 @@ cdef class RailDevice:
         self.dev = <VDev*>calloc(1, sizeof(VDev))
         if self.dev == NULL:
             raise MemoryError()
-        self.dev.ctx = context.ctx
-        self.dev.pd = self.pd.pd
-        self.dev.port = context.port
-        self.dev.zcopy = 1
-        vt_mutex_init(&self.dev.mu, NULL)
+        d = self.dev
+        d.ctx = context.ctx
+        d.pd = self.pd.pd
+        d.port = context.port
+        d.zcopy = 1
+        d.wake_fd = -1
+        vt_mutex_init(&d.mu, NULL)
+        d.nrecv, d.nsend, d.conn_cap = recv_slots, send_slots, conn_send_slots
+        self._make_pool()
+
+    def _make_pool(self):
+        """The device's slot pool: one registration, the SRQ with every receive slot posted, the
+        free send slots and the wake eventfd (the device is never freed: see below)."""
+        cdef VDev* d = self.dev
+        cdef size_t nbytes = <size_t>(d.nrecv + d.nsend) * VT_SLOT
+        cdef ibv_srq_init_attr sa
+        cdef int i, rc
+        d.pool = <char*>malloc(nbytes)
+        d.s_free = <int*>malloc(d.nsend * sizeof(int))
+        if d.pool == NULL or d.s_free == NULL:
+            raise MemoryError()
+        with nogil:
+            d.pool_mr = ibv_reg_mr(d.pd, d.pool, nbytes, IBV_ACCESS_LOCAL_WRITE)
+        if d.pool_mr == NULL:
+            raise _err(f"ibv_reg_mr of the {nbytes >> 20} MiB slot pool", errno)
+        memset(&sa, 0, sizeof(sa))
+        sa.attr.max_wr = d.nrecv
+        sa.attr.max_sge = 1
+        d.srq = ibv_create_srq(d.pd, &sa)
+        if d.srq == NULL:
+            raise _err(f"ibv_create_srq({d.nrecv}) on {self.describe()}", errno)
+        for i in range(d.nsend):
+            d.s_free[i] = d.nsend - 1 - i
+        d.s_nfree = d.nsend
+        d.wake_fd = vt_eventfd(0, VT_EFD_NONBLOCK | VT_EFD_CLOEXEC)
+        if d.wake_fd < 0:
+            raise _err("eventfd", errno)
+        vt_lock(&d.mu)
+        for i in range(d.nrecv):
+            rc = vt_srq_post(d, i)
+            if rc:
+                vt_unlock(&d.mu)
+                raise _err("ibv_post_srq_recv", rc)
+        d.r_low = d.r_posted
+        vt_unlock(&d.mu)
+
+    def pool_stats(self):
+        """The device's slot pool: its size, pinned bytes, and where every slot is (receive:
+        posted in the SRQ or held by a connection; send: free or out), the fewest receive slots
+        the SRQ held, slots given back by failed or closed connections, waiters now and so
+        far, connections."""
+        cdef VDev* d = self.dev
+        cdef int nrecv, nsend, cap, posted, held, low, sfree, waiters, conns
+        cdef uint64_t returned, waits
+        with nogil:
+            vt_lock(&d.mu)
+            nrecv, nsend, cap, posted, held = d.nrecv, d.nsend, d.conn_cap, d.r_posted, d.r_held
+            low, returned, sfree, waiters, conns = (d.r_low, d.r_returned, d.s_nfree,
+                                                    d.s_waiters, d.nconns)
+            waits = d.s_waits
+            vt_unlock(&d.mu)
+        return {"slot_bytes": VT_SLOT, "recv_slots": nrecv, "send_slots": nsend,
+                "conn_send_slots": cap, "pinned_bytes": (nrecv + nsend) * VT_SLOT,
+                "recv_posted": posted, "recv_held": held, "recv_low": low,
+                "recv_returned": returned, "send_free": sfree, "send_waiters": waiters, "send_waits": waits,
+                "conns": conns}
 
     def register(self, uint64_t addr, size_t length):
         """Register [addr, addr+length) of user memory for zero-copy sends on this device's
@@ -647,7 +887,6 @@ cdef class VerbsConn:
         cdef ibv_qp_init_attr ia
         cdef vt_epoll_event ev
         cdef int i, rc, flags
-        cdef size_t nbytes = <size_t>(VT_NSEND + VT_NRECV) * VT_SLOT
         self.device = device
         c = <VConn*>calloc(1, sizeof(VConn))
         if c == NULL:
@@ -658,30 +897,30 @@ cdef class VerbsConn:
         c.epfd = -1
         c.side = side_fd           # owned from here on, also if this raises
         c.port_gen0 = device.dev.port_gen
-        c.slab = <char*>malloc(nbytes)
-        if c.slab == NULL:
+        vt_lock(&c.dev.mu)
+        c.dev.nconns += 1
+        c.counted = 1
+        vt_unlock(&c.dev.mu)
+        c.r_slot = <int*>malloc(c.dev.nrecv * sizeof(int))
+        c.r_len = <uint32_t*>malloc(c.dev.nrecv * sizeof(uint32_t))
+        if c.r_slot == NULL or c.r_len == NULL:
             raise MemoryError()
-        with nogil:
-            c.mr = ibv_reg_mr(c.dev.pd, c.slab, nbytes, IBV_ACCESS_LOCAL_WRITE)
-        if c.mr == NULL:
-            raise _err(f"ibv_reg_mr of the {nbytes >> 20} MiB slot slab", errno)
         c.ch = ibv_create_comp_channel(c.dev.ctx)
         if c.ch == NULL:
             raise _err("ibv_create_comp_channel", errno)
         flags = fcntl(c.ch.fd, F_GETFL)
         fcntl(c.ch.fd, F_SETFL, flags | O_NONBLOCK)
         c.scq = ibv_create_cq(c.dev.ctx, VT_NWR * 2, NULL, c.ch, 0)
-        c.rcq = ibv_create_cq(c.dev.ctx, VT_NRECV * 2, NULL, c.ch, 0)
+        c.rcq = ibv_create_cq(c.dev.ctx, c.dev.nrecv + 8, NULL, c.ch, 0)   # a QP takes <= nrecv
         if c.scq == NULL or c.rcq == NULL:
             raise _err("ibv_create_cq", errno)
         memset(&ia, 0, sizeof(ia))
         ia.qp_context = <void*>c
         ia.send_cq = c.scq
         ia.recv_cq = c.rcq
+        ia.srq = c.dev.srq                     # receives come from the device's pool
         ia.cap.max_send_wr = VT_NWR
-        ia.cap.max_recv_wr = VT_NRECV
         ia.cap.max_send_sge = 1
-        ia.cap.max_recv_sge = 1
         r2v_set_rc(&ia)
         with nogil:
             c.qp = ibv_create_qp(c.dev.pd, &ia)
@@ -690,10 +929,6 @@ cdef class VerbsConn:
         rc = r2v_qp_to_init(c.qp, c.dev.port, IBV_ACCESS_LOCAL_WRITE)
         if rc:
             raise _err("QP to INIT", rc)
-        for i in range(VT_NRECV):
-            rc = vt_post_recv(c, i)
-            if rc:
-                raise _err("ibv_post_recv", rc)
         if ibv_req_notify_cq(c.scq, 0) or ibv_req_notify_cq(c.rcq, 0):
             raise VerbsError("ibv_req_notify_cq failed")
         self.psn = int.from_bytes(os.urandom(3), "little")
@@ -701,7 +936,7 @@ cdef class VerbsConn:
         c.epfd = vt_epoll_create1(VT_EPOLL_CLOEXEC)
         if c.epfd < 0:
             raise _err("epoll_create1", errno)
-        for i in (c.ch.fd, side_fd, c.dev.ctx.async_fd):
+        for i in (c.ch.fd, side_fd, c.dev.ctx.async_fd, c.dev.wake_fd):
             ev.events = VT_EPOLLIN
             ev.data.u64 = 0
             if vt_epoll_ctl(c.epfd, VT_EPOLL_CTL_ADD, i, &ev) != 0:

@@ -19,6 +19,10 @@ def _mm(s, key, fmt):
     return f"{v['median']:{fmt}} / {v['max']:{fmt}}"
 
 
+def _bytes(n):
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 def _targets(by):
     """[(sentence, met)] of the issue's targets that the summaries at n = 8 and 32 decide."""
     a, b = by.get(8), by.get(32)
@@ -76,12 +80,14 @@ def scale_section(res):
     big = [m for m in models if m.get("n") == 1024]
     if big:
         out += ["Extrapolated to 1,024 ranks x 8 NICs per rank (the models above; fds without "
-                "MPI's and Python's own; verbs: one RC queue pair per peer and rail, each with "
-                "its registered slots):", ""]
+                "MPI's and Python's own; verbs: one RC queue pair per peer and rail; *full mesh*: "
+                "before issue 31, every pair connected and a registered slab of 3 MiB per queue "
+                "pair; *on demand*: the peers the plans use, and one slot pool per device "
+                "shared by its queue pairs):", ""]
         out += table(["connections", "transport", "peers", "fds", "verbs QPs", "pinned"],
                      [[m.get("model", "full_mesh").replace("_", " "), m["transport"],
                        str(m.get("peers", 1023)), str(m["fds"]), str(m["qps"]),
-                       f"{m['pinned_bytes'] / 2**30:.2f} GiB"] for m in big])
+                       _bytes(m["pinned_bytes"])] for m in big])
         out.append("")
     out += ["![fds and start-up against the number of ranks](figures/scale.png)", ""]
     return out, _targets(by)

@@ -55,8 +55,10 @@ def _gid_index_for(ctx, addr):
     return idx
 
 
-def find_devices(rail_addrs):
-    """Per rail: (RailDevice, None) or (None, why none). Devices stay open for the process."""
+def find_devices(rail_addrs, pool=None):
+    """Per rail: (RailDevice, None) or (None, why none). Devices stay open for the process;
+    pool: (receive slots, send slots, send slots per connection) of a device opened now
+    (the defaults of verbs_transport.pxi when None)."""
     verbs, why = load()
     if verbs is None:
         return [(None, why)] * len(rail_addrs)
@@ -80,7 +82,7 @@ def find_devices(rail_addrs):
             port = ctx.query_port()
             gid = _gid_index_for(ctx, addr)
             if gid is not None and port["state"] == "ACTIVE":
-                found = verbs.RailDevice(ctx, gid, addr)
+                found = verbs.RailDevice(ctx, gid, addr, *(pool or ()))
                 break
             tried.append(f"{name}: " + ("port " + port["state"] if gid is not None else
                                         f"no RoCE v2 GID for {addr}"))
@@ -93,11 +95,11 @@ def find_devices(rail_addrs):
     return out
 
 
-def local_offer(want, rail_addrs):
+def local_offer(want, rail_addrs, pool=None):
     """What this rank brings to bootstrap: ("verbs"|"tcp", devices or None, why not verbs)."""
     if want == "tcp":
         return "tcp", None, "R2COMM_TRANSPORT=tcp"
-    found = find_devices(rail_addrs)
+    found = find_devices(rail_addrs, pool)
     missing = [why for dev, why in found if dev is None]
     if missing:
         return "tcp", None, "; ".join(dict.fromkeys(missing))
@@ -194,3 +196,11 @@ def discard(handle):
     verbs, _ = load()
     if verbs is not None and handle:
         verbs.discard(handle)
+
+
+def pinned_stats():
+    """This process's pinned memory on its RDMA devices: per device (rail address) its slot
+    pool's stats (RailDevice.pool_stats: slots and where they are, pinned_bytes), and the total
+    pinned by the pools, which depends on the settings and the devices, not on the peers."""
+    per = {addr: dev.pool_stats() for addr, dev in _devices.items()}
+    return {"devices": per, "pinned_bytes": sum(p["pinned_bytes"] for p in per.values())}
