@@ -24,7 +24,7 @@ from .topology import Topology, INTRA_BW
 from .state import DEFAULT_BW, DEFAULT_ALPHA, DEFAULT_CHUNK
 
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "rabenseifner", "degraded", "ring_rerouted",
-                   "hierarchical", "hierarchical_tree", "flat", "treefold")
+                   "hierarchical", "hierarchical_tree", "flat", "treefold", "direct")
 HIER_ALGOS = ("hierarchical", "hierarchical_tree")
 GENERIC_ALGOS = ("hierarchical", "flat")               # mean something for every collective
 STATE_ALGOS = ("degraded", "ring_rerouted", "treefold")   # need a RailState
