@@ -23,7 +23,7 @@ from .schedule import Schedule, WORK, SEND, COPY, REDUCE, REDUCE_SEND
 MAX_RANKS = 16              # offered up to this many ranks (above, the tree fold replays
                             # closer to T*: 1.02 against 1.06 at 32 hosts with a NIC down)
 RAIL_AWARE_MAX = 12         # blocks sized for the rail penalty below this many ranks
-FILL_HOPS = 2               # the price's latencies: one per phase
+FILL_HOPS = 3               # the price's latencies: one per phase, one for the last acknowledgement
 
 
 def block_sizes(nbytes, bws, g=0.0, slow=()):
