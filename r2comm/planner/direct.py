@@ -18,6 +18,8 @@ spreads over many peers and the plain weights replay better (bench/SIM.md).
 
 Every element is reduced at its owner in one fixed order, then only copied: every rank holds
 identical bits. 4(n - 1) messages per rank: offered up to MAX_RANKS ranks."""
+import functools
+
 from .schedule import Schedule, WORK, SEND, COPY, REDUCE, REDUCE_SEND
 
 MAX_RANKS = 16              # offered up to this many ranks (above, the tree fold replays
@@ -47,7 +49,7 @@ def block_sizes(nbytes, bws, g=0.0, slow=()):
                 out.append(max(0.0, (T * b - N - g * tot_d) / (n - 2 + g * k)))
         return out
     lo, hi = 0.0, 2.0 * (n + g * n) * N / max(min(b for b in bws if b > 0), 1e-300)
-    for _ in range(100):
+    for _ in range(60):
         mid = 0.5 * (lo + hi)
         if sum(sizes(mid)) >= N:
             hi = mid
@@ -81,13 +83,23 @@ def rail_penalty(state, healthy, slow):
 
 
 def plan_sizes(n, nbytes, rank_bw, slow, state=None):
-    """(block sizes, T, g) for n ranks of bandwidths rank_bw(r), the slow ranks `slow`."""
-    bws = [rank_bw(r) for r in range(n)]
+    """(block sizes, T, g) for n ranks of bandwidths rank_bw(r), the slow ranks `slow`. The
+    sizes and T scale with nbytes (the balance is linear in N): the shares are computed once
+    per set of bandwidths."""
+    bws = tuple(rank_bw(r) for r in range(n))
+    slow = tuple(sorted(set(slow)))
     healthy = [r for r in range(n) if r not in set(slow)]
-    g = rail_penalty(state, healthy, slow) if state is not None and n < RAIL_AWARE_MAX else 0.0
-    sizes, _ = block_sizes(nbytes, bws, g, slow)
     g_true = rail_penalty(state, healthy, slow) if state is not None else 0.0
-    return sizes, finish_time(nbytes, sizes, bws, g_true, slow), g
+    g = g_true if n < RAIL_AWARE_MAX else 0.0
+    shares, t1 = _shares(bws, g, g_true, slow)
+    return [x * nbytes for x in shares], t1 * nbytes, g
+
+
+@functools.lru_cache(maxsize=256)
+def _shares(bws, g, g_true, slow):
+    """(block sizes, finish time under the rails' penalty g_true) for one byte."""
+    sizes, _ = block_sizes(1.0, list(bws), g, slow)
+    return tuple(sizes), finish_time(1.0, sizes, bws, g_true, slow)
 
 
 def finish_time(nbytes, sizes, bws, g, slow):
