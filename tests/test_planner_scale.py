@@ -79,12 +79,13 @@ def test_choice_within_3_percent_of_the_best_replay():
     NICs, 1 GiB, a NIC down: 1.44x off when the replay cut messages into 8 segments, which
     overcharged its pipeline fill). Below 256 MiB the ring's and recursive doubling's prices
     count a full α per dependent step, which the replay hides in part and erratically (0.1-1.0
-    of it), so the choice there is only held within 1.25 (6 hosts x 4 NICs, 64 MiB: 1.16)."""
+    of it), so the choice there is only held within 1.15: with the weighted direct schedule
+    the worst of grid(40) is 1.137 (3 hosts x 2 NICs, loss 1/8, 8 MiB), before it 1.19."""
     from r2comm.sim import sweep
     pts = [sweep.case(*c) for c in sweep.grid(12)]
     big = [r for r in pts if r["bytes"] >= 256 * MB]
     assert max(r["ratio"] for r in big) <= 1.03, max(big, key=lambda r: r["ratio"])
-    assert max(r["ratio"] for r in pts) <= 1.25, max(pts, key=lambda r: r["ratio"])
+    assert max(r["ratio"] for r in pts) <= 1.15, max(pts, key=lambda r: r["ratio"])
     by = {(r["hosts"], r["nics"], r["loss"], r["bytes"]): r for r in pts}
     assert by[(24, 2, 1.0, 1024 * MB)]["chosen"] == "treefold"
     # the weighted direct schedule (1.417 ms; tree fold 1.642, ring 2.044, degraded 2.362)
