@@ -487,8 +487,9 @@ def test_choose_degraded_when_beta_small_ring_when_healthy(n):
     assert slow.beta() == pytest.approx(0.25)
     costs = planner.evaluate("allreduce", n, N, 4, slow)
     want = planner.choose("allreduce", n, N, 4, slow)
-    # a degraded-server schedule: the tree fold is offered from 4 healthy ranks on (n = 6)
-    assert want == "degraded" if n < 5 else want in ("degraded", "treefold")
+    # a degraded-server schedule: the tree fold is offered from 4 healthy ranks on (n = 6);
+    # the weighted direct one (the slow rank owning no block here) ties with the degraded one
+    assert want in (("degraded", "direct") if n < 5 else ("degraded", "treefold", "direct"))
     t_star = cost.lower_bound_state(N, slow)
     assert costs[want] < costs["ring"]
     assert costs[want] <= 1.01 * t_star                # at the bound: N/(βB)

@@ -24,10 +24,10 @@ from .topology import Topology, INTRA_BW
 from .state import DEFAULT_BW, DEFAULT_ALPHA, DEFAULT_CHUNK
 
 ALLREDUCE_ALGOS = ("ring", "recursive_doubling", "rabenseifner", "degraded", "ring_rerouted",
-                   "hierarchical", "hierarchical_tree", "flat", "treefold")
+                   "hierarchical", "hierarchical_tree", "flat", "treefold", "direct")
 HIER_ALGOS = ("hierarchical", "hierarchical_tree")
 GENERIC_ALGOS = ("hierarchical", "flat")               # mean something for every collective
-STATE_ALGOS = ("degraded", "ring_rerouted", "treefold")   # need a RailState
+STATE_ALGOS = ("degraded", "ring_rerouted", "treefold", "direct")   # need a RailState
 DEFAULT_EAGER = 64 << 10
 PAIR_RD_MAX = 256 << 10     # 2 ranks: recursive doubling up to here (measured crossover)
 

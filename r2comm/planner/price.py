@@ -91,6 +91,17 @@ class Net:
             self._split = (split_fraction(self.n, len(bad), b_d, b_ok), b_d, b_ok)
         return self._split
 
+    def rail_penalty(self):
+        """direct.rail_penalty() of the state, computed once: how much longer a healthy rank's
+        traffic with a slow rank keeps its busiest rail than its NICs' share (0 healthy)."""
+        if getattr(self, "_rail_pen", None) is None:
+            from .direct import rail_penalty
+            bad = set(self.degraded)
+            ok = [r for r in range(self.n) if r not in bad][:1]
+            self._rail_pen = rail_penalty(self.state, ok, sorted(bad)) \
+                if self.state is not None else 0.0
+        return self._rail_pen
+
     # -- helpers ---------------------------------------------------------------------------------
     def bw_of(self, r):
         """Bandwidth of rank r towards another host: its host's NICs shared by its ranks."""
@@ -287,6 +298,7 @@ def degraded(net, nbytes):
     m = n - k
     x, b_d, b_ok = net.degraded_split()
     vd, vh = volumes(x, n, k)
+    vh += net.rail_penalty() * k * (1 - x) / m     # its fold's blocks to and from the slow ranks
     tv = nbytes * max(vd / b_d, vh / b_ok)
     if x < 1:                       # the fold's stall: a chunk of each of m blocks first
         tv += m * min(net.chunk, (1 - x) * nbytes / m) / b_d
@@ -356,6 +368,27 @@ def _treefold_build(rank, net, nbytes, itemsize, eager):
                               degraded=net.degraded)
 
 
+def direct(net, nbytes):
+    """direct.py's weighted reduce-scatter + allgather between every pair: the busiest rank's
+    busiest rail for the planned block sizes (direct_time(): the rails of a pair with a slow
+    rank carry unequal shares, which the blocks are sized for), plus two chunk fills."""
+    from .direct import direct_time
+    return direct_time(net.n, nbytes, net.rank_bw, sorted(net.degraded), net.state, net.chunk,
+                       net.alpha)
+
+
+def _direct_applies(coll, net):
+    from .direct import MAX_RANKS
+    return coll == "allreduce" and net.state is not None and 3 <= net.n <= MAX_RANKS and \
+        net.H == net.n and 0 < len(net.degraded) < net.n and not net.state.has_broken_pairs()
+
+
+def _direct_build(rank, net, nbytes, itemsize, eager):
+    from .direct import allreduce_direct
+    return allreduce_direct(rank, net.n, nbytes, itemsize, eager, net.state,
+                            degraded=net.degraded)
+
+
 @dataclass
 class Candidate:
     """An allreduce algorithm choose() can pick: applies(coll, net) -> bool, price(net,
@@ -397,6 +430,7 @@ register(Candidate("hierarchical_tree", lambda c, net: _hier_any(c, net) and net
 register(Candidate("degraded", lambda c, net: _ar(c, net) and net.state is not None and
                    net.n > 2 and 0 < len(net.degraded) < net.n, degraded))
 register(Candidate("treefold", _treefold_applies, treefold, _treefold_build))
+register(Candidate("direct", _direct_applies, direct, _direct_build))
 
 
 def prices(coll, net, nbytes, names=None):
