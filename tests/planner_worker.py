@@ -111,6 +111,13 @@ def sc_degraded(comm, args):
             s = allreduce_case(comm, fn, f"deg-{frac}-{cnt}-{dtype}", cnt, dtype, op)
             check(s.algo == "degraded", s.algo)
             count += 1
+    # the weighted direct schedule (planner/direct.py) on the engine, every case exact
+    for cnt, dtype, op in CASES if n > 2 else []:
+        def fn(nbytes, isz):
+            return planner.build("allreduce", r, n, nbytes, isz, 0, comm._cfg.eager, "direct", st)
+        s = allreduce_case(comm, fn, f"direct-{cnt}-{dtype}", cnt, dtype, op)
+        check(s.algo == "direct", s.algo)
+        count += 1
     # through the planner's interface, as communicator.py would call it
     for cnt, dtype, op in CASES[2:4]:
         def fn(nbytes, isz):

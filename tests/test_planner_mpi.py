@@ -22,11 +22,12 @@ def scenario(n, name, timeout=60, **kw):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_degraded_allreduce_on_the_engine(n):
-    """n >= 3: the last rank then loses NIC 1 for real; the live state shows its host at
-    β = 0.5 and the planner picks the degraded AllReduce for the large message."""
+    """n >= 3: the weighted direct schedule too, exact on the engine; the last rank then loses
+    NIC 1 for real; the live state shows its host at β = 0.5 and the planner picks the
+    degraded AllReduce for the large message."""
     count, out = scenario(n, "degraded")
     live = [ln for ln in out.splitlines() if ln.startswith("LIVE ")]
-    assert count == (4 * CASES + 2 + len(live)) * n
+    assert count == (4 * CASES + (CASES if n > 2 else 0) + 2 + len(live)) * n
     if n >= 3:
         assert len(live) == CASES and "chose degraded -> degraded" in live[-1]
 
