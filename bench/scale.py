@@ -10,6 +10,7 @@ R2COMM_ALGO for the job (e.g. `ring`; default: the planner's choice, which on th
 Rabenseifner's at 1-4 MiB up to 32 ranks and the ring at 48). Each rank measures
 
   startup_s   its Communicator() (after an MPI barrier: from the same start on every rank)
+  startup_cpu_ms  the CPU time its process spent in it (all threads: the n ranks share the cores)
   fds_before  its open fds (/proc/self/fd) before (MPI's, Python's)
   fds_start   the same once the Communicator is built
   fds_mix     the same after a mix: 4 MiB allreduce, 1 MiB bcast, 64 KiB-per-rank
@@ -154,9 +155,10 @@ def rank_main(a):
                                                       # of CPU per rank, n ranks on few cores)
     fds_before = _fds()
     world.Barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     comm = r2comm.Communicator(world, timeout=a.timeout)
-    row = {"rank": comm.rank, "startup_s": time.perf_counter() - t0, "fds_before": fds_before,
+    row = {"rank": comm.rank, "startup_s": time.perf_counter() - t0,
+           "startup_cpu_ms": (time.process_time() - c0) * 1e3, "fds_before": fds_before,
            "fds_start": _fds()}
     row["rails_down"] = sum(ra.peers - ra.peers_up for ra in comm.rails)
     x = np.ones(MIB // 4, np.float32)
@@ -204,7 +206,7 @@ def summary(n, rows, rails):
     out = {"n": n, "ranks": len(rows), "model_fds": model(n, rails)["fds"],
            "on_demand_fds": model_on_demand(n, rails)["fds"],
            "mix_algo": sorted({r["mix_algo"] for r in rows})}
-    for key in ("startup_s", "fds_before", "fds_start", "fds_mix", "fds_r2comm", "rss_mib", "pinned_kib", "first_ms",
+    for key in ("startup_s", "startup_cpu_ms", "fds_before", "fds_start", "fds_mix", "fds_r2comm", "rss_mib", "pinned_kib", "first_ms",
                 "rails_down"):
         vals = [r[key] for r in rows]
         out[key] = {"median": statistics.median(vals), "max": max(vals)}

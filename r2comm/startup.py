@@ -108,7 +108,8 @@ def quiet_allgather(mpi_comm, obj, timeout, what):
     rows = np.zeros((mpi_comm.Get_size(), width), np.uint8)
     _test_quietly(mpi_comm, mpi_comm.Iallgather([_slot(data, width), MPI.BYTE],
                                                 [rows, MPI.BYTE]), timeout, what)
-    return [_decode(row, what) for row in rows]
+    blob = rows.tobytes()                 # one copy; each record sliced from it as bytes
+    return [_decode(blob[i:i + width], what) for i in range(0, len(blob), width)]
 
 
 def _test_quietly(mpi_comm, req, timeout, what):

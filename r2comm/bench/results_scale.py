@@ -57,7 +57,8 @@ def scale_section(res):
             + (f"`R2COMM_ALGO={cfg['algo']}`, " if cfg.get("algo") else "")
             + "a rank's fds counted in /proc/self/fd. *r2comm fds*: after start-up and a mix "
             "(4 MiB allreduce, 1 MiB bcast, 64 KiB-per-rank allgather, 8 B allreduce) less "
-            "before the Communicator; *start-up*: `Communicator()` from a common barrier; "
+            "before the Communicator; *start-up*: `Communicator()` from a common barrier, and the CPU "
+            "time the rank's process spent in it (the n ranks share this machine's cores); "
             "*model*: what today's connections-on-demand model gives (bench/scale.py "
             "`model_on_demand`) and what the full mesh held before issue 31. Median / max over "
             "ranks."
@@ -67,11 +68,12 @@ def scale_section(res):
     rows, by = [], {}
     for s in doc.get("summaries") or []:
         by[s["n"]] = s
-        rows.append([str(s["n"]), _mm(s, "startup_s", ".2f"), _mm(s, "fds_r2comm", ".0f"),
+        rows.append([str(s["n"]), _mm(s, "startup_s", ".2f"), _mm(s, "startup_cpu_ms", ".1f"),
+                     _mm(s, "fds_r2comm", ".0f"),
                      str(s.get("on_demand_fds", "–")), str(s.get("model_fds", "–")),
                      _mm(s, "rss_mib", ".0f"), f"{(s.get('pinned_kib') or {}).get('max', 0):.0f}",
                      _mm(s, "first_ms", ".1f"), str((s.get("rails_down") or {}).get("max", "–"))])
-    out += table(["ranks", "start-up, s", "r2comm fds", "model (on demand)", "full mesh",
+    out += table(["ranks", "start-up, s", "its CPU, ms", "r2comm fds", "model (on demand)", "full mesh",
                   "RSS, MiB", "pinned, KiB", "first 1 MiB allreduce, ms", "rails down"], rows)
     for n, why in (doc.get("skipped") or {}).items():
         out.append(f"- n = {n}: {why}")
