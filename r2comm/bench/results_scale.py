@@ -78,6 +78,15 @@ def scale_section(res):
     for n, why in (doc.get("skipped") or {}).items():
         out.append(f"- n = {n}: {why}")
     out.append("")
+    cpus = doc.get("cpus")
+    busy = [(n, s) for n, s in sorted(by.items()) if (s.get("startup_cpu_ms") or {}).get("median")]
+    if cpus and busy:
+        parts = [f"{n} ranks: {n * s['startup_cpu_ms']['median'] / 1e3 / cpus:.2f} s against "
+                 f"{s['startup_s']['max']:.2f} s" for n, s in busy]
+        out += ["Every rank runs on this machine's " f"{cpus} CPUs at once, so a start-up cannot "
+                "take less wall time than the ranks' CPU time shared over them (n x its CPU / "
+                f"CPUs): {'; '.join(parts)}. With more ranks than cores the start-up here is that "
+                "CPU, not waiting (on a cluster each rank has its own cores).", ""]
     models = doc.get("model_1024") or []
     big = [m for m in models if m.get("n") == 1024]
     if big:
