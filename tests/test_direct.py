@@ -7,8 +7,8 @@ import pytest
 
 from r2comm import planner
 from r2comm.planner import cost, direct
-from tests.test_planner import check_allreduce, consistent, degraded_state, inputs, \
-    run_allreduce, reference
+from tests.test_planner import check_allreduce, check_exact_cases, consistent, \
+    degraded_state, inputs, run_allreduce, reference
 
 MB = 1 << 20
 
@@ -18,17 +18,10 @@ MB = 1 << 20
 def test_direct_computes_the_reduction_exactly(n, factor):
     st = degraded_state(n, slow=(n - 1,), factor=factor) if factor else \
         degraded_state(n, slow=(n - 1,), factor=1.0).fail_rail(n - 1, 1)
-    for count, dtype, op in ((1, "int32", "SUM"), (4 * n + 3, "int64", "MAX"),
-                             (103, "float32", "SUM"), (250, "float16", "PROD"),
-                             (77, "float64", "MIN")):
-        isz = np.dtype(dtype).itemsize
-        sc = [direct.allreduce_direct(r, n, count * isz, isz, 0, st) for r in range(n)]
-        assert consistent(sc)
-        xs = inputs(f"direct-{n}-{count}-{dtype}", n, count, dtype, op)
-        for seed, pol in ((1, "random"), (2, "skew"), (3, "fifo")):
-            check_allreduce(sc, xs, op, chunk=5 * isz, seed=seed, policy=pol)
-        outs = run_allreduce(sc, xs, op, chunk=3 * isz, seed=4, in_place=True)
-        assert all(np.array_equal(y, reference(xs, op, xs[0].dtype)) for y in outs)
+    sc, xs, isz = check_exact_cases(
+        lambda r, nb, isz: direct.allreduce_direct(r, n, nb, isz, 0, st), n, "direct")
+    outs = run_allreduce(sc, xs, "MIN", chunk=3 * isz, seed=4, in_place=True)   # in place
+    assert all(np.array_equal(y, reference(xs, "MIN", xs[0].dtype)) for y in outs)
 
 
 def test_direct_bits_identical_on_random_floats_and_several_slow_hosts():

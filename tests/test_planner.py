@@ -501,19 +501,31 @@ def test_choose_degraded_when_beta_small_ring_when_healthy(n):
     assert s.algo == want and s.cost == pytest.approx(costs[want])
 
 
+EXACT_CASES = ((1, "int32", "SUM"), (None, "int64", "MAX"), (103, "float32", "SUM"),
+               (250, "float16", "PROD"), (77, "float64", "MIN"))   # None: 4 n + 3
+
+
+def check_exact_cases(build, n, tag):
+    """Every rank's schedule from build(rank, nbytes, itemsize), run in the executor under
+    three delivery orders for each of EXACT_CASES: consistent and exact. Returns the last
+    case's (schedules, inputs, itemsize)."""
+    for count, dtype, op in EXACT_CASES:
+        count = 4 * n + 3 if count is None else count
+        isz = np.dtype(dtype).itemsize
+        sc = [build(r, count * isz, isz) for r in range(n)]
+        assert consistent(sc)
+        xs = inputs(f"{tag}-{n}-{count}-{dtype}", n, count, dtype, op)
+        for seed, pol in ((1, "random"), (2, "skew"), (3, "fifo")):
+            check_allreduce(sc, xs, op, chunk=5 * isz, seed=seed, policy=pol)
+    return sc, xs, isz
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 7])
 @pytest.mark.parametrize("factor", [0.1, 0.6, 0.85])
 def test_degraded_schedule_computes_the_reduction(n, factor):
     st = degraded_state(n, slow=(n // 2,), factor=factor)
-    for count, dtype, op in ((1, "int32", "SUM"), (4 * n + 3, "int64", "MAX"),
-                             (103, "float32", "SUM"), (250, "float16", "PROD"),
-                             (77, "float64", "MIN")):
-        isz = np.dtype(dtype).itemsize
-        sc = [degraded.allreduce_degraded(r, n, count * isz, isz, 0, st) for r in range(n)]
-        assert consistent(sc)
-        xs = inputs(f"deg-{n}-{count}-{dtype}", n, count, dtype, op)
-        for seed, pol in ((1, "random"), (2, "skew"), (3, "fifo")):
-            check_allreduce(sc, xs, op, chunk=5 * isz, seed=seed, policy=pol)
+    check_exact_cases(lambda r, nb, isz: degraded.allreduce_degraded(r, n, nb, isz, 0, st), n,
+                      "deg")
 
 
 def test_degraded_bits_identical_on_random_floats_and_several_slow_hosts():
