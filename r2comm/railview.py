@@ -1,7 +1,5 @@
 """Adapters between the world's view of ranks and rails and the planner's: the Topology of a
 communicator's ranks, the start-up RailState seen by them, and the topology() description."""
-import ipaddress
-
 from . import planner
 
 

@@ -418,8 +418,3 @@ def test_engine_raises_on_a_partition_of_verbs_rails(rfab):
 @pytest.mark.rdma
 def test_engine_pinned_memory_per_rank_independent_of_peers_on_verbs(rfab):
     _verbs_rails().pool_checks(rfab)
-
-
-@pytest.mark.rdma
-def test_engine_pinned_memory_per_rank_independent_of_peers_on_verbs(rfab):
-    _verbs_rails().pool_checks(rfab)
