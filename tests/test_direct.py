@@ -7,8 +7,8 @@ import pytest
 
 from r2comm import planner
 from r2comm.planner import cost, direct
-from tests.test_planner import check_allreduce, check_exact_cases, consistent, \
-    degraded_state, inputs, run_allreduce, reference
+from tests.test_planner import check_exact_cases, check_float_bits_identical, degraded_state, \
+    run_allreduce, reference
 
 MB = 1 << 20
 
@@ -25,15 +25,7 @@ def test_direct_computes_the_reduction_exactly(n, factor):
 
 
 def test_direct_bits_identical_on_random_floats_and_several_slow_hosts():
-    n = 6
-    st = degraded_state(n, slow=(1, 4), factor=0.5)
-    for eager in (0, 1 << 20):                    # non-owned and owned (copied) sends
-        sc = planner.build_all("allreduce", n, 999 * 4, 4, eager=eager, algo="direct", state=st)
-        assert consistent(sc) and sc[0].algo == "direct"
-        xs = inputs("float-direct", n, 999, "float32", exact=False)
-        for seed in range(4):
-            check_allreduce(sc, xs, exact=False, chunk=24, seed=seed,
-                            policy=("random", "skew")[seed % 2])
+    check_float_bits_identical("direct", 6, "float-direct")
 
 
 def test_block_sizes_reach_the_bound_without_a_rail_penalty():

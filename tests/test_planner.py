@@ -520,6 +520,19 @@ def check_exact_cases(build, n, tag):
     return sc, xs, isz
 
 
+def check_float_bits_identical(algo, n, tag):
+    """Every rank's `algo` schedule for n ranks with slow hosts 1 and 4 (non-owned and owned
+    sends): random float32 sums bit-identical on every rank under four delivery orders."""
+    st = degraded_state(n, slow=(1, 4), factor=0.5)
+    for eager in (0, 1 << 20):                    # non-owned and owned (copied) sends
+        sc = planner.build_all("allreduce", n, 999 * 4, 4, eager=eager, algo=algo, state=st)
+        assert consistent(sc) and sc[0].algo == algo
+        xs = inputs(tag, n, 999, "float32", exact=False)
+        for seed in range(4):
+            check_allreduce(sc, xs, exact=False, chunk=24, seed=seed,
+                            policy=("random", "skew")[seed % 2])
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 7])
 @pytest.mark.parametrize("factor", [0.1, 0.6, 0.85])
 def test_degraded_schedule_computes_the_reduction(n, factor):

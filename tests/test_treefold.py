@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_mpi
-from test_planner import check_allreduce, consistent, degraded_state, inputs
+from test_planner import check_allreduce, check_float_bits_identical, consistent, degraded_state, \
+    inputs
 from r2comm import planner
 from r2comm.planner import cost, treefold
 from r2comm.planner.treefold import (tree_children, tree_parent, tree_depth, tree_depth_fast,
@@ -97,16 +98,7 @@ def test_treefold_computes_the_reduction_exactly(n, factor):
 
 
 def test_treefold_bits_identical_on_random_floats_and_several_slow_hosts():
-    n = 7
-    st = degraded_state(n, slow=(1, 4), factor=0.5)
-    for eager in (0, 1 << 20):                    # non-owned and owned (copied) sends
-        sc = planner.build_all("allreduce", n, 999 * 4, 4, eager=eager, algo="treefold",
-                               state=st)
-        assert consistent(sc) and sc[0].algo == "treefold"
-        xs = inputs("float-tf", n, 999, "float32", exact=False)
-        for seed in range(4):
-            check_allreduce(sc, xs, exact=False, chunk=24, seed=seed,
-                            policy=("random", "skew")[seed % 2])
+    check_float_bits_identical("treefold", 7, "float-tf")
 
 
 def test_treefold_messages_grow_linearly():

@@ -37,18 +37,24 @@ static inline int r2v_post_send(struct ibv_qp* qp, uint64_t wr_id, struct ibv_sg
     return ibv_post_send(qp, &wr, &bad);
 }
 
+// Fill WR (and SGE) for one receive of LEN bytes at ADDR (LEN 0: no scatter entry).
+static inline void r2v_recv_wr(struct ibv_recv_wr* wr, struct ibv_sge* sge, uint64_t wr_id,
+                               uint64_t addr, uint32_t len, uint32_t lkey) {
+    std::memset(wr, 0, sizeof(*wr));
+    sge->addr = addr;
+    sge->length = len;
+    sge->lkey = lkey;
+    wr->wr_id = wr_id;
+    wr->sg_list = len ? sge : nullptr;
+    wr->num_sge = len ? 1 : 0;
+}
+
 // Post one receive of LEN bytes at ADDR (LEN 0: no scatter entry, for RDMA write with imm).
 static inline int r2v_post_recv(struct ibv_qp* qp, uint64_t wr_id, uint64_t addr, uint32_t len,
                                 uint32_t lkey) {
     struct ibv_sge sge;
     struct ibv_recv_wr wr, *bad = nullptr;
-    std::memset(&wr, 0, sizeof(wr));
-    sge.addr = addr;
-    sge.length = len;
-    sge.lkey = lkey;
-    wr.wr_id = wr_id;
-    wr.sg_list = len ? &sge : nullptr;
-    wr.num_sge = len ? 1 : 0;
+    r2v_recv_wr(&wr, &sge, wr_id, addr, len, lkey);
     return ibv_post_recv(qp, &wr, &bad);
 }
 
@@ -57,13 +63,7 @@ static inline int r2v_post_srq_recv(struct ibv_srq* srq, uint64_t wr_id, uint64_
                                     uint32_t len, uint32_t lkey) {
     struct ibv_sge sge;
     struct ibv_recv_wr wr, *bad = nullptr;
-    std::memset(&wr, 0, sizeof(wr));
-    sge.addr = addr;
-    sge.length = len;
-    sge.lkey = lkey;
-    wr.wr_id = wr_id;
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
+    r2v_recv_wr(&wr, &sge, wr_id, addr, len, lkey);
     return ibv_post_srq_recv(srq, &wr, &bad);
 }
 
