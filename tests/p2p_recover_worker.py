@@ -101,6 +101,7 @@ def after_recovery(comm, peer):
     extra = comm.Irecv(np.zeros(BIG + 8, "int32"), peer)
     expect(r2comm.R2commTimeout, lambda: extra.Wait(0.5),
            "no message left over (none delivered twice, none reported failed)")
+    WORLD.Barrier()                                  # (both ranks' checks ended first)
     comm.Send(msg(r, 9, 5), peer, tag=3)
     recv_expect(comm, peer, 9, 5, tag=3)
     return 1

@@ -31,7 +31,8 @@ from cython.operator cimport dereference as deref, preincrement as inc
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC, CLOCK_REALTIME
 
 from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_CTRL_PAYLOAD, FL_P2P,
-                                F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK)
+                                F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK,
+                                FL_VOID)
 from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
                                      TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC,

@@ -326,7 +326,8 @@ cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int not
     e.signal = 1
 
 cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
-    """Remove every reference the rails and queues hold to m's chunks."""
+    """Remove every reference the rails and queues hold to m's chunks; an unfinished
+    point-to-point message leaves a void in its place (send_void)."""
     cdef Peer* p = e.peers[m.peer]
     cdef Rail* r
     cdef size_t i
@@ -334,6 +335,7 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
     cdef deque[CRef] keep
     cdef CRef ref
     cdef size_t hot
+    cdef bint abandoned = not m.done and (m.flags & (FL_P2P | FL_VOID)) == FL_P2P
     if not m.done:
         e.smap.erase(mkey(m.peer, m.comm, m.flags, m.step, m.seq))
         m.done = 1
@@ -366,6 +368,42 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
     for i in range(m.nchunks):
         if (m.cstate[i] & C_STATE) != C_ACKED:
             m.cstate[i] = C_ACKED
+    if abandoned:
+        send_void(e, m)
+
+cdef void send_void(State* e, SendMsg* m) noexcept nogil:
+    """Point-to-point message m will never be sent in full (its operation failed or was
+    released, and its user was told): its number in the pair's sequence goes to the receiver
+    as a void (an empty FL_VOID frame), so the pair's later messages do not wait for it
+    there (matching.pxi p2p_void). The void is the engine's own message, sent like an eager
+    one: first in the pair's queue, kept until acknowledged, re-sent over the rails that
+    survive or come back."""
+    cdef SendMsg* v
+    cdef Key k = mkey(m.peer, m.comm, FL_P2P | FL_VOID, 0, m.seq)
+    if e.smap.count(k):
+        return
+    v = r2_new[SendMsg]()
+    if v == NULL:
+        return
+    v.peer = m.peer
+    v.comm = m.comm
+    v.seq = m.seq
+    v.flags = FL_P2P | FL_VOID
+    v.owned = 1
+    v.pin = -1
+    v.cs = m.cs
+    v.nchunks = 1
+    v.base = <char*>malloc(1)
+    v.src = v.base
+    v.cstate = <uint8_t*>calloc(1, 1)
+    v.crail = <int8_t*>malloc(1)
+    v.gate = <int32_t*>calloc(1, sizeof(int32_t))
+    if v.base == NULL or v.cstate == NULL or v.crail == NULL or v.gate == NULL:
+        free_send(v)
+        return
+    v.crail[0] = -1
+    e.smap[k] = <void*>v
+    send_chunk_ready(e, v, 0, 1)
 
 cdef void unlink_any_source(State* e, RecvMsg* rm) noexcept nogil:
     """Take an unbound any-source receive off its communicator's list."""

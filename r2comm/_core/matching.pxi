@@ -121,6 +121,8 @@ cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_
 # the pair's first taker and that list's first taker. A message becomes matchable once every
 # earlier one of its pair was seen; stored ones are then numbered in that order (their arrival)
 # and indexed by (comm, arrival) in State.any_unexp, which an any-source receive searches.
+# A message its sender gave up (a failed send) comes as a void (p2p_void) and counts as seen,
+# so the pair's later messages never wait for it, also after the pair failed and recovered.
 
 cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil:
     cdef P2PState* st
@@ -259,6 +261,10 @@ cdef void p2p_try_match(State* e, Peer* p, P2PState* st, uint32_t comm) noexcept
         if not seq_before(deref(it).first, st.seen_upto):
             break
         u = deref(it).second
+        if u.flags & FL_VOID:           # a message its sender gave up: nothing to match
+            free_unexp(e, u)
+            it = st.unexp.erase(it)
+            continue
         rm = p2p_take_receive(e, st, comm, u.aux)
         if rm != NULL:
             p2p_bind(e, p, st, rm, deref(it).first, u)
@@ -274,12 +280,72 @@ cdef void p2p_index_ready(State* e, P2PState* st, uint32_t upto_before) noexcept
     cdef Unexp* u
     while s != st.seen_upto:
         itu = st.unexp.find(s)
-        if itu != st.unexp.end() and deref(itu).second.arrival == 0:
+        if itu != st.unexp.end() and deref(itu).second.arrival == 0 and \
+                not (deref(itu).second.flags & FL_VOID):
             u = deref(itu).second
             e.p2p_arrivals += 1
             u.arrival = e.p2p_arrivals
             e.any_unexp[CA(u.comm, u.arrival)] = u
         s += 1
+
+cdef size_t p2p_states_held(State* e) noexcept nogil:
+    """Pair states this rank holds (every peer, every communicator id)."""
+    cdef size_t n = 0
+    cdef int i
+    for i in range(e.nranks):
+        if e.peers[i] != NULL:
+            n += e.peers[i].p2p.size()
+    return n
+
+cdef void p2p_void(State* e, Rail* r) noexcept nogil:
+    """A void (FL_VOID frame) for message h.seq of the pair: its sender gave that message up
+    (its send failed or was released, and its user was told), so it never comes in full. The
+    pair's later messages stop waiting for it: unseen, it counts as seen (held as an empty
+    unexpected entry, bounded like any, until every earlier message of the pair was seen, so
+    the pair's messages are still matched in the order sent); a part of it stored here is
+    dropped; a receive it had matched fails. A repeated or stale void changes nothing."""
+    cdef r2_hdr* h = &r.rh
+    cdef Peer* p = e.peers[r.peer]
+    cdef P2PState* st
+    cdef Unexp* u
+    cdef RecvMsg* rm
+    cdef uint32_t upto
+    cdef char buf[200]
+    if p.p2p.count(h.comm) == 0 and (not unexp_room(e, 1, 0) or
+                                     p2p_states_held(e) >= e.unexp_max_msgs):
+        unexp_overflow(e, r)            # (a pair state for an id nobody here used)
+        return
+    st = p2p_state(p, h.comm)
+    itb = st.bound.find(h.seq)
+    if itb != st.bound.end():
+        rm = <RecvMsg*>deref(itb).second
+        if rm.op != NULL and rm.op.state == ST_ACTIVE and not rm.done:
+            snprintf(buf, 200, "rank %d's send of the message this receive matched failed "
+                     "(its sender was told so): the rest of it will not come", p.rank)
+            fail_op(e, rm.op, E_NETWORK, buf, 0)
+        return
+    itu = st.unexp.find(h.seq)
+    if itu != st.unexp.end():
+        if not (deref(itu).second.flags & FL_VOID):
+            free_unexp(e, deref(itu).second)
+            st.unexp.erase(itu)
+        return
+    if p2p_seen(st, h.seq):
+        return
+    if not unexp_room(e, 1, 0):
+        unexp_overflow(e, r)
+        return
+    u = new_unexp(e, h, e.cs)
+    if u == NULL:
+        rx_refuse(e, r, "out of memory for an unexpected message: connection closed")
+        return
+    u.peer = p.rank
+    u.nchunks = 0                       # holds no chunk: a late chunk of it is dropped
+    st.unexp[h.seq] = u
+    upto = st.seen_upto
+    p2p_mark_seen(st, h.seq)
+    p2p_index_ready(e, st, upto)
+    p2p_try_match(e, p, st, h.comm)
 
 cdef void p2p_post_any(State* e, RecvMsg* rm, uint32_t comm) noexcept nogil:
     """Post an any-source receive: the earliest-arrived matchable message of comm (any peer)

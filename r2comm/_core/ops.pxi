@@ -114,6 +114,9 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
         elif p == NULL:
             bad = 1
             break
+        elif p2p and p.lost:
+            bad = 3                     # fails before it takes a number of the pair's sequence
+            break
         if plan.kind[i] == 1:
             sm = r2_new[SendMsg]()
             sm.op = op
@@ -179,6 +182,10 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             op.pending += 1
             msgs.push_back(<void*>rm)
             is_send.push_back(0)
+    if bad == 3:
+        snprintf(buf, 200, "rank %d is unreachable (every rail to it failed earlier)", plan.peer[i])
+        fail_op(e, op, E_NETWORK, buf, 1)
+        return op.id
     if bad:
         fail_op(e, op, E_PROTOCOL, "schedule names this rank or an unknown rank as a peer"
                 if bad == 1 else "schedule reduces from a send buffer the operation lacks", 0)

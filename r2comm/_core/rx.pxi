@@ -143,16 +143,25 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
     if h.total > MAX_MESSAGE:
         rx_refuse(e, r, "DATA frame announces a message over 1 TiB: connection closed")
         return
+    if h.flags & FL_VOID:
+        if not (h.flags & FL_P2P) or h.total != 0:
+            rx_refuse(e, r, "void frame that is not an empty point-to-point frame: connection "
+                      "closed")
+            return
+        p2p_void(e, r)                  # (acknowledged like any DATA frame)
+        return
     if h.flags & FL_P2P:
         if p.p2p.count(h.comm) == 0 and not unexp_room(e, 1, 0):
             unexp_overflow(e, r)        # (a pair state for an id nobody here used)
             return
         st = p2p_state(p, h.comm)
         itb = st.bound.find(h.seq)
+        itu0 = st.unexp.find(h.seq)
         if itb != st.bound.end():
             rm = <RecvMsg*>deref(itb).second
-        elif st.unexp.count(h.seq):
-            pass
+        elif itu0 != st.unexp.end():
+            if deref(itu0).second.flags & FL_VOID:
+                return                  # stale: its sender gave that message up
         elif p2p_seen(st, h.seq):
             return                      # stale: that message completed already
         else:

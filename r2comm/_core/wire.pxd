@@ -39,6 +39,8 @@ cdef enum:
     FL_P2P = 1
     FL_LAZY_ACK = 2     # the sender holds its own copy and does not wait for this ack: the
                         # receiver may delay it and send it with its next frame on that rail
+    FL_VOID = 4         # (with FL_P2P, an empty DATA frame) the pair's message seq will never
+                        # come: its send failed and its user was told (matching.pxi p2p_void)
 
 cdef inline void hdr_encode(r2_hdr* h, uint8_t type, uint8_t flags, uint8_t dtype, uint8_t redop,
                             uint32_t comm, uint32_t seq, uint32_t step, uint32_t sig, uint32_t chunk,
