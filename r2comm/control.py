@@ -164,7 +164,7 @@ class _Exchange:
 
     def reachable(self, peer):
         """False for a peer the engine holds lost (every rail to it failed): nothing is posted
-        to it, so no message of the pair's sequence is spent on a certain failure."""
+        to it (the engine would fail such a send or receive at once)."""
         return self.engine.peer_ok(self.members[peer])
 
     def post_recv(self, peer, phase_tag):
