@@ -189,3 +189,17 @@ def test_a_send_to_a_lost_peer_takes_no_sequence_number(rig):
     p2p_send(rig, np.full(10, 2, np.uint8))
     got = [f for f in sent_frames(rig) if f[0] == F_DATA]
     assert [(f[3], f[1] & FL_VOID) for f in got] == [(0, 0)], got
+
+
+def test_closing_waits_for_a_void_only_while_its_peer_is_reachable(rig):
+    """Engine.drain (before close) waits for a void's acknowledgement (the receiver needs it to
+    match the pair's later messages), but not for one to a peer held lost (it may never come
+    back: closing would wait out the drain's timeout for a message that carries no data)."""
+    oid = p2p_send(rig, np.ones(4 * CS, np.uint8))
+    sent_frames(rig)
+    rig.e.cancel(oid, 1, "gave up")
+    rig.e.release(oid)
+    assert testing.debug_state(rig.e)["sends"] == 1
+    assert rig.e.drain(0.2) is False
+    rig.e.peer_dead(1, "test: the failure detector said so")
+    assert rig.e.drain(5.0) is True

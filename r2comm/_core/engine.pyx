@@ -380,7 +380,7 @@ cdef class Engine:
 
     def drain(self, double timeout):
         """Wait until every send was acknowledged and every queued frame written (or timeout);
-        returns True if drained. Called before close, so a rank that finished first does not
+        returns True if drained (a void for a peer held lost is not waited for). Called before close, so a rank that finished first does not
         take unacknowledged eager data, or the acks its peers wait for, down with it."""
         cdef State* e = self._live()
         cdef double until = mono() + timeout, t
@@ -393,7 +393,7 @@ cdef class Engine:
                     # delayed acks go now: the peers' drains wait for them, and a rank that
                     # closed with some still queued left its peer waiting out the timeout
                     lazy_ack_timer(e, mono() + DACK_DELAY)
-                done = e.smap.empty() and txq_empty(e)
+                done = not sends_pending(e) and txq_empty(e)
                 t = mono()
                 if done or t >= until:
                     break

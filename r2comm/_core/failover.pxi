@@ -405,6 +405,18 @@ cdef void send_void(State* e, SendMsg* m) noexcept nogil:
     e.smap[k] = <void*>v
     send_chunk_ready(e, v, 0, 1)
 
+cdef bint sends_pending(State* e) noexcept nogil:
+    """A send still waits for its acknowledgement, other than a void for a peer held lost
+    (it carries no data, and that peer may never come back: Engine.drain does not wait)."""
+    cdef SendMsg* m
+    it = e.smap.begin()
+    while it != e.smap.end():
+        m = <SendMsg*>deref(it).second
+        if not (m.flags & FL_VOID) or not e.peers[m.peer].lost:
+            return 1
+        inc(it)
+    return 0
+
 cdef void unlink_any_source(State* e, RecvMsg* rm) noexcept nogil:
     """Take an unbound any-source receive off its communicator's list."""
     cdef size_t i
