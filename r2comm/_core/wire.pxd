@@ -23,7 +23,7 @@ cdef extern from "r2_wire.h" nogil:
         uint32_t check
 
 cdef enum:
-    R2_MAGIC = 0x52324301        # "R2C" + wire version 1
+    R2_MAGIC = 0x52324302        # "R2C" + wire version 2 (2: FL_VOID frames)
     HDR_SIZE = 48
     MAX_CTRL_PAYLOAD = 4096
 
