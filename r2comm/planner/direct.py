@@ -1,5 +1,5 @@
 """Weighted direct AllReduce: reduce-scatter and allgather straight between every pair of ranks,
-with blocks sized so that a partly slow rank's NICs and its peers' busiest rails finish together.
+with blocks and per-pair rail weights such that a partly slow rank's NICs and every rail of its peers finish together.
 
 Rank i owns a block of s_i bytes (sum N): it sends block j of its input to rank j, reduces the
 n - 1 blocks it receives into its own in ascending rank order, then sends the result to every
