@@ -25,6 +25,7 @@ from .schedule import Schedule, WORK, SEND, COPY, REDUCE, REDUCE_SEND
 
 MAX_RANKS = 16              # offered up to this many ranks (above, the tree fold replays
                             # closer to T*: 1.02 against 1.06 at 32 hosts with a NIC down)
+SAME_SHARES = 1e-3          # rail weights this close to the engine's own striping are not declared
 FILL_HOPS = 3               # the price's latencies: one per phase, one for the last acknowledgement
 
 
@@ -96,7 +97,7 @@ def pair_weights(state, sizes, slow, T):
     the pair (i, j) puts min(R_ik, R_jk) / Σ_k min(...) of its s_i + s_j bytes on rail k. With
     the blocks balanced at T, Σ_k R_ik equals rank i's healthy traffic, so every rail of a
     healthy rank carries exactly T·c_ik (a pair whose free capacity is 0 everywhere: not named,
-    the engine's own striping)."""
+    the engine's own striping, as is one whose shares are within SAME_SHARES of it)."""
     n, K = len(sizes), state.nrails
     slow = set(slow)
     free = {}
@@ -118,8 +119,12 @@ def pair_weights(state, sizes, slow, T):
             room = [min(free[i][k], free[j][k]) if state.rail_bw(i, j, k) > 0 else 0.0
                     for k in range(K)]
             tot = sum(room)
-            if tot > 0:
-                out[(i, j)] = tuple(x / tot for x in room)
+            if not tot > 0:
+                continue
+            w = tuple(x / tot for x in room)
+            own = state.rail_weights(i, j)
+            if max(abs(a - b) for a, b in zip(w, own)) > SAME_SHARES:
+                out[(i, j)] = w
     return out
 
 
