@@ -58,6 +58,34 @@ def test_a_declared_rail_that_is_down_is_skipped():
     assert chunks_per_rail((0.0, 1.0), fail=1) == [CHUNKS, 0]
 
 
+def test_a_declared_rail_whose_acks_are_late_is_passed_by():
+    """All declared on rail 1 with room for 2 chunks per rail and no acks: rail 1 takes 2 and
+    the rest wait for it; once its acks are late (past its quiet limit, 20 ms unmeasured) the
+    measured striping gives the waiting chunks to rail 0, as it would without shares."""
+    import time
+    e = eng.Engine(0, 2, [0, 2], CS, 5.0, 10.0, 2 * CS)
+    keep = []
+    try:
+        for k in (0, 1, 2):
+            testing.fuzz_attach(e, 1, k, 7 + k)
+        src = (np.arange(CHUNKS * CS) % 97).astype(np.uint8)
+        plan = eng.Plan([("send", 1, 0, 0, 0, src.nbytes, 0, False)], [], "t", None, [(0, 1)])
+        bw = eng.Buffer(src, False)
+        keep += [plan, bw]
+        e.post(plan, bw.ptr, 0, 0, U8, 0, 1, 0, 0, 5.0, [0, 1])
+        testing.fuzz_feed(e, 1, 2, b"")
+        frame = CS + fuzz_wire.HDR.size
+        assert [len(testing.fuzz_sent(e, k)) // frame for k in (0, 1)] == [0, 2]
+        time.sleep(0.1)
+        testing.fuzz_feed(e, 1, 2, b"")
+        assert len(testing.fuzz_sent(e, 0)) // frame >= 1
+    finally:
+        e.close()
+        for b in keep:
+            if isinstance(b, eng.Buffer):
+                b.release()
+
+
 @pytest.mark.parametrize("bad", [(0.0, 0.0), (-0.5, 1.5), (float("nan"), 1.0), (),
                                  tuple([0.1] * 65)])
 def test_bad_shares_are_refused(bad):

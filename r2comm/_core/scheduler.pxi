@@ -147,7 +147,8 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
 cdef Rail* declared_rail(Peer* p, SendMsg* m, uint32_t ln) noexcept nogil:
     """The up rail a message with declared rail shares (the plan's rail weights) owes the next
     chunk: the one furthest behind its share, (bytes put on it + ln) / share smallest; NULL
-    when no rail with a share is up (the measured striping then takes over)."""
+    when no rail with a share is up (the measured striping then takes over, as it does while
+    the rail chosen here has chunks out and its acks are late: pump_peer)."""
     cdef int k
     cdef Rail* r
     cdef Rail* best = NULL
@@ -204,10 +205,12 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
             continue
         if m.rw.size() > 0 and m.pin < 0:
             # declared shares (the planner's rail weights for this pair): the chunk waits for
-            # the rail its share says is next, as a pinned message waits for its rail
+            # the rail its share says is next, as a pinned message waits for its rail, unless
+            # that rail's acks are late (then the measured striping below passes it by)
             ln = chunk_len(m.total, m.cs, ref.c)
             r = declared_rail(p, m, ln)
-            if r != NULL:
+            if r != NULL and (e.noack or r.inflight_bytes == 0 or
+                              now - r.last_progress <= quiet_limit(e, r, r.rate)):
                 if r.tx_busy or not start_chunk(e, p, r):
                     return
                 m.rw_sent[r.index] += ln
