@@ -235,7 +235,8 @@ def sc_railsplit(comm, args):
     """The weighted direct schedule with rail weights (n >= 3): the last rank's NIC 1 at 1/4
     (a RailState: loopback rails are equal), so the healthy pairs declare more on rail 1;
     every case exact, and for a large message each healthy rank's bytes to each healthy peer
-    split over the rails as declared (within 0.05)."""
+    split over the rails as declared (within 0.05); then rank 0's favoured rail fails hard
+    during one and the result is still exact."""
     n, r = comm.size, comm.rank
     st = RailState.uniform(n, 2)
     for q in range(n - 1):
@@ -265,6 +266,16 @@ def sc_railsplit(comm, args):
               f"declared {want:.3f}")
     for ln in sum(WORLD.gather(lines, root=0) or [], []):
         print(ln, flush=True)
+    count += 1
+    # rank 0's rail 1 (the one its healthy pairs favour) fails hard in the middle of the next
+    # one: its chunks move to rail 0 and the result is still exact
+    if r == 0:
+        comm.fail_rail(1, "hard", after_bytes=4 << 20)
+    allreduce_case(comm, big, "split-fail", cnt, "float32", SUM)
+    if r == 0:
+        rows = comm._world.engine.rail_stats()
+        check(any(rows[comm._members[q]][1][6] > 0 for q in range(1, n)),
+              f"rank 0's rail 1 did not fail: {rows}")
     count += 1
     comm.Barrier()
     return count
