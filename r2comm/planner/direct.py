@@ -1,5 +1,6 @@
 """Weighted direct AllReduce: reduce-scatter and allgather straight between every pair of ranks,
-with blocks and per-pair rail weights such that a partly slow rank's NICs and every rail of its peers finish together.
+with blocks and per-pair rail weights such that a partly slow rank's NICs and every rail of
+its peers finish together.
 
 Rank i owns a block of s_i bytes (sum N): it sends block j of its input to rank j, reduces the
 n - 1 blocks it receives into its own in ascending rank order, then sends the result to every
@@ -240,10 +241,10 @@ def allreduce_direct(rank, n, nbytes, itemsize, eager, state=None, sizes=None, d
 
 
 def direct_time(n, nbytes, rank_bw, slow, state, chunk, alpha):
-    """Closed-form seconds: the busiest rail's finish for the planned blocks and weights, plus the slow rank's stall
-    (it streams a chunk to each of the n - 1 others at once, so the first reduced chunks, and
-    the allgather behind them, wait n - 1 chunk times at its rate: 1 + (n-1)·c/N x T* with a
-    NIC down, as the replay gives) and FILL_HOPS latencies."""
+    """Closed-form seconds: the busiest rail's finish for the planned blocks and weights, plus
+    the slow rank's stall (it streams a chunk to each of the n - 1 others at once, so the first
+    reduced chunks, and the allgather behind them, wait n - 1 chunk times at its rate:
+    1 + (n-1)·c/N x T* with a NIC down, as the replay gives) and FILL_HOPS latencies."""
     sizes, t, _ = plan_sizes(n, nbytes, rank_bw, slow, state)
     b = min(rank_bw(r) for r in range(n))
     c = min(chunk, max(sizes) if sizes else 0)

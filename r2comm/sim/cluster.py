@@ -12,8 +12,9 @@ run_schedules() replays a schedule set (one planner Schedule per rank) message b
   every predecessor done); it is one flow striped over the pair's rails in proportion to their
   bandwidth as the engines see it (RailState.rail_weights semantics), or as the schedule
   declares for that pair (Schedule.rail_weights, on the rails the engines use); it arrives
-  `alpha` after its last byte left; a receive segment is applied once it arrived and its own gates opened; a
-  send segment is done when acknowledged (arrival + alpha), or at once if owned (copied).
+  `alpha` after its last byte left; a receive segment is applied once it arrived and its own
+  gates opened; a send segment is done when acknowledged (arrival + alpha), or at once if owned
+  (copied).
   These are the rules of the planner's cost model (cost.py) and of tests/test_planner.py's
   executor; with data= the replay also moves and reduces the bytes, in simulated-time order.
 * Failover (policy "r2comm"), with the engine's defaults (config.Config):
