@@ -100,6 +100,16 @@ def compile_call(Plan, coll, rank, members, nbytes, itemsize, root, dtc, redop, 
         msgs += more
         deps += mdeps
         algo += "+agree"
+    weights = send_rail_weights(sched, msgs)
     msgs = [(k, members[p], st, b, off, n, mode, own) for (k, p, st, b, off, n, mode, own) in msgs]
     count, desc = descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size)
-    return Plan(msgs, deps, algo), sched, count, desc, {m[1] for m in msgs}
+    return Plan(msgs, deps, algo, None, weights), sched, count, desc, {m[1] for m in msgs}
+
+
+def send_rail_weights(sched, msgs):
+    """The engine Plan's per-message rail shares: the schedule's rail_weights for each send to a
+    peer it names, None for every other message (None in all: the engine's own striping)."""
+    rw = sched.rail_weights
+    if not rw:
+        return None
+    return [rw.get(m[1]) if m[0] == "send" else None for m in msgs]

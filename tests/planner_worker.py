@@ -11,6 +11,8 @@ rerouted   re-ranked ring and relayed ring / recursive doubling for a RailState 
            then for real: rank 0 loses every rail to rank 1, the RailState is built from the
            engines' live rail_stats() (allgathered), the planner routes around the broken pair
            and the collective still completes (n >= 3)
+railsplit  the weighted direct AllReduce with per-pair rail weights (n >= 3): exact, and the
+           engine's striping follows the declared weights
 Each rank checks its result against numpy and that all ranks hold the same bits; rank 0 prints
 "OK <scenario> <count>" at the end.
 
@@ -45,8 +47,9 @@ def run_schedule(comm, sched, recvbuf, sendbuf=None, op=SUM, coll="allreduce", m
     comm._check()
     op = as_op(op)
     gm = comm._members
+    from r2comm.plans import send_rail_weights
     msgs = [(k, gm[p], st, b, off, n, mode, own) for (k, p, st, b, off, n, mode, own) in sched.msgs]
-    plan = Plan(msgs, sched.deps, sched.algo)
+    plan = Plan(msgs, sched.deps, sched.algo, None, send_rail_weights(sched, sched.msgs))
     comm._world.links.connect_for({m[1] for m in msgs})   # as the communicator (issue 31)
     work = recvbuf
     send = recvbuf if sendbuf is None else sendbuf
@@ -222,7 +225,63 @@ def sc_rerouted(comm, args):
     return count
 
 
-SCENARIOS = {"degraded": sc_degraded, "rerouted": sc_rerouted}
+def sent_per_rail(comm, peer):
+    """Bytes this rank's engine sent to communicator rank `peer` per rail, hedge copies aside."""
+    rows = comm._world.engine.rail_stats()[comm._members[peer]]
+    return [row[1] - row[8] for row in rows]
+
+
+def sc_railsplit(comm, args):
+    """The weighted direct schedule with rail weights (n >= 3): the last rank's NIC 1 at 1/4
+    (a RailState: loopback rails are equal), so the healthy pairs declare more on rail 1;
+    every case exact, and for a large message each healthy rank's bytes to each healthy peer
+    split over the rails as declared (within 0.05); then rank 0's favoured rail fails hard
+    during one and the result is still exact."""
+    n, r = comm.size, comm.rank
+    st = RailState.uniform(n, 2)
+    for q in range(n - 1):
+        st.set_link(q, n - 1, 1, bw=st.rail_bw(q, n - 1, 1) / 4)
+    check(st.degraded_ranks() == [n - 1], st.describe())
+    count = 0
+    for cnt, dtype, op in CASES:
+        def fn(nbytes, isz):
+            return planner.build("allreduce", r, n, nbytes, isz, 0, comm._cfg.eager, "direct", st)
+        s = allreduce_case(comm, fn, f"split-{cnt}-{dtype}", cnt, dtype, op)
+        check(s.algo == "direct" and (r == n - 1) == (not s.rail_weights), s.rail_weights)
+        count += 1
+    cnt = 8 << 20                                   # 32 MiB of float32: many chunks per pair
+    healthy = [q for q in range(n - 1) if q != r]
+    before = {q: sent_per_rail(comm, q) for q in healthy}
+
+    def big(nbytes, isz):
+        return planner.build("allreduce", r, n, nbytes, isz, 0, comm._cfg.eager, "direct", st)
+    s = allreduce_case(comm, big, "split-big", cnt, "float32", SUM)
+    lines = []
+    for q in healthy if r != n - 1 else []:
+        got = [a - b for a, b in zip(sent_per_rail(comm, q), before[q])]
+        share = got[1] / sum(got)
+        want = s.rail_weights[q][1]
+        lines.append(f"SPLIT {r}->{q} want {want:.3f} got {share:.3f}")
+        check(abs(share - want) < 0.05, f"rank {r} -> {q}: rail 1 carried {share:.3f}, "
+              f"declared {want:.3f}")
+    for ln in sum(WORLD.gather(lines, root=0) or [], []):
+        print(ln, flush=True)
+    count += 1
+    # rank 0's rail 1 (the one its healthy pairs favour) fails hard in the middle of the next
+    # one: its chunks move to rail 0 and the result is still exact
+    if r == 0:
+        comm.fail_rail(1, "hard", after_bytes=4 << 20)
+    allreduce_case(comm, big, "split-fail", cnt, "float32", SUM)
+    if r == 0:
+        rows = comm._world.engine.rail_stats()
+        check(any(rows[comm._members[q]][1][6] > 0 for q in range(1, n)),
+              f"rank 0's rail 1 did not fail: {rows}")
+    count += 1
+    comm.Barrier()
+    return count
+
+
+SCENARIOS = {"degraded": sc_degraded, "rerouted": sc_rerouted, "railsplit": sc_railsplit}
 
 
 if __name__ == "__main__":

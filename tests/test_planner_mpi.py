@@ -43,6 +43,19 @@ def test_rerouted_and_relayed_rings_on_the_engine_and_a_real_broken_pair(n):
     assert "STATIC ['R2commNetworkError', 'R2commNetworkError'" in out
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_direct_rail_weights_on_the_engine(n):
+    """The weighted direct schedule's per-pair rail weights (the last rank's NIC 1 at 1/4):
+    every case exact on the engine, and each healthy rank's bytes to each healthy peer split
+    over the two rails as the plan declares (the engine's own striping: about even); a
+    declared rail that fails hard mid-operation leaves the result exact."""
+    count, out = scenario(n, "railsplit")
+    assert count == (CASES + 2) * n
+    split = [ln for ln in out.splitlines() if ln.startswith("SPLIT ")]
+    assert len(split) == (n - 1) * (n - 2), out[-3000:]
+    assert all(float(ln.split()[3]) > 0.55 for ln in split), split     # declared: more on rail 1
+
+
 def test_two_ranks_without_a_rail_are_refused():
     count, _ = scenario(2, "rerouted")
     assert count == 2

@@ -189,6 +189,9 @@ cdef cppclass SendMsg:
     int owned
     int done
     int pin              # rail index this message must use while that rail is up (-1: any)
+    vector[double] rw    # declared share of each rail (the plan's rail weights; empty: striped
+                         # as the rails' measured rates)
+    vector[uint64_t] rw_sent   # bytes put on each rail so far under those shares
     uint32_t comm, seq, step, sig, aux, cs, nchunks, nacked
     uint8_t flags, dtype, redop
     char* base           # bytes on the wire: the user's buffer, or the engine's copy if owned
@@ -386,6 +389,7 @@ cdef cppclass State:
 cdef cppclass PlanC:
     vector[int] kind, peer, step, buf, mode, owned
     vector[uint64_t] off, nbytes
+    vector[vector[double]] rw    # per message: a send's rail shares (empty: none declared)
     vector[pair[int, int]] deps
 
 cdef inline double mono() noexcept nogil:

@@ -156,10 +156,15 @@ cdef class Plan:
     def __dealloc__(self):
         del self.c
 
-    def __init__(self, msgs, deps, algo="", info=None):
+    def __init__(self, msgs, deps, algo="", info=None, weights=None):
+        """weights: None, or one entry per message: None or a send's share of each rail
+        (Schedule.rail_weights; >= 0, not all 0), which the striping then follows."""
         cdef int kind, peer, step, buf, mode, owned, a, b
         cdef uint64_t off, nbytes
-        for m in msgs:
+        cdef vector[double] rw
+        if weights is not None and len(weights) != len(msgs):
+            raise ValueError(f"{len(weights)} rail weight entries for {len(msgs)} messages")
+        for i, m in enumerate(msgs):
             # typed locals: Cython mis-compiles a conditional expression passed to push_back
             kind = 1 if m[0] == "send" else 0
             peer, step, buf, off, nbytes, mode = m[1], m[2], m[3], m[4], m[5], m[6]
@@ -180,6 +185,16 @@ cdef class Plan:
             self.c.nbytes.push_back(nbytes)
             self.c.mode.push_back(mode)
             self.c.owned.push_back(owned)
+            rw.clear()
+            w = weights[i] if weights is not None else None
+            if w is not None:
+                ws = [float(x) for x in w]
+                if kind != 1 or not 0 < len(ws) <= 64 or \
+                        not all(0.0 <= x < float("inf") for x in ws) or not sum(ws) > 0:
+                    raise ValueError(f"message {m!r}: rail weights {w!r} (a send's shares of "
+                                     "its rails: at most 64, >= 0, not all 0)")
+                rw = ws
+            self.c.rw.push_back(rw)
         for a, b in deps:
             self.c.deps.push_back(pair[int, int](a, b))
         self.algo = algo

@@ -131,6 +131,9 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             sm.nchunks = nchunks_of(sm.total, cs)
             sm.owned = plan.owned[i]
             sm.pin = pin
+            if i < plan.rw.size() and plan.rw[i].size() > 0:
+                sm.rw = plan.rw[i]
+                sm.rw_sent.assign(sm.rw.size(), 0)
             if p2p:
                 sm.flags = FL_P2P
                 sm.aux = <uint32_t>tag

@@ -144,6 +144,27 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
     r.tx_post_t = 0
     r.tx_sealed = 0
 
+cdef Rail* declared_rail(Peer* p, SendMsg* m, uint32_t ln) noexcept nogil:
+    """The up rail a message with declared rail shares (the plan's rail weights) owes the next
+    chunk: the one furthest behind its share, (bytes put on it + ln) / share smallest; NULL
+    when no rail with a share is up (the measured striping then takes over, as it does while
+    the rail chosen here has chunks out and its acks are late: pump_peer)."""
+    cdef int k
+    cdef Rail* r
+    cdef Rail* best = NULL
+    cdef double score, best_score = 0
+    for k in range(p.nrails):
+        if <size_t>k >= m.rw.size():
+            break
+        r = p.rails[k]
+        if r.state != R_UP or m.rw[k] <= 0:
+            continue
+        score = (m.rw_sent[k] + ln) / m.rw[k]
+        if best == NULL or score < best_score:
+            best = r
+            best_score = score
+    return best
+
 cdef void pump_peer(State* e, Peer* p) noexcept nogil:
     """Flush what each connection holds, then stripe queued chunks: each goes to the rail with
     window room and an idle socket on which it would be through soonest (unacknowledged bytes
@@ -158,6 +179,7 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
     cdef double now = mono()
     cdef CRef ref
     cdef SendMsg* m
+    cdef uint32_t ln
     for k in range(p.nrails + 1):
         r = p.rails[k]
         if r.state == R_UP and (r.tx_busy or r.txq.size() > r.txq_pos):
@@ -181,6 +203,19 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
                 return
             rail_write(e, r)
             continue
+        if m.rw.size() > 0 and m.pin < 0:
+            # declared shares (the planner's rail weights for this pair): the chunk waits for
+            # the rail its share says is next, as a pinned message waits for its rail, unless
+            # that rail's acks are late (then the measured striping below passes it by)
+            ln = chunk_len(m.total, m.cs, ref.c)
+            r = declared_rail(p, m, ln)
+            if r != NULL and (e.noack or r.inflight_bytes == 0 or
+                              now - r.last_progress <= quiet_limit(e, r, r.rate)):
+                if r.tx_busy or not start_chunk(e, p, r):
+                    return
+                m.rw_sent[r.index] += ln
+                rail_write(e, r)
+                continue
         busy = NULL
         busy_score = 0
         for k in range(p.nrails):

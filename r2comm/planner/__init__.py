@@ -170,8 +170,7 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
             return s.validate()
     scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send)
     s = scheds[rank]
-    return Schedule(s.algo, list(s.msgs), list(s.deps), s.scratch, list(s.pre), list(s.post),
-                    s.cost, s.fills_work)
+    return s.copy()
 
 
 _TEMPLATES = {}             # size class + rank -> (nbytes, Schedule) of the long schedules

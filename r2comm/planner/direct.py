@@ -1,5 +1,6 @@
 """Weighted direct AllReduce: reduce-scatter and allgather straight between every pair of ranks,
-with blocks sized so that a partly slow rank's NICs and its peers' busiest rails finish together.
+with blocks and per-pair rail weights such that a partly slow rank's NICs and every rail of
+its peers finish together.
 
 Rank i owns a block of s_i bytes (sum N): it sends block j of its input to rank j, reduces the
 n - 1 blocks it receives into its own in ascending rank order, then sends the result to every
@@ -8,13 +9,14 @@ slow rank (bandwidth b_d) owning a small block and the healthy ranks larger ones
 load: with s_i = (T·b_i - N)/(n - 2) the time is T = 2(n-1)N / Σb_i, the bound T*, wherever
 T*·b_d >= N (else the slow rank owns nothing and T = N/b_d, the bound's other term).
 
-The rails: the engine stripes a pair's traffic over its rails in proportion to the slower end's
-rates, so a healthy rank's traffic with a slow rank loads its fast rails beyond their share:
-of D bytes to the slow rank its busiest rail carries w·D (w the largest rail weight of that
-pair) where a healthy pair puts D/K on each of its K rails. That costs the healthy rank
-g·D more in time, g = K·w - 1 (1/3 with one of 2 NICs at half rate, 1 with it down). With few
-ranks the blocks are sized for that (rail_penalty()); from RAIL_AWARE_MAX ranks on the penalty
-spreads over many peers and the plain weights replay better (bench/SIM.md).
+The rails: the engine stripes a pair's traffic over its rails in proportion to their rates as
+the pair sees them (the slower end's), so a healthy rank's traffic with a slow rank loads its
+fast rails beyond their share, and with healthy pairs striped evenly those rails finish last
+(g = K·w - 1 more time for D bytes to the slow rank, w the largest rail weight of the pair: 1/3
+with one of 2 NICs at half rate, 1 with it down). The schedule therefore carries rail weights
+(Schedule.rail_weights) for the healthy pairs: each pair stripes in proportion to what the
+traffic with the slow ranks leaves free on both ends' rails (pair_weights()), so every healthy
+rank's rails finish together at the bound T* instead of T*·(1 + g·(s_d + s_i)/(T*·b_i)).
 
 Every element is reduced at its owner in one fixed order, then only copied: every rank holds
 identical bits. 4(n - 1) messages per rank: offered up to MAX_RANKS ranks."""
@@ -24,7 +26,7 @@ from .schedule import Schedule, WORK, SEND, COPY, REDUCE, REDUCE_SEND
 
 MAX_RANKS = 16              # offered up to this many ranks (above, the tree fold replays
                             # closer to T*: 1.02 against 1.06 at 32 hosts with a NIC down)
-RAIL_AWARE_MAX = 12         # blocks sized for the rail penalty below this many ranks
+SAME_SHARES = 1e-3          # rail weights this close to the engine's own striping are not declared
 FILL_HOPS = 3               # the price's latencies: one per phase, one for the last acknowledgement
 
 
@@ -82,24 +84,104 @@ def rail_penalty(state, healthy, slow):
     return max(0.0, state.nrails * w - 1.0)
 
 
+def rank_rail_caps(state, r):
+    """Bytes/s of each of rank r's rails towards other hosts (its host's NICs over its ranks)."""
+    h = state.hosts[r]
+    m = len(state.host_ranks(h))
+    return [state.nic_bw(h, k) / m for k in range(state.nrails)]
+
+
+def pair_weights(state, sizes, slow, T):
+    """{(i, j): per-rail shares} (i < j, neither slow) that fill what each healthy rank's rails
+    have left at time T after its traffic with the slow ranks (striped as the engine does,
+    state.rail_weights): rank i's rail k keeps R_ik = T·c_ik - Σ_d (s_i + s_d)·w_idk free and
+    the pair (i, j) puts min(R_ik, R_jk) / Σ_k min(...) of its s_i + s_j bytes on rail k. With
+    the blocks balanced at T, Σ_k R_ik equals rank i's healthy traffic, so every rail of a
+    healthy rank carries exactly T·c_ik (a pair whose free capacity is 0 everywhere: not named,
+    the engine's own striping, as is one whose shares are within SAME_SHARES of it)."""
+    n, K = len(sizes), state.nrails
+    slow = set(slow)
+    free = {}
+    for i in range(n):
+        if i in slow:
+            continue
+        caps = rank_rail_caps(state, i)
+        load = [0.0] * K
+        for d in slow:
+            x = sizes[i] + sizes[d]
+            for k, w in enumerate(state.rail_weights(i, d)):
+                load[k] += x * w
+        free[i] = [max(0.0, T * c - l) for c, l in zip(caps, load)]
+    out = {}
+    for i in free:
+        for j in free:
+            if j <= i:
+                continue
+            room = [min(free[i][k], free[j][k]) if state.rail_bw(i, j, k) > 0 else 0.0
+                    for k in range(K)]
+            tot = sum(room)
+            if not tot > 0:
+                continue
+            w = tuple(x / tot for x in room)
+            own = state.rail_weights(i, j)
+            if max(abs(a - b) for a, b in zip(w, own)) > SAME_SHARES:
+                out[(i, j)] = w
+    return out
+
+
+def rail_finish_time(state, sizes, weights):
+    """Seconds until the busiest rail of any rank is done: rank i's rail k carries
+    Σ_j (s_i + s_j)·w_ijk each way (w: `weights` for the pairs named, else the engine's
+    striping, state.rail_weights)."""
+    n, K = len(sizes), state.nrails
+    t = 0.0
+    for i in range(n):
+        caps = rank_rail_caps(state, i)
+        load = [0.0] * K
+        for j in range(n):
+            if j == i:
+                continue
+            w = weights.get((min(i, j), max(i, j))) or state.rail_weights(i, j)
+            x = sizes[i] + sizes[j]
+            for k in range(K):
+                load[k] += x * w[k]
+        for k in range(K):
+            if load[k] > 0:
+                t = max(t, load[k] / caps[k] if caps[k] > 0 else float("inf"))
+    return t
+
+
 def plan_sizes(n, nbytes, rank_bw, slow, state=None):
-    """(block sizes, T, g) for n ranks of bandwidths rank_bw(r), the slow ranks `slow`. The
-    sizes and T scale with nbytes (the balance is linear in N): the shares are computed once
-    per set of bandwidths."""
+    """(block sizes, T, {pair: rail weights}) for n ranks of bandwidths rank_bw(r), the slow
+    ranks `slow`: blocks balanced at the bound (no rail penalty), the healthy pairs' rail
+    weights from pair_weights(), T the busiest rail's finish (rail_finish_time()). The sizes and
+    T scale with nbytes (the balance is linear in N): the shares are computed once per state."""
     bws = tuple(rank_bw(r) for r in range(n))
     slow = tuple(sorted(set(slow)))
-    healthy = [r for r in range(n) if r not in set(slow)]
-    g_true = rail_penalty(state, healthy, slow) if state is not None else 0.0
-    g = g_true if n < RAIL_AWARE_MAX else 0.0
-    shares, t1 = _shares(bws, g, g_true, slow)
-    return [x * nbytes for x in shares], t1 * nbytes, g
+    if state is None:
+        shares, t1 = _shares(bws, slow)
+        return [x * nbytes for x in shares], t1 * nbytes, {}
+    key = (state.fingerprint(), bws, slow)
+    hit = _WEIGHTED.get(key)
+    if hit is None:
+        shares, t1 = _shares(bws, slow)
+        weights = pair_weights(state, shares, slow, t1)
+        hit = (shares, rail_finish_time(state, shares, weights), weights)
+        if len(_WEIGHTED) >= 256:
+            _WEIGHTED.clear()
+        _WEIGHTED[key] = hit
+    shares, t1, weights = hit
+    return [x * nbytes for x in shares], t1 * nbytes, weights
+
+
+_WEIGHTED = {}              # (state fingerprint, bandwidths, slow) -> plan_sizes() of one byte
 
 
 @functools.lru_cache(maxsize=256)
-def _shares(bws, g, g_true, slow):
-    """(block sizes, finish time under the rails' penalty g_true) for one byte."""
-    sizes, _ = block_sizes(1.0, list(bws), g, slow)
-    return tuple(sizes), finish_time(1.0, sizes, bws, g_true, slow)
+def _shares(bws, slow):
+    """(block sizes, finish time of the ranks' NICs) for one byte."""
+    sizes, t = block_sizes(1.0, list(bws), 0.0, slow)
+    return tuple(sizes), t
 
 
 def finish_time(nbytes, sizes, bws, g, slow):
@@ -122,10 +204,11 @@ def allreduce_direct(rank, n, nbytes, itemsize, eager, state=None, sizes=None, d
     s = Schedule("direct")
     if n == 1:
         return s
+    weights = {}
     if sizes is None:
         if state is not None:
             slow = sorted(set(degraded if degraded is not None else state.degraded_ranks()))
-            sizes = plan_sizes(n, nbytes, state.rank_bw, slow, state)[0]
+            sizes, _, weights = plan_sizes(n, nbytes, state.rank_bw, slow, state)
         else:
             sizes = [1.0] * n
     blk = integer_blocks(nbytes // itemsize, sizes, itemsize)
@@ -150,15 +233,18 @@ def allreduce_direct(rank, n, nbytes, itemsize, eager, state=None, sizes=None, d
         if j != rank and blk[j][1]:
             ri = s.recv(j, 1, WORK, blk[j][0], blk[j][1], COPY)
             s.dep(sent[j], ri)     # in place, SEND is WORK: never overwrite what is being sent
+    for (i, j), w in weights.items():
+        if rank in (i, j):
+            s.rail_weights[j if rank == i else i] = w
     s.fills_work = True
     return s
 
 
 def direct_time(n, nbytes, rank_bw, slow, state, chunk, alpha):
-    """Closed-form seconds: finish_time() of the planned blocks, plus the slow rank's stall
-    (it streams a chunk to each of the n - 1 others at once, so the first reduced chunks, and
-    the allgather behind them, wait n - 1 chunk times at its rate: 1 + (n-1)·c/N x T* with a
-    NIC down, as the replay gives) and FILL_HOPS latencies."""
+    """Closed-form seconds: the busiest rail's finish for the planned blocks and weights, plus
+    the slow rank's stall (it streams a chunk to each of the n - 1 others at once, so the first
+    reduced chunks, and the allgather behind them, wait n - 1 chunk times at its rate:
+    1 + (n-1)·c/N x T* with a NIC down, as the replay gives) and FILL_HOPS latencies."""
     sizes, t, _ = plan_sizes(n, nbytes, rank_bw, slow, state)
     b = min(rank_bw(r) for r in range(n))
     c = min(chunk, max(sizes) if sizes else 0)

@@ -138,8 +138,7 @@ def resize(sched, topo, old_nbytes, nbytes, itemsize, eager):
     for k, p, st, buf, off, ln, mode, own in sched.msgs:
         o, n = where[off]
         msgs.append((k, p, st, buf, o, n, mode, n <= eager))
-    return Schedule(sched.algo, msgs, list(sched.deps), sched.scratch, list(sched.pre),
-                    list(sched.post), sched.cost, sched.fills_work)
+    return sched.copy(msgs=msgs)
 
 
 def part_regions(count, slices, parts, itemsize):

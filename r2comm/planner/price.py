@@ -370,8 +370,8 @@ def _treefold_build(rank, net, nbytes, itemsize, eager):
 
 def direct(net, nbytes):
     """direct.py's weighted reduce-scatter + allgather between every pair: the busiest rank's
-    busiest rail for the planned block sizes (direct_time(): the rails of a pair with a slow
-    rank carry unequal shares, which the blocks are sized for), plus two chunk fills."""
+    busiest rail for the planned block sizes and the healthy pairs' rail weights
+    (direct_time()), plus the slow rank's stall and the latencies."""
     from .direct import direct_time
     return direct_time(net.n, nbytes, net.rank_bw, sorted(net.degraded), net.state, net.chunk,
                        net.alpha)

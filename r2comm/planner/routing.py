@@ -254,8 +254,7 @@ def relay(schedules, state, suffix="+relay"):
     if not uses_broken_pair(schedules, state):
         return schedules
     state.check_connected()
-    out = [Schedule(s.algo + suffix, list(s.msgs), list(s.deps), s.scratch, list(s.pre),
-                    list(s.post), s.cost, s.fills_work) for s in schedules]
+    out = [s.copy(algo=s.algo + suffix) for s in schedules]
     recv_at = [{(m[1], m[2]): i for i, m in enumerate(s.msgs) if m[0] == "recv"}
                for s in schedules]
     top = max((m[2] for s in schedules for m in s.msgs), default=0)

@@ -12,6 +12,10 @@ A message is (kind, peer, step, buf, offset, nbytes, mode, owned):
           (dst = send op incoming / incoming op send), so the input need not be copied into
           WORK first (with IN_PLACE, SEND is WORK and they equal REDUCE / REDUCE_REV)
   owned   the engine copies the data (small messages: the op need not wait for acks)
+rail_weights {peer: (w_0, ..., w_K-1)}: how this rank's sends to `peer` stripe over the rails
+(shares summing to 1; a pair not named stripes as the engine measures it). The planner sets them
+where a pair should favour the rails that its peers' traffic with a slow host leaves free
+(direct.py); the simulator's replay and the engine honour them on the rails that are up.
 A dependency (a, b) means: chunk c of message b waits for chunk c of message a (a receive is
 done with a chunk once applied; a send once acknowledged, or once copied if owned). Both
 messages must have the same length.
@@ -33,6 +37,7 @@ class Schedule:
     cost: float = 0.0             # predicted seconds (planner's cost model)
     fills_work: bool = False      # every byte of WORK is written from SEND and received data,
                                   # so the caller skips copying the input into WORK
+    rail_weights: dict = field(default_factory=dict)   # peer -> per-rail shares of my sends
 
     @property
     def hierarchical(self):
@@ -68,4 +73,15 @@ class Schedule:
         for a, b in self.deps:
             if self.msgs[a][5] != self.msgs[b][5]:
                 raise ValueError(f"{self.algo}: dependency {a}->{b} between different sizes")
+        for peer, w in self.rail_weights.items():
+            if not w or any(not x >= 0 for x in w) or not abs(sum(w) - 1.0) < 1e-6:
+                raise ValueError(f"{self.algo}: rail weights {w!r} for peer {peer}: shares >= 0 "
+                                 "summing to 1")
         return self
+
+    def copy(self, algo=None, msgs=None):
+        """A copy with its own lists (algo and msgs replaced where given)."""
+        return Schedule(self.algo if algo is None else algo,
+                        list(self.msgs if msgs is None else msgs), list(self.deps), self.scratch,
+                        list(self.pre), list(self.post), self.cost, self.fills_work,
+                        dict(self.rail_weights))

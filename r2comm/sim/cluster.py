@@ -10,9 +10,11 @@ run_schedules() replays a schedule set (one planner Schedule per rank) message b
   segments=None: one segment per chunk, exact but slower).
 * A send segment starts once its gates open (chunk-level dependencies: the same segment of
   every predecessor done); it is one flow striped over the pair's rails in proportion to their
-  bandwidth as the engines see it (RailState.rail_weights semantics); it arrives `alpha` after
-  its last byte left; a receive segment is applied once it arrived and its own gates opened; a
-  send segment is done when acknowledged (arrival + alpha), or at once if owned (copied).
+  bandwidth as the engines see it (RailState.rail_weights semantics), or as the schedule
+  declares for that pair (Schedule.rail_weights, on the rails the engines use); it arrives
+  `alpha` after its last byte left; a receive segment is applied once it arrived and its own
+  gates opened; a send segment is done when acknowledged (arrival + alpha), or at once if owned
+  (copied).
   These are the rules of the planner's cost model (cost.py) and of tests/test_planner.py's
   executor; with data= the replay also moves and reduces the bytes, in simulated-time order.
 * Failover (policy "r2comm"), with the engine's defaults (config.Config):
@@ -91,6 +93,7 @@ class Cluster:
         self.queue = {}             # (a, b) -> [(transfer, nbytes)] waiting behind them
         self._pending = 0           # NICs down whose failure the engines have not reacted to
         self._cache = {}            # (a, b) -> (rails, path row) while nothing is pending
+        self.declared = {}          # (a, b) -> rail shares the running operation declares
         for h in range(fabric.H):   # NICs already down: found at start-up (the engines' probe)
             for k in range(fabric.K):
                 if not fabric.up[h][k]:
@@ -115,6 +118,19 @@ class Cluster:
                 w[k] = x
         tot = sum(w.values())
         return {k: x / tot for k, x in w.items()} if tot > 0 else {}
+
+    def _pair_weights(self, a, b):
+        """{rail: share} for new chunks from rank a to rank b: the operation's declared rail
+        weights for the pair (Schedule.rail_weights) on the rails the engines use, else the
+        engines' own striping (_weights)."""
+        ha, hb = self.host(a), self.host(b)
+        w = self._weights(ha, hb)
+        want = self.declared.get((a, b)) if self.policy == "r2comm" else None
+        if want is None or not w:
+            return w
+        mine = {k: want[k] for k in w if k < len(want) and want[k] > 0}
+        tot = sum(mine.values())
+        return {k: x / tot for k, x in mine.items()} if tot > 0 else w
 
     def _backup(self, h, k):
         K = self.fab.K
@@ -224,7 +240,7 @@ class Cluster:
             hit = self._cache.get((a, b))
             if hit is None:
                 ha, hb = self.host(a), self.host(b)
-                rails = None if ha == hb else self._weights(ha, hb)
+                rails = None if ha == hb else self._pair_weights(a, b)
                 path = self._path(a, b, rails if rails is not None else {}) \
                     if rails is None or rails else None
                 hit = (rails, None if path is None else self.sim.row(path))
@@ -242,7 +258,7 @@ class Cluster:
         if ha == hb:
             self._part(seg, nbytes, None)
         else:
-            self._stripe(seg, nbytes, self._weights(ha, hb))
+            self._stripe(seg, nbytes, self._pair_weights(a, b))
         seg.started = True
         seg.check()
         return seg
@@ -461,7 +477,7 @@ class Cluster:
                     if ha == hb:
                         self._part(p.seg, p.nbytes, None)
                     else:
-                        self._stripe(p.seg, p.nbytes, self._weights(ha, hb))
+                        self._stripe(p.seg, p.nbytes, self._pair_weights(p.seg.a, p.seg.b))
                 p.seg.check()
 
     def _rebalance_host(self, h):
@@ -471,7 +487,7 @@ class Cluster:
         for fid, p in list(self.parts.items()):
             if p.rails is None or h not in (self.host(p.seg.a), self.host(p.seg.b)):
                 continue
-            w = self._weights(self.host(p.seg.a), self.host(p.seg.b))
+            w = self._pair_weights(p.seg.a, p.seg.b)
             if w and w != p.rails and self.sim.remaining(fid) > 0:
                 p.rails = w
                 self.sim.repath(fid, self._path(p.seg.a, p.seg.b, w))
@@ -485,8 +501,7 @@ class Cluster:
             p = self.parts.get(fid)
             if p is None or p.rails is None:
                 continue
-            ha, hb = self.host(p.seg.a), self.host(p.seg.b)
-            w = self._weights(ha, hb)
+            w = self._pair_weights(p.seg.a, p.seg.b)
             if not w:
                 continue
             p.rails = w
@@ -498,6 +513,11 @@ class Cluster:
         if len(schedules) != self.nranks:
             raise ValueError(f"{len(schedules)} schedules for {self.nranks} ranks")
         o = _Op(self, schedules, self.segments, data, dtype, op)
+        declared = {(r, peer): tuple(w) for r, sc in enumerate(schedules)
+                    for peer, w in getattr(sc, "rail_weights", {}).items()}
+        if declared or self.declared:
+            self.declared = declared
+            self._cache.clear()
         self.op = o
         o.start()
         if not o.finished():
