@@ -137,7 +137,7 @@ def _mix(comm, np):
     t = np.empty_like(s)
     comm.Allreduce(s, t)
     assert t[0] == n, "small allreduce"
-    return comm.plan("allreduce", x.nbytes, 4).algo
+    return comm.schedule("allreduce", x.nbytes, 4).algo
 
 
 def rank_main(a):
@@ -149,7 +149,7 @@ def rank_main(a):
     import importlib
     import r2comm
     importlib.import_module("r2comm._core.engine")    # loaded now: not start-up's cost
-    for mod in ("r2comm.communicator", "r2comm.control", "r2comm.probe"):
+    for mod in ("r2comm.communicator", "r2comm.control", "r2comm.bandwidth_probe"):
         importlib.import_module(mod)                  # nor compiling r2comm's sources (no .pyc
                                                       # under PYTHONDONTWRITEBYTECODE: ~60 ms
                                                       # of CPU per rank, n ranks on few cores)

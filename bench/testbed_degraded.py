@@ -63,7 +63,7 @@ def rank_main(args):
             assert np.array_equal(y, ref), label
         ts.sort()
         results[label] = {"median_s": ts[len(ts) // 2], "all_s": ts,
-                          "algo": comm.plan("allreduce", count * 4, 4).algo}
+                          "algo": comm.schedule("allreduce", count * 4, 4).algo}
 
     def exchange(reps):
         """The degraded host's bare traffic: N/(n-1) to and from every healthy host at once."""

@@ -43,7 +43,7 @@ def rank_main(a):
         for algo in order:
             comm._cfg.algo = algo                     # what R2COMM_ALGO sets, switched in-job
             comm._plans.clear()
-            algos[algo] = comm.plan("allreduce", x.nbytes, 4).algo
+            algos[algo] = comm.schedule("allreduce", x.nbytes, 4).algo
             world.Barrier()
             t0 = time.perf_counter()
             for _ in range(a.iters):

@@ -157,7 +157,7 @@ class Channel:
         if self._state is not None:       # peers this rank cannot reach are relayed around
             members = [g for i, g in enumerate(self._members)
                        if i == self.rank or self._state.working(self.rank, i)]
-        # (the engine's `sig` is the element count, its `tag` a collective's call descriptor)
+        # (the engine's `count` is the element count, its `tag` a collective's call descriptor)
         oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, count,
                                 self.timeout, members, 0, desc if blocking else desc | _NONBLOCKING)
         posts = [(db, do, sb, so, n) for (db, do, sb, so, n) in sched.post if n]

@@ -78,8 +78,8 @@ class Communicator(Channel):
 
     @property
     def probe_result(self):
-        """What the start-up bandwidth probe measured on this rank (probe.ProbeResult: .rates
-        {(peer, rail): bytes/s}, .seconds), or None when it did not run (R2COMM_PROBE=0)."""
+        """What the start-up bandwidth probe measured on this rank (bandwidth_probe.ProbeResult:
+        .rates {(peer, rail): bytes/s}, .seconds), or None when it did not run (R2COMM_PROBE=0)."""
         return self._world.probe
 
     # -- mpi4py-style accessors ----------------------------------------------------------------
@@ -201,12 +201,14 @@ class Communicator(Channel):
         self._engine.clear_injection(index)
 
     # -- planning ------------------------------------------------------------------------------
-    def plan(self, op="allreduce", nbytes=0, itemsize=4, root=0, in_place=False):
+    def schedule(self, op="allreduce", nbytes=0, itemsize=4, root=0, in_place=False):
         """The schedule (planner.Schedule) this rank would run for (op, nbytes): its algorithm
         (.algo; .hierarchical is True for the host-aware plans of planner/hierarchical.py),
         messages and the predicted seconds (.cost) once the plans are priced (a rail state after
         replan(), or several hosts running several ranks)."""
         return self._schedule(op, nbytes, itemsize, root, separate=not in_place)[1]
+
+    plan = schedule     # the older name, kept for existing scripts
 
     def topology(self):
         """Which ranks share a host (host keys from bootstrap, r2comm.hostid; R2COMM_HOST

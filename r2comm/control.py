@@ -4,9 +4,9 @@ through the engine (not through the bootstrap MPI communicator).
 Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
 CONTROL_BIT | id (comm_ids.py), so its operations have their own sequence numbers and tags and
 never match the application's. It follows its communicator's plans (the rail state of the
-agreed epoch). The start-up bandwidth probe (probe.py), the rail-state agreement (rail_state():
-agree_rails, per-rank summaries of planner/agree.py) and the epoch check of R2COMM_REPLAN run
-on it.
+agreed epoch). The start-up bandwidth probe (bandwidth_probe.py), the rail-state agreement
+(rail_state(): agree_rails, per-rank summaries of planner/agree.py) and the epoch check of
+R2COMM_REPLAN run on it.
 
 allgather() gathers one small float64 row per rank with point-to-point messages (issue 31):
 

@@ -5,7 +5,7 @@ sender called, so that the first frame that disagrees is caught by an integer co
 engine (check_match) and both sides can be named in the error:
   header.aux = kind (bits 0-2) | non-blocking (bit 3) | root (bits 4-19, 0xFFFF: >= 65535)
                | 12-bit hash of the rest of the plan (bits 20-31: algorithm, size, sizes)
-  header.sig = element count (low 32 bits)     header.dtype, header.redop as before
+  header.count = element count (low 32 bits)     header.dtype, header.redop as before
 
 Rooted collectives (Bcast, Reduce) leave ranks that hear from nobody (a Bcast root, a Reduce
 leaf): their data alone cannot tell them that the others called the same thing. They get an
@@ -74,7 +74,7 @@ def _agreement_reachable(state, size):
 
 
 def descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size):
-    """(element count for header.sig, header.aux without the non-blocking bit)."""
+    """(element count for header.count, header.aux without the non-blocking bit)."""
     count = nbytes // itemsize if itemsize else nbytes
     h = zlib.crc32(f"{coll}|{nbytes}|{itemsize}|{dtc}|{redop}|{root}|{algo}|{size}|"
                    f"{count >> 32}".encode())

@@ -13,6 +13,7 @@ from .comm_ids import CommIds
 from .errors import R2commBuildError
 from .railview import loopback_only, topology
 from .transport import liveness, select
+from .transport.rails import rail_stats
 from .transport.links import Links
 
 log = logging.getLogger("r2comm")
@@ -156,10 +157,10 @@ class World:
         return nbytes if self.boot.params["acks"] and self.boot.size > 1 else 0
 
     def probe_bandwidth(self, ctl, mpi_comm, nbytes, state, timeout):
-        """Time every rail to the ring neighbours over control plane `ctl` (probe.py; state: the
-        plans' RailState or None), exchange each NIC's rate over `mpi_comm` and seed the engine's
+        """Time every rail to the ring neighbours over control plane `ctl` (bandwidth_probe.py;
+        state: the plans' RailState or None), exchange each NIC's rate over `mpi_comm` and seed the engine's
         measured rates of every peer (a pair not timed: the slower of its two NICs)."""
-        from . import probe
+        from . import bandwidth_probe as probe
         eng, g, rank = self.engine, ctl.global_ranks(), ctl.rank
         stats = eng.rail_stats()
         hedge = getattr(eng, "set_hedge", None)   # tail copies on another rail would time that one
@@ -167,7 +168,7 @@ class World:
             hedge(False)
         try:
             eps = self.boot.endpoints
-            res = probe.run(ctl, nbytes, lambda p, k: eng.rail_stats()[g[p]][k][0] == "up",
+            res = probe.run(ctl, nbytes, lambda p, k: rail_stats(eng)[g[p]][k].state == "up",
                             lambda p: len(stats[g[p]]), self.cfg.eager, timeout,
                             hosts=[eps[x]["host"] for x in g],
                             max_rails=max(len(eps[x]["rails"]) for x in g),

@@ -240,15 +240,15 @@ def sc_autoreplan(comm, args):
     ref = reduce_ref("auto", n, cnt, "int32", SUM)   # schedule within 1% (planner/price.py)
     x = data("auto", r, cnt, "int32", SUM)
     y = np.empty_like(x)
-    before = comm.plan("allreduce", cnt * 4, 4).algo
+    before = comm.schedule("allreduce", cnt * 4, 4).algo
     if r == n - 1:
         comm.fail_rail(1, "hard")
     algos = set()
     for i in range(12):
         comm.Allreduce(x, y)
         check(np.array_equal(y, ref), f"allreduce {i} after NIC loss")
-        algos.add(comm.plan("allreduce", cnt * 4, 4).algo)
-    after = comm.plan("allreduce", cnt * 4, 4).algo
+        algos.add(comm.schedule("allreduce", cnt * 4, 4).algo)
+    after = comm.schedule("allreduce", cnt * 4, 4).algo
     agreed = WORLD.allgather(after)
     check(len(set(agreed)) == 1, f"all ranks chose the same schedule: {agreed}")
     if r == 0:

@@ -113,7 +113,7 @@ class Target:
 
 class World:
     """One fuzzed engine with its posted operations."""
-    # message templates: (type-hint, flags, comm, seq, step, sig, total, aux)
+    # message templates: (type-hint, flags, comm, seq, step, count, total, aux)
     A_TOTAL, C_TOTAL, B_TOTAL = 2 * CS + 100, CS + 33, CS
     P_CAP, Q_CAP = 2 * CS + 7, CS
 
@@ -162,7 +162,7 @@ class World:
                                0, p2p=1, tag=6, cap=2 * CS)
         # where a DATA frame's key sends it: (flags & P2P, comm, seq, step) -> target
         self.route = {(0, 1, 0, 0): ua, (0, 1, 2, 1): uc}
-        # templates for valid-looking frames: (flags, comm, seq, step, sig, total, aux)
+        # templates for valid-looking frames: (flags, comm, seq, step, count, total, aux)
         self.templates = [(0, 1, 0, 0, 0xA1, A, 0), (0, 1, 2, 1, 0xC3, C, 0),
                           (0, 1, 1, 0, 0xB2, B, 0), (FL_P2P, 1, 0, 0, 0, CS + 5, 5),
                           (FL_P2P, 1, 1, 0, 0, 2 * CS + 7, 5), (FL_P2P, 1, 2, 0, 0, 100, 9),
@@ -194,12 +194,12 @@ class World:
         self.targets[name] = t
         return t
 
-    def post(self, msgs, deps, work, send, comm, seq, sig, p2p=0, tag=0, cap=0):
+    def post(self, msgs, deps, work, send, comm, seq, count, p2p=0, tag=0, cap=0):
         plan = eng.Plan(msgs, deps, "fuzz")
         bw = eng.Buffer(work, True)
         bs = eng.Buffer(send, False) if send is not None else None
         self.keep += [plan, bw, bs]
-        return self.e.post(plan, bw.ptr, bs.ptr if bs else 0, 0, U8, 0, comm, seq, sig, 5.0,
+        return self.e.post(plan, bw.ptr, bs.ptr if bs else 0, 0, U8, 0, comm, seq, count, 5.0,
                            [0, 1], p2p, tag, cap)
 
     def close(self):
@@ -226,11 +226,11 @@ def build_frame(pv, w, info):
         seq = pv.pick((7, 8, 9, 1234)) if typ == F_RAIL_DOWN else pv.int(4)
         h = [typ, 0, 0, 0, 0, seq, 0, 0, 0, 0, 0, rail]
     elif typ == F_ABORT:
-        flags, comm, seq, step, sig, total, aux = pv.pick(t)
+        flags, comm, seq, step, count, total, aux = pv.pick(t)
         n = pv.pick((0, 5, 40, 4096, 4097))
         h = [F_ABORT, flags, 0, 0, comm, seq, 0, 0, 0, n, 0, pv.pick((1, 2, 3, 5, 77))]
     else:
-        flags, comm, seq, step, sig, total, aux = pv.pick(t)
+        flags, comm, seq, step, count, total, aux = pv.pick(t)
         if pv.byte() < 40:
             total = pv.pick((0, 1, CS - 1, CS, CS + 1, 3 * CS, MAX_MESSAGE, MAX_MESSAGE + 1,
                              CS * 0xFFFFFFF0, (1 << 64) - 1, pv.int(8)))
@@ -241,12 +241,12 @@ def build_frame(pv, w, info):
         if m < 30:                                    # a chunk that lies about its length
             ln = pv.pick((0, 1, max(ln - 1, 0), ln + 1, 10, CS, CS + 1, pv.int(4)))
         if pv.byte() < 20:
-            sig = pv.int(4)
+            count = pv.int(4)
         if pv.byte() < 15:
             flags = pv.byte()
         if pv.byte() < 8:
             step = pv.int(3)
-        h = [F_DATA, flags, U8 if pv.byte() >= 10 else pv.byte(), 0, comm, seq, step, sig,
+        h = [F_DATA, flags, U8 if pv.byte() >= 10 else pv.byte(), 0, comm, seq, step, count,
              chunk & 0xFFFFFFFF,
              ln & 0xFFFFFFFF, total & ((1 << 64) - 1), aux]
     if pv.byte() < 10:                                # any one field set at random
@@ -298,7 +298,7 @@ def seal(pv, w, rail, info, ctr):
         return head + payload + tag + tag
     if how == 8:                                      # a header field rewritten, checksum fixed
         f = list(HDR.unpack(head)[1:13])
-        i = pv.pick((1, 4, 5, 6, 7, 8, 10, 11))        # flags comm seq step sig chunk total aux
+        i = pv.pick((1, 4, 5, 6, 7, 8, 10, 11))        # flags comm seq step count chunk total aux
         f[i] = (f[i] ^ (1 << (pv.byte() % (8 if i == 1 else 32)))) & \
             (0xFF if i == 1 else (1 << 64) - 1)
         return testing.encode_header(*f) + payload + tag
@@ -382,7 +382,7 @@ def note_valid(w, head, payload, complete):
     """Record a DATA payload that may land in a user buffer (well formed and fitting)."""
     if testing.validate_header(head, CS) < 0:
         return
-    (magic, typ, flags, dt, ro, comm, seq, step, sig, chunk, ln, total, aux, chk) = HDR.unpack(head)
+    (magic, typ, flags, dt, ro, comm, seq, step, count, chunk, ln, total, aux, chk) = HDR.unpack(head)
     if typ != F_DATA or total > MAX_MESSAGE or ln != chunk_len(total, chunk):
         return
     if flags & FL_P2P:

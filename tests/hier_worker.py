@@ -74,7 +74,7 @@ def _executor_bits(comm, xs):
     n, nb = comm.size, xs[0].nbytes
     scheds = [planner.build("allreduce", k, n, nb, 4, 0, comm._cfg.eager, comm._cfg.algo,
                             comm._state, True, comm._topo) for k in range(n)]
-    check(scheds[comm.rank].msgs == comm.plan("allreduce", nb, 4).msgs, "not the comm's plan")
+    check(scheds[comm.rank].msgs == comm.schedule("allreduce", nb, 4).msgs, "not the comm's plan")
     return run_allreduce(scheds, xs, "SUM", chunk=comm._cfg.chunk_size, seed=comm.rank)[0]
 
 
@@ -96,7 +96,7 @@ def sc_topology(comm, args):
            "reduce_scatter_block": (2 * MB, 0), "bcast": (8 * MB, n - 1)}
     plans = {}
     for coll, (nb, root) in big.items():
-        p = comm.plan(coll, nb, 4, root)
+        p = comm.schedule(coll, nb, 4, root)
         plans[coll] = p.algo
         want = hier and not flat and (coll in ("allreduce", "bcast") or t["regular"])
         if coll == "bcast" and (not force or tree) and not flat:
@@ -105,9 +105,9 @@ def sc_topology(comm, args):
         if want:
             check(p.cost > 0, f"{coll}: no predicted time")
     if force and hier:
-        check(comm.plan("allreduce", 64, 4).hierarchical, "forced: 64 B allreduce not hierarchical")
+        check(comm.schedule("allreduce", 64, 4).hierarchical, "forced: 64 B allreduce not hierarchical")
     elif hier:
-        check(not comm.plan("allreduce", 64, 4).hierarchical, "64 B allreduce hierarchical")
+        check(not comm.schedule("allreduce", 64, 4).hierarchical, "64 B allreduce hierarchical")
     if r == 0:
         print(f"TOPOLOGY {t} PLANS {plans}", flush=True)
     count = sc_collectives(comm, args)
@@ -188,7 +188,7 @@ def sc_failover(comm, args):
     cnt = int(args.get("count", (8 * MB) // 4 + 7))
     for coll, nb in (("allreduce", cnt * 4), ("allgather", cnt // n * 4),
                      ("reduce_scatter_block", cnt // n * 4)):
-        check(comm.plan(coll, nb, 4).hierarchical, f"{coll} of {nb} B is not hierarchical")
+        check(comm.schedule(coll, nb, 4).hierarchical, f"{coll} of {nb} B is not hierarchical")
     clean = _round(comm, "fo", cnt)
     count = 0
     for mode in ("hard", "silent"):

@@ -41,7 +41,7 @@ def connected(comm):
 
 
 def plan_peers(comm, *plans):
-    """Global ranks the given plans (comm.plan(...) schedules) send to or receive from."""
+    """Global ranks the given plans (comm.schedule(...) schedules) send to or receive from."""
     return {comm._members[m[1]] for sched in plans for m in sched.msgs}
 
 
@@ -57,7 +57,7 @@ def ring(args):
     comm.Allreduce(x, y)
     check(np.array_equal(y, np.arange(1 << 18, dtype=np.float32) * n + n * (n - 1) / 2),
           "allreduce result")
-    check(comm.plan("allreduce", x.nbytes, 4).algo == "ring", "not a ring allreduce")
+    check(comm.schedule("allreduce", x.nbytes, 4).algo == "ring", "not a ring allreduce")
     peers = connected(comm)
     nbrs = sorted({(me - 1) % n, (me + 1) % n})
     check(peers == nbrs, f"after a ring allreduce connected to {peers}, not just {nbrs}")
@@ -70,8 +70,8 @@ def ring(args):
     b = np.full(1000, me, np.float64)
     comm.Bcast(b, root=1)
     check(np.all(b == 1), "bcast")
-    used = plan_peers(comm, comm.plan("allreduce", x.nbytes, 4), comm.plan("allgather", g.nbytes, 4),
-                      comm.plan("bcast", b.nbytes, 8, root=1)) | set(nbrs)
+    used = plan_peers(comm, comm.schedule("allreduce", x.nbytes, 4), comm.schedule("allgather", g.nbytes, 4),
+                      comm.schedule("bcast", b.nbytes, 8, root=1)) | set(nbrs)
     tree = [(me - 1) // 2] if me else []  # the Bcast's agreement: a binary tree in rank order
     tree += [c for c in (2 * me + 1, 2 * me + 2) if c < n]
     used |= set(tree)

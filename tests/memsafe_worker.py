@@ -16,9 +16,9 @@ FL_P2P = 1
 U8 = 4                         # r2::Dtype code of uint8
 
 
-def hdr(type_, flags=0, dtype=U8, comm=3, seq=0, step=0, sig=0, chunk=0, length=0, total=0,
+def hdr(type_, flags=0, dtype=U8, comm=3, seq=0, step=0, count=0, chunk=0, length=0, total=0,
         aux=0):
-    return testing.encode_header(type_, flags, dtype, 0, comm, seq, step, sig, chunk, length, total,
+    return testing.encode_header(type_, flags, dtype, 0, comm, seq, step, count, chunk, length, total,
                              aux)
 
 
@@ -66,10 +66,10 @@ def closed(b):
         return False
 
 
-def recv_op(e, buf, nbytes, comm=3, seq=0, sig=0x1234, p2p=0, tag=0, timeout=1.0):
+def recv_op(e, buf, nbytes, comm=3, seq=0, count=0x1234, p2p=0, tag=0, timeout=1.0):
     plan = eng.Plan([("recv", 1, 0, 0, 0, nbytes, 0, False)], [], "test")
     b = eng.Buffer(buf, True)
-    oid = e.post(plan, b.ptr, 0, 0, U8, 0, comm, seq, sig, timeout, [0, 1], p2p, tag, nbytes)
+    oid = e.post(plan, b.ptr, 0, 0, U8, 0, comm, seq, count, timeout, [0, 1], p2p, tag, nbytes)
     st, err, msg, n = e.wait(oid, timeout + 2.0)
     e.release(oid)
     b.release()
@@ -81,13 +81,13 @@ def scen_huge_total():
     e = new_engine(cs)
     b = pair(e)
     # chunk 0 of a message of 0xFFFFFFF0 chunks: its unexpected table would be ~32 GiB
-    b.sendall(hdr(F_DATA, sig=0x1234, chunk=0, length=cs, total=cs * 0xFFFFFFF0) + b"x" * cs)
+    b.sendall(hdr(F_DATA, count=0x1234, chunk=0, length=cs, total=cs * 0xFFFFFFF0) + b"x" * cs)
     wait_for(lambda: rail_state(e) == "down", 3.0)
     res = {"rail": rail_state(e), "kinds": kinds(e), "closed": closed(b)}
     # the engine still works: a new connection, a valid 1000-byte message, delivered exactly
     b2 = pair(e, conn=8)
     data = np.arange(1000, dtype=np.uint8)
-    b2.sendall(hdr(F_DATA, seq=5, sig=0x1234, chunk=0, length=1000, total=1000) + data.tobytes())
+    b2.sendall(hdr(F_DATA, seq=5, count=0x1234, chunk=0, length=1000, total=1000) + data.tobytes())
     out = np.zeros(1000, np.uint8)
     st, msg = recv_op(e, out, 1000, seq=5, timeout=3.0)
     res["alive_after"] = st == "done" and bool((out == data).all())
@@ -101,7 +101,7 @@ def scen_short_chunk(p2p=False):
     b = pair(e)
     flags = FL_P2P if p2p else 0
     # 1000-byte message in one chunk (chunk size 64 KiB), but the frame carries only 10 bytes
-    b.sendall(hdr(F_DATA, flags=flags, sig=0x1234, chunk=0, length=10, total=1000, aux=7)
+    b.sendall(hdr(F_DATA, flags=flags, count=0x1234, chunk=0, length=10, total=1000, aux=7)
               + b"A" * 10)
     # wait until the engine has taken the frame in: buffered (old engine) or refused
     wait_for(lambda: rail_state(e) == "down" or e.rail_stats()[1][0][2] >= 58, 3.0)
@@ -122,7 +122,7 @@ def read_frame(b):
         if not d:
             raise EOFError
         h += d
-    (magic, type_, flags, dtype, redop, comm, seq, step, sig, chunk, ln, total, aux,
+    (magic, type_, flags, dtype, redop, comm, seq, step, count, chunk, ln, total, aux,
      check) = struct.unpack("<IBBBBIIIIIIQII", h)
     p = b""
     while len(p) < ln:

@@ -484,7 +484,7 @@ def sc_fastpath(comm, args):
         comm.Allreduce(x, y)
         check(np.all(y == n * (n + 1) / 2), f"allreduce with algo {algo!r}")
         ran = [v[0].algo for k, v in comm._plans.items() if k[0] == "fast" and v]
-        check(ran == [comm.plan("allreduce", x.nbytes, 4).algo] and (ran[0] == algo or not algo),
+        check(ran == [comm.schedule("allreduce", x.nbytes, 4).algo] and (ran[0] == algo or not algo),
               f"algo {algo!r}: the fast path ran {ran}")
     count += 3
     # in step with operations around it: a large Iallreduce in flight, small blocking ones

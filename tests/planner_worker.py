@@ -64,11 +64,11 @@ def run_schedule(comm, sched, recvbuf, sendbuf=None, op=SUM, coll="allreduce", m
         if n:
             memcopy(ptr[db] + do, ptr[sb] + so, n)
     dtc = dtype_code(recvbuf.dtype)
-    sig = zlib.crc32(f"{coll}|{recvbuf.nbytes}|{dtc}|{op.code}|0|{sched.algo}|{comm.size}".encode())
+    count = zlib.crc32(f"{coll}|{recvbuf.nbytes}|{dtc}|{op.code}|0|{sched.algo}|{comm.size}".encode())
     seq = comm._seq
     comm._seq += 1
     mem = list(gm) if members is None else [gm[m] for m in sorted(members)]
-    oid = comm._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, op.code, comm._id, seq, sig,
+    oid = comm._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, op.code, comm._id, seq, count,
                             comm.timeout, mem)
     posts = [p for p in sched.post if p[4]]
 

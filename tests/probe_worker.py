@@ -197,7 +197,7 @@ def sc_broken(comm, args):
         allreduce_checked(comm, i)
     if r == 0:
         print(f"BROKEN epoch {e1}->{e2} first op {took:.2f}s algo="
-              f"{comm.plan('allreduce', 800_000, 4).algo}", flush=True)
+              f"{comm.schedule('allreduce', 800_000, 4).algo}", flush=True)
     return 4
 
 

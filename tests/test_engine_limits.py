@@ -28,12 +28,12 @@ class Rig:
             testing.fuzz_attach(self.e, 1, k, 7 + k)
         self.keep = []
 
-    def recv(self, buf, comm, seq, sig, step=0, mode=0, timeout=5.0):
+    def recv(self, buf, comm, seq, count, step=0, mode=0, timeout=5.0):
         """Post a collective receive of buf from rank 1 (copy mode)."""
         plan = eng.Plan([("recv", 1, step, 0, 0, buf.nbytes, mode, False)], [], "t")
         bw = eng.Buffer(buf, True)
         self.keep += [plan, bw]
-        return self.e.post(plan, bw.ptr, 0, 0, U8, 0, comm, seq, sig, timeout, [0, 1])
+        return self.e.post(plan, bw.ptr, 0, 0, U8, 0, comm, seq, count, timeout, [0, 1])
 
     def p2p_recv(self, buf, tag):
         plan = eng.Plan([("recv", 1, 0, 0, 0, buf.nbytes, 0, False)], [], "t")
@@ -53,8 +53,8 @@ class Rig:
                 b.release()
 
 
-def data_header(comm, seq, chunk, ln, total, sig=0, flags=0, step=0, aux=0):
-    return testing.encode_header(F_DATA, flags, U8, 0, comm, seq, step, sig, chunk, ln, total, aux)
+def data_header(comm, seq, chunk, ln, total, count=0, flags=0, step=0, aux=0):
+    return testing.encode_header(F_DATA, flags, U8, 0, comm, seq, step, count, chunk, ln, total, aux)
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_late_copy_of_an_applied_chunk_never_writes_the_user_buffer(rig, split):
     rig.recv(buf, 1, 0, 0xA1)
     good = bytes([0x47]) * CS                       # 'G'
     late = bytes([0x4C]) * CS                       # 'L'
-    head = data_header(1, 0, 0, CS, total, sig=0xA1)
+    head = data_header(1, 0, 0, CS, total, count=0xA1)
     assert rig.feed(0, head + good[:split])
     assert rig.feed(1, head + good)                 # applied: chunk 0 complete
     assert rig.feed(0, late[split:])                # the rest of the late copy
@@ -92,7 +92,7 @@ def test_late_copy_into_a_reducing_receive_is_not_applied_twice(rig):
     once, from the first complete copy."""
     buf = np.ones(CS, np.uint8)
     rig.recv(buf, 1, 0, 0xB2, mode=1)
-    head = data_header(1, 0, 0, CS, CS, sig=0xB2)
+    head = data_header(1, 0, 0, CS, CS, count=0xB2)
     assert rig.feed(0, head + bytes([2]) * 100)
     assert rig.feed(1, head + bytes([2]) * CS)
     assert rig.feed(0, bytes([9]) * (CS - 100))
@@ -183,7 +183,7 @@ def test_unexpected_collective_frames_for_any_ids_are_capped(rig):
     refused = 0
     peak = 0
     for i in range(3000):
-        if not rig.feed(0, data_header(2000 + i, 0, 0, 10, 10, sig=0x11) + bytes(10)):
+        if not rig.feed(0, data_header(2000 + i, 0, 0, 10, 10, count=0x11) + bytes(10)):
             refused += 1
             conn += 1
             testing.fuzz_attach(rig.e, 1, 0, conn)
@@ -241,15 +241,15 @@ def test_a_frame_of_the_next_lap_is_not_taken_for_a_stale_one(rig, last):
     its timeout."""
     a = np.zeros(10, np.uint8)
     oid = rig.recv(a, 9, last, 0x11)
-    assert rig.feed(0, data_header(9, last, 0, 10, 10, sig=0x11) + bytes([1]) * 10)
+    assert rig.feed(0, data_header(9, last, 0, 10, 10, count=0x11) + bytes([1]) * 10)
     assert rig.e.wait(oid, 1.0)[0] == 1 and (a == 1).all()
-    assert rig.feed(0, data_header(9, 0, 0, 10, 10, sig=0x11) + bytes([2]) * 10)
+    assert rig.feed(0, data_header(9, 0, 0, 10, 10, count=0x11) + bytes([2]) * 10)
     b = np.zeros(10, np.uint8)
     oid = rig.recv(b, 9, 0, 0x11, timeout=1.0)
     state, code, msg, _ = rig.e.wait(oid, 2.0)
     assert state == 1 and (b == 2).all(), (state, msg)
     # and a frame of the lap before is still stale (dropped, the next call is not disturbed)
-    assert rig.feed(0, data_header(9, last, 0, 10, 10, sig=0x11) + bytes([3]) * 10)
+    assert rig.feed(0, data_header(9, last, 0, 10, 10, count=0x11) + bytes([3]) * 10)
     assert testing.debug_state(rig.e)["unexpected"] == 0
 
 
@@ -281,8 +281,8 @@ def test_unexpected_limits_from_the_environment(monkeypatch):
     r = Rig()
     try:
         for i in range(5):
-            assert r.feed(0, data_header(3000 + i, 0, 0, 10, 10, sig=1) + bytes(10))
-        frame = data_header(4000, 0, 0, 10, 10, sig=1) + bytes(10)
+            assert r.feed(0, data_header(3000 + i, 0, 0, 10, 10, count=1) + bytes(10))
+        frame = data_header(4000, 0, 0, 10, 10, count=1) + bytes(10)
         assert not testing.fuzz_feed(r.e, 1, 0, frame)[1]
         assert testing.debug_state(r.e)["unexpected_msgs"] == 0          # the peer's were dropped
     finally:

@@ -175,7 +175,7 @@ cdef cppclass Op:
     double deadline
     uint32_t comm
     uint32_t seq
-    uint32_t sig, desc       # a collective's descriptor (count, kind/root/plan hash), as in
+    uint32_t count, desc       # a collective's descriptor (count, kind/root/plan hash), as in
     uint8_t dtype, redop     # its frames' headers: names this rank's call in mismatch errors
     int p2p
     vector[void*] sends
@@ -192,7 +192,7 @@ cdef cppclass SendMsg:
     vector[double] rw    # declared share of each rail (the plan's rail weights; empty: striped
                          # as the rails' measured rates)
     vector[uint64_t] rw_sent   # bytes put on each rail so far under those shares
-    uint32_t comm, seq, step, sig, aux, cs, nchunks, nacked
+    uint32_t comm, seq, step, count, aux, cs, nchunks, nacked
     uint8_t flags, dtype, redop
     char* base           # bytes on the wire: the user's buffer, or the engine's copy if owned
     char* src            # the user's buffer (owned sends copy a chunk from here once it is ready)
@@ -208,7 +208,7 @@ cdef cppclass RecvMsg:
     int mode
     int done
     int bound
-    uint32_t comm, seq, step, sig, aux, cs, nchunks, napplied
+    uint32_t comm, seq, step, count, aux, cs, nchunks, napplied
     uint8_t flags, dtype, redop
     char* base
     char* src            # M_REDUCE_SEND*: the other operand (send buffer at the same offset)
@@ -221,7 +221,7 @@ cdef cppclass RecvMsg:
     uint64_t posted_no   # p2p: when it was posted (State.p2p_posts); orders any-source ones
 
 cdef cppclass Unexp:
-    uint32_t sig, aux, cs, nchunks, nrecv
+    uint32_t count, aux, cs, nchunks, nrecv
     uint8_t flags, dtype, redop
     uint64_t total
     uint64_t nbytes                  # payload bytes held in chunks (State.unexp_bytes)
@@ -446,8 +446,8 @@ cdef class Engine:
                  bytes tx_key, bytes rx_key)
     cdef int _injected(self, int rail, int peer)
     cdef uint64_t post_c(self, Plan plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
-                         uint32_t seq, uint32_t sig, double timeout, members, int p2p,
-                         int64_t tag, uint64_t cap, int rail) except 0
+                         uint32_t seq, uint32_t count, double timeout, members, int p2p,
+                         int64_t key, uint64_t cap, int rail) except 0
     cdef int wait_op(self, State* e, uint64_t oid, double timeout, int* perr, string* pmsg,
                      uint64_t* pnrecv)
     cdef State* _live(self) except NULL

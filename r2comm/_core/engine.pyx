@@ -113,7 +113,7 @@ cdef extern from "<stdio.h>" nogil:
 #                       RecvMsg, Rail, Peer, State, PlanC), Plan's and Engine's C fields
 #   engine_state.pxi    constants' Python names, limits, making a Rail and the State, small
 #                       helpers (clocks, keys, chunk sizes, events)
-#   ops.pxi             an operation's life: posted from a Plan, counted done, freed
+#   op_life.pxi         an operation's life: posted from a Plan, counted done, freed
 #   scheduler.pxi       the chunk scheduler: ready queues, rail windows and rates, striping,
 #                       chunk-level dependencies, tail hedging
 #   tx.pxi              sending: emulated NIC (injected faults), framing and MACs, rail_write
@@ -130,7 +130,7 @@ cdef extern from "<stdio.h>" nogil:
 # engine.pxd; the test hooks (fuzz and fake transports, wire and crypto helpers, ShmEnd, the
 # engine's debug views) are a separate extension, r2comm/_core/testing.pyx, built only for tests.
 include "engine_state.pxi"
-include "ops.pxi"
+include "op_life.pxi"
 include "scheduler.pxi"
 include "tx.pxi"
 include "rx.pxi"
@@ -767,22 +767,24 @@ cdef class Engine:
 
     # -- operations ----------------------------------------------------------------------------
     def post(self, Plan plan, uint64_t b0, uint64_t b1, uint64_t b2, int dtype, int redop,
-             uint32_t comm, uint32_t seq, uint32_t sig, double timeout, members,
-             int p2p=0, int64_t tag=0, uint64_t cap=0, int rail=-1):
-        """Start one operation; returns its id. For p2p (a single send or receive), seq is
-        assigned here and tag/cap describe the message. rail >= 0 pins every send of the
+             uint32_t comm, uint32_t seq, uint32_t count, double timeout, members,
+             int p2p=0, int64_t key=0, uint64_t cap=0, int rail=-1):
+        """Start one operation; returns its id. count: a collective's element count; key: what
+        a receiver matches on, a collective's call descriptor or a p2p message's tag. For p2p (a
+        single send or receive), seq is assigned here and cap is the message's bytes at most (a
+        receive's buffer). rail >= 0 pins every send of the
         operation to that rail while it is up (a bandwidth probe); if it fails, the chunks
         move to the surviving rails as usual."""
         cdef uint64_t bufs[3]
         bufs[0] = b0
         bufs[1] = b1
         bufs[2] = b2
-        return self.post_c(plan, bufs, dtype, redop, comm, seq, sig, timeout, members, p2p,
-                           tag, cap, rail)
+        return self.post_c(plan, bufs, dtype, redop, comm, seq, count, timeout, members, p2p,
+                           key, cap, rail)
 
     cdef uint64_t post_c(self, Plan plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
-                         uint32_t seq, uint32_t sig, double timeout, members, int p2p,
-                         int64_t tag, uint64_t cap, int rail) except 0:
+                         uint32_t seq, uint32_t count, double timeout, members, int p2p,
+                         int64_t key, uint64_t cap, int rail) except 0:
         """post() and run(): the operation posted under the mutex; its id (never 0)."""
         cdef State* e = self._live()
         cdef vector[int] mem
@@ -794,8 +796,8 @@ cdef class Engine:
             mem.push_back(x)
         with nogil:
             pthread_mutex_lock(&e.mu)
-            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, sig, timeout, mem, p2p,
-                          <int><uint32_t>tag, cap, isz, rail)
+            oid = post_op(e, plan.c, bufs, dtype, redop, comm, seq, count, timeout, mem, p2p,
+                          <int><uint32_t>key, cap, isz, rail)
             pthread_mutex_unlock(&e.mu)
         return oid
 
@@ -837,7 +839,7 @@ cdef class Engine:
         return state, err, bmsg.decode("utf-8", "replace"), nrecv
 
     def run(self, Plan plan, object work, object send, Py_ssize_t nbytes, int dtype, int redop,
-            uint32_t comm, uint32_t seq, uint32_t sig, double timeout, members, int64_t desc):
+            uint32_t comm, uint32_t seq, uint32_t count, double timeout, members, int64_t desc):
         """A blocking collective in one call, for plans that need no scratch and no local
         copies (small allreduces: the front end's fast path): export `work` (writable) and
         `send` (None: in place), post, wait, release. Returns 0 when it ended well (the
@@ -863,7 +865,7 @@ cdef class Engine:
             bufs[0] = <uint64_t>wv.buf
             bufs[1] = <uint64_t>(sv.buf if send is not None else wv.buf)
             bufs[2] = 0
-            oid = self.post_c(plan, bufs, dtype, redop, comm, seq, sig, timeout, members, 0, desc,
+            oid = self.post_c(plan, bufs, dtype, redop, comm, seq, count, timeout, members, 0, desc,
                               0, -1)
             state = self.wait_op(e, oid, timeout, &err, &msg, &nrecv)
             if state != ST_DONE:

@@ -3,9 +3,9 @@
 # calls until reported. Point-to-point: MPI's in-order matching by tag. Messages no receive
 # wants yet wait as unexpected and are bound when one is posted.
 
-# -- naming a collective call from its descriptor (the header's sig, aux, dtype, redop; the
+# -- naming a collective call from its descriptor (the header's count, aux, dtype, redop; the
 # encoding is communicator.py's: aux = kind | non-blocking << 3 | root << 4 | plan hash << 20,
-# sig = element count) -------------------------------------------------------------------------
+# count = element count) -------------------------------------------------------------------------
 cdef extern from "<string.h>" nogil:
     int strcmp(const char*, const char*)
 
@@ -77,7 +77,7 @@ cdef void fail_mismatch(State* e, Op* op, int peer, uint32_t desc, uint32_t coun
     cdef const char* first = mine
     cdef const char* second = theirs
     cdef int r1 = e.me, r2 = peer
-    describe_call(mine, 200, op.desc, op.sig, op.dtype, op.redop)
+    describe_call(mine, 200, op.desc, op.count, op.dtype, op.redop)
     describe_call(theirs, 200, desc, count, dtype, redop)
     if peer < e.me:                      # lower rank first
         first, second, r1, r2 = theirs, mine, peer, e.me
@@ -88,7 +88,7 @@ cdef void fail_mismatch(State* e, Op* op, int peer, uint32_t desc, uint32_t coun
              if strcmp(mine, theirs) == 0 else "")
     fail_op(e, op, E_MISMATCH, buf, 1)
 
-cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_t dtype,
+cdef int check_match(State* e, RecvMsg* rm, uint32_t count, uint64_t total, uint8_t dtype,
                      int peer, uint32_t aux, uint8_t redop) noexcept nogil:
     """Compare an arriving message with what this rank posted; fail the op on a mismatch.
     A collective's frame carries its sender's whole call (count, kind, blocking or not, root,
@@ -109,9 +109,9 @@ cdef int check_match(State* e, RecvMsg* rm, uint32_t sig, uint64_t total, uint8_
             fail_op(e, rm.op, E_MISMATCH, buf, 1)
             return -1
         return 0
-    if sig != rm.sig or aux != rm.aux or dtype != rm.dtype or redop != rm.redop or \
+    if count != rm.count or aux != rm.aux or dtype != rm.dtype or redop != rm.redop or \
             total != rm.total:
-        fail_mismatch(e, rm.op, peer, aux, sig, dtype, redop)
+        fail_mismatch(e, rm.op, peer, aux, count, dtype, redop)
         return -1
     return 0
 
@@ -155,7 +155,7 @@ cdef int alloc_recv_arrays(RecvMsg* rm) noexcept nogil:
 cdef void bind_unexp(State* e, RecvMsg* rm, Unexp* u, int peer) noexcept nogil:
     """Hand the chunks that arrived before the receive was posted to the receive."""
     cdef uint32_t c
-    if check_match(e, rm, u.sig, u.total, u.dtype, peer, u.aux, u.redop) != 0:
+    if check_match(e, rm, u.count, u.total, u.dtype, peer, u.aux, u.redop) != 0:
         free_unexp(e, u)
         return
     if u.cs != rm.cs and rm.op != NULL:
@@ -196,7 +196,7 @@ cdef Unexp* new_unexp(State* e, r2_hdr* h, uint32_t cs) noexcept nogil:
     if u == NULL:
         return NULL
     e.unexp_msgs += 1
-    u.sig = h.sig
+    u.count = h.count
     u.aux = h.aux
     u.flags = h.flags
     u.dtype = h.dtype
@@ -374,7 +374,7 @@ cdef void p2p_bind(State* e, Peer* p, P2PState* st, RecvMsg* rm, uint32_t seq, U
     rm.seq = seq
     rm.bound = 1
     rm.total = u.total
-    rm.sig = u.sig
+    rm.count = u.count
     rm.aux = u.aux
     st.bound[seq] = <void*>rm
     bind_unexp(e, rm, u, p.rank)
@@ -411,7 +411,7 @@ cdef void take_unexpected(State* e, Op* op, uint32_t comm, uint32_t seq,
                 continue
             u = deref(it).second
             if op != NULL and op.state == ST_ACTIVE:
-                fail_mismatch(e, op, peer, u.aux, u.sig, u.dtype, u.redop)
+                fail_mismatch(e, op, peer, u.aux, u.count, u.dtype, u.redop)
             free_unexp(e, u)
             it = e.cunexp.erase(it)
 

@@ -12,7 +12,7 @@ struct r2_hdr {
     uint32_t comm;    // communicator id (agreed at Dup/Split)
     uint32_t seq;     // collective sequence in comm, or p2p sequence of the pair
     uint32_t step;    // message index within one operation between one pair
-    uint32_t sig;     // collective DATA: the call's element count (low 32 bits); with aux, dtype
+    uint32_t count;     // collective DATA: the call's element count (low 32 bits); with aux, dtype
                       // and redop the whole call, compared per frame (check_match)
     uint32_t chunk;   // chunk index within the message
     uint32_t len;     // payload bytes that follow the header

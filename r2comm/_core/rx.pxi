@@ -186,14 +186,14 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         itr = e.rmap.find(k)
         if itr != e.rmap.end():
             rm = <RecvMsg*>deref(itr).second
-            if check_match(e, rm, h.sig, h.total, h.dtype, r.peer, h.aux, h.redop) != 0:
+            if check_match(e, rm, h.count, h.total, h.dtype, r.peer, h.aux, h.redop) != 0:
                 return
         else:
             if seq_is_past(e, h.comm, h.seq):
                 ita = e.active.find(CS(h.comm, h.seq))
                 if ita != e.active.end() and deref(ita).second.state == ST_ACTIVE:
                     # a frame this rank's schedule does not contain: another call
-                    fail_mismatch(e, deref(ita).second, r.peer, h.aux, h.sig, h.dtype, h.redop)
+                    fail_mismatch(e, deref(ita).second, r.peer, h.aux, h.count, h.dtype, h.redop)
                 return                  # stale (completed or failed operation)
             itu = e.cunexp.find(k)
             if itu == e.cunexp.end():

@@ -133,7 +133,7 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
     r.inflight.push_back(ref)
     r.inflight_bytes += ln
     hdr_encode(&r.tx_hdr, F_DATA, m.flags | (FL_LAZY_ACK if m.owned and ln <= LAZY_ACK_MAX else 0),
-               m.dtype, m.redop, m.comm, m.seq, m.step, m.sig, ref.c, ln, m.total, m.aux)
+               m.dtype, m.redop, m.comm, m.seq, m.step, m.count, ref.c, ln, m.total, m.aux)
     r.tx_payload = m.base + <uint64_t>ref.c * m.cs
     r.tx_ref = ref
     r.tx_plen = ln

@@ -49,11 +49,11 @@ def validate_header(bytes frame, uint32_t max_chunk):
 
 
 def encode_header(int type, int flags, int dtype, int redop, uint32_t comm, uint32_t seq,
-                  uint32_t step, uint32_t sig, uint32_t chunk, uint32_t length, uint64_t total,
+                  uint32_t step, uint32_t count, uint32_t chunk, uint32_t length, uint64_t total,
                   uint32_t aux):
     """The wire encoder (for tests and fuzzing): 48 header bytes."""
     cdef r2_hdr h
-    hdr_encode(&h, type, flags, dtype, redop, comm, seq, step, sig, chunk, length, total, aux)
+    hdr_encode(&h, type, flags, dtype, redop, comm, seq, step, count, chunk, length, total, aux)
     return (<char*>&h)[:HDR_SIZE]
 
 

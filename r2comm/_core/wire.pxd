@@ -15,7 +15,7 @@ cdef extern from "r2_wire.h" nogil:
         uint32_t comm
         uint32_t seq
         uint32_t step
-        uint32_t sig
+        uint32_t count
         uint32_t chunk
         uint32_t len
         uint64_t total
@@ -43,7 +43,7 @@ cdef enum:
                         # come: its send failed and its user was told (matching.pxi p2p_void)
 
 cdef inline void hdr_encode(r2_hdr* h, uint8_t type, uint8_t flags, uint8_t dtype, uint8_t redop,
-                            uint32_t comm, uint32_t seq, uint32_t step, uint32_t sig, uint32_t chunk,
+                            uint32_t comm, uint32_t seq, uint32_t step, uint32_t count, uint32_t chunk,
                             uint32_t length, uint64_t total, uint32_t aux) noexcept nogil:
     h.magic = R2_MAGIC
     h.type = type
@@ -53,7 +53,7 @@ cdef inline void hdr_encode(r2_hdr* h, uint8_t type, uint8_t flags, uint8_t dtyp
     h.comm = comm
     h.seq = seq
     h.step = step
-    h.sig = sig
+    h.count = count
     h.chunk = chunk
     h.len = length
     h.total = total

@@ -70,8 +70,9 @@ cdef void forget_op(State* e, uint64_t oid) noexcept nogil:
     pthread_mutex_unlock(&e.mu)
 
 cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
-                      uint32_t seq, uint32_t sig, double timeout, vector[int]& members, int p2p,
-                      int tag, uint64_t cap, int isz, int pin) noexcept nogil:
+                      uint32_t seq, uint32_t count, double timeout, vector[int]& members, int p2p,
+                      int key, uint64_t cap, int isz, int pin) noexcept nogil:
+    # key: what a receiver matches on, a p2p message's tag or a collective's call descriptor
     cdef Op* op = r2_new[Op]()
     cdef size_t i, n = plan.kind.size()
     cdef vector[void*] msgs
@@ -95,8 +96,8 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     op.seq = seq
     op.p2p = p2p
     op.members = members
-    op.sig = sig
-    op.desc = 0 if p2p else <uint32_t>tag
+    op.count = count
+    op.desc = 0 if p2p else <uint32_t>key
     op.dtype = dtype
     op.redop = redop
     e.ops[op.id] = op
@@ -123,7 +124,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             sm.peer = plan.peer[i]
             sm.comm = comm
             sm.step = plan.step[i]
-            sm.sig = sig
+            sm.count = count
             sm.dtype = dtype
             sm.redop = redop
             sm.total = plan.nbytes[i]
@@ -136,13 +137,13 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
                 sm.rw_sent.assign(sm.rw.size(), 0)
             if p2p:
                 sm.flags = FL_P2P
-                sm.aux = <uint32_t>tag
+                sm.aux = <uint32_t>key
                 sm.seq = p.p2p_send_seq[comm]
                 p.p2p_send_seq[comm] = sm.seq + 1
                 op.seq = sm.seq
             else:
                 sm.flags = 0
-                sm.aux = <uint32_t>tag     # the collective's descriptor (check_match)
+                sm.aux = <uint32_t>key     # the collective's descriptor (check_match)
                 sm.seq = seq
             sm.src = <char*>bufs[plan.buf[i]] + plan.off[i]
             sm.base = <char*>malloc(sm.total if sm.total else 1) if sm.owned else sm.src
@@ -162,7 +163,7 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             rm.peer = plan.peer[i]
             rm.comm = comm
             rm.step = plan.step[i]
-            rm.sig = sig
+            rm.count = count
             rm.dtype = dtype
             rm.redop = redop
             rm.mode = plan.mode[i]
@@ -174,10 +175,10 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
             rm.cap = cap if p2p else rm.total
             if p2p:
                 rm.flags = FL_P2P
-                rm.aux = <uint32_t>tag
+                rm.aux = <uint32_t>key
             else:
                 rm.flags = 0
-                rm.aux = <uint32_t>tag
+                rm.aux = <uint32_t>key
                 rm.seq = seq
                 alloc_recv_arrays(rm)
                 e.rmap[mkey(rm.peer, comm, 0, rm.step, seq)] = <void*>rm
