@@ -17,7 +17,7 @@ cdef Transport* cr_wrapped[CR_TABLES]
 cdef struct Corrupting:
     Transport* inner         # the connection's own transport, and its state
     void* conn
-    Rail* rail               # the engine's rail: which DATA frame is on it (tx_payload, tx_plen)
+    PairRail* rail               # the engine's rail: which DATA frame is on it (tx_payload, tx_plen)
     uint64_t skip            # a frame already under way when the hook was set: left alone
     uint64_t cookie          # the frame being altered (0: none chosen yet)
     int done                 # its flipped byte was posted
@@ -28,7 +28,7 @@ cdef inline Corrupting* cr_of(void* conn) noexcept nogil:
 
 cdef int64_t cr_isend(void* conn, iovec* iov, int niov, uint64_t cookie) noexcept nogil:
     cdef Corrupting* c = cr_of(conn)
-    cdef Rail* r = c.rail
+    cdef PairRail* r = c.rail
     cdef iovec out[12]
     cdef char* base
     cdef char* target
@@ -122,7 +122,7 @@ cdef Transport* cr_table(Transport* inner) noexcept nogil:
             return t
     return NULL
 
-cdef int corrupt_rail(Rail* r) noexcept nogil:
+cdef int corrupt_rail(PairRail* r) noexcept nogil:
     """Under the engine's mutex: the next DATA frame that starts on r's connection has a byte
     flipped (re-armed if r already has this transport). 0 if r has no live connection, 1 set,
     -1 out of memory."""

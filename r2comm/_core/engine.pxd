@@ -238,7 +238,8 @@ cdef cppclass P2PState:
     deque[void*] posted
     cmap[uint32_t, void*] bound
 
-cdef cppclass Rail:
+# One peer's connection on one rail (a NIC index); r2comm.Rail is a NIC summed over its peers.
+cdef cppclass PairRail:
     int peer
     int index
     int fd               # the connection's event fd (tp.event_fd), in the epoll set; -1: none
@@ -311,7 +312,7 @@ cdef cppclass Rail:
 cdef cppclass Peer:
     int rank
     int nrails
-    vector[Rail*] rails          # nrails data rails, then the control connection
+    vector[PairRail*] rails          # nrails data rails, then the control connection
     deque[CRef] ready            # chunks to send, in order: the first nhot are "hot"
     size_t nhot                  # (resent, or released by a dependency), the rest bulk
     double all_down_since
@@ -381,8 +382,8 @@ cdef cppclass State:
     int mac                  # R2COMM_INTEGRITY=mac: frames carry a MAC (else the checksum only)
     int hedge                # 0 off; 1: late rails only; 2: late, and slow ones (HEDGE_*)
     int dack_rails           # rails with delayed acks waiting
-    vector[Rail*] dack_list  # those rails (and some whose acks have gone since), for the timer
-    vector[Rail*] polled     # rails that had a TPF_POLLED connection (shm): polled every round
+    vector[PairRail*] dack_list  # those rails (and some whose acks have gone since), for the timer
+    vector[PairRail*] polled     # rails that had a TPF_POLLED connection (shm): polled every round
     int npolled              # polled.size(), read without the mutex (arming before a sleep)
     int poll_turn            # busy-poll rounds since epoll was last asked (progress_once)
 
@@ -397,7 +398,7 @@ cdef inline double mono() noexcept nogil:
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
-cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
+cdef inline uint64_t rail_window(State* e, PairRail* r) noexcept nogil:
     """Outstanding bytes a rail may hold: the configured window, but no more than win_s of
     its measured throughput (at least one chunk), so a slow rail never sits on a backlog that
     the fast ones would have to wait for at the end of an operation. win_s must cover the
@@ -415,7 +416,7 @@ cdef inline uint64_t rail_window(State* e, Rail* r) noexcept nogil:
 # ---------------------------------------------------------------------------------------------
 # The engine's functions the test hooks drive (defined in its parts)
 
-cdef void rail_read(State* e, Rail* r) noexcept nogil                   # rx.pxi
+cdef void rail_read(State* e, PairRail* r) noexcept nogil                   # rx.pxi
 cdef void pump_peer(State* e, Peer* p) noexcept nogil                   # scheduler.pxi
 cdef void lazy_ack_timer(State* e, double now) noexcept nogil           # tx.pxi
 cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil         # matching.pxi

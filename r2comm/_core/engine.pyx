@@ -110,8 +110,8 @@ cdef extern from "<stdio.h>" nogil:
 # same code as when they were one file, inlined across parts alike). They share the declarations
 # above and engine.pxd's; engine_state.pxi comes first.
 #   engine.pxd          (read first, by Cython) constants, structs and C++ classes (Op, SendMsg,
-#                       RecvMsg, Rail, Peer, State, PlanC), Plan's and Engine's C fields
-#   engine_state.pxi    constants' Python names, limits, making a Rail and the State, small
+#                       RecvMsg, PairRail, Peer, State, PlanC), Plan's and Engine's C fields
+#   engine_state.pxi    constants' Python names, limits, making a PairRail and the State, small
 #                       helpers (clocks, keys, chunk sizes, events)
 #   op_life.pxi         an operation's life: posted from a Plan, counted done, freed
 #   scheduler.pxi       the chunk scheduler: ready queues, rail windows and rates, striping,
@@ -256,7 +256,7 @@ cdef class Engine:
                   double probe_base=0.1, double probe_max=5.0, int nics=0):
         cdef pthread_condattr_t ca
         cdef Peer* p
-        cdef Rail* r
+        cdef PairRail* r
         cdef int i, k
         cdef epoll_event ev
         # (read before anything is made: a malformed value raises with nothing to undo)
@@ -453,7 +453,7 @@ cdef class Engine:
         cdef State* e = self._live()
         cdef dict out = {}
         cdef int i, k
-        cdef Rail* r
+        cdef PairRail* r
         with nogil:
             pthread_mutex_lock(&e.mu)
         try:
@@ -470,7 +470,7 @@ cdef class Engine:
     cdef _attach(self, int peer, int rail, Transport* tp, intptr_t handle, uint32_t conn_id,
                  bytes tx_key, bytes rx_key):
         cdef State* e = self._live()
-        cdef Rail* r
+        cdef PairRail* r
         cdef epoll_event ev
         cdef int restored
         cdef const char* tk = tx_key
@@ -537,7 +537,7 @@ cdef class Engine:
         cdef double now = mono()
         cdef int i, k
         cdef Peer* p
-        cdef Rail* r
+        cdef PairRail* r
         with nogil:
             pthread_mutex_lock(&e.mu)
         try:
@@ -558,7 +558,7 @@ cdef class Engine:
         """How long a fail-back probe of (peer, rail) may take to connect: FAST_PROBE_TIMEOUT
         while the rail is in its fast-probe second (see probe_failed), else 0.3 s."""
         cdef State* e = self._live()
-        cdef Rail* r
+        cdef PairRail* r
         cdef double t = 0.3
         with nogil:
             pthread_mutex_lock(&e.mu)
@@ -577,7 +577,7 @@ cdef class Engine:
         only a fresh attempt connects soon after the link returns. Then doubling from
         probe_base (R2COMM_PROBE_MS) up to probe_max as before."""
         cdef State* e = self._live()
-        cdef Rail* r
+        cdef PairRail* r
         cdef double now
         with nogil:
             pthread_mutex_lock(&e.mu)
@@ -602,7 +602,7 @@ cdef class Engine:
         cdef bytes msg = reason.encode("utf-8", "replace")
         cdef const char* cmsg = msg
         cdef Peer* p
-        cdef Rail* r
+        cdef PairRail* r
         cdef int k, up = 0
         cdef double now
         if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or \
@@ -649,7 +649,7 @@ cdef class Engine:
         after_bytes >= 0 the fault strikes once that many more bytes have left on the rail."""
         cdef State* e = self._live()
         cdef int i
-        cdef Rail* r
+        cdef PairRail* r
         if rail < 0 or rail >= <int>e.inj_mode.size():
             raise ValueError(f"rail index {rail} out of range (0..{e.inj_mode.size() - 1})")
         with nogil:
@@ -694,7 +694,7 @@ cdef class Engine:
         Set before the first attach; every rank of the job must agree."""
         cdef State* e = self._live()
         cdef Peer* p
-        cdef Rail* r
+        cdef PairRail* r
         cdef int i, k
         for i in range(e.nranks):
             p = e.peers[i]
@@ -1070,7 +1070,7 @@ cdef class Engine:
         cdef State* e = self._live()
         cdef dict out = {}
         cdef int i, k
-        cdef Rail* r
+        cdef PairRail* r
         with nogil:
             pthread_mutex_lock(&e.mu)
         try:
@@ -1123,7 +1123,7 @@ cdef class Engine:
         connected: made on first use, r2comm/transport/links.py); rail == nrails(peer) is the
         control connection."""
         cdef State* e = self._live()
-        cdef Rail* r
+        cdef PairRail* r
         cdef int st
         if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or \
                 rail > e.peers[peer].nrails:

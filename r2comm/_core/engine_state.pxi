@@ -45,8 +45,8 @@ cdef int SPIN_YIELD = 16          # empty polls in a spin between two sched_yiel
 # ---------------------------------------------------------------------------------------------
 # Making a rail and the State: r2_new zeroes every field; these are the defaults that are not zero
 
-cdef Rail* new_rail() noexcept nogil:
-    cdef Rail* r = r2_new[Rail]()
+cdef PairRail* new_rail() noexcept nogil:
+    cdef PairRail* r = r2_new[PairRail]()
     if r != NULL:
         r.fd = -1                # no connection
         r.weight = 1.0

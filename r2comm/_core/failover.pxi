@@ -3,7 +3,7 @@
 # (fail_rail, notify_peer); a failed operation is purged and its peers get an ABORT (fail_op);
 # a peer with no rail left is lost (peer_lost).
 
-cdef void on_ack(State* e, Rail* r) noexcept nogil:
+cdef void on_ack(State* e, PairRail* r) noexcept nogil:
     cdef r2_hdr* h = &r.rh
     cdef Key k = mkey(r.peer, h.comm, h.flags, h.step, h.seq)
     cdef double now = mono(), gap
@@ -26,7 +26,7 @@ cdef void on_ack(State* e, Rail* r) noexcept nogil:
         return
     ack_chunk(e, <SendMsg*>deref(it).second, h.chunk, r)
 
-cdef int drop_inflight(Rail* r, SendMsg* m, uint32_t c) noexcept nogil:
+cdef int drop_inflight(PairRail* r, SendMsg* m, uint32_t c) noexcept nogil:
     """Remove chunk c of m from r's in-flight list; 1 if it was there."""
     cdef size_t i
     cdef CRef ref
@@ -38,13 +38,13 @@ cdef int drop_inflight(Rail* r, SendMsg* m, uint32_t c) noexcept nogil:
             return 1
     return 0
 
-cdef void forget_copies(State* e, Peer* p, SendMsg* m, uint32_t c, Rail* via) noexcept nogil:
+cdef void forget_copies(State* e, Peer* p, SendMsg* m, uint32_t c, PairRail* via) noexcept nogil:
     """A hedged chunk is delivered (its ack came on `via`): drop it from every rail, and give
     a copy still being written its own bytes (the user's buffer may be reused once the
     operation ends). The other rail's copy becomes a ghost there: if that rail never answers,
     its deadline still fires."""
     cdef int k
-    cdef Rail* t
+    cdef PairRail* t
     for k in range(p.nrails):
         t = p.rails[k]
         if drop_inflight(t, m, c) and t != via:
@@ -55,10 +55,10 @@ cdef void forget_copies(State* e, Peer* p, SendMsg* m, uint32_t c, Rail* via) no
                 memcpy(t.tx_orphan, t.tx_payload, t.tx_plen)
             t.tx_payload = t.tx_orphan
 
-cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
+cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, PairRail* r) noexcept nogil:
     """Chunk c of m is safe at the receiver: forget it, release what waited on it."""
     cdef Key k = mkey(m.peer, m.comm, m.flags, m.step, m.seq)
-    cdef Rail* pr
+    cdef PairRail* pr
     cdef size_t i
     cdef CRef ref
     cdef uint8_t st
@@ -106,7 +106,7 @@ cdef void ack_chunk(State* e, SendMsg* m, uint32_t c, Rail* r) noexcept nogil:
         elif not m.owned:
             op_msg_done(e, m.op)
 
-cdef void on_abort(State* e, Rail* r, const char* text, uint32_t n) noexcept nogil:
+cdef void on_abort(State* e, PairRail* r, const char* text, uint32_t n) noexcept nogil:
     cdef r2_hdr* h = &r.rh
     cdef string msg = string(text, n)
     cdef Op* op = NULL
@@ -142,10 +142,10 @@ cdef void relay_abort(State* e, Op* op, int code, const char* msg, int skip) noe
         if op.members[i] != e.me and op.members[i] != skip:
             send_abort(e, op.members[i], 0, op.comm, op.seq, code, msg)
 
-cdef void on_rail_down(State* e, Rail* r) noexcept nogil:
+cdef void on_rail_down(State* e, PairRail* r) noexcept nogil:
     cdef r2_hdr* h = &r.rh
     cdef Peer* p = e.peers[r.peer]
-    cdef Rail* t
+    cdef PairRail* t
     queue_ctrl(e, r, F_RAIL_DOWN_ACK, 0, 0, h.seq, 0, 0, h.aux, NULL, 0)
     if h.aux < <uint32_t>p.nrails:
         t = p.rails[h.aux]
@@ -153,7 +153,7 @@ cdef void on_rail_down(State* e, Rail* r) noexcept nogil:
             add_event(e, EV_NOTIFIED, r.peer, h.aux, r.peer, 0, 0, "peer reported the rail dead")
             fail_rail(e, t, "reported by peer", r.peer, 0)
 
-cdef void on_rail_down_ack(State* e, Rail* r) noexcept nogil:
+cdef void on_rail_down_ack(State* e, PairRail* r) noexcept nogil:
     cdef r2_hdr* h = &r.rh
     cdef size_t i
     for i in range(e.notices.size()):
@@ -167,7 +167,7 @@ cdef void notify_peer(State* e, Peer* p, int rail, uint32_t conn_id) noexcept no
     """Tell the peer over the control connection and a surviving rail; repeated until acked."""
     cdef int k
     cdef int sent = 0
-    cdef Rail* t
+    cdef PairRail* t
     for k in range(p.nrails, -1, -1):
         t = p.rails[k]
         if k != rail and t.state == R_UP:
@@ -184,7 +184,7 @@ cdef extern from "<string.h>" nogil:
 cdef extern from "<errno.h>" nogil:
     enum: ECONNRESET, EPIPE, ETIMEDOUT, EHOSTUNREACH, ENETUNREACH, ENETDOWN
 
-cdef void fail_io(State* e, Rail* r, int64_t n, const char* what) noexcept nogil:
+cdef void fail_io(State* e, PairRail* r, int64_t n, const char* what) noexcept nogil:
     """A rail's socket reported end of stream or an error: fail it, saying which end is to
     blame. A close or reset comes from the other end (its process exited, or its engine
     failed the rail); the kernel's own time-outs and unreachable routes point at the path."""
@@ -206,7 +206,7 @@ cdef void fail_io(State* e, Rail* r, int64_t n, const char* what) noexcept nogil
         snprintf(buf, sizeof(buf), "%s error: %s", what, strerror(err))
     fail_rail(e, r, buf, e.me, 1)
 
-cdef void fail_rail(State* e, Rail* r, const char* reason, int detector, int notify) noexcept nogil:
+cdef void fail_rail(State* e, PairRail* r, const char* reason, int detector, int notify) noexcept nogil:
     cdef Peer* p = e.peers[r.peer]
     cdef vector[CRef] back
     cdef CRef ref
@@ -329,7 +329,7 @@ cdef void purge_send(State* e, SendMsg* m) noexcept nogil:
     """Remove every reference the rails and queues hold to m's chunks; an unfinished
     point-to-point message leaves a void in its place (send_void)."""
     cdef Peer* p = e.peers[m.peer]
-    cdef Rail* r
+    cdef PairRail* r
     cdef size_t i
     cdef int k
     cdef deque[CRef] keep
@@ -433,7 +433,7 @@ cdef void unlink_any_source(State* e, RecvMsg* rm) noexcept nogil:
 cdef void unlink_recv(State* e, RecvMsg* rm) noexcept nogil:
     """Forget a receive: later frames for it are stale; rails reading into it drop the bytes."""
     cdef Peer* p
-    cdef Rail* r
+    cdef PairRail* r
     cdef int k
     cdef P2PState* st
     cdef size_t i

@@ -19,12 +19,12 @@ cdef double SELF_PAUSE_S = 0.05     # s between two timer checks (normally <= 20
 cdef double RESUME_GAP_ROUNDS = 0.5  # a peer silent on every rail this many rounds, then
                                      # acknowledging again, has resumed (fresh rail deadlines)
 
-cdef inline int fast_probing(State* e, Rail* r, double now) noexcept nogil:
+cdef inline int fast_probing(State* e, PairRail* r, double now) noexcept nogil:
     """The rail failed under FAST_PROBE_S ago and not as a flap (its back-off is the first)."""
     return r.state == R_DOWN and r.fail_time > 0 and now - r.fail_time < FAST_PROBE_S and \
         r.backoff <= e.probe_base
 
-cdef inline int rail_idle(Rail* r) noexcept nogil:
+cdef inline int rail_idle(PairRail* r) noexcept nogil:
     """Never connected and never failed: a connection made on first use that no schedule
     needed yet (issue 31, r2comm/transport/links.py); not judged, not probed, counted usable."""
     return r.state != R_UP and r.gen == 0 and r.fail_count == 0
@@ -46,7 +46,7 @@ cdef inline double hc_round(State* e) noexcept nogil:
     cdef double cap = 0.25 if e.rail_timeout <= 1.0 else 0.25 * e.rail_timeout
     return cap if v > cap else v
 
-cdef inline int rail_late(State* e, Rail* r, double now, double rnd) noexcept nogil:
+cdef inline int rail_late(State* e, PairRail* r, double now, double rnd) noexcept nogil:
     """The rail has chunks out and its acks are near (within a round) or past its deadline."""
     return not e.noack and (not r.inflight.empty() or r.ghosts > 0) and \
         now - r.last_progress > e.rail_timeout - rnd
@@ -60,7 +60,7 @@ cdef void self_paused(State* e, double lost, double now) noexcept nogil:
     cdef int i
     cdef size_t k
     cdef Peer* p
-    cdef Rail* r
+    cdef PairRail* r
     cdef Op* op
     e.self_paused += lost
     for i in range(e.nranks):
@@ -99,7 +99,7 @@ cdef void note_resume(State* e, Peer* p, double rnd) noexcept nogil:
             p.resume_t = latest
         p.ack_seen = latest
 
-cdef void hc_begin(State* e, Rail* r, r2_tcpsnap* s, double now) noexcept nogil:
+cdef void hc_begin(State* e, PairRail* r, r2_tcpsnap* s, double now) noexcept nogil:
     """Start a round: remember what the peer's kernel has acknowledged so far, and if the
     connection has nothing outstanding for it to acknowledge, give it something: a frame the
     peer ignores (a rail-down ack that names no notice; no wire change), which its kernel
@@ -118,7 +118,7 @@ cdef void hc_begin(State* e, Rail* r, r2_tcpsnap* s, double now) noexcept nogil:
         queue_ctrl(e, r, F_RAIL_DOWN_ACK, 0, 0, 0, 0, 0, 0xFFFFFFFF, NULL, 0)
         rail_write(e, r)
 
-cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlate) noexcept nogil:
+cdef int judge_rail(State* e, Peer* p, PairRail* r, double now, double rnd, int nlate) noexcept nogil:
     """A rail's acks are late: its deadline is a round away or has passed. Before failing it,
     ask its TCP connection (TCP_INFO, only now, never per chunk) who is to blame. The round
     that ends at the deadline tells: if the peer's kernel acknowledged bytes during it, or
@@ -214,7 +214,7 @@ cdef int judge_rail(State* e, Peer* p, Rail* r, double now, double rnd, int nlat
     hc_begin(e, r, &s, now)
     return 0
 
-cdef void completion_due(State* e, Rail* r, double now) noexcept nogil:
+cdef void completion_due(State* e, PairRail* r, double now) noexcept nogil:
     """A DATA frame is wholly posted and its completion has not come: collect it (a transport
     without an event fd is polled here), and fail the rail if it is a rail deadline late (the
     transport lost it: the frame's chunk is re-sent on another rail, the peer drops a copy)."""
@@ -226,7 +226,7 @@ cdef void completion_due(State* e, Rail* r, double now) noexcept nogil:
     elif now - r.tx_post_t > e.rail_timeout:
         fail_rail(e, r, "no send completion within the rail deadline", e.me, 1)
 
-cdef int local_nic_gone(State* e, Rail* r, double now) noexcept nogil:
+cdef int local_nic_gone(State* e, PairRail* r, double now) noexcept nogil:
     """A busy rail gone quiet (no ack for NIC_CHECK_AFTER) is failed at once if this rank's own NIC under it is down or has lost its carrier:
     that is certain (not a guess from timing), and waiting for the rail deadline only keeps
     the rail's chunks behind a link that cannot carry them. What it saves is most of a short
@@ -266,8 +266,8 @@ cdef void idle_nic_check(State* e, double now) noexcept nogil:
     0.1 s, not per peer."""
     cdef int i, k, nr = 0, res
     cdef Peer* p
-    cdef Rail* r
-    cdef Rail* probe
+    cdef PairRail* r
+    cdef PairRail* probe
     cdef char ifname[64]
     cdef char buf[200]
     if e.noack or now - e.nic_idle_t < NIC_IDLE_EVERY:
@@ -307,7 +307,7 @@ cdef void check_timers(State* e) noexcept nogil:
     cdef double now = mono()
     cdef double rnd = hc_round(e)
     cdef Peer* p
-    cdef Rail* r
+    cdef PairRail* r
     cdef int i, k, up, nlate, nstalled, fine
     cdef char info[160]
     cdef size_t j

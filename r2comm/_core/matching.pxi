@@ -297,7 +297,7 @@ cdef size_t p2p_states_held(State* e) noexcept nogil:
             n += e.peers[i].p2p.size()
     return n
 
-cdef void p2p_void(State* e, Rail* r) noexcept nogil:
+cdef void p2p_void(State* e, PairRail* r) noexcept nogil:
     """A void (FL_VOID frame) for message h.seq of the pair: its sender gave that message up
     (its send failed or was released, and its user was told), so it never comes in full. The
     pair's later messages stop waiting for it: unseen, it counts as seen (held as an empty

@@ -2,7 +2,7 @@
 # under the engine's mutex (progress_once), run by the progress thread (progress_loop) or by a
 # thread that waits for an operation; set_out asks epoll for writability after a short write.
 
-cdef void set_out(State* e, Rail* r, int want) noexcept nogil:
+cdef void set_out(State* e, PairRail* r, int want) noexcept nogil:
     cdef epoll_event ev
     if r.fd < 0 or r.want_out == want:
         return
@@ -18,7 +18,7 @@ cdef int poll_rails(State* e) noexcept nogil:
     in what arrived and write what waits for room. No system call unless a doorbell is due.
     Returns how many of them moved bytes."""
     cdef size_t i
-    cdef Rail* r
+    cdef PairRail* r
     cdef uint64_t rb, sb
     cdef int act = 0
     for i in range(e.polled.size()):
@@ -38,7 +38,7 @@ cdef int arm_polled(State* e) noexcept nogil:
     """Under the mutex, before blocking in epoll: every polled rail asks its peer for a
     doorbell. Returns 1 if one has bytes or room already (then do not block)."""
     cdef size_t i
-    cdef Rail* r
+    cdef PairRail* r
     for i in range(e.polled.size()):
         r = e.polled[i]
         if r.state == R_UP and r.tp.arm(r.conn) != 0:
@@ -53,7 +53,7 @@ cdef int progress_once(State* e, int tmo) noexcept nogil:
     cdef epoll_event evs[64]
     cdef int n, i, pi, ri
     cdef uint64_t tag, drain
-    cdef Rail* r
+    cdef PairRail* r
     cdef Peer* p
     cdef double now
     cdef int act = 0

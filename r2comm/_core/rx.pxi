@@ -9,7 +9,7 @@ cdef void discard_other_copies(State* e, RecvMsg* rm, uint32_t c) noexcept nogil
     so no byte of a chunk reaches the user's buffer after the chunk was applied (a zero-copy
     sender may already have rewritten the pages the late copy is read from)."""
     cdef Peer* p = e.peers[rm.peer] if rm.peer >= 0 and rm.peer < e.nranks else NULL
-    cdef Rail* t
+    cdef PairRail* t
     cdef int k
     if p == NULL:
         return
@@ -57,7 +57,7 @@ cdef void deliver_chunk(State* e, RecvMsg* rm, uint32_t c, char* data) noexcept 
     apply_chunk(e, rm, c, data)
     free(data)
 
-cdef void rx_refuse(State* e, Rail* r, const char* why) noexcept nogil:
+cdef void rx_refuse(State* e, PairRail* r, const char* why) noexcept nogil:
     """A frame that passed the header check but cannot be taken in (it contradicts the message
     layout, or memory for it ran out): report it and close the connection, like a malformed
     header. Nothing of it is acknowledged, so the sender re-sends on another rail."""
@@ -87,7 +87,7 @@ cdef void drop_peer_unexpected(State* e, Peer* p) noexcept nogil:
         else:
             inc(itp)
 
-cdef void unexp_overflow(State* e, Rail* r) noexcept nogil:
+cdef void unexp_overflow(State* e, PairRail* r) noexcept nogil:
     """Peer r.peer sent more unexpected data (messages no receive here wants yet) than this
     rank keeps: its unexpected messages are dropped, every operation of this rank with it
     fails with the reason (its own calls get the abort), and the frame is refused."""
@@ -107,7 +107,7 @@ cdef inline bint unexp_room(State* e, uint32_t nmsgs, uint64_t nbytes) noexcept 
     return e.unexp_msgs + <uint64_t>nmsgs <= e.unexp_max_msgs and \
         e.unexp_bytes + nbytes <= e.unexp_max_bytes
 
-cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
+cdef int rx_unexp_target(State* e, PairRail* r, Unexp* u) noexcept nogil:
     """Buffer a DATA payload for an unexpected message: only a chunk that fits the message the
     first frame announced (same total, in range, exactly its length), so a buffered chunk is
     never shorter than what is later copied out of it. -1 if the frame was refused."""
@@ -127,7 +127,7 @@ cdef int rx_unexp_target(State* e, Rail* r, Unexp* u) noexcept nogil:
         r.rkind = K_BUF
     return 0
 
-cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
+cdef void rx_data_header(State* e, PairRail* r) noexcept nogil:
     """Decide where the payload of a DATA frame goes before reading it."""
     cdef r2_hdr* h = &r.rh
     cdef Peer* p = e.peers[r.peer]
@@ -239,7 +239,7 @@ cdef void rx_data_header(State* e, Rail* r) noexcept nogil:
         r.rkind = K_STAGE
         r.rtarget = r.stage
 
-cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
+cdef void rx_data_done(State* e, PairRail* r) noexcept nogil:
     """A DATA payload is complete: acknowledge it and deliver it."""
     cdef r2_hdr* h = &r.rh
     cdef RecvMsg* rm
@@ -305,7 +305,7 @@ cdef void rx_data_done(State* e, Rail* r) noexcept nogil:
     r.rmsg = NULL
     r.rkind = K_NONE
 
-cdef int rx_header(State* e, Rail* r) noexcept nogil:
+cdef int rx_header(State* e, PairRail* r) noexcept nogil:
     """Validate and dispatch a header. Returns -1 if the connection was closed."""
     cdef int bad = hdr_validate(&r.rh, e.cs)
     if bad != 0:
@@ -345,7 +345,7 @@ cdef int rx_header(State* e, Rail* r) noexcept nogil:
             r.rstate = 0
     return 0 if r.state == R_UP else -1
 
-cdef int rx_mac_header(State* e, Rail* r) noexcept nogil:
+cdef int rx_mac_header(State* e, PairRail* r) noexcept nogil:
     """mac mode: check a header's form only; the frame's payload goes to the rail's mbuf and
     nothing acts on it until its tag verifies (rx_mac_done). Returns -1 if closed."""
     if hdr_validate(&r.rh, e.cs) != 0 or r.rh.len > r.mbuf_cap:
@@ -359,7 +359,7 @@ cdef int rx_mac_header(State* e, Rail* r) noexcept nogil:
     r.rstate = 1 if r.rh.len > 0 else 2
     return 0
 
-cdef int rx_mac_done(State* e, Rail* r) noexcept nogil:
+cdef int rx_mac_done(State* e, PairRail* r) noexcept nogil:
     """mac mode: the tag of the frame in r.rh / r.mbuf has arrived. A frame that does not
     verify (altered, replayed, reordered, or from another connection) closes the connection:
     its payload never reaches a user buffer, and the sender re-sends its unacknowledged chunks
@@ -386,13 +386,13 @@ cdef int rx_mac_done(State* e, Rail* r) noexcept nogil:
         rx_payload_done(e, r)
     return 0 if r.state == R_UP else -1
 
-cdef inline void rx_payload_end(State* e, Rail* r) noexcept nogil:
+cdef inline void rx_payload_end(State* e, PairRail* r) noexcept nogil:
     if e.mac:
         r.rstate = 2                    # its tag comes next
     else:
         rx_payload_done(e, r)
 
-cdef void rx_payload_done(State* e, Rail* r) noexcept nogil:
+cdef void rx_payload_done(State* e, PairRail* r) noexcept nogil:
     if r.rkind == K_CTRL:
         on_abort(e, r, r.rtarget, r.rh.len)
         free(r.rtarget)
@@ -402,7 +402,7 @@ cdef void rx_payload_done(State* e, Rail* r) noexcept nogil:
         rx_data_done(e, r)
     r.rstate = 0
 
-cdef void rail_read(State* e, Rail* r) noexcept nogil:
+cdef void rail_read(State* e, PairRail* r) noexcept nogil:
     cdef int64_t n
     cdef uint32_t avail, take, need
     cdef int rounds = 0

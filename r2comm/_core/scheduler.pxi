@@ -72,13 +72,13 @@ cdef inline bint rate_chunk(SendMsg* m, uint32_t ln) noexcept nogil:
     the other rail of a 1 MiB allreduce (0.7x the time without hedging on loopback)."""
     return ln > LAZY_ACK_MAX or (m.total > m.cs and ln == m.cs)
 
-cdef inline void untrack(Rail* r, SendMsg* m, uint32_t ln) noexcept nogil:
+cdef inline void untrack(PairRail* r, SendMsg* m, uint32_t ln) noexcept nogil:
     """A chunk left r's in-flight list (acknowledged, delivered elsewhere, or purged)."""
     r.inflight_bytes -= ln
     if rate_chunk(m, ln):
         r.meas_inflight -= ln if r.meas_inflight >= ln else r.meas_inflight
 
-cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
+cdef inline void measure_rate(PairRail* r, uint32_t nbytes) noexcept nogil:
     """Throughput of a busy rail: acknowledged bytes over time with data outstanding,
     smoothed (EWMA), sampled once two chunks (of the size just acknowledged) were
     acknowledged over >= 5 ms, or all that was out (a lone chunk: the only measurement a
@@ -99,7 +99,7 @@ cdef inline void measure_rate(Rail* r, uint32_t nbytes) noexcept nogil:
         r.meas_t0 = now
         r.meas_bytes = 0
 
-cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
+cdef int start_chunk(State* e, Peer* p, PairRail* r) noexcept nogil:
     """Take the next queued chunk of this pair for rail r, if its window has room."""
     cdef CRef ref
     cdef SendMsg* m
@@ -120,7 +120,7 @@ cdef int start_chunk(State* e, Peer* p, Rail* r) noexcept nogil:
         return 1
     return 0
 
-cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
+cdef void begin_tx(PairRail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
     """Put chunk ref on rail r: count it in flight there and make it the frame being written."""
     cdef SendMsg* m = <SendMsg*>ref.m
     if r.inflight.empty() and r.ghosts == 0:
@@ -144,14 +144,14 @@ cdef void begin_tx(Rail* r, CRef ref, uint32_t ln, double now) noexcept nogil:
     r.tx_post_t = 0
     r.tx_sealed = 0
 
-cdef Rail* declared_rail(Peer* p, SendMsg* m, uint32_t ln) noexcept nogil:
+cdef PairRail* declared_rail(Peer* p, SendMsg* m, uint32_t ln) noexcept nogil:
     """The up rail a message with declared rail shares (the plan's rail weights) owes the next
     chunk: the one furthest behind its share, (bytes put on it + ln) / share smallest; NULL
     when no rail with a share is up (the measured striping then takes over, as it does while
     the rail chosen here has chunks out and its acks are late: pump_peer)."""
     cdef int k
-    cdef Rail* r
-    cdef Rail* best = NULL
+    cdef PairRail* r
+    cdef PairRail* best = NULL
     cdef double score, best_score = 0
     for k in range(p.nrails):
         if <size_t>k >= m.rw.size():
@@ -171,9 +171,9 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
     plus the chunk, over measured rate times weight), or waits for a busy rail that is much
     sooner. A slow or stalled rail keeps its bytes unacknowledged and so gets fewer chunks."""
     cdef int k
-    cdef Rail* r
-    cdef Rail* best
-    cdef Rail* busy
+    cdef PairRail* r
+    cdef PairRail* best
+    cdef PairRail* busy
     cdef double score, best_score, rate, best_rate, busy_score, busy_speed = 0, best_speed = 0
     cdef bint best_stale = 0
     cdef double now = mono()
@@ -272,7 +272,7 @@ cdef void pump_peer(State* e, Peer* p) noexcept nogil:
         rail_write(e, best)
     hedge_tail(e, p)
 
-cdef inline double quiet_limit(State* e, Rail* r, double rate) noexcept nogil:
+cdef inline double quiet_limit(State* e, PairRail* r, double rate) noexcept nogil:
     """How long a rail with chunks out may go without an ack before it counts as late: 5 ms
     plus four chunk times at its rate (20 ms if unmeasured), plus its usual gap between acks
     and four mean deviations of it."""
@@ -292,8 +292,8 @@ cdef void hedge_tail(State* e, Peer* p) noexcept nogil:
     at under half the other's rate) only when the faster rail has nothing outstanding, since
     then the copies take no bandwidth anything else needed."""
     cdef int kf, ks
-    cdef Rail* f
-    cdef Rail* sl
+    cdef PairRail* f
+    cdef PairRail* sl
     cdef CRef ref
     cdef SendMsg* m
     cdef uint32_t ln

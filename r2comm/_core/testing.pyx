@@ -21,7 +21,7 @@ from r2comm._core.shm cimport (ShmConn, r2_shm_setup, shm_setup, r2_shm_conn, r2
                                r2_shm_write, r2_shm_read, r2_shm_arm, r2_shm_wake, r2_shm_close)
 from r2comm._core.tcp cimport tcp_sendv, tcp_recv1, close, SHUT_RDWR
 from r2comm._core.tcp cimport shutdown as sock_shutdown
-from r2comm._core.engine cimport (Engine, Plan, State, Peer, Rail, R_UP, MAC_LEN, DACK_DELAY, mono,
+from r2comm._core.engine cimport (Engine, Plan, State, Peer, PairRail, R_UP, MAC_LEN, DACK_DELAY, mono,
                                   rail_window, rail_read, pump_peer, lazy_ack_timer, p2p_state,
                                   pthread_mutex_lock, pthread_mutex_unlock, b2s_state, b2s_init,
                                   b2s_update, b2s_final, b2s_prepare_more, p1305_state,
@@ -274,7 +274,7 @@ def shm_bells(Engine engine):
     cdef State* e = engine._live()
     cdef dict out = {}
     cdef int i
-    cdef Rail* r
+    cdef PairRail* r
     with nogil:
         pthread_mutex_lock(&e.mu)
     try:
@@ -334,7 +334,7 @@ def fuzz_feed(Engine engine, int peer, int rail, const unsigned char[:] data, ui
     (sends take at most `send_step` bytes each: partial writes; 0: all). Returns (bytes
     consumed, rail still up, bytes the engine wrote)."""
     cdef State* e = engine._live()
-    cdef Rail* r
+    cdef PairRail* r
     cdef size_t before
     cdef int i, guard = 0
     cdef uint64_t sent0

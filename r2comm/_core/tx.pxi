@@ -2,7 +2,7 @@
 # into its place in the stream (with its MAC in mac mode), rail_write (control frames, then
 # the current chunk, across partial writes), and delayed acks that ride with the next frame.
 
-cdef void queue_ctrl(State* e, Rail* r, uint8_t type, uint8_t flags, uint32_t comm, uint32_t seq,
+cdef void queue_ctrl(State* e, PairRail* r, uint8_t type, uint8_t flags, uint32_t comm, uint32_t seq,
                      uint32_t step, uint32_t chunk, uint32_t aux, const char* payload,
                      uint32_t plen) noexcept nogil:
     """Append a small frame (ack or control) to the rail's small-frame queue."""
@@ -16,7 +16,7 @@ cdef void queue_ctrl(State* e, Rail* r, uint8_t type, uint8_t flags, uint32_t co
     if e.mac:
         txq_tag(r, &h, payload, plen)
 
-cdef void txq_tag(Rail* r, r2_hdr* h, const char* payload, uint32_t plen) noexcept nogil:
+cdef void txq_tag(PairRail* r, r2_hdr* h, const char* payload, uint32_t plen) noexcept nogil:
     """Append the MAC of a frame just queued: txq is written in order, so the frame's counter
     in this direction is the next one."""
     cdef uint8_t tag[16]
@@ -24,7 +24,7 @@ cdef void txq_tag(Rail* r, r2_hdr* h, const char* payload, uint32_t plen) noexce
     r.tx_ctr += 1
     r.txq.append(<const char*>tag, MAC_LEN)
 
-cdef void queue_lazy_ack(State* e, Rail* r, r2_hdr* d) noexcept nogil:
+cdef void queue_lazy_ack(State* e, PairRail* r, r2_hdr* d) noexcept nogil:
     """Acknowledge a DATA frame whose sender does not wait for it (a copied, eager send): the
     ack goes out with the next frame this rank writes on the rail, or after DACK_DELAY, which
     saves a write and a wake-up per small message. The echoed flags drop FL_LAZY_ACK, so the
@@ -43,7 +43,7 @@ cdef void queue_lazy_ack(State* e, Rail* r, r2_hdr* d) noexcept nogil:
     if r.dackq.size() >= DACK_MAX * HDR_SIZE:
         flush_lazy_acks(e, r)
 
-cdef void flush_lazy_acks(State* e, Rail* r) noexcept nogil:
+cdef void flush_lazy_acks(State* e, PairRail* r) noexcept nogil:
     """Move the rail's delayed acks into its send queue (the caller writes it)."""
     cdef size_t i = 0
     if r.dackq.empty():
@@ -58,7 +58,7 @@ cdef void flush_lazy_acks(State* e, Rail* r) noexcept nogil:
     r.dackq.clear()
     e.dack_rails -= 1
 
-cdef void drop_lazy_acks(State* e, Rail* r) noexcept nogil:
+cdef void drop_lazy_acks(State* e, PairRail* r) noexcept nogil:
     if not r.dackq.empty():
         r.dackq.clear()
         e.dack_rails -= 1
@@ -67,7 +67,7 @@ cdef void lazy_ack_timer(State* e, double now) noexcept nogil:
     """Send the delayed acks that have waited DACK_DELAY. Only the listed rails are looked at;
     a rail whose acks have gone (with a frame, or dropped by a failure) leaves the list."""
     cdef size_t i, kept = 0
-    cdef Rail* r
+    cdef PairRail* r
     for i in range(e.dack_list.size()):
         r = e.dack_list[i]
         if not r.dackq.empty() and now - r.dack_t >= DACK_DELAY:
@@ -81,7 +81,7 @@ cdef void lazy_ack_timer(State* e, double now) noexcept nogil:
             kept += 1
     e.dack_list.resize(kept)
 
-cdef int64_t rail_send(State* e, Rail* r, iovec* iov, int niov, uint64_t cookie) noexcept nogil:
+cdef int64_t rail_send(State* e, PairRail* r, iovec* iov, int niov, uint64_t cookie) noexcept nogil:
     """The emulated NIC in front of the transport: applies injected faults, then posts."""
     cdef int64_t total = iov_total(iov, niov), allowed, n
     cdef int i
@@ -102,7 +102,7 @@ cdef int64_t rail_send(State* e, Rail* r, iovec* iov, int niov, uint64_t cookie)
         r.bytes_sent += n
     return n
 
-cdef void inject_now(State* e, Rail* r, int mode) noexcept nogil:
+cdef void inject_now(State* e, PairRail* r, int mode) noexcept nogil:
     r.fault_at = -1
     if mode == INJ_SILENT:
         r.blackhole = 1
@@ -115,7 +115,7 @@ cdef void inject_now(State* e, Rail* r, int mode) noexcept nogil:
     if e.fault_time == 0:
         e.fault_time = wall()
 
-cdef void seal_frame(State* e, Rail* r) noexcept nogil:
+cdef void seal_frame(State* e, PairRail* r) noexcept nogil:
     """The DATA frame being written takes its place in the stream: after what txq holds now.
     In mac mode its tag is computed here, with the next counter; frames queued later wait
     until it is written (their counters follow its)."""
@@ -125,7 +125,7 @@ cdef void seal_frame(State* e, Rail* r) noexcept nogil:
         frame_mac(&r.tx_key, &r.tx_hdr, HDR_SIZE, r.tx_payload, r.tx_plen, r.tx_ctr, r.tx_tag)
         r.tx_ctr += 1
 
-cdef void tx_complete(State* e, Rail* r) noexcept nogil:
+cdef void tx_complete(State* e, PairRail* r) noexcept nogil:
     """The transport is done with the DATA frame (its completion came): the rail is free."""
     cdef Peer* p = e.peers[r.peer]
     r.tx_busy = 0
@@ -139,7 +139,7 @@ cdef void tx_complete(State* e, Rail* r) noexcept nogil:
         # benchmark-only mode: written counts as delivered (no loss protection)
         ack_chunk(e, <SendMsg*>r.tx_ref.m, r.tx_ref.c, r)
 
-cdef void rail_reap(State* e, Rail* r) noexcept nogil:
+cdef void rail_reap(State* e, PairRail* r) noexcept nogil:
     """Collect the rail's send completions (transport.pxd's test). Only the frame being
     written has a cookie; any other (a frame of an earlier connection's state) is ignored."""
     cdef uint64_t done[8]
@@ -152,12 +152,12 @@ cdef void rail_reap(State* e, Rail* r) noexcept nogil:
         if n < 8:
             return
 
-cdef inline int tx_mid(State* e, Rail* r) noexcept nogil:
+cdef inline int tx_mid(State* e, PairRail* r) noexcept nogil:
     """A DATA frame is being posted and some of its bytes are not yet: in a stream nothing else
     may go before them."""
     return r.tx_busy and not r.tx_posted
 
-cdef void rail_write(State* e, Rail* r) noexcept nogil:
+cdef void rail_write(State* e, PairRail* r) noexcept nogil:
     cdef iovec iov[4]
     cdef int niov, use_q, k, mid
     cdef int64_t n, left
@@ -234,7 +234,7 @@ cdef void rail_write(State* e, Rail* r) noexcept nogil:
 
 cdef int txq_empty(State* e) noexcept nogil:
     cdef int i, k
-    cdef Rail* r
+    cdef PairRail* r
     for i in range(e.nranks):
         if e.peers[i] == NULL or e.peers[i].lost:
             continue
