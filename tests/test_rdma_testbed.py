@@ -391,7 +391,7 @@ def _verbs_rails():
 
 
 @pytest.mark.rdma
-def test_engine_collectives_on_verbs_rails(rfab):
+def test_engine_collectives_and_pinned_memory_per_rank_on_verbs_rails(rfab):
     _verbs_rails().collectives_checks(rfab)
 
 
@@ -416,5 +416,5 @@ def test_engine_raises_on_a_partition_of_verbs_rails(rfab):
 
 
 @pytest.mark.rdma
-def test_engine_pinned_memory_per_rank_independent_of_peers_on_verbs(rfab):
+def test_engine_tiny_verbs_pools_through_a_qp_failure(rfab):
     _verbs_rails().pool_checks(rfab)

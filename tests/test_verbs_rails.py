@@ -140,14 +140,29 @@ def ok_lines(out, scenario, nranks):
 
 def collectives_checks(fab):
     """Every collective exact against numpy over verbs rails: 2 ranks (one per host) and 4
-    ranks (two per host: same-host pairs share the host's rxe devices)."""
+    ranks (two per host: same-host pairs share the host's rxe devices). Pinned memory per rank
+    is independent of the peer count: 1 and 2 ranks per guest (1 and 2 QPs per device) pin the
+    same bytes per rank, the devices' slot pools (R2COMM_VERBS_* defaults); 4 ranks per guest
+    (n=8) do not start on the 2-core CI host's TCG guests, before or after the pools."""
+    from r2comm._core import verbs as v
+    slot, nrecv, nsend, _ = v.transport_slots()
+    want = 2 * (nrecv + nsend) * slot                    # 2 rails: one device each
+    seen = {}
     for n, sizes in ((2, "1,1000,300001,1200007"), (4, "1,1000,300001")):
         started = time.monotonic()
-        rc, out = rdma_job(fab, n, ["collectives", f"sizes={sizes}", "watchdog=300"])
+        rc, out = rdma_job(fab, n, ["collectives", f"sizes={sizes}", "watchdog=300", "pool=1"])
         assert rc == 0, out[-6000:]
         lines = ok_lines(out, "collectives", n)
         assert all("rxe0:1" in ln and "rxe1:1" in ln for ln in lines), lines
         print(f"\nverbs collectives, {n} ranks: {time.monotonic() - started:.1f} s; {lines[0]}")
+        pools = pool_lines(out, n)
+        assert {p["live"]["pinned_bytes"] for p in pools.values()} == {want}, pools
+        qps = {d["conns"] for p in pools.values() for d in p["live"]["devices"].values()}
+        assert min(qps) >= n // 2, qps               # a QP per peer on the other guest at least
+        assert_pools_whole(pools)
+        seen[n] = qps
+        print(f"verbs pools, {n} ranks: {want} pinned bytes per rank, QPs per device {qps}")
+    assert min(seen[4]) > max(seen[2]), seen        # more QPs, the same pinned bytes
 
 
 def regcache_checks(fab):
@@ -262,29 +277,11 @@ def assert_pools_whole(pools):
 
 
 def pool_checks(fab):
-    """Pinned memory per rank independent of the peer count: 1 and 2 ranks per guest (n=2 and
-    n=4 on 2 guests: 1 and 2 QPs per device) pin the same bytes per rank, the devices' slot
-    pools (R2COMM_VERBS_* defaults), with results exact (4 ranks per guest, n=8, do not start
-    on the 2-core CI host's TCG guests, before or after the pools); then a rail's QP failed mid-stream
-    with tiny pools (the SRQ runs dry: RNR flow control; send slots shared by waiters): results
-    bitwise equal and every slot back in the pool."""
+    """A rail's QP failed mid-stream with tiny pools (the SRQ runs dry: RNR flow control; send
+    slots shared by waiters): results bitwise equal and every slot back in the pool (the pools
+    at their defaults: collectives_checks)."""
     from r2comm._core import verbs as v
-    slot, nrecv, nsend, _ = v.transport_slots()
-    want = 2 * (nrecv + nsend) * slot                    # 2 rails: one device each
-    seen = {}
-    for n in (2, 4):
-        rc, out = rdma_job(fab, n, ["collectives", "sizes=1,1000,300001", "watchdog=300",
-                                    "pool=1"])
-        assert rc == 0, out[-6000:]
-        ok_lines(out, "collectives", n)
-        pools = pool_lines(out, n)
-        assert {p["live"]["pinned_bytes"] for p in pools.values()} == {want}, pools
-        qps = {d["conns"] for p in pools.values() for d in p["live"]["devices"].values()}
-        assert min(qps) >= n // 2, qps               # a QP per peer on the other guest at least
-        assert_pools_whole(pools)
-        seen[n] = qps
-        print(f"\nverbs pools, {n} ranks: {want} pinned bytes per rank, QPs per device {qps}")
-    assert min(seen[4]) > max(seen[2]), seen        # more QPs, the same pinned bytes
+    slot = v.transport_slots()[0]
     tiny = {"R2COMM_VERBS_RECV_SLOTS": "4", "R2COMM_VERBS_SEND_SLOTS": "3",
             "R2COMM_VERBS_CONN_SEND_SLOTS": "2"}
     rc, out = rdma_job(fab, 2, ["fault", "mode=qp", "failback=1", "n=131072", "ops=30", "at=8",
