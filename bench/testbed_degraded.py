@@ -4,14 +4,14 @@
     sudo .venv/bin/python bench/testbed_degraded.py [--hosts 3] [--rate 500mbit] [--mib 64]
 
 H hosts x 2 NICs at a fixed rate, one rank per host. Once the job runs, NIC 1 of the last host
-is taken down for real (ip link set down); after the engines detect it, the job times a 64 MiB
-float32 allreduce with
+is taken down for real (ip link set down), or with --slow F shaped to F x the rate (tc tbf);
+after the engines detect it, the job times a 64 MiB float32 allreduce with
   ring       the static ring; the engine's striping already moves the lost NIC's share onto
              the surviving NIC ("balance"), but the degraded host stays on the critical path
   replanned  the schedule the planner picks for the agreed rail state (comm.replan()):
              the degraded-server allreduce when its predicted time is lower
 and compares both with the lower bound T* = (N/B)·max(1/β, 2(p−1)/(p−1+β)), β = 1/2 (one of
-two equal NICs left). T* is given twice: from the nominal tbf rate B, and from the goodput the
+two equal NICs left; (1 + F)/2 with --slow F). T* is given twice: from the nominal tbf rate B, and from the goodput the
 fabric really delivers. tbf counts frame headers (under 1% at the testbed's 9000-byte MTU, ~4.5%
 at 1500) and TCP needs some headroom, so the nominal T* is out of reach by a few per cent: the
 job also times the degraded host's bare traffic (it sends N/(p-1)
@@ -45,10 +45,15 @@ def rank_main(args):
     marker = os.path.join(args.out, ".degraded_ready")
     if r == 0:
         open(marker, "w").close()
-    # the launcher takes NIC 1 of the last host down now; wait (a bounded, agreed number of
-    # rounds) until the degraded host and a peer have noticed
+    # the launcher takes NIC 1 of the last host down (or slows it) now; wait (a bounded, agreed
+    # number of rounds) until the degraded host and a peer have noticed (a slowed NIC: until the
+    # launcher says it is shaped; the engines measure its rate as the ring runs on it)
+    shaped = os.path.join(args.out, ".degraded_shaped")
     for _ in range(150):
-        if world.allreduce(1 if any(ra.state != "up" for ra in comm.rails) else 0) >= 2:
+        if args.slow:
+            if world.allreduce(1 if os.path.exists(shaped) else 0) == n:
+                break
+        elif world.allreduce(1 if any(ra.state != "up" for ra in comm.rails) else 0) >= 2:
             break
         time.sleep(0.2)
     results = {}
@@ -85,6 +90,8 @@ def rank_main(args):
         return {"median_s": ts[len(ts) // 2], "all_s": ts, "bytes_each_way": part * (n - 1)}
 
     timed("ring", args.reps)                       # static plans (no rail state)
+    if args.slow:
+        timed("ring", args.reps)                   # (the slowed NIC's rate measured by now)
     state = comm.replan()                           # agreed: every rank calls it here
     sent0 = comm._engine.rail_stats()
     timed("replanned", args.reps)
@@ -101,17 +108,19 @@ def rank_main(args):
     # what the fabric was built with; the planner's own estimate is recorded beside it)
     from r2comm.testbed.fabric import _rate_bps
     bw = 2 * _rate_bps(args.rate) / 8
-    beta = 0.5
+    beta = (1 + args.slow) / 2
     tstar = cost.lower_bound(count * 4, bw, beta, n)
-    # the same bound at the goodput the degraded NIC really gave the bare exchange
-    goodput = bare["bytes_each_way"] / bare["median_s"]          # bytes/s through one NIC
-    tstar_eff = cost.lower_bound(count * 4, 2 * goodput, beta, n)
+    # the same bound at the goodput the degraded host really gave the bare exchange
+    goodput = bare["bytes_each_way"] / bare["median_s"]          # bytes/s through its NICs
+    tstar_eff = cost.lower_bound(count * 4, goodput / beta, beta, n)
     if r == 0:
-        out = {"hosts": n, "rate": args.rate, "mtu": args.mtu, "mib": args.mib, "beta": beta,
+        out = {"hosts": n, "rate": args.rate, "slow": args.slow, "mtu": args.mtu,
+               "mib": args.mib, "beta": beta,
                "beta_planner": state.beta(), "host_bw_Bps": bw, "T_star_s": tstar,
                "nic_goodput_Bps": goodput, "T_star_goodput_s": tstar_eff,
                "exchange": bare, "results": results, "diag": diag}
-        with open(os.path.join(args.out, "testbed_degraded.json"), "w") as f:
+        name = f"testbed_degraded_slow{args.slow:g}.json" if args.slow else "testbed_degraded.json"
+        with open(os.path.join(args.out, name), "w") as f:
             json.dump(out, f, indent=1)
         print(f"[degraded] p={n} beta={beta:.2f} (planner: {state.beta():.2f}) "
               f"B={bw * 8 / 1e9:.2f} Gbit/s per host N={args.mib} MiB  T*={tstar * 1e3:.0f} ms; "
@@ -131,6 +140,8 @@ def main():
     ap.add_argument("--rate", default="500mbit")
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--slow", type=float, default=0.0,
+                    help="NIC 1 of the last host at this fraction of --rate (0: taken down)")
     ap.add_argument("--mtu", type=int, default=None, help="rail MTU (default: the testbed's)")
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
     args = ap.parse_args()
@@ -139,21 +150,29 @@ def main():
     from r2comm.testbed import Fabric
     os.makedirs(args.out, exist_ok=True)
     marker = os.path.join(args.out, ".degraded_ready")
-    if os.path.exists(marker):
-        os.remove(marker)
+    shaped = os.path.join(args.out, ".degraded_shaped")
+    for path in (marker, shaped):
+        if os.path.exists(path):
+            os.remove(path)
     from r2comm.testbed.fabric import RAIL_MTU
     args.mtu = args.mtu or RAIL_MTU
     with Fabric(hosts=args.hosts, nics=2, rate=args.rate, tag="degr", mtu=args.mtu) as fab:
         p = fab.mpiexec(args.hosts, [sys.executable, os.path.abspath(__file__), "--rank",
                                      "--hosts", str(args.hosts), "--rate", args.rate,
                                      "--mib", str(args.mib), "--reps", str(args.reps),
+                                     "--slow", str(args.slow),
                                      "--mtu", str(args.mtu),
                                      "--out", args.out],
                         env={"R2COMM_RAIL_TIMEOUT_MS": "500"}, timeout=600)
         deadline = time.time() + 120
         while not os.path.exists(marker) and p.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        fab.nic_down(args.hosts - 1, 1)
+        if args.slow:
+            from r2comm.testbed.fabric import _rate_bps
+            fab.degrade(args.hosts - 1, 1, int(_rate_bps(args.rate) * args.slow))
+            open(shaped, "w").close()
+        else:
+            fab.nic_down(args.hosts - 1, 1)
         rc = p.wait()
     sys.exit(rc)
 
