@@ -77,7 +77,8 @@ def test_choice_within_3_percent_of_the_best_replay():
     the exact replay: from 256 MiB on (bandwidth-bound) the chosen plan's replay is within 3% of
     the best candidate's; the tree fold is a candidate and chosen where it wins (24 hosts x 2
     NICs, 1 GiB, a NIC down: 1.44x off when the replay cut messages into 8 segments, which
-    overcharged its pipeline fill). Below 256 MiB the ring's and recursive doubling's prices
+    overcharged its pipeline fill; since direct is offered up to 32 hosts it is chosen there,
+    0.3% faster). Below 256 MiB the ring's and recursive doubling's prices
     count a full α per dependent step, which the replay hides in part and erratically (0.1-1.0
     of it), so the choice there is only held within 1.15: with the weighted direct schedule
     the worst of grid(40) is 1.137 (3 hosts x 2 NICs, loss 1/8, 8 MiB), before it 1.19."""
@@ -87,7 +88,9 @@ def test_choice_within_3_percent_of_the_best_replay():
     assert max(r["ratio"] for r in big) <= 1.03, max(big, key=lambda r: r["ratio"])
     assert max(r["ratio"] for r in pts) <= 1.15, max(pts, key=lambda r: r["ratio"])
     by = {(r["hosts"], r["nics"], r["loss"], r["bytes"]): r for r in pts}
-    assert by[(24, 2, 1.0, 1024 * MB)]["chosen"] == "treefold"
+    # the tree fold chosen before direct was offered at 24 hosts (22.707 ms); direct since (22.649)
+    at24 = by[(24, 2, 1.0, 1024 * MB)]
+    assert at24["chosen"] in ("treefold", "direct") and at24["ratio"] <= 1.003, at24
     # the weighted direct schedule (1.417 ms; tree fold 1.642, ring 2.044, degraded 2.362)
     assert by[(16, 8, 1.0, 256 * MB)]["chosen"] == "direct"
 
@@ -105,8 +108,9 @@ def _sweep_fabric(H, K, slow_rate, alpha=25e-6):
 def test_treefold_price_against_replay(H, slow_rate):
     """The tree fold's closed-form price (price.treefold) against its exact replay: within 3%
     (2 NICs, NIC 0 of the last host down or at a fraction of its rate, 256 MiB, α = 25 µs in
-    the price and the fabric); with a NIC down the planner chooses it above 16 hosts (the
-    weighted direct schedule, offered up to 16, replays within 1.03 of T* there)."""
+    the price and the fabric); with a NIC down the planner chooses it above direct.MAX_RANKS
+    hosts (the weighted direct schedule, offered up to there, replays within 1.05 of T*)."""
+    from r2comm.planner.direct import MAX_RANKS
     from r2comm.config import Config
     from r2comm.sim.cluster import Cluster
     fab = _sweep_fabric(H, 2, slow_rate)
@@ -118,7 +122,7 @@ def test_treefold_price_against_replay(H, slow_rate):
     t = Cluster(fab).run_schedules(sc)["time_s"]
     assert got == pytest.approx(t, rel=0.03), (got, t)
     if slow_rate == 0.0:              # at 8 hosts both are within 1.5% of T*
-        want = ("treefold",) if H > 16 else ("treefold", "degraded", "direct")
+        want = ("treefold",) if H > MAX_RANKS else ("treefold", "degraded", "direct")
         assert planner.choose("allreduce", H, nb, 4, st, eager=eager) in want
 
 
