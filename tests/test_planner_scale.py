@@ -88,14 +88,15 @@ def test_choice_within_3_percent_of_the_best_replay():
     1 MiB-1 GiB (the issue's two cases, the grid's corners and 12 random points, less the three
     heaviest 24-host 1 GiB replays, which the slow full grid below keeps), judged by the exact
     replay: the chosen plan's replay is within 3% of the best candidate's at every point of this
-    sample (1.000 at each since the per-pair rail weights of the direct schedule). The tree fold
-    is a candidate and chosen where it wins (24 hosts x 2 NICs, 1 GiB, a NIC down), the weighted
-    direct schedule at 16 hosts x 8 NICs, 256 MiB, a NIC down (1.417 ms; tree fold 1.642, ring
-    2.044, degraded 2.362)."""
+    sample (1.000 at each since the per-pair rail weights of the direct schedule). At 24 hosts x
+    2 NICs, 1 GiB, a NIC down, the tree fold (22.707 ms) was chosen before the direct schedule
+    was offered up to 32 hosts, direct (22.649 ms) since; the weighted direct schedule at 16
+    hosts x 8 NICs, 256 MiB, a NIC down (1.417 ms; tree fold 1.642, ring 2.044, degraded 2.362)."""
     from r2comm.sim import sweep
     pts, by = _sweep([c for c in sweep.grid(12) if not _heavy(c)])
     assert max(r["ratio"] for r in pts) <= 1.03, max(pts, key=lambda r: r["ratio"])
-    assert by[(24, 2, 1.0, 1024 * MB)]["chosen"] == "treefold"
+    at24 = by[(24, 2, 1.0, 1024 * MB)]
+    assert at24["chosen"] in ("treefold", "direct") and at24["ratio"] <= 1.003, at24
     assert by[(16, 8, 1.0, 256 * MB)]["chosen"] == "direct"
 
 
@@ -127,8 +128,9 @@ def _sweep_fabric(H, K, slow_rate, alpha=25e-6):
 def test_treefold_price_against_replay(H, slow_rate):
     """The tree fold's closed-form price (price.treefold) against its exact replay: within 3%
     (2 NICs, NIC 0 of the last host down or at a fraction of its rate, 256 MiB, α = 25 µs in
-    the price and the fabric); with a NIC down the planner chooses it above 16 hosts (the
-    weighted direct schedule, offered up to 16, replays within 1.03 of T* there)."""
+    the price and the fabric); with a NIC down the planner chooses it above direct.MAX_RANKS
+    hosts (the weighted direct schedule, offered up to there, replays within 1.05 of T*)."""
+    from r2comm.planner.direct import MAX_RANKS
     from r2comm.config import Config
     from r2comm.sim.cluster import Cluster
     fab = _sweep_fabric(H, 2, slow_rate)
@@ -140,7 +142,7 @@ def test_treefold_price_against_replay(H, slow_rate):
     t = Cluster(fab).run_schedules(sc)["time_s"]
     assert got == pytest.approx(t, rel=0.03), (got, t)
     if slow_rate == 0.0:              # at 8 hosts both are within 1.5% of T*
-        want = ("treefold",) if H > 16 else ("treefold", "degraded", "direct")
+        want = ("treefold",) if H > MAX_RANKS else ("treefold", "degraded", "direct")
         assert planner.choose("allreduce", H, nb, 4, st, eager=eager) in want
 
 

@@ -24,8 +24,10 @@ import functools
 
 from .schedule import Schedule, WORK, SEND, COPY, REDUCE, REDUCE_SEND
 
-MAX_RANKS = 16              # offered up to this many ranks (above, the tree fold replays
-                            # closer to T*: 1.02 against 1.06 at 32 hosts with a NIC down)
+MAX_RANKS = 32              # offered up to this many ranks: above, the slow rank's stall,
+                            # (n-1) chunks at its rate, outgrows the tree fold's fill in the
+                            # replay without latency (48 hosts, a NIC at 1/2: 1.062 against
+                            # 1.040), while the prices with α = 25 µs still favour it
 SAME_SHARES = 1e-3          # rail weights this close to the engine's own striping are not declared
 FILL_HOPS = 3               # the price's latencies: one per phase, one for the last acknowledgement
 

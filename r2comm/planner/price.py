@@ -336,7 +336,7 @@ LATENCY_SHARE_FOLD = 0.5
 def treefold(net, nbytes):
     """treefold.py's two binary trees over the healthy ranks, the slow ranks folded in at the
     roots: treefold_time() (the busiest NIC's bytes over its rate, plus 2·depth + 2 chunk
-    times and latencies of pipeline fill), the slowest degraded rank against the median
+    times and 2·depth - 1 latencies of pipeline fill), the slowest degraded rank against the median
     healthy one as degraded_split() (the state's figures, not the split)."""
     from .treefold import treefold_time
     _, b_d, b_ok = net.degraded_split()

@@ -44,6 +44,9 @@ from .routing import ring_region
 from .schedule import Schedule, WORK, COPY, REDUCE
 
 FILL_CHUNKS = 1.0           # pipeline fill per tree hop, in chunk times at a healthy NIC's rate
+HIDDEN_LATENCIES = 3        # of the fill's 2·depth + 2 hops' latencies, the replay overlaps this
+                            # many (replay with α = 25 µs minus with α = 0: 2·depth - 1 α at 8-64
+                            # hosts, 8-256 MiB, a NIC down or at 1/2 or 7/8; bench/SIM.md)
 MIN_HEALTHY = 4             # offered() from this many healthy ranks on
 PREFER_MARGIN = 0.02        # preferred() when its closed form is this much below the degraded's
 
@@ -222,8 +225,8 @@ def loads(n, k, x):
 def treefold_time(n, nbytes, b_deg, b_ok, k=1, chunk=512 << 10, alpha=0.0, frac=0.0):
     """Closed-form seconds of the tree fold on n ranks, k of them degraded at b_deg bytes/s,
     the others at b_ok: the busiest NIC's bytes over its rate, plus the trees' pipeline fill
-    (2·depth + 2 hops, each a chunk at a healthy NIC's rate and a latency) and, with a ring
-    part, its 2(n-1) latencies."""
+    (2·depth + 2 hops, each a chunk at a healthy NIC's rate, and a latency for all but
+    HIDDEN_LATENCIES of them) and, with a ring part, its 2(n-1) latencies."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     m = n - k
@@ -231,7 +234,8 @@ def treefold_time(n, nbytes, b_deg, b_ok, k=1, chunk=512 << 10, alpha=0.0, frac=
     bw = max(vd * nbytes / b_deg, vh * nbytes / b_ok)
     hops = 2 * tree_depth_fast(m) + 2
     c = min(chunk, nbytes * (1 - frac) / 2)
-    fill = hops * (FILL_CHUNKS * c / b_ok + alpha) if frac < 1 else 0.0
+    fill = hops * FILL_CHUNKS * c / b_ok + max(0, hops - HIDDEN_LATENCIES) * alpha \
+        if frac < 1 else 0.0
     ring = 2 * (n - 1) * alpha if frac > 0 else 0.0
     return bw + max(fill, ring)
 
