@@ -91,8 +91,16 @@ def rank_main(args):
 
     timed("ring", args.reps)                       # static plans (no rail state)
     if args.slow:
-        timed("ring", args.reps)                   # (the slowed NIC's rate measured by now)
+        # the ring measures the slowed NIC only on the pairs it uses; the others keep the
+        # start-up probe's rate, and a host's NIC rate is the best of its pairs', so without
+        # traffic on every pair with the slowed host the agreed state would not see it (a
+        # limit of the rail-state agreement, README). The bare exchange uses every such pair.
+        exchange(1)
     state = comm.replan()                           # agreed: every rank calls it here
+    if r == 0:
+        print("[degraded] agreed state:", state.describe(), "nic Mbit/s:",
+              {h: [round(state.nic_bw(h, k) * 8e-6) for k in range(2)] for h in state.host_list()},
+              "schedule:", comm.schedule("allreduce", count * 4, 4).algo, flush=True)
     sent0 = comm._engine.rail_stats()
     timed("replanned", args.reps)
     sent1 = comm._engine.rail_stats()
