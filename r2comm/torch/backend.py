@@ -1,16 +1,16 @@
 """The torch.distributed backend "r2comm": a ProcessGroup whose collectives run on r2comm.
 
-How it plugs in. torch 2.13 calls the registered creator (extended_api: it gets the group's
-store, ranks, timeout and name) for every process group of the backend, for the device types it
-serves (cpu, cuda). The creator returns ProcessGroupR2comm, a Python subclass of torch's
-ProcessGroup: torch calls its methods from Python (dist.all_reduce -> pg.allreduce) and from C++
-through ProcessGroup's trampoline (DDP's reducer, functional collectives eager and compiled). A
-Python subclass of c10d's Backend cannot be made in torch 2.13 (its constructor is not bound:
-"No constructor defined"), so the group registers, for each device type, a c10d Backend that
-only holds what torch keeps per backend (group name, description, sequence numbers: a
-FakeProcessGroup that raises on any collective). With it, group names, sub-groups, DeviceMesh,
-DTensor, functional collectives, torch.compile and destroy_process_group(subgroup) work as
-with torch's own backends.
+How it plugs in (torch 2.10 to 2.14). torch calls the registered creator (extended_api: it gets
+the group's store, ranks, timeout and name) for every process group of the backend, for the
+device types it serves (cpu, cuda). The creator returns ProcessGroupR2comm, a Python subclass of
+torch's ProcessGroup: torch calls its methods from Python (dist.all_reduce -> pg.allreduce) and
+from C++ through ProcessGroup's trampoline (DDP's reducer, functional collectives eager and
+compiled). A Python subclass of c10d's Backend cannot be made before torch 2.14 (its constructor
+is not bound: "No constructor defined"), so on every torch in the range the group registers, for
+each device type, a c10d Backend that only holds what torch keeps per backend (group name,
+description, sequence numbers: a FakeProcessGroup that raises on any collective). With it, group
+names, sub-groups, DeviceMesh, DTensor, functional collectives, torch.compile and
+destroy_process_group(subgroup) work as with torch's own backends.
 
 Bootstrap. The default group builds the r2comm world with Communicator.from_store over the
 group's store (torchrun's TCPStore under env://): the job secret, endpoints and host names travel
@@ -524,9 +524,10 @@ class _Completer:
 
 def _holder(rank, size):
     """A c10d Backend that only holds what torch keeps per backend (the group name and
-    description, sequence numbers): torch 2.13 has no Python trampoline for Backend (its
-    constructor is not bound), so the collectives stay on ProcessGroupR2comm, reached from
-    Python and C++ (DDP's reducer, functional collectives) through ProcessGroup's trampoline.
+    description, sequence numbers): torch before 2.14 has no Python trampoline for Backend (its
+    constructor is not bound), so on every supported torch the collectives stay on
+    ProcessGroupR2comm, reached from Python and C++ (DDP's reducer, functional collectives)
+    through ProcessGroup's trampoline.
     Anything that still reached the holder raises instead of faking a result."""
     opts = _c10d.FakeProcessGroup.Options()
     opts.error_on_collective = True
