@@ -180,7 +180,7 @@ def test_contribution_grows_with_rails_and_changes_not_ranks():
     mine = {p: [("up", 1.0, 1e9)] * 8 for p in range(64) if p != 0}
     mine[40] = [("down", 1.0, 0.0)] + [("up", 1.0, 1e9)] * 7
     fixed, exc = agree.summarise(mine, 0, hosts, 8)
-    assert exc.tolist() == [[40, 0, 0.0, 1.0, 0.0]] and fixed[-1] == 1
+    assert exc.tolist() == [[40, 0, 0.0, 1.0, 0.0, 0.0]] and fixed[-1] == 1
 
 
 def test_received_summaries_are_validated():
@@ -199,12 +199,16 @@ def test_received_summaries_are_validated():
         agree.rebuild(bad, excs, hosts, 2)
     with pytest.raises(ValueError, match="shape"):
         agree.rebuild(table[:, :-2], excs, hosts, 2)
-    for row in ([9, 0, 0, 1, 0], [1, 0, 0, 1, 0], [2, 5, 0, 1, 0], [2, 0, 0.5, 1, 0],
-                [2, 0, 0, 1, 1], [2, 0, np.nan, 1, 0]):
+    best = table[1, 3]                      # rank 1's best rate on rail 0 towards others
+    for row in ([9, 0, 0, 1, 0, 0], [1, 0, 0, 1, 0, 0], [2, 5, 0, 1, 0, 0], [2, 0, 0.5, 1, 0, 0],
+                [2, 0, 0, 1, 1, 0], [2, 0, np.nan, 1, 0, 0], [2, 0, 1, 1, 0, 1e6],
+                [2, 0, 1, 1, 1, -1.0], [2, 0, 1, 1, 1, best], [2, 0, 0, 1, 0]):
         excs2 = list(excs)
         excs2[1] = np.array([row], np.float64)
         with pytest.raises(ValueError):
             agree.rebuild(table, excs2, hosts, 2)
+        with pytest.raises(ValueError):
+            agree.direct_state(table, excs2, hosts, 2)
 
 
 def random_stats(rnd, hosts, nrails):
@@ -247,3 +251,77 @@ def test_direct_state_equals_dense_on_random_faults(seed):
             same(fast, want)
         elif rates == "declared":
             pytest.fail("the direct path applies to every declared state without missing rails")
+
+
+MBIT = 1.25e5                                           # bytes/s
+
+
+def rows_of(rows):
+    """{rank: {(peer, rail): Mbit/s}} -> rail_stats-like rows in bytes/s."""
+    return [{p: [["up", 1.0, row[(p, k)] * MBIT] for k in range(2)]
+             for p in sorted({p for p, _ in row})} for _, row in sorted(rows.items())]
+
+
+# bench/testbed_degraded.py --hosts 3 --slow 0.5: NIC 1 of host 2 shaped to 250 Mbit/s after
+# start-up; the ring measured it on the pairs it sent on, (0, 2, 1) and (2, 1, 1) kept the
+# start-up probe's rate.
+SLOWED = {0: {(1, 0): 677, (1, 1): 643, (2, 0): 496, (2, 1): 495},
+          1: {(0, 0): 473, (0, 1): 507, (2, 0): 468, (2, 1): 282},
+          2: {(0, 0): 492, (0, 1): 291, (1, 0): 475, (1, 1): 514}}
+
+
+@pytest.mark.parametrize("rates", ["nic"])
+def test_slowed_nic_seen_from_the_pairs_that_measured_it(rates):
+    """Host 2's own best on rail 1 (514, a stale probe towards rank 1) is contradicted by rank
+    1, whose rail 1 measured 282 towards it: the agreed NIC is the reported rate (the old
+    state kept 514 and beta 1.0). Every path gives the same state."""
+    hosts = [0, 1, 2]
+    stats = rows_of(SLOWED)
+    want = dense(stats, hosts, rates)
+    fast, slow = both_paths(stats, hosts, 2, rates)
+    for st in (fast, slow, agreed(stats, hosts, 2, rates, rank=2)):
+        same(st, want)
+    assert 280 * MBIT <= want.nic[2][1] <= 292 * MBIT
+    assert want.nic[2][0] == want.nic[0][0] == want.nic[0][1] == want.nic[1][1]
+    assert want.beta() < 0.85
+    assert want.host_bw(2) < want.host_bw(0) == want.host_bw(1)
+    assert want.degraded_hosts() == []                   # 0.78 > 1 - MEASURE_NOISE
+    assert RailState.from_rail_stats(hosts, stats, noise=0.2).compact().degraded_hosts() == [2]
+    # rank 1 reports its slow pair towards rank 2 (one exception), the others report none
+    sums = summaries(stats, hosts, 2, rates)
+    assert [len(e) for _, e in sums] == [0, 1, 1]
+    assert sums[1][1].tolist() == [[2, 1, 1.0, 1.0, 1.0, 282 * MBIT]]
+
+
+def test_one_slow_pair_is_not_taken_for_a_slow_nic():
+    """A slow path between ranks 1 and 3 on rail 1, both NICs measured fast towards the other
+    hosts: no NIC is lowered, the state stays healthy."""
+    hosts = list(range(4))
+    stats = healthy(hosts, 2, rate=GBIT, seed=11, jitter=0.1)
+    stats[1][3][1][2] = stats[3][1][1][2] = 0.3 * GBIT
+    want = dense(stats, hosts, "nic")
+    fast, slow = both_paths(stats, hosts, 2, "nic")
+    same(fast, want)
+    same(slow, want)
+    assert want.beta() == 1.0 and want.healthy() and want.exceptions == {}
+    assert len(set(v for row in want.nic for v in row)) == 1
+    # the same pair slow on one side only (a stale fast figure on the other): still a path
+    stats[3][1][1][2] = GBIT
+    one_sided = dense(stats, hosts, "nic")
+    same(both_paths(stats, hosts, 2, "nic")[0], one_sided)
+    assert one_sided.healthy() and len(set(v for row in one_sided.nic for v in row)) == 1
+
+
+def test_slow_nic_summary_grows_with_its_peers_not_with_ranks():
+    """Every rank of another host reports the slowed NIC's ranks: per_host exceptions each,
+    at 64 and at 512 ranks alike; the slowed host's ranks report nothing new."""
+    def size(n, per_host=8, nrails=4):
+        hosts = [r // per_host for r in range(n)]
+        out = []
+        for r in (0, per_host, n - 1):
+            mine = {p: [("up", 1.0, 1e8 if k == 3 and (hosts[r] == 1) != (hosts[p] == 1)
+                         else 1e9) for k in range(nrails)] for p in range(n) if p != r}
+            out.append(agree.row_size(*agree.summarise(mine, r, hosts, nrails)))
+        return out
+    fixed = 2 * 4 * agree.FIELDS + 1
+    assert size(64) == size(512) == [fixed + 8 * agree.EXC_FIELDS, fixed, fixed + 8 * agree.EXC_FIELDS]

@@ -9,24 +9,31 @@ RailState.gather's `mine`: {peer: [(state, weight, rate), ...] per rail}) as
       ("nic" and "declared" modes: all the "nic" model uses) or the upper median of
       rate / relative bandwidth ("scale" mode);
   plus its exceptions: the (peer, rail) entries whose triple differs from their class's
-      (a pair whose rail is down while the NIC is fine, a peer not yet measured, ...).
+      (a pair whose rail is down while the NIC is fine, a peer not yet measured, ...), and in
+      "nic" mode the slow pairs towards other hosts (a measured rate below (1 - noise) x the
+      class's best, state.is_slow), which carry that rate.
 
-So a rank contributes O(K) numbers plus 5 per exception, whatever the number of ranks
-(row_size()). rebuild() turns every rank's summary back into per-rank stats that
-RailState.from_rail_stats() reads: every entry gets its class's triple (or its exception's) and
-its class's rate. In "nic" and "declared" mode that gives exactly the state of the dense gather
-(the "nic" model reads only each NIC's best rate per class, and the counts); in "scale" mode the
+So a rank contributes O(K) numbers plus EXC_FIELDS per exception, whatever the number of ranks
+(row_size()): a NIC that slows down adds, on each rank of another host that measured it slow,
+one exception per rank behind that NIC, as a NIC that goes down does. rebuild() turns every rank's
+summary back into per-rank stats that RailState.from_rail_stats() reads: every entry gets its
+class's triple (or its exception's) and its class's rate (a slow pair its own rate). In "nic"
+and "declared" mode that gives exactly the state of the dense gather (the "nic" model reads
+only each NIC's best rate per class, which peers it measured fast, the slow pairs' rates and
+the counts: step 1b in state.py); in "scale" mode the
 overall scale is the median over the (rank, rail, class) medians instead of over every
 measurement (it only sets the units of every link). direct_state() computes the same compact
 state from the summaries without going over every pair (O(n·K·(ranks per host + exceptions)));
 rebuild() + from_rail_stats() + compact() is the fall-back where it does not apply."""
 import numpy as np
 
-from .state import DEFAULT_BW, MEASURE_NOISE, NicRailState, RailState, nic_figures, own_rows
+from .state import (DEFAULT_BW, MEASURE_NOISE, NicRailState, RailState, is_slow, nic_figures,
+                    own_rows, reported_nic)
 
 FIELDS = 4                  # per (class, rail): state (1 up, 0 down, -1 no such rail), weight,
                             # measured (1/0), rate
-EXC_FIELDS = 5              # per exception: peer, rail, state, weight, measured
+EXC_FIELDS = 6              # per exception: peer, rail, state, weight, measured, slow-pair rate
+                            # (0: not a slow pair)
 
 
 def _rel(weight, k, rail_bw):
@@ -61,7 +68,7 @@ def _usual(triples):
     return min(counts, key=lambda t: (-counts[t], t))
 
 
-def summarise(mine, me, hosts, nrails, rates="nic", rail_bw=None):
+def summarise(mine, me, hosts, nrails, rates="nic", rail_bw=None, noise=MEASURE_NOISE):
     """This rank's summary: (fixed row of 2 * nrails * FIELDS + 1 floats, the last the number of
     exceptions; exceptions as an (m, EXC_FIELDS) array). hosts: one label per rank (as
     RailState.gather uses them)."""
@@ -84,7 +91,11 @@ def summarise(mine, me, hosts, nrails, rates="nic", rail_bw=None):
             else:
                 rate = max(meas, default=0.0)
             fixed[inside, k] = (*base, rate)
-            exc.extend((p, k, *e[:3]) for p, e in cls if e[:3] != base)
+            for p, e in cls:
+                slow = e[3] if rates == "nic" and not inside and e[2] > 0 and \
+                    is_slow(e[3], rate, noise) else 0.0
+                if e[:3] != base or slow:
+                    exc.append((p, k, *e[:3], slow))
     exc = np.array(exc, np.float64).reshape(-1, EXC_FIELDS)
     return np.append(fixed.ravel(), float(len(exc))), exc
 
@@ -98,10 +109,17 @@ def _check_exceptions(r, exc, n, nrails):
     """Validate one rank's received exceptions (they crossed the network)."""
     if exc.ndim != 2 or exc.shape[1] != EXC_FIELDS or not np.isfinite(exc).all():
         raise ValueError(f"rank {r}: malformed rail-state exceptions")
-    for p, k, st, w, m in exc:
+    for p, k, st, w, m, slow in exc:
         if p != int(p) or not 0 <= p < n or p == r or k != int(k) or not 0 <= k < nrails \
-                or st not in (-1.0, 0.0, 1.0) or m not in (0.0, 1.0) or (m and st != 1.0):
-            raise ValueError(f"rank {r}: bad rail-state exception {(p, k, st, w, m)}")
+                or st not in (-1.0, 0.0, 1.0) or m not in (0.0, 1.0) or (m and st != 1.0) \
+                or slow < 0 or (slow and not m):
+            raise ValueError(f"rank {r}: bad rail-state exception {(p, k, st, w, m, slow)}")
+
+
+def _check_slow(r, p, k, slow, body, hosts):
+    """A slow pair is towards another host and below its class's best rate."""
+    if slow and (hosts[p] == hosts[r] or not slow < body[r][0][k][3]):
+        raise ValueError(f"rank {r}: bad slow-pair rate {slow} towards {p} on rail {k}")
 
 
 def check_fixed(table, n, nrails):
@@ -131,7 +149,9 @@ def rebuild(table, excs, hosts, nrails, rail_bw=None, rates="nic"):
     for r in range(n):
         exc = np.asarray(excs[r], np.float64)
         _check_exceptions(r, exc, n, nrails)
-        own = {(int(p), int(k)): (st, w, m) for p, k, st, w, m in exc}
+        own = {(int(p), int(k)): (st, w, m, slow) for p, k, st, w, m, slow in exc}
+        for (p, k), e in own.items():
+            _check_slow(r, p, k, e[3], body, hosts)
         d = {}
         for p in range(n):
             if p == r:
@@ -140,12 +160,13 @@ def rebuild(table, excs, hosts, nrails, rail_bw=None, rates="nic"):
             rows = []
             for k in range(nrails):
                 base = body[r, inside, k]
-                st, w, m = own.get((p, k), tuple(base[:3]))
+                st, w, m, slow = own.get((p, k), (*base[:3], 0.0))
                 if st < 0:
                     break
                 rate = 0.0
                 if m:
                     rate = base[3] * _rel(w, k, rail_bw) if rates == "scale" else base[3]
+                    rate = slow or rate
                 rows.append(("up" if st > 0 else "down", float(w), float(rate)))
             if rows:
                 d[p] = rows
@@ -161,12 +182,15 @@ class _Agreed:
         n = len(hosts)
         self.hosts, self.nrails, self.rail_bw = hosts, nrails, rail_bw
         self.body = np.asarray(table, np.float64)[:, :-1].reshape(n, 2, nrails, FIELDS).tolist()
-        self.exc = {}
+        self.exc, self.slow = {}, {}               # (r, p, k) -> triple / slow-pair rate
         for r in range(n):
             exc = np.asarray(excs[r], np.float64)
             _check_exceptions(r, exc, n, nrails)
-            for p, k, st, w, m in exc:
+            for p, k, st, w, m, slow in exc:
+                _check_slow(r, int(p), int(k), slow, self.body, hosts)
                 self.exc[(r, int(p), int(k))] = (st, w, m)
+                if slow:
+                    self.slow[(r, int(p), int(k))] = slow
         self.fig, self.scale = {}, 0.0
 
     def inside(self, r, p):
@@ -178,6 +202,27 @@ class _Agreed:
 
     def rel(self, w, k):
         return _rel(w, k, self.rail_bw)
+
+    def fast(self, r, p, k):
+        """r measured p on rail k, not slow (p on another host)."""
+        return self.entry(r, p, k)[2] == 1.0 and (r, p, k) not in self.slow
+
+    def reported(self, raw, size, by_class):
+        """raw {(rank, rail, False): best} with step 1b of the "nic" model applied (state.py):
+        each NIC that slow pairs were reported towards, from the summaries alone (size: the
+        class sizes, by_class: the exceptions' peers per (rank, class, rail))."""
+        reports = {}                                # (rank, rail) -> {reporter: rate}
+        for (a, b, k), rate in self.slow.items():
+            reports.setdefault((b, k), {})[a] = rate
+        for (b, k), rep in reports.items():
+            key = (b, k, False)
+            if key not in raw:
+                continue
+            own = by_class.get((b, 0, k), ())
+            fast = (size[(b, 0)] - len(own) if self.body[b][0][k][2] == 1.0 else 0) + \
+                sum(1 for p in own if self.fast(b, p, k))
+            raw[key] = reported_nic(raw[key], fast, sum(1 for a in rep if self.fast(b, a, k)),
+                                    rep.values())
 
     def bw(self, r, p, k):
         """from_rail_stats' bandwidth of the link (r, p, k)."""
@@ -230,14 +275,14 @@ def direct_state(table, excs, hosts, nrails, rail_bw=None, nominal_bw=None, nois
     for (r, p, k), e in ag.exc.items():
         if e[0] < 0:
             return None
-        by_class.setdefault((r, ag.inside(r, p), k), []).append(e)
+        by_class.setdefault((r, ag.inside(r, p), k), []).append(p)
     raw, weights = {}, []
     for (r, c), cnt in size.items():
         for k in range(nrails):
             st, w, m, rate = ag.body[r][c][k]
             if st < 0:
                 return None
-            own = by_class.get((r, c, k), ())
+            own = [ag.exc[(r, p, k)] for p in by_class.get((r, c, k), ())]
             nb = cnt - len(own)
             meas = ([(w, nb)] if m and nb else []) + [(e[1], 1) for e in own if e[2]]
             if meas:
@@ -246,6 +291,7 @@ def direct_state(table, excs, hosts, nrails, rail_bw=None, nominal_bw=None, nois
     degraded_tol = kw.pop("degraded_tol", noise if rates == "nic" and raw else 0.02)
     ag.scale = nominal_bw
     if rates == "nic" and raw:
+        ag.reported(raw, size, by_class)
         fig = nic_figures(raw, noise)
         ag.fig = {(r, k, int(c)): v for (r, k, c), v in fig.items()}
         ag.scale = _weighted_upper_median(
@@ -338,12 +384,12 @@ def _compact(ag, n, nrails, nic_cls, degraded_tol, **kw):
 def agree_state(exchange, rank, members, rail_stats, hosts, nrails, rail_bw=None,
                 nominal_bw=DEFAULT_BW, rates="nic", **kw):
     """RailState.gather()'s state, compacted, agreed through per-rank summaries: each rank
-    contributes O(nrails) numbers plus 5 per exception, not a row per peer.
+    contributes O(nrails) numbers plus EXC_FIELDS per exception, not a row per peer.
     exchange(fixed, exceptions) -> (every rank's fixed row as an (n, len) array, the list of
     every rank's exceptions array); e.g. control.agree_rails. Collective."""
     hosts = list(hosts) if len(set(hosts)) > 1 else list(range(len(members)))
     fixed, exc = summarise(own_rows(rank, members, rail_stats), rank, hosts, nrails, rates,
-                           rail_bw)
+                           rail_bw, kw.get("noise", MEASURE_NOISE))
     table, excs = exchange(fixed, exc)
     st = direct_state(table, excs, hosts, nrails, rail_bw, nominal_bw, rates=rates, **kw)
     if st is not None:

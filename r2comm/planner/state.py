@@ -21,6 +21,19 @@ them in one of three ways:
                1. rank r's NIC k gets the best rate r measured on rail k towards a peer on
                   another host (interference only slows a transfer down; peers on r's own host
                   are rated apart, since those links do not use the NIC);
+               1b. a *slow pair* (a, b, k): a measured a -> b on rail k below (1 - noise) x
+                  a's own best on rail k (a's NIC k is fast, the link is not). Since a link is
+                  as fast as the slower of its NICs, such reports bound b's NIC k: when every
+                  peer on another host that b itself measured fast on rail k (not a slow pair
+                  of b's) reported (., b, k) slow, b's best is contradicted by those very pairs
+                  (a stale start-up probe on a pair that now carries traffic) and b's NIC k
+                  gets min(b's best, the reported rates). If b measured some peer fast that did
+                  not report it, the slow pair is taken as a path problem or noise and b's NIC
+                  keeps its best (a slow path alone is not believed: per-pair online rates
+                  depend on the load the schedule put on them, so no per-pair exception is
+                  made from a rate; down pairs still are). So a slow NIC stays hidden where b
+                  still holds a stale fast probe figure towards a peer that did not report it
+                  (a pair that carried no traffic since the NIC slowed down).
                2. rail k's typical figure is the (upper) median over the ranks' NICs k; rails
                   whose typical figures lie within a factor (1 - noise) of the fastest rail's
                   count as equal (snap_rates);
@@ -92,6 +105,20 @@ def snap_rates(rates, noise=MEASURE_NOISE):
     return out
 
 
+def is_slow(rate, best, noise=MEASURE_NOISE):
+    """A measured rate well below its rank's best on that rail: a slow pair, not noise."""
+    return rate < (1 - noise) * best
+
+
+def reported_nic(best, fast_peers, fast_reporters, reports):
+    """Step 1b of the "nic" model: a NIC's best rate, lowered to the slowest of `reports` (the
+    rates of the slow pairs reported towards it) when every one of its fast_peers (the peers
+    it measured fast, a count) is among the reporters (fast_reporters, a count)."""
+    if reports and fast_peers and fast_reporters == fast_peers:
+        return min(best, min(reports))
+    return best
+
+
 def measured_figures(hosts, measured, noise=MEASURE_NOISE):
     """Steps 1-3 of the "nic" model (module docstring): {(rank, peer, rail): bytes/s}
     measured -> {(rank, rail, inside): bytes/s} per NIC (inside: the figure for the links
@@ -100,6 +127,18 @@ def measured_figures(hosts, measured, noise=MEASURE_NOISE):
     for (r, p, k), rate in measured.items():
         key = (r, k, hosts[r] == hosts[p])
         nic[key] = max(nic.get(key, 0.0), rate)
+    reports, fast = {}, {}                   # (rank, rail) -> {reporter: rate}, {fast peer}
+    for (r, p, k), rate in measured.items():
+        if hosts[r] != hosts[p]:
+            if is_slow(rate, nic[(r, k, False)], noise):
+                reports.setdefault((p, k), {})[r] = rate
+            else:
+                fast.setdefault((r, k), set()).add(p)
+    for (b, k), rep in reports.items():
+        key = (b, k, False)
+        if key in nic:
+            mine = fast.get((b, k), set())
+            nic[key] = reported_nic(nic[key], len(mine), len(mine & rep.keys()), rep.values())
     return nic_figures(nic, noise)
 
 
