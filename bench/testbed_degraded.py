@@ -90,11 +90,10 @@ def rank_main(args):
         return {"median_s": ts[len(ts) // 2], "all_s": ts, "bytes_each_way": part * (n - 1)}
 
     timed("ring", args.reps)                       # static plans (no rail state)
-    if args.slow:
+    if args.slow and args.warm_pairs:
         # the ring measures the slowed NIC only on the pairs it uses; the others keep the
-        # start-up probe's rate, and a host's NIC rate is the best of its pairs', so without
-        # traffic on every pair with the slowed host the agreed state would not see it (a
-        # limit of the rail-state agreement, README). The bare exchange uses every such pair.
+        # start-up probe's rate (README Limits: when a slowed NIC is seen); the bare exchange
+        # gives every pair with the slowed host a fresh rate
         exchange(1)
     state = comm.replan()                           # agreed: every rank calls it here
     if r == 0:
@@ -150,6 +149,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--slow", type=float, default=0.0,
                     help="NIC 1 of the last host at this fraction of --rate (0: taken down)")
+    ap.add_argument("--warm-pairs", action="store_true",
+                    help="with --slow: one bare exchange with the slowed host before replan()")
     ap.add_argument("--mtu", type=int, default=None, help="rail MTU (default: the testbed's)")
     ap.add_argument("--out", default=os.path.join(HERE, "out"))
     args = ap.parse_args()
@@ -169,6 +170,7 @@ def main():
                                      "--hosts", str(args.hosts), "--rate", args.rate,
                                      "--mib", str(args.mib), "--reps", str(args.reps),
                                      "--slow", str(args.slow),
+                                     *(["--warm-pairs"] if args.warm_pairs else []),
                                      "--mtu", str(args.mtu),
                                      "--out", args.out],
                         env={"R2COMM_RAIL_TIMEOUT_MS": "500"}, timeout=600)
