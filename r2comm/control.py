@@ -28,15 +28,22 @@ allgather() gathers one small float64 row per rank with point-to-point messages 
   and rank 0's table and verdict still reach every rank, so every rank ends with the same
   table, and no rank floods. A rank acts only on what it received, never on a failed send.
 - Fallback, after more failures than that (rank 0 missed a row: verdict FLOOD), or on a rank
-  that heard no verdict and misses rows: the flood (flood(), ROUNDS rounds: every rank sends
-  what it knows to every peer it can still reach; enough when each broken pair has a common
-  working neighbour). Every rank that took part ends with the same table, or raises
-  R2commNetworkError: a partition raises on every rank. O(n) messages, after failures only.
+  that heard no verdict and misses rows: the flood (flood()): every rank sends what it knows to
+  each of its flood peers it can still reach, round after round, and merges what it receives.
+  The flood peers are every other rank up to FLOOD_MAX ranks, else the ranks at distance 1, 2,
+  4, ... (powers of two below n) either way round the ring (flood_peers: at most 2·log2(n),
+  symmetric), over which every rank is at most flood_diameter(n) hops from every other
+  (about log2(n)/2); the flood runs that many rounds plus `rounds` − 1 more, enough when
+  every pair has a working path at most `rounds` − 1 hops longer. Every rank that took part
+  ends with the same table, or raises R2commNetworkError: a partition raises on every rank.
+  O(log(n)^2) messages of O(n) numbers and O(log n) connections per rank, after failures only
+  (it was every peer in two rounds: n − 1 connections, 2(n − 1) messages).
 - n <= FLOOD_MAX: the flood alone (at most 6 peers, as the trees).
 
 Every rank ends with the same table, or raises R2commNetworkError when it could not learn every
 row. The engine makes each message lossless under rail failures (chunks of a failed rail move
 to a surviving one); a message to or from a peer that lost every rail fails alone."""
+import functools
 import time
 import weakref
 from collections import deque
@@ -50,8 +57,10 @@ TAG_BASE = 0x60000000       # tags of the allgather (the probe uses 0x51......)
 CALL_BITS = 24              # a tag: TAG_BASE | phase << CALL_BITS | call number mod 2**24
 CALL_MASK = (1 << CALL_BITS) - 1
 UP_A, UP_B, DOWN_A, DOWN_B, FLOOD_PHASE = 0, 1, 2, 3, 4     # phases (FLOOD_PHASE + round)
-ROUNDS = 2                  # flooding rounds: enough when every broken pair has a common neighbour
+ROUNDS = 2                  # flooding rounds beyond the flood peers' diameter, + 1: one hop of
+                            # detour around broken pairs
 MAX_ROUNDS = 8
+FLOOD_ROUNDS_MAX = 16 - FLOOD_PHASE   # a call's flooding rounds in all (the phase field's room)
 GROW_PASSES = 4             # passes of a tree's growth over the ranks not attached yet
 FLOOD_MAX = 7               # up to 7 ranks the flood alone (6 peers, the trees' bound)
 UNKNOWN, DONE, FLOOD = 0.0, 1.0, 2.0      # verdicts (the last row of a tree message)
@@ -263,16 +272,45 @@ def _hook(ctl, call, phase):
         on_phase(ctl, call, phase)
 
 
+def flood_peers(rank, n):
+    """The ranks `rank` floods to: every other rank up to FLOOD_MAX ranks, else rank ± 2^i
+    (mod n) for every 2^i < n (at most 2·log2(n) ranks; q is rank's flood peer iff rank is q's)."""
+    if n <= FLOOD_MAX:
+        return {p for p in range(n) if p != rank}
+    return {(rank + s * (1 << i)) % n for i in range((n - 1).bit_length()) for s in (1, -1)} - {rank}
+
+
+@functools.lru_cache(maxsize=64)
+def flood_diameter(n):
+    """The most hops between two ranks over the flood peers (a breadth-first search from rank
+    0: the ring of offsets looks the same from every rank)."""
+    if n <= 1:
+        return 0
+    steps = flood_peers(0, n)           # rank 0's peers are the offsets
+    seen, frontier, hops = {0}, {0}, 0
+    while len(seen) < n:
+        frontier = {(r + s) % n for r in frontier for s in steps} - seen
+        seen |= frontier
+        hops += 1
+    return hops
+
+
+def flood_rounds(n, rounds=ROUNDS):
+    """Flooding rounds of a call over n ranks: the flood peers' diameter plus `rounds` − 1."""
+    return min(flood_diameter(n) + rounds - 1, FLOOD_ROUNDS_MAX)
+
+
 def _flood(ctl, table, call, rounds, timeout):
-    """`rounds` flooding rounds of call `call`: every rank sends the rows it knows to every
-    peer it can still reach and merges what it receives."""
+    """The flood of call `call` (module doc): flood_rounds() rounds in which every rank sends
+    the rows it knows to each flood peer it can still reach and merges what it receives."""
     n, me = ctl.size, ctl.rank
     ex = _Exchange(ctl, table.shape, time.monotonic() + timeout)
+    mine = sorted(flood_peers(me, n))
     try:
-        ctl.connect([p for p in range(n) if p != me])
-        for rnd in range(rounds):
+        ctl.connect(mine)
+        for rnd in range(flood_rounds(n, rounds)):
             phase_tag = tag(call, FLOOD_PHASE + rnd)
-            peers = [p for p in range(n) if p != me and ex.reachable(p)]
+            peers = [p for p in mine if ex.reachable(p)]
             posted = [ex.post_recv(p, phase_tag) for p in peers]
             out = table.copy()                # what this round sends (the merge goes in table)
             for p in peers:
@@ -302,8 +340,8 @@ def _gather(ctl, row, call, rounds, timeout, tree):
     if missing:
         raise R2commNetworkError(f"control plane: rank {me} could not learn the state of ranks "
                                  f"{missing} (the fabric is partitioned, or more pairs failed "
-                                 f"during the call than the trees and {rounds} flooding rounds "
-                                 f"route around)")
+                                 f"during the call than the trees and "
+                                 f"{flood_rounds(n, rounds)} flooding rounds route around)")
     return table[:n, 1:].copy()
 
 
@@ -314,7 +352,8 @@ def allgather(ctl, row, rounds=ROUNDS, timeout=None):
 
 
 def flood(ctl, row, rounds=ROUNDS, timeout=None):
-    """allgather() by flooding alone (its fallback): the same table, O(n) messages per rank.
+    """allgather() by flooding alone (its fallback): the same table, O(log(n)^2) messages per
+    rank.
     Collective; takes a call number like allgather()."""
     return _gather(ctl, row, _take_calls(ctl), rounds, timeout, tree=False)
 

@@ -299,5 +299,72 @@ def test_tags_depend_on_the_call_and_phase_only():
     assert control.tag(5, control.UP_A) != control.tag(5, control.DOWN_A)
     assert control.tag(5, control.UP_A) != control.tag(6, control.UP_A)
     assert control.tag(5 + (1 << control.CALL_BITS), 3) == control.tag(5, 3)
-    top = control.tag(control.CALL_MASK, control.FLOOD_PHASE + control.MAX_ROUNDS - 1)
+    top = control.tag(control.CALL_MASK, control.FLOOD_PHASE + control.FLOOD_ROUNDS_MAX - 1)
     assert top < 1 << 31 and top >> 24 < 0x70
+    assert control.flood_rounds(1 << 20, control.MAX_ROUNDS) == control.FLOOD_ROUNDS_MAX
+
+
+def _hops(n, src, cut=()):
+    """Hops from `src` to every rank over the flood peers, without the `cut` pairs."""
+    cut = {frozenset(p) for p in cut}
+    dist, frontier = {src: 0}, [src]
+    while frontier:
+        nxt = []
+        for r in frontier:
+            for q in control.flood_peers(r, n):
+                if q not in dist and frozenset((r, q)) not in cut:
+                    dist[q] = dist[r] + 1
+                    nxt.append(q)
+        frontier = nxt
+    return dist
+
+
+def test_flood_peers_are_few_symmetric_and_close():
+    """At most 2·log2(n) flood peers per rank (every other rank up to 7), symmetric, and every
+    rank within flood_diameter(n) <= log2(n) hops of every other, from any rank (the search
+    from rank 0 that flood_diameter makes stands for all)."""
+    for n in list(range(2, 70)) + [255, 1000, 1024]:
+        bound = n - 1 if n <= control.FLOOD_MAX else 2 * (n - 1).bit_length()
+        for r in {0, 1, n // 3, n - 1}:
+            peers = control.flood_peers(r, n)
+            assert r not in peers and len(peers) <= bound and peers <= set(range(n))
+            assert all(r in control.flood_peers(q, n) for q in peers)
+            assert max(_hops(n, r).values()) == control.flood_diameter(n)
+        assert control.flood_diameter(n) <= max(1, (n - 1).bit_length())
+    assert len(control.flood_peers(0, 1024)) == 19 and control.flood_rounds(1024) == 6
+
+
+@pytest.mark.parametrize("n", [16, 64])
+def test_the_flood_talks_to_flood_peers_only_and_routes_around_broken_pairs(n):
+    """Rank 4 is cut off in both trees and pairs of the overlay fail before the calls: every
+    rank floods (O(log n) peers, O(log(n)^2) messages per call, not every peer) and ends with
+    the full table, since every rank still reaches every other within the flood's rounds."""
+    a, b = control.control_trees(n)
+    cut = [(4, a[4]), (4, b[4]), (0, 1), (5, 7), (9, 10), (3, (3 + n // 2) % n)]
+    rounds = control.flood_rounds(n)
+    assert all(max(_hops(n, r, cut).values()) <= rounds for r in range(n))
+    out, net = run(n, calls=2, before=cut, timeout=10.0)
+    assert all(np.array_equal(out[r][k], expected(n, k)) for r in range(n) for k in range(2))
+    assert flooded(net) == {0, 1}
+    talks, sends = defaultdict(set), defaultdict(int)
+    for src, dst, t in net.log:
+        if (t >> control.CALL_BITS) & 0xF >= control.FLOOD_PHASE:
+            talks[src].add(dst)
+            sends[src] += 1
+    for r in range(n):
+        assert talks[r] <= control.flood_peers(r, n)
+        assert sends[r] <= 2 * len(control.flood_peers(r, n)) * rounds
+
+
+def test_a_flood_that_cannot_reach_a_rank_in_its_rounds_raises():
+    """Rank 5 keeps one flood peer (rank 4), and rank 4 is cut from every rank that would pass
+    rank 5's row on in time: ranks that cannot learn every row raise, none returns a wrong
+    table."""
+    n = 16
+    keep = 4
+    cut = [(5, q) for q in control.flood_peers(5, n) if q != keep]
+    cut += [(keep, q) for q in control.flood_peers(keep, n) if q not in (5, 3)]
+    out, _ = run(n, calls=1, before=cut, timeout=3.0, fn=control.flood)
+    assert any(isinstance(out[r][0], R2commNetworkError) for r in range(n))
+    assert all(np.array_equal(out[r][0], expected(n, 0)) for r in range(n)
+               if not isinstance(out[r][0], R2commNetworkError))
