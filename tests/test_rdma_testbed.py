@@ -396,6 +396,15 @@ def test_engine_collectives_and_pinned_memory_per_rank_on_verbs_rails(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow
+def test_engine_pinned_memory_per_rank_with_four_ranks_per_guest(rdma_ok):
+    """Issue 31: 4 ranks per guest pin what 1 and 2 do (its own boot: 1.5 GiB guests; about
+    7 minutes here)."""
+    with RdmaFabric(hosts=2, nics=2, tag=f"q{TAG}", memory_mb=1536) as fab:
+        _verbs_rails().four_per_guest_checks(fab)
+
+
+@pytest.mark.rdma
 def test_engine_zero_copy_sends_and_registration_cache_on_verbs(rfab):
     _verbs_rails().regcache_checks(rfab)
 
