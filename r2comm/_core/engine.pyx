@@ -32,7 +32,7 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC, CLOCK_REALTIME
 
 from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_CTRL_PAYLOAD, FL_P2P,
                                 F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK,
-                                FL_VOID)
+                                FL_VOID, FL_VERDICT)
 from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
                                      TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC,
@@ -937,7 +937,7 @@ cdef class Engine:
                     pthread_mutex_unlock(&e.mu)
                     break
                 op = deref(it).second
-                if op.state != ST_ACTIVE:
+                if op.state != ST_ACTIVE and not verdict_pending(e, op):
                     state = op.state
                     err = op.err
                     msg = op.msg

@@ -216,6 +216,14 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     if not p2p:
         note_posted_seq(e, comm, seq)
         e.active[CS(comm, seq)] = op
+        itv = e.verdicts.find(CS(comm, seq))
+        if itv != e.verdicts.end():
+            # the judge's verdict on this call came first (matching.pxi): it fails with that
+            e.aborted.erase(CS(comm, seq))
+            fail_op(e, op, deref(itv).second.first, deref(itv).second.second.c_str(), 0)
+            relay_verdict(e, op, -1)
+            take_unexpected(e, NULL, comm, seq, members)
+            return op.id
         ita = e.aborted.find(CS(comm, seq))
         if ita != e.aborted.end():
             fail_op(e, op, deref(ita).second.first, deref(ita).second.second.c_str(), 0)
