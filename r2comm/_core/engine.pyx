@@ -1019,8 +1019,9 @@ cdef class Engine:
         with nogil:
             pthread_mutex_lock(&e.mu)
             it = e.ops.find(oid)
-            if it != e.ops.end():
+            if it != e.ops.end() and deref(it).second.state == ST_ACTIVE:
                 fail_op(e, deref(it).second, code, m, 1)
+                deref(it).second.hold = 0       # its own error: no verdict to wait for
             pthread_mutex_unlock(&e.mu)
 
     def release(self, uint64_t oid):
