@@ -121,3 +121,17 @@ def test_verdicts_are_bounded_and_only_a_mismatch_s(rig):
     assert rig.feed(CTRL, verdict(b"not a mismatch", code=E_NETWORK))
     oid = post(rig, JUDGE_IS_PEER)
     assert rig.e.wait(oid, 0.1)[0] == ACTIVE
+
+
+def test_a_call_posted_after_the_verdict_quotes_it_at_once(rig):
+    """A call posted after the verdict came (the mismatch not reported by a wait yet) fails at
+    once, quoting the verdict; after the bad call is released no verdict is kept for it."""
+    first = post(rig, JUDGE_IS_PEER, seq=0)
+    assert rig.feed(0, other_call(seq=0))
+    assert rig.feed(CTRL, verdict(b"the verdict on #0", seq=0))
+    later = post(rig, JUDGE_IS_PEER, seq=1)
+    state, code, msg, _ = rig.e.wait(later, 0.0)
+    assert state == ERROR and msg.endswith("cannot line up: the verdict on #0"), msg
+    assert rig.e.wait(first, 0.0)[2] == "the verdict on #0"
+    rig.e.release(first)
+    assert testing.debug_state(rig.e)["verdicts"] == 0

@@ -820,6 +820,7 @@ cdef class Engine:
             ita = e.aborted.find(CS(comm, seq))
             if ita != e.aborted.end():
                 e.aborted.erase(ita)
+            e.verdicts.erase(CS(comm, seq))
             take_unexpected(e, NULL, comm, seq, mem)
             for i in range(mem.size()):
                 if mem[i] != e.me and mem[i] >= 0 and mem[i] < e.nranks and \

@@ -513,9 +513,9 @@ cdef void fail_op(State* e, Op* op, int code, const char* msg, int propagate) no
                 if op.members[i] != e.me:
                     send_abort(e, op.members[i], 0, op.comm, op.seq, code, buf)
     if code == E_MISMATCH:
-        note_mismatch(e, op)
         if not e.poisoning:
-            await_verdict(e, op, op.seq)     # (a poisoned call: poison_op)
+            await_verdict(e, op, op.seq)     # (a poisoned call: poison_op); before the calls
+        note_mismatch(e, op)                 # it poisons, which quote its (verdict's) report
     e.signal = 1
 
 cdef void peer_lost(State* e, Peer* p) noexcept nogil:

@@ -482,13 +482,18 @@ cdef void await_verdict(State* e, Op* op, uint32_t vseq) noexcept nogil:
         relay_verdict(e, op, -1)
         return
     itv = e.verdicts.find(CS(op.comm, vseq))
-    if itv == e.verdicts.end() and vseq != op.seq:
-        itv = e.verdicts.find(CS(op.comm, op.seq))
-        vseq = op.seq
     if itv != e.verdicts.end():
         take_verdict(e, op, vseq, deref(itv).second.second)
         return
-    op.hold = 1
+    if vseq != op.seq:
+        itv = e.verdicts.find(CS(op.comm, op.seq))
+        if itv != e.verdicts.end():
+            take_verdict(e, op, op.seq, deref(itv).second.second)
+            return
+        ita = e.active.find(CS(op.comm, vseq))
+        if ita == e.active.end() or not verdict_pending(e, deref(ita).second):
+            return                      # the call that poisoned it has settled: its text
+    op.hold = 1                         # (e.mismatched) is what the verdict made it
     op.hold_until = mono() + VERDICT_WAIT
 
 cdef void keep_verdict(State* e, uint32_t comm, uint32_t seq, int code,

@@ -58,6 +58,7 @@ cdef void free_op(State* e, Op* op, int unlink) noexcept nogil:
         ita = e.active.find(CS(op.comm, op.seq))
         if ita != e.active.end() and deref(ita).second == op:
             e.active.erase(ita)
+            e.verdicts.erase(CS(op.comm, op.seq))   # (a reused id's call must not find it)
     del op
 
 cdef void forget_op(State* e, uint64_t oid) noexcept nogil:
