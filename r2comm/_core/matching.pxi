@@ -506,13 +506,14 @@ cdef void keep_verdict(State* e, uint32_t comm, uint32_t seq, int code,
 cdef void relay_verdict(State* e, Op* op, int skip) noexcept nogil:
     """Send the verdict on op's call to its other members (but `skip`, who sent it here)."""
     cdef size_t i
+    cdef pair[int, string] v        # a copy: a send that fails a rail may change the table
     itv = e.verdicts.find(CS(op.comm, op.seq))
     if itv == e.verdicts.end():
         return
+    v = deref(itv).second
     for i in range(op.members.size()):
         if op.members[i] != e.me and op.members[i] != skip:
-            send_abort(e, op.members[i], FL_VERDICT, op.comm, op.seq, deref(itv).second.first,
-                       deref(itv).second.second.c_str())
+            send_abort(e, op.members[i], FL_VERDICT, op.comm, op.seq, v.first, v.second.c_str())
 
 cdef void take_verdict(State* e, Op* op, uint32_t vseq, string& report) noexcept nogil:
     """op's error becomes the verdict on call vseq: its own call's report, or quoted as the
@@ -555,7 +556,7 @@ cdef void on_verdict(State* e, PairRail* r, string& report) noexcept nogil:
             held.push_back(deref(it).second)
         inc(it)
     for i in range(held.size()):
-        take_verdict(e, held[i], h.seq if held[i].vseq == h.seq else held[i].seq, report)
+        take_verdict(e, held[i], h.seq, report)     # (h.seq: its own call, or its vseq)
 
 cdef int verdict_pending(State* e, Op* op) noexcept nogil:
     """op's error still waits for the judge's verdict (not past VERDICT_WAIT, the judge not
