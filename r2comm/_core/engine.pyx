@@ -120,8 +120,9 @@ cdef extern from "<stdio.h>" nogil:
 #                       (posts through transport.pxd's interface, reaps completions),
 #                       control frames, delayed acks
 #   rx.pxi              receiving: rail_read, header checks, where a payload goes, delivery
-#   matching.pxi        matching messages to receives: call descriptors and mismatches,
-#                       point-to-point order, unexpected messages
+#   matching.pxi        matching messages to receives: call descriptors and mismatches (one
+#                       report on every rank: the judge's verdict), point-to-point order,
+#                       unexpected messages
 #   failover.pxi        acks, failing a rail and re-queueing its chunks, aborts, lost peers
 #   health.pxi          late rails judged by TCP_INFO; the timers (check_timers)
 #   progress.pxi        the epoll progress loop
