@@ -54,7 +54,7 @@ from r2comm.transport import tcp
 CS = 4096                      # engine chunk size for the fuzzed engine
 MAX_MESSAGE = 1 << 40
 F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT = 1, 2, 3, 4, 5
-FL_P2P, FL_LAZY = 1, 2
+FL_P2P, FL_LAZY, FL_VERDICT = 1, 2, 8
 U8 = 4
 SENT = 0xEE
 HDR = struct.Struct("<IBBBBIIIIIIQII")
@@ -228,6 +228,7 @@ def build_frame(pv, w, info):
     elif typ == F_ABORT:
         flags, comm, seq, step, count, total, aux = pv.pick(t)
         n = pv.pick((0, 5, 40, 4096, 4097))
+        flags |= pv.pick((0, 0, 0, FL_VERDICT))      # a judge's verdict (matching.pxi)
         h = [F_ABORT, flags, 0, 0, comm, seq, 0, 0, 0, n, 0, pv.pick((1, 2, 3, 5, 77))]
     else:
         flags, comm, seq, step, count, total, aux = pv.pick(t)

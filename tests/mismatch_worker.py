@@ -7,6 +7,7 @@ case that fell back to the timeout cannot pass the time bound. Every rank must r
 `bound` seconds, with a message that names both calls. Rank 0 prints each case's slowest rank
 ("TIME <case> <seconds>") and "OK <scenario> <count>"."""
 import os
+import re
 import sys
 import time
 
@@ -166,7 +167,49 @@ def sc_other_kinds(comm, args):
     return count
 
 
-SCENARIOS = {"all_roots": sc_all_roots, "allreduce_vs_bcast": sc_allreduce_vs_bcast,
+def _detectors(comm, since, own):
+    """The ranks whose own report of a mismatch reached this rank after event `since` (the
+    aborts and verdicts it received, and its own error before a verdict replaced it)."""
+    texts = [ev["info"] for ev in comm.events if ev["index"] >= since and ev["kind"] == "abort"]
+    return {int(m) for t in texts + [own] for m in re.findall(r"detected by rank (\d+)", t)}
+
+
+def sc_racing_detectors(comm, args):
+    """Several ranks detect one mismatch at once, each from its own neighbour's frame, in
+    `rounds` rounds (R2COMM_ALGO=ring): rank 3 passes another count to a ring allreduce
+    (ranks 3 and 4 detect), ranks 1 and 4 pass two other counts (four detectors), every rank
+    calls Bcast as its own root (every rank detects). Every rank raises R2commMismatchError
+    within `bound` seconds with the same message, and the next Allreduce works. Rank 0 prints
+    "RACES <rounds with two detectors or more> <rounds>"."""
+    bound, rounds = float(args.get("bound", 5)), int(args.get("rounds", 12))
+    r, n4 = comm.rank, 1 << 12
+    variants = [
+        ("rank 3 odd", lambda d: d.Allreduce(np.ones(n4 + (8 if r == 3 else 0), "float32"),
+                                             np.empty(n4 + (8 if r == 3 else 0), "float32"))),
+        ("ranks 1 and 4 odd", lambda d: d.Allreduce(
+            np.ones(n4 + {1: 8, 4: 16}.get(r, 0), "float32"),
+            np.empty(n4 + {1: 8, 4: 16}.get(r, 0), "float32"))),
+        ("all roots", lambda d: d.Bcast(np.zeros(n4, "float32"), root=d.rank)),
+    ]
+    races = count = 0
+    for i in range(rounds):
+        what, fn = variants[i % len(variants)]
+        what = f"round {i} ({what})"
+        since = comm.events[-1]["index"] + 1 if comm.events else 0
+        d, exc = _case(comm, what, bound, lambda d: expect(r2comm.R2commMismatchError,
+                                                           lambda: fn(d), what))
+        msgs = WORLD.allgather(str(exc))
+        check(len(set(msgs)) == 1, f"{what}: the ranks raised different messages: {msgs}")
+        seen = set().union(*WORLD.allgather(_detectors(comm, since, str(exc))))
+        races += len(seen) >= 2
+        _works(d, what)
+        count += 1
+    if WORLD.rank == 0:
+        print(f"RACES {races} {rounds}", flush=True)
+    return count
+
+
+SCENARIOS = {"racing_detectors": sc_racing_detectors, "all_roots": sc_all_roots, "allreduce_vs_bcast": sc_allreduce_vs_bcast,
              "small_buffer": sc_small_buffer, "order": sc_order, "other_kinds": sc_other_kinds}
 
 

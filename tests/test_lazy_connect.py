@@ -70,10 +70,11 @@ def test_dead_nic_on_first_use_starts_down_and_is_probed_back():
 @pytest.mark.mpi
 def test_mismatch_reaches_ranks_without_a_connection_to_the_detector():
     """A ring allreduce where rank 3 passes another count: all 6 ranks raise
-    R2commMismatchError within 5 s naming rank 3's call (one of the two detectors' reports:
-    ranks 3 and 4 may both detect it), also ranks 0 and 5, which hold no
-    connection to the ranks that detected it (without the engine relaying the abort they
-    waited for their neighbours until the peers' exit)."""
+    R2commMismatchError within 5 s with the same message naming rank 3's call (ranks 3 and 4
+    may both detect it: every rank raises with the judge's verdict, not the first report to
+    reach it), also ranks 0 and 5, which hold no connection to the ranks that detected it
+    (without the engine relaying the abort they waited for their neighbours until the peers'
+    exit)."""
     _job(6, "mismatch", dict(NET, R2COMM_ALGO="ring"))
 
 

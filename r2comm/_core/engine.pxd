@@ -182,6 +182,9 @@ cdef cppclass Op:
     vector[void*] recvs
     vector[int] members
     uint64_t nbytes_recv
+    int hold                 # a collective failed with a mismatch: its error waits for the
+    uint32_t vseq            # judge's verdict on call vseq (its own, or the earlier call that
+    double hold_until        # poisoned it), at most until hold_until (matching.pxi)
 
 cdef cppclass SendMsg:
     Op* op
@@ -350,6 +353,8 @@ cdef cppclass State:
     cmap[uint32_t, uint32_t] next_seq
     cmap[CS, Op*] active
     cmap[CS, pair[int, string]] aborted
+    cmap[CS, pair[int, string]] verdicts   # (comm, seq) -> the judge's verdict on a mismatched
+                             # collective (its error code and report), seen or published here
     cmap[uint32_t, pair[uint32_t, string]] mismatched  # comm -> (seq, error) of a collective that
                              # failed with a mismatch and that no wait has reported yet
     int poisoning

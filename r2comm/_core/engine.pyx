@@ -32,7 +32,7 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC, CLOCK_REALTIME
 
 from r2comm._core.wire cimport (r2_hdr, hdr_encode, hdr_validate, HDR_SIZE, MAX_CTRL_PAYLOAD, FL_P2P,
                                 F_DATA, F_ACK, F_RAIL_DOWN, F_RAIL_DOWN_ACK, F_ABORT, FL_LAZY_ACK,
-                                FL_VOID)
+                                FL_VOID, FL_VERDICT)
 from r2comm._core.transport cimport (iovec, Transport, T_EOF, TDone, tdone_push, tdone_take,
                                      iov_total, tp_reg_none, tp_dereg_none, TPF_SIDE_SOCKET,
                                      TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC,
@@ -120,8 +120,9 @@ cdef extern from "<stdio.h>" nogil:
 #                       (posts through transport.pxd's interface, reaps completions),
 #                       control frames, delayed acks
 #   rx.pxi              receiving: rail_read, header checks, where a payload goes, delivery
-#   matching.pxi        matching messages to receives: call descriptors and mismatches,
-#                       point-to-point order, unexpected messages
+#   matching.pxi        matching messages to receives: call descriptors and mismatches (one
+#                       report on every rank: the judge's verdict), point-to-point order,
+#                       unexpected messages
 #   failover.pxi        acks, failing a rail and re-queueing its chunks, aborts, lost peers
 #   health.pxi          late rails judged by TCP_INFO; the timers (check_timers)
 #   progress.pxi        the epoll progress loop
@@ -820,6 +821,7 @@ cdef class Engine:
             ita = e.aborted.find(CS(comm, seq))
             if ita != e.aborted.end():
                 e.aborted.erase(ita)
+            e.verdicts.erase(CS(comm, seq))
             take_unexpected(e, NULL, comm, seq, mem)
             for i in range(mem.size()):
                 if mem[i] != e.me and mem[i] >= 0 and mem[i] < e.nranks and \
@@ -937,7 +939,7 @@ cdef class Engine:
                     pthread_mutex_unlock(&e.mu)
                     break
                 op = deref(it).second
-                if op.state != ST_ACTIVE:
+                if op.state != ST_ACTIVE and not verdict_pending(e, op):
                     state = op.state
                     err = op.err
                     msg = op.msg
@@ -1019,8 +1021,9 @@ cdef class Engine:
         with nogil:
             pthread_mutex_lock(&e.mu)
             it = e.ops.find(oid)
-            if it != e.ops.end():
+            if it != e.ops.end() and deref(it).second.state == ST_ACTIVE:
                 fail_op(e, deref(it).second, code, m, 1)
+                deref(it).second.hold = 0       # its own error: no verdict to wait for
             pthread_mutex_unlock(&e.mu)
 
     def release(self, uint64_t oid):

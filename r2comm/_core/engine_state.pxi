@@ -23,7 +23,8 @@ MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV 
 
 # What a peer's frames can make this rank keep is bounded (issue 28): the events (an abort's
 # text is up to 4 KiB) keep the last EVENTS_KEEP to 2 * EVENTS_KEEP, the aborts of operations
-# not posted yet ABORTED_MAX (over it, the one with the lowest (comm, seq) goes), and the
+# not posted yet ABORTED_MAX (over it, the one with the lowest (comm, seq) goes), as the
+# mismatch verdicts (matching.pxi; a call's goes when the call is released), and the
 # unexpected messages (collective and point-to-point, for any communicator id) UNEXP_MAX_MSGS
 # entries and UNEXP_MAX_BYTES of payload by default
 # (R2COMM_UNEXPECTED_BYTES / R2COMM_UNEXPECTED_MSGS; testing.set_unexpected_limit in tests).

@@ -111,6 +111,11 @@ cdef void on_abort(State* e, PairRail* r, const char* text, uint32_t n) noexcept
     cdef string msg = string(text, n)
     cdef Op* op = NULL
     cdef SendMsg* sm
+    if h.flags & FL_VERDICT:
+        add_event(e, EV_ABORT, r.peer, r.index, r.peer, 0, 0, msg.c_str())
+        if not (h.flags & FL_P2P):
+            on_verdict(e, r, msg)
+        return
     if h.flags & FL_P2P:
         it = e.smap.find(mkey(r.peer, h.comm, FL_P2P, 0, h.seq))
         if it != e.smap.end():
@@ -508,7 +513,9 @@ cdef void fail_op(State* e, Op* op, int code, const char* msg, int propagate) no
                 if op.members[i] != e.me:
                     send_abort(e, op.members[i], 0, op.comm, op.seq, code, buf)
     if code == E_MISMATCH:
-        note_mismatch(e, op)
+        if not e.poisoning:
+            await_verdict(e, op, op.seq)     # (a poisoned call: poison_op); before the calls
+        note_mismatch(e, op)                 # it poisons, which quote its (verdict's) report
     e.signal = 1
 
 cdef void peer_lost(State* e, Peer* p) noexcept nogil:

@@ -83,6 +83,8 @@ cdef void self_paused(State* e, double lost, double now) noexcept nogil:
         op = deref(it).second
         if op.state == ST_ACTIVE:
             op.deadline += lost
+        if op.hold:
+            op.hold_until += lost
         inc(it)
 
 cdef void note_resume(State* e, Peer* p, double rnd) noexcept nogil:

@@ -9,6 +9,10 @@
 cdef extern from "<string.h>" nogil:
     int strcmp(const char*, const char*)
 
+cdef double VERDICT_WAIT = 2.0      # s: longest a failed call waits for the judge's verdict
+cdef enum:
+    POISON_TEXT = 4600              # a poisoned call's message: the quoted report and more
+
 cdef const char* dtype_name(uint8_t d) noexcept nogil:
     if d == 0: return "int8"
     if d == 1: return "int16"
@@ -415,14 +419,19 @@ cdef void take_unexpected(State* e, Op* op, uint32_t comm, uint32_t seq,
             free_unexp(e, u)
             it = e.cunexp.erase(it)
 
+cdef void poison_text(char* out, size_t n, uint32_t bad_seq, uint32_t seq,
+                      const char* why) noexcept nogil:
+    snprintf(out, n, "an earlier collective on this communicator (call #%u) did not match, "
+             "so this call (#%u) cannot line up: %s", bad_seq, seq, why)
+
 cdef void poison_op(State* e, Op* op, uint32_t bad_seq, string& why) noexcept nogil:
-    cdef char buf[1000]
+    cdef char buf[POISON_TEXT]
     cdef int was = e.poisoning
-    snprintf(buf, 1000, "an earlier collective on this communicator (call #%u) did not match, "
-             "so this call (#%u) cannot line up: %s", bad_seq, op.seq, why.c_str())
+    poison_text(buf, POISON_TEXT, bad_seq, op.seq, why.c_str())
     e.poisoning = 1
     fail_op(e, op, E_MISMATCH, buf, 0)
     e.poisoning = was
+    await_verdict(e, op, bad_seq)
 
 cdef void note_mismatch(State* e, Op* op) noexcept nogil:
     """A collective failed with a mismatch: ranks may now disagree on which call is which
@@ -447,3 +456,119 @@ cdef void clear_mismatch(State* e, Op* op) noexcept nogil:
     itm = e.mismatched.find(op.comm)
     if itm != e.mismatched.end() and not seq_before(op.seq, deref(itm).second.first):
         e.mismatched.erase(itm)
+
+# -- one report of a mismatch on every rank -----------------------------------------------------
+# Two ranks may detect one mismatch at once (each from its own neighbour's frame: rank 3 calls
+# with another count, ranks 2 and 4 both see it), and each relays its own report (failover.pxi
+# relay_abort). So that every rank raises with the same report, the communicator's rank 0
+# (op.members[0]) is the judge: whatever report fails its call first (its own, or one relayed
+# to it) is the verdict, which it sends to the members it holds connections to as an ABORT
+# marked FL_VERDICT; every rank passes a verdict on once (relay_verdict), along the connections
+# it holds, as it does an abort: O(p) frames per rank. Any other rank whose call failed with a
+# mismatch holds the error (Op.hold; Engine.wait does not return it) until the verdict comes,
+# then takes the verdict's report: a rank cannot raise before it knows the verdict. The hold is
+# bounded: it ends without a verdict after VERDICT_WAIT, or once the judge is lost (then the
+# rank raises with its own report). Calls the mismatch poisoned (note_mismatch) wait for the
+# verdict on the call that poisoned them (their text quotes it) or on their own call.
+cdef void await_verdict(State* e, Op* op, uint32_t vseq) noexcept nogil:
+    """op failed with a mismatch of its own call (vseq == op.seq) or of the earlier call vseq
+    that poisoned it: the judge publishes its report; another rank takes the verdict it has
+    already, or holds the error until the verdict comes."""
+    if op.p2p or op.state != ST_ERROR or op.err != E_MISMATCH or op.members.empty():
+        return
+    op.vseq = vseq
+    if op.members[0] == e.me:
+        keep_verdict(e, op.comm, op.seq, op.err, op.msg)
+        relay_verdict(e, op, -1)
+        return
+    itv = e.verdicts.find(CS(op.comm, vseq))
+    if itv != e.verdicts.end():
+        take_verdict(e, op, vseq, deref(itv).second.second)
+        return
+    if vseq != op.seq:
+        itv = e.verdicts.find(CS(op.comm, op.seq))
+        if itv != e.verdicts.end():
+            take_verdict(e, op, op.seq, deref(itv).second.second)
+            return
+        ita = e.active.find(CS(op.comm, vseq))
+        if ita == e.active.end() or not verdict_pending(e, deref(ita).second):
+            return                      # the call that poisoned it has settled: its text
+    op.hold = 1                         # (e.mismatched) is what the verdict made it
+    op.hold_until = mono() + VERDICT_WAIT
+
+cdef void keep_verdict(State* e, uint32_t comm, uint32_t seq, int code,
+                       string msg) noexcept nogil:
+    """Remember the verdict on (comm, seq) (bounded like the aborts: ABORTED_MAX)."""
+    if e.verdicts.size() >= ABORTED_MAX and e.verdicts.count(CS(comm, seq)) == 0:
+        e.verdicts.erase(e.verdicts.begin())
+    e.verdicts[CS(comm, seq)] = pair[int, string](code, msg)
+
+cdef void relay_verdict(State* e, Op* op, int skip) noexcept nogil:
+    """Send the verdict on op's call to its other members (but `skip`, who sent it here)."""
+    cdef size_t i
+    cdef pair[int, string] v        # a copy: a send that fails a rail may change the table
+    itv = e.verdicts.find(CS(op.comm, op.seq))
+    if itv == e.verdicts.end():
+        return
+    v = deref(itv).second
+    for i in range(op.members.size()):
+        if op.members[i] != e.me and op.members[i] != skip:
+            send_abort(e, op.members[i], FL_VERDICT, op.comm, op.seq, v.first, v.second.c_str())
+
+cdef void take_verdict(State* e, Op* op, uint32_t vseq, string& report) noexcept nogil:
+    """op's error becomes the verdict on call vseq: its own call's report, or quoted as the
+    report of the earlier call that poisoned it."""
+    cdef char buf[POISON_TEXT]
+    if vseq == op.seq:
+        op.msg = report
+        itm = e.mismatched.find(op.comm)
+        if itm != e.mismatched.end() and deref(itm).second.first == op.seq:
+            deref(itm).second.second = report      # what later calls it poisons quote
+    else:
+        poison_text(buf, POISON_TEXT, vseq, op.seq, report.c_str())
+        op.msg = string(<const char*>buf)
+    op.hold = 0
+    e.signal = 1
+
+cdef void on_verdict(State* e, PairRail* r, string& report) noexcept nogil:
+    """The judge's verdict on collective (comm, seq), from a peer: fail the call with it if it
+    still runs (or when it is posted), pass it on once, and give it to the calls holding
+    their error for it."""
+    cdef r2_hdr* h = &r.rh
+    cdef Op* op = NULL
+    cdef vector[Op*] held
+    cdef size_t i
+    if h.aux != E_MISMATCH or e.verdicts.count(CS(h.comm, h.seq)):
+        return                          # not a mismatch's, or seen already (relayed once)
+    ita = e.active.find(CS(h.comm, h.seq))
+    if ita != e.active.end():
+        op = deref(ita).second
+    if op != NULL or not seq_is_past(e, h.comm, h.seq):
+        keep_verdict(e, h.comm, h.seq, E_MISMATCH, report)     # (not posted: post_op takes
+    if op != NULL:                                              # it and passes it on then)
+        if op.state == ST_ACTIVE:
+            fail_op(e, op, E_MISMATCH, report.c_str(), 0)
+        relay_verdict(e, op, r.peer)
+    it = e.active.lower_bound(CS(h.comm, 0))
+    while it != e.active.end() and deref(it).first.first == h.comm:
+        if deref(it).second.hold and (deref(it).second.vseq == h.seq or
+                                      deref(it).first.second == h.seq):
+            held.push_back(deref(it).second)
+        inc(it)
+    for i in range(held.size()):
+        take_verdict(e, held[i], h.seq, report)     # (h.seq: its own call, or its vseq)
+
+cdef int verdict_pending(State* e, Op* op) noexcept nogil:
+    """op's error still waits for the judge's verdict (not past VERDICT_WAIT, the judge not
+    lost); a hold that ran out ends here (the rank raises with its own report)."""
+    cdef int judge
+    cdef Peer* p = NULL
+    if not op.hold:
+        return 0
+    judge = op.members[0]
+    if 0 <= judge < e.nranks:
+        p = e.peers[judge]
+    if mono() < op.hold_until and (p == NULL or not p.lost):
+        return 1
+    op.hold = 0
+    return 0

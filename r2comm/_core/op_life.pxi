@@ -58,6 +58,7 @@ cdef void free_op(State* e, Op* op, int unlink) noexcept nogil:
         ita = e.active.find(CS(op.comm, op.seq))
         if ita != e.active.end() and deref(ita).second == op:
             e.active.erase(ita)
+            e.verdicts.erase(CS(op.comm, op.seq))   # (a reused id's call must not find it)
     del op
 
 cdef void forget_op(State* e, uint64_t oid) noexcept nogil:
@@ -216,6 +217,14 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     if not p2p:
         note_posted_seq(e, comm, seq)
         e.active[CS(comm, seq)] = op
+        itv = e.verdicts.find(CS(comm, seq))
+        if itv != e.verdicts.end():
+            # the judge's verdict on this call came first (matching.pxi): it fails with that
+            e.aborted.erase(CS(comm, seq))
+            fail_op(e, op, deref(itv).second.first, deref(itv).second.second.c_str(), 0)
+            relay_verdict(e, op, -1)
+            take_unexpected(e, NULL, comm, seq, members)
+            return op.id
         ita = e.aborted.find(CS(comm, seq))
         if ita != e.aborted.end():
             fail_op(e, op, deref(ita).second.first, deref(ita).second.second.c_str(), 0)

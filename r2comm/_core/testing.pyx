@@ -227,7 +227,8 @@ def debug_state(Engine engine):
                "unexpected": e.cunexp.size(), "notices": e.notices.size(),
                # what a peer's frames can grow, each bounded (issue 28)
                "unexpected_msgs": e.unexp_msgs, "unexpected_bytes": e.unexp_bytes,
-               "aborted": e.aborted.size(), "next_seq": e.next_seq.size(),
+               "aborted": e.aborted.size(), "verdicts": e.verdicts.size(),
+               "next_seq": e.next_seq.size(),
                "p2p_states": np2p, "events_kept": e.events.size(),
                "events_total": e.events_base + e.events.size(),
                "ready": {i: e.peers[i].ready.size() for i in range(e.nranks) if e.peers[i] != NULL},

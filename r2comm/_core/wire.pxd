@@ -41,6 +41,9 @@ cdef enum:
                         # receiver may delay it and send it with its next frame on that rail
     FL_VOID = 4         # (with FL_P2P, an empty DATA frame) the pair's message seq will never
                         # come: its send failed and its user was told (matching.pxi p2p_void)
+    FL_VERDICT = 8      # (an ABORT of a collective) the judge's report of a mismatch: every
+                        # member raises with it (matching.pxi; an older engine takes it for a
+                        # plain abort)
 
 cdef inline void hdr_encode(r2_hdr* h, uint8_t type, uint8_t flags, uint8_t dtype, uint8_t redop,
                             uint32_t comm, uint32_t seq, uint32_t step, uint32_t count, uint32_t chunk,
