@@ -5,7 +5,8 @@ new size (every planner cache cleared, the Topology or rail state made inside th
 later size of the same size class; with --old, every rank's schedules priced by cost.py as
 before (planner.build_topo), where that takes seconds, not hours. --sweep adds the choice
 against the simulator's replay (sim/sweep.py), --bound the replay/T* of the planner's own choice
-at 3-512 hosts with a NIC down or partly slow (sim/sweep.bound_case). JSON for bench/RESULTS.md
+at 3-512 hosts with a NIC down or partly slow (sim/sweep.bound_case; --bound-hosts ...,1024
+adds 1,024 hosts: about 5-7 min of CPU per NIC state). JSON for bench/RESULTS.md
 (results_planner.py).
 
     python -m r2comm.bench.planner_scale --json bench/out/planner_scale.json [--old] [--sweep N]
