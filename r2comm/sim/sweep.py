@@ -13,6 +13,10 @@ LOSSES = (0.125, 0.25, 0.5, 0.75, 1.0)
 SIZES = (1 * MiB, 8 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB)
 ISSUE_CASES = ((16, 8, 1.0, 256 * MiB), (4, 8, 1.0, 1024 * MiB))
 PRUNE = 1.6                 # replay only the candidates priced below this x the chosen replay
+BIG_HOSTS = (32, 64, 128)   # big_grid(): the issue's range beyond grid()'s, a few points
+BIG_NICS = (2, 8)
+BIG_LOSSES = (1.0, 0.125)   # a NIC down, a NIC at 7/8
+BIG_SIZES = (8 * MiB, 64 * MiB, 256 * MiB)
 
 
 def grid(sample=40, seed=32):
@@ -22,6 +26,13 @@ def grid(sample=40, seed=32):
                and c[2] in (LOSSES[0], LOSSES[-1]) and c[3] in (SIZES[0], SIZES[-1])]
     rest = [c for c in full if c not in corners and c not in ISSUE_CASES]
     return list(ISSUE_CASES) + corners + random.Random(seed).sample(rest, sample)
+
+
+def big_grid():
+    """Every point of BIG_HOSTS x BIG_NICS x BIG_LOSSES x BIG_SIZES (36; with `prune`, about
+    10 minutes of CPU on this machine: the 8-NIC fabrics with a NIC at 7/8, which no candidate
+    treats as degraded, replay the ring and recursive doubling over every rank)."""
+    return list(itertools.product(BIG_HOSTS, BIG_NICS, BIG_LOSSES, BIG_SIZES))
 
 
 def case(H, K, loss, nbytes, rate=50e9, alpha=25e-6, segments=None, prune=PRUNE):
