@@ -120,6 +120,25 @@ def test_price_where_the_steps_hide_their_latency(H, K, loss, algo, sizes):
         assert got == pytest.approx(t, rel=0.01), (mb, got, t)
 
 
+def test_ring_with_a_slow_link_fed_by_faster_ones_keeps_its_latencies():
+    """4 hosts x 2 NICs at 10 Gbit/s, a NIC of the last host down, 3 MiB (tests/planner_worker's
+    live case): a step on the slow link is still on the wire when the fast links have the next
+    step's first chunk ready, so its latencies are not hidden (ring replay 4.58 ms, volume +
+    hops·α 3.93, the chain + α 3.80): the degraded schedule (3.85 ms, exact) is chosen."""
+    from r2comm.config import Config
+    from r2comm.sim.cluster import Cluster
+    from r2comm.sim.fabric import Fabric
+    fab = Fabric(4, 2, 1.25e9, 1, 1.0, 25e-6)
+    fab.down(3, 1)
+    st, nb, eager = fab.state(), 786437 * 4, Config().eager
+    assert not price.ring_hides_latency(price.Net.from_state(st), nb)
+    costs = planner.evaluate("allreduce", 4, nb, 4, st, eager=eager)
+    replay = {a: Cluster(fab).run_schedules(planner.build_all(
+        "allreduce", 4, nb, 4, eager=eager, algo=a, state=st))["time_s"] for a in costs}
+    chosen = price.cheapest(costs)
+    assert chosen == "degraded" and replay[chosen] <= 1.03 * min(replay.values()), (costs, replay)
+
+
 def test_choice_at_the_8_mib_points_the_latencies_misranked():
     """The two grid(40) points above 1.03 before (3 hosts x 2 NICs, a NIC at 7/8, 8 MiB: direct
     chosen at 1.152 x the ring's replay; 3 x 8, a NIC at 3/4, 8 MiB: recursive doubling at 1.039
