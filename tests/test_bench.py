@@ -935,6 +935,18 @@ def test_results_planner_section_from_fake_json(tmp_path):
     assert "| 512 | 1.035 (treefold) | 1.037 (treefold) |" in sec
     assert "with a NIC down: **met** (all of 3-512 hosts)" in sec
     assert "with a NIC at 0.5: **not met** (over at 3 hosts 1.222)" in sec
+    # the sweep at 32-128 hosts (planner_scale --sweep-big) joins the every-size target
+    doc["sweep"]["ratios"][1][5] = doc["sweep"]["worst"]["ratio"] = 1.02
+    doc["sweep_big"] = {"points": 2, "cpu_s": 300.0,
+                        "ratios": [[128, 2, 1.0, 8 << 20, "treefold", 1.04],
+                                   [32, 8, 0.125, 256 << 20, "ring", 1.0]],
+                        "worst": {"hosts": 128, "nics": 2, "loss": 1.0, "bytes": 8 << 20,
+                                  "chosen": "treefold", "ratio": 1.04}}
+    (tmp_path / "planner_scale.json").write_text(json.dumps(doc))
+    sec = results.render(str(tmp_path)).split("## Planner at scale (issue 32)")[1].split("\n## ")[0]
+    assert "At 32-128 hosts (`sweep.big_grid`, 2 points" in sec
+    assert "1 of 2 points above 1.03: 128x2 1 8 MiB 1.04" in sec
+    assert "(1 MiB-1 GiB): **not met** (worst 1.020 on hosts 3-24; 1.040 at 32-128" in sec
     os.remove(tmp_path / "planner_scale.json")
     assert "Planner at scale" in results.render(str(tmp_path))
 

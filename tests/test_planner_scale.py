@@ -100,19 +100,81 @@ def test_choice_within_3_percent_of_the_best_replay():
     assert by[(16, 8, 1.0, 256 * MB)]["chosen"] == "direct"
 
 
+@pytest.mark.parametrize("H,K,loss,algo,sizes", [
+    (3, 2, 0.125, "ring", (2, 5, 8)), (3, 8, 0.25, "ring", (2, 8, 24)),
+    (3, 8, 0.25, "direct", (1, 4, 8, 14)), (8, 2, 0.125, "direct", (1,)),
+    (12, 2, 0.125, "direct", (8,)), (6, 8, 1.0, "direct", (8,)), (24, 2, 0.125, "direct", (8,))])
+def test_price_where_the_steps_hide_their_latency(H, K, loss, algo, sizes):
+    """Where a step's message is on the wire before the next step's first chunk is ready
+    (price.hides_latency), the ring's and the direct schedule's prices equal the exact replay
+    within 1% (before: every step's α on top of the bytes, and for the ring no last
+    acknowledgement: ring 0.82-1.29 x the replay at these points, direct 1.02-1.33 x)."""
+    from r2comm.config import Config
+    from r2comm.sim.cluster import Cluster
+    fab = _sweep_fabric(H, K, 1.0 - loss)
+    st = fab.state()
+    for mb in sizes:
+        nb, eager = mb * MB, Config().eager
+        got = planner.evaluate("allreduce", H, nb, 4, st, eager=eager)[algo]
+        sc = planner.build_all("allreduce", H, nb, 4, eager=eager, algo=algo, state=st)
+        t = Cluster(fab).run_schedules(sc)["time_s"]
+        assert got == pytest.approx(t, rel=0.01), (mb, got, t)
+
+
+def test_ring_with_a_slow_link_fed_by_faster_ones_keeps_its_latencies():
+    """4 hosts x 2 NICs at 10 Gbit/s, a NIC of the last host down, 3 MiB (tests/planner_worker's
+    live case): a step on the slow link is still on the wire when the fast links have the next
+    step's first chunk ready, so its latencies are not hidden (ring replay 4.58 ms, volume +
+    hops·α 3.93, the chain + α 3.80): the degraded schedule (3.85 ms, exact) is chosen."""
+    from r2comm.config import Config
+    from r2comm.sim.cluster import Cluster
+    from r2comm.sim.fabric import Fabric
+    fab = Fabric(4, 2, 1.25e9, 1, 1.0, 25e-6)
+    fab.down(3, 1)
+    st, nb, eager = fab.state(), 786437 * 4, Config().eager
+    assert not price.ring_hides_latency(price.Net.from_state(st), nb)
+    costs = planner.evaluate("allreduce", 4, nb, 4, st, eager=eager)
+    replay = {a: Cluster(fab).run_schedules(planner.build_all(
+        "allreduce", 4, nb, 4, eager=eager, algo=a, state=st))["time_s"] for a in costs}
+    chosen = price.cheapest(costs)
+    assert chosen == "degraded" and replay[chosen] <= 1.03 * min(replay.values()), (costs, replay)
+
+
+def test_choice_at_the_8_mib_points_the_latencies_misranked():
+    """The two grid(40) points above 1.03 before (3 hosts x 2 NICs, a NIC at 7/8, 8 MiB: direct
+    chosen at 1.152 x the ring's replay; 3 x 8, a NIC at 3/4, 8 MiB: recursive doubling at 1.039
+    x direct's): the best replay chosen at both."""
+    from r2comm.sim import sweep
+    a = sweep.case(3, 2, 0.125, 8 * MB)
+    b = sweep.case(3, 8, 0.25, 8 * MB)
+    assert a["chosen"] == "ring" and a["ratio"] == 1.0, a
+    assert b["chosen"] == "direct" and b["ratio"] == 1.0, b
+
+
 @pytest.mark.slow
 def test_choice_within_3_percent_of_the_best_replay_full_grid():
-    """The same over grid(40) (58 points, about 3 minutes of CPU): from 256 MiB on
-    (bandwidth-bound) every choice is within 3% of the best replay. Below it the ring's and
-    recursive doubling's prices count a full α per dependent step, which the replay hides in
-    part and erratically, so two 8 MiB points stay above 1.03 (3 hosts x 2 NICs, loss 1/8:
-    1.152, direct chosen; 3 x 8, loss 1/4: 1.039, recursive doubling chosen): held within 1.16
-    there (bench/SIM.md)."""
+    """The same over grid(40) (58 points, about 3 minutes of CPU): every choice within 3% of the
+    best replay (worst 1.002). The two 8 MiB points that were above (3 hosts x 2 NICs, loss 1/8:
+    1.152, direct chosen, ring best; 3 x 8, loss 1/4: 1.039, recursive doubling chosen, direct
+    best) came from prices that counted every dependent step's α on top of the bytes where the
+    replay hides it: a ring's or the direct schedule's step short enough to be on the wire
+    before the next step's first chunk is ready (price.hides_latency) is now priced as the
+    chain plus the last acknowledgement, exact in the replay (bench/SIM.md)."""
     from r2comm.sim import sweep
-    pts, _ = _sweep(sweep.grid(40))
-    big = [r for r in pts if r["bytes"] >= 256 * MB]
-    assert max(r["ratio"] for r in big) <= 1.03, max(big, key=lambda r: r["ratio"])
-    assert max(r["ratio"] for r in pts) <= 1.16, max(pts, key=lambda r: r["ratio"])
+    pts, by = _sweep(sweep.grid(40))
+    assert max(r["ratio"] for r in pts) <= 1.03, max(pts, key=lambda r: r["ratio"])
+    assert by[(3, 2, 0.125, 8 * MB)]["chosen"] == "ring"
+    assert by[(3, 8, 0.25, 8 * MB)]["chosen"] == "direct"
+
+
+@pytest.mark.slow
+def test_choice_within_3_percent_of_the_best_replay_at_32_to_128_hosts():
+    """Issue 32 item 4 beyond grid()'s 3-24 hosts: sweep.big_grid() (32, 64 and 128 hosts x 2
+    or 8 NICs, a NIC down or at 7/8, 8, 64 and 256 MiB; 36 points, candidates priced above 1.6x
+    the chosen one's replay not replayed): every choice within 3% of the best replay."""
+    from r2comm.sim import sweep
+    pts, _ = _sweep(sweep.big_grid())
+    assert max(r["ratio"] for r in pts) <= 1.03, max(pts, key=lambda r: r["ratio"])
 
 
 def _sweep_fabric(H, K, slow_rate, alpha=25e-6):
@@ -157,27 +219,54 @@ def test_planner_choice_within_5_percent_of_the_bound_with_a_nic_down(H):
     assert r["chosen"] == "treefold" and r["ratio"] <= 1.05, r
 
 
+def _ring_replay(H, K, G, loss, nb, rate):
+    """The exact replay of the ring on sweep.crosscheck()'s fabric, and whether its closed-form
+    price takes the steps as hiding their latencies (price.ring_hides_latency)."""
+    from r2comm.config import Config
+    from r2comm.sim.cluster import Cluster
+    from r2comm.sim.fabric import Fabric
+    from r2comm.sim.predict import EFFICIENCY
+    fab = Fabric(H, K, rate, G, EFFICIENCY, 25e-6, intra_bw=8e9)
+    fab.degrade(H - 1, 0, 1.0 - loss)
+    st = fab.state(flat=G > 1)
+    sc = planner.build_all("allreduce", st.n, nb, 4, eager=Config().eager, algo="ring", state=st)
+    hides = price.ring_hides_latency(price.Net.from_state(st), nb)
+    return Cluster(fab, flat=G > 1).run_schedules(sc)["time_s"], hides
+
+
 def test_closed_form_prices_against_cost_model_and_replay():
     """Small cases (3-6 hosts x 1-2 ranks, 2 or 8 NICs at 10 or 400 Gbit/s, NIC 0 of the last
     host at 1, 1/2 or 0 of its rate, 4 KiB-64 MiB): the ring and hierarchical prices equal
-    cost.py's model over every rank's schedules within 2%; where the two pick different
-    algorithms, the simulator replays both, and over the sample the closed-form choices take
-    no longer in total than cost.py's (the replay is the judge: cost.py's degraded price is the
-    one issue 32 item 4 found too low)."""
+    cost.py's model over every rank's schedules within 2%, except a ring between hosts whose
+    multi-chunk steps hide their latencies (price.ring_hides_latency: 4 of the 36 cases, 4 MiB
+    over 4 hosts), which cost.py charges every step's α and the last acknowledgement not
+    (7-14% off the replay): there the price is within 4% of the replay and nearer it than
+    cost.py's. Where the two pick different algorithms, the simulator replays both, and over the
+    sample the closed-form choices take no longer in total than cost.py's (the replay is the
+    judge: cost.py's degraded price is the one issue 32 item 4 found too low)."""
     import random
     from r2comm.sim import sweep
     grid = list(itertools.product((3, 4, 6), (2, 8), (1, 2), (0.0, 0.5, 1.0),
                                   (4096, 256 << 10, 4 * MB, 64 * MB), (1.25e9, 50e9)))
     new_total = old_total = 0.0
+    hidden = 0
     for H, K, G, loss, nb, rate in random.Random(7).sample(grid, 36):
         r = sweep.crosscheck(H, K, G, loss, nb, rate=rate)
         for a in ("ring", "hierarchical", "hierarchical_tree"):
-            if a in r["new"]:
-                assert r["new"][a] == pytest.approx(r["old"][a], rel=0.02), (a, r)
+            if a not in r["new"]:
+                continue
+            if a == "ring" and r["new"][a] != pytest.approx(r["old"][a], rel=0.02):
+                t, hides = _ring_replay(H, K, G, loss, nb, rate)
+                assert hides and r["new"][a] == pytest.approx(t, rel=0.04), (t, r)
+                assert abs(r["new"][a] - t) < abs(r["old"][a] - t), (t, r)
+                hidden += 1
+                continue
+            assert r["new"][a] == pytest.approx(r["old"][a], rel=0.02), (a, r)
         if r["replay"]:
             new_total += r["replay"][r["chosen"]]
             old_total += r["replay"][r["old_choice"]]
     assert new_total <= old_total * 1.0001, (new_total, old_total)
+    assert hidden <= 6, hidden
 
 
 def _dense_states():

@@ -4,13 +4,13 @@ NIC 3 of host H/2 down (a planner.state.NicRailState of 8 NICs per host); the fi
 new size (every planner cache cleared, the Topology or rail state made inside the timing) and a
 later size of the same size class; with --old, every rank's schedules priced by cost.py as
 before (planner.build_topo), where that takes seconds, not hours. --sweep adds the choice
-against the simulator's replay (sim/sweep.py), --bound the replay/T* of the planner's own choice
-at 3-512 hosts with a NIC down or partly slow (sim/sweep.bound_case; --bound-hosts ...,1024
-adds 1,024 hosts: about 5-7 min of CPU per NIC state). JSON for bench/RESULTS.md
-(results_planner.py).
+against the simulator's replay (sim/sweep.py; --sweep-big: at 32-128 hosts, sweep.big_grid),
+--bound the replay/T* of the planner's own choice at 3-512 hosts with a NIC down or partly slow
+(sim/sweep.bound_case; --bound-hosts ...,1024 adds 1,024 hosts: about 5-7 min of CPU per NIC
+state). JSON for bench/RESULTS.md (results_planner.py).
 
     python -m r2comm.bench.planner_scale --json bench/out/planner_scale.json [--old] [--sweep N]
-        [--bound] [--bound-hosts 3,4,8,...]
+        [--sweep-big] [--bound] [--bound-hosts 3,4,8,...]
 """
 import argparse
 import json
@@ -83,6 +83,19 @@ def bound_rows(hosts=None):
     return rows
 
 
+def sweep_rows(points):
+    """sweep.case() over `points`: {"points", "cpu_s", "worst", "ratios"}, the worst printed."""
+    from ..sim import sweep
+    t0 = time.process_time()
+    pts = [sweep.case(*c) for c in points]
+    out = {"points": len(pts), "cpu_s": time.process_time() - t0,
+           "worst": max(pts, key=lambda r: r["ratio"]),
+           "ratios": [[r["hosts"], r["nics"], r["loss"], r["bytes"], r["chosen"], r["ratio"]]
+                      for r in pts]}
+    print(json.dumps(out["worst"]), flush=True)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
@@ -90,6 +103,8 @@ def main(argv=None):
     p.add_argument("--old", action="store_true", help="time the old path up to 128 ranks")
     p.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="also the sweep against the replay with N random points")
+    p.add_argument("--sweep-big", action="store_true",
+                   help="also the sweep against the replay at 32-128 hosts (sweep.big_grid)")
     p.add_argument("--bound", action="store_true",
                    help="also replay/T* of the planner's choice per host count and NIC state")
     p.add_argument("--bound-hosts", default="")
@@ -108,13 +123,10 @@ def main(argv=None):
            "command": "python -m r2comm.bench.planner_scale " + " ".join(argv or [])}
     if a.sweep:
         from ..sim import sweep
-        t0 = time.process_time()
-        pts = [sweep.case(*c) for c in sweep.grid(a.sweep)]
-        doc["sweep"] = {"points": len(pts), "cpu_s": time.process_time() - t0,
-                        "worst": max(pts, key=lambda r: r["ratio"]),
-                        "ratios": [[r["hosts"], r["nics"], r["loss"], r["bytes"], r["chosen"],
-                                    r["ratio"]] for r in pts]}
-        print(json.dumps(doc["sweep"]["worst"]), flush=True)
+        doc["sweep"] = sweep_rows(sweep.grid(a.sweep))
+    if a.sweep_big:
+        from ..sim import sweep
+        doc["sweep_big"] = sweep_rows(sweep.big_grid())
     if a.bound:
         doc["bound"] = bound_rows([int(x) for x in a.bound_hosts.split(",")] if a.bound_hosts
                                   else None)

@@ -246,8 +246,39 @@ def direct_time(n, nbytes, rank_bw, slow, state, chunk, alpha):
     """Closed-form seconds: the busiest rail's finish for the planned blocks and weights, plus
     the slow rank's stall (it streams a chunk to each of the n - 1 others at once, so the first
     reduced chunks, and the allgather behind them, wait n - 1 chunk times at its rate:
-    1 + (n-1)·c/N x T* with a NIC down, as the replay gives) and FILL_HOPS latencies."""
+    1 + (n-1)·c/N x T* with a NIC down, as the replay gives) and FILL_HOPS latencies. Where the
+    reduce-scatter is short (every pair's block on the wire before the first allgather chunk
+    is ready, overlapped()), its bytes hide in that wait: overlapped_time()."""
     sizes, t, _ = plan_sizes(n, nbytes, rank_bw, slow, state)
     b = min(rank_bw(r) for r in range(n))
     c = min(chunk, max(sizes) if sizes else 0)
-    return t + ((n - 1) * c / b if b > 0 else float("inf")) + FILL_HOPS * alpha
+    stall = (n - 1) * c / b if b > 0 else float("inf")
+    full = t + stall + FILL_HOPS * alpha
+    if n > 2 and overlapped(n, sizes, rank_bw, chunk, alpha):
+        return min(full, overlapped_time(n, nbytes, sizes, rank_bw, stall, alpha))
+    return full
+
+
+def overlapped(n, sizes, rank_bw, chunk, alpha):
+    """Whether every pair's reduce-scatter block is on the wire before the first allgather
+    chunk is ready (price.hides_latency() for the largest block at a pair's share of the
+    fastest rank's NICs). If not, the engine sends the allgather's chunks (released by a
+    dependency) ahead of the rest of the reduce-scatter: the full price."""
+    from .price import hides_latency
+    b_pair = max(rank_bw(r) for r in range(n)) / (n - 1)
+    return hides_latency(max(sizes), b_pair, alpha, chunk)
+
+
+def overlapped_time(n, nbytes, sizes, rank_bw, stall, alpha):
+    """Seconds of the direct schedule with a short reduce-scatter: per rank and direction, the
+    reduce-scatter's bytes or the first chunks' wait (α + stall), whichever is longer, then the
+    allgather's bytes, then its arrival and acknowledgement (2α). Rank i sends N - s_i and
+    receives (n-1)·s_i in the reduce-scatter, the reverse in the allgather."""
+    N, worst = float(nbytes), 0.0
+    for i, s in enumerate(sizes):
+        b = rank_bw(i)
+        if not b > 0:
+            return float("inf")
+        for rs, ag in ((N - s, (n - 1) * s), ((n - 1) * s, N - s)):
+            worst = max(worst, max(rs / b, alpha + stall) + ag / b)
+    return worst + 2 * alpha
