@@ -22,6 +22,7 @@ Every element is reduced at its owner in one fixed order, then only copied: ever
 identical bits. 4(n - 1) messages per rank: offered up to MAX_RANKS ranks."""
 import functools
 
+from .overlap import hides_latency
 from .schedule import Schedule, WORK, SEND, COPY, REDUCE, REDUCE_SEND
 
 MAX_RANKS = 32              # offered up to this many ranks: above, the slow rank's stall,
@@ -261,10 +262,9 @@ def direct_time(n, nbytes, rank_bw, slow, state, chunk, alpha):
 
 def overlapped(n, sizes, rank_bw, chunk, alpha):
     """Whether every pair's reduce-scatter block is on the wire before the first allgather
-    chunk is ready (price.hides_latency() for the largest block at a pair's share of the
+    chunk is ready (overlap.hides_latency() for the largest block at a pair's share of the
     fastest rank's NICs). If not, the engine sends the allgather's chunks (released by a
     dependency) ahead of the rest of the reduce-scatter: the full price."""
-    from .price import hides_latency
     b_pair = max(rank_bw(r) for r in range(n)) / (n - 1)
     return hides_latency(max(sizes), b_pair, alpha, chunk)
 
