@@ -512,9 +512,10 @@ def sc_stall(comm, args):
     def judged(rows):
         infos = [info for row in rows for *_, info in row["stalled"]]
         return bool(infos) and (not want or any(want in info for info in infos))
-    for attempt in range(3):
+    tries = int(args.get("tries", 3))
+    for attempt in range(tries):
         rows = _stall_round(comm, args, stop)
-        if WORLD.bcast(judged(rows) if WORLD.rank == 0 else None) or attempt == 2:
+        if WORLD.bcast(judged(rows) if WORLD.rank == 0 else None) or attempt == tries - 1:
             break
         if WORLD.rank == 0:
             print(f"STALL stop={stop}: nothing (or other evidence) to judge; again", flush=True)

@@ -146,9 +146,12 @@ def test_stopped_process_with_full_receive_window():
     # a 16 KiB socket buffer fills within the stop even on a loaded machine (with 64 KiB the
     # sender sometimes had less than a window out at the deadline in all three rounds: the stall
     # was told apart by the other evidence, 1 in 3 quiet runs and in a loaded CI run)
+    # (and a stop that lands while the sender has only a small frame out to the stopped rank is
+    # told apart by "its kernel acknowledged 48 bytes": all three rounds of a quiet clean-clone
+    # run at a823903 did so, hence up to six rounds)
     evidence = "" if os.environ.get("R2COMM_ASAN_BUILD") else "receive window shut"
-    count, out = run_scenario(3, "stall", timeout=90, env={"R2COMM_SOCKBUF": "16384"}, stop=3,
-                              count=4_000_000, rails="127.0.0.1", evidence=evidence)
+    count, out = run_scenario(3, "stall", timeout=150, env={"R2COMM_SOCKBUF": "16384"}, stop=3,
+                              count=4_000_000, rails="127.0.0.1", evidence=evidence, tries=6)
     assert count == 3
 
 
