@@ -11,7 +11,7 @@ from .args import (ANY_SOURCE, ANY_TAG, IN_PLACE, as_array as _as_array, check_r
                    device_args as _device_args, pair as _pair)
 from .channel import Channel
 from .config import Config
-from .errors import R2commArgumentError, R2commBufferError
+from .errors import R2commArgumentError, R2commBufferError, R2commResourceError
 from .faults import MODES as _FAULT_MODES
 from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op
 from .plans import NONBLOCKING as _NONBLOCKING, call_name
@@ -303,8 +303,12 @@ class Communicator(Channel):
         key = ("fast", nbytes, dtc, op.code, send is not None)
         hit = self._plans.get(key)
         if hit is None:
-            plan, sched, count, desc = self._schedule("allreduce", nbytes, recvbuf.itemsize, 0,
-                                                      dtc, op.code, send is not None)
+            try:
+                plan, sched, count, desc = self._schedule("allreduce", nbytes, recvbuf.itemsize,
+                                                          0, dtc, op.code, send is not None)
+            except R2commResourceError as exc:     # too few fds to connect the plan's peers
+                self._tell_peers(exc, "allreduce", blocking)
+                raise
             ok = not (sched.scratch or sched.pre or sched.post) and sched.fills_work
             hit = self._plans[key] = (plan, count, desc) if ok else False
         if not hit:
@@ -340,7 +344,7 @@ class Communicator(Channel):
                                       "buffers are host memory")
         try:
             req = start(*args, blocking)
-        except R2commArgumentError as exc:
+        except (R2commArgumentError, R2commResourceError) as exc:
             self._tell_peers(exc, kind, blocking)
             raise
         if not blocking:
@@ -352,7 +356,7 @@ class Communicator(Channel):
         self._check()
         try:
             req = pipeline.start(self, kind, blocking, args, stream)
-        except R2commArgumentError as exc:
+        except (R2commArgumentError, R2commResourceError) as exc:
             pipeline.tell_peers(self, exc, call_name(kind))
             raise
         if not blocking:

@@ -45,8 +45,8 @@ class R2commProtocolError(R2commError):
 
 
 class R2commResourceError(R2commError):
-    """A resource limit of this machine is too small for the job (file descriptors at start-up:
-    r2comm/fdlimit.py)."""
+    """A resource limit of this machine is too small for the job (file descriptors at start-up,
+    r2comm/fdlimit.py, or for a first use's connections, transport/links.py)."""
 
 
 class R2commBuildError(R2commError, ImportError):

@@ -7,7 +7,7 @@ to the socket kept beside the queue pair; the failure detector (liveness.py) hol
 DETECTOR_FDS more. Plans connect more peers on first use (links.connect_for), bounded by the
 peers of the plans a rank runs (O(1) for ring plans, O(log n) for tree and halving ones; an
 alltoall or point-to-point to every peer reaches the full mesh), so fds_needed is the start-up
-figure, not a bound for the whole run. Before connecting each rank
+figure, not a bound for the whole run: each first use checks its own room (Links.connect_for). Before connecting each rank
 
   * raises its soft RLIMIT_NOFILE to the hard limit (once per process, raise_soft_limit), and
   * publishes the fds it holds and its limits in its endpoint record (own_record); from the
@@ -15,16 +15,14 @@ figure, not a bound for the whole run. Before connecting each rank
     WARN_FRACTION rank 0 logs a warning, above the limit every rank raises R2commResourceError
     with the same message, instead of EMFILE in some rank's connection attempt."""
 import logging
-import os
 import resource
 
 from .transport import liveness, shm
-from .transport.links import start_peers
+from .transport.links import VERBS_RAIL_FDS, open_fds, start_peers
 from .errors import R2commResourceError
 
 log = logging.getLogger("r2comm")
 WARN_FRACTION = 0.8      # warn when a rank would hold more than this share of its fd limit
-VERBS_RAIL_FDS = 3       # a verbs rail connection: TCP side socket, completion channel, epoll fd
 DETECTOR_FDS = liveness.STEADY_FDS   # the failure detector (transport/liveness.py)
 NR_OPEN_FALLBACK = 1 << 20
 
@@ -55,14 +53,6 @@ def _nr_open():
             return int(f.read())
     except (OSError, ValueError):
         return NR_OPEN_FALLBACK
-
-
-def open_fds():
-    """The fds this process has open now (/proc/self/fd; 0 where it cannot be read)."""
-    try:
-        return len(os.listdir("/proc/self/fd")) - 1      # less the directory's own fd
-    except OSError:
-        return 0
 
 
 def _local_groups(endpoints):

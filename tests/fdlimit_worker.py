@@ -11,12 +11,18 @@ hog       rank `rank` first opens fds (/dev/null): with room=K until K are left 
           a Communicator and prints "FDLIMIT <json>" with what came of it: "ok" (and an
           allreduce's result) or the error's class and message. high=F: every rank first
           holds fds up to number F, so its connections get numbers past it.
+alltoall  every rank creates a Communicator (which connects its ring neighbours only); then
+          rank `rank` opens fds until `room` are left below its limit, and every rank runs an
+          Alltoall, which connects every peer on first use: "FDLIMIT <json>" with its outcome
+          (class, message, seconds); then rank `rank` closes those fds and every rank runs the
+          Alltoall again (its outcome and exactness in "again").
 Prints "OK <scenario> <count>" on rank 0."""
 import json
 import logging
 import os
 import resource
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -87,10 +93,46 @@ def scenario_hog(args):
     return row
 
 
+def alltoall_outcome(comm):
+    """{outcome, message, seconds, exact} of one Alltoall of 4 float64 per peer."""
+    n = comm.size
+    x = np.arange(n * 4, dtype=np.float64) + 1000 * comm.rank
+    y = np.full(n * 4, -1.0)
+    t0 = time.monotonic()
+    try:
+        comm.Alltoall(x, y)
+    except r2comm.R2commError as exc:
+        return {"outcome": type(exc).__name__, "message": str(exc),
+                "seconds": time.monotonic() - t0}
+    want = np.concatenate([np.arange(4) + 4 * comm.rank + 1000 * src for src in range(n)])
+    return {"outcome": "ok", "exact": bool(np.array_equal(y, want)),
+            "seconds": time.monotonic() - t0}
+
+
+def scenario_alltoall(args):
+    hog, room = int(args.get("rank", 1)), int(args["room"])
+    comm = r2comm.Communicator(WORLD, timeout=30)
+    cap = Capture()
+    logging.getLogger("r2comm").addHandler(cap)
+    held = []
+    if WORLD.rank == hog:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(limit - room - fdlimit.open_fds())]
+    WORLD.Barrier()
+    row = {"rank": comm.rank, **alltoall_outcome(comm)}
+    for fd in held:
+        os.close(fd)
+    WORLD.Barrier()
+    row["again"] = alltoall_outcome(comm)
+    row["warnings"] = [m for m in cap.lines if "file descriptors" in m]
+    comm.Free()
+    return row
+
+
 def main():
     scenario = sys.argv[1]
     args = dict(a.split("=", 1) for a in sys.argv[2:])
-    row = {"raise": scenario_raise, "hog": scenario_hog}[scenario](args)
+    row = {"raise": scenario_raise, "hog": scenario_hog, "alltoall": scenario_alltoall}[scenario](args)
     rows = WORLD.gather(row, root=0)
     if WORLD.rank == 0:
         for r in rows:

@@ -62,13 +62,47 @@ def test_over_the_limit_fails_on_every_rank():
 def test_near_the_limit_warns_and_runs():
     """Rank 2 fills about 90% of its limit (counting the connections it will open): the job
     starts and computes exactly, and rank 0 warns once, naming rank 2, the limit and
-    `ulimit -n`."""
+    `ulimit -n` (rank 2 may warn too, of its own first uses)."""
     rows = _job(4, "hog", 200, 200, rank=2, fill=0.9)
     assert all(r["outcome"] == "ok" and r["exact"] for r in rows), rows
     warned = rows[0]["warnings"]
     assert len(warned) == 1 and "rank 2 " in warned[0], rows[0]
     assert "limit of 200" in warned[0] and "ulimit -n" in warned[0], warned
-    assert not any(r["warnings"] for r in rows[1:]), rows
+    assert not any(r["warnings"] for r in rows if r["rank"] in (1, 3)), rows
+    # rank 2's own first uses (the allreduce's peers beyond the ring) warn it as well
+    assert all("after connecting" in m for m in rows[2]["warnings"]), rows[2]
+
+
+@pytest.mark.mpi
+def test_first_use_over_the_limit_fails_on_every_rank_at_once():
+    """After start-up (ring neighbours connected) rank 2 holds all but 10 fds of its limit of
+    400; an Alltoall then needs every peer (6 ranks, 2 rails, no shared memory). Rank 2 raises
+    R2commResourceError naming its limit and `ulimit -Hn` before it connects anything, every
+    other rank R2commPeerError carrying that message, all within a second or so (before: EMFILE
+    in some attempts, then "rank r is unreachable" after the 5 s connect timeout). With the fds
+    freed the next Alltoall is exact on every rank: the sequence stayed in step."""
+    rows = _job(6, "alltoall", 400, 400, env={"R2COMM_SHM": "0"}, rank=2, room=10)
+    assert len(rows) == 6
+    for r in rows:
+        want = "R2commResourceError" if r["rank"] == 2 else "R2commPeerError"
+        assert r["outcome"] == want, r
+        assert "rank 2: connecting to" in r["message"] and "limit of 400" in r["message"], r
+        assert "ulimit -Hn" in r["message"], r
+        assert r["seconds"] < 4.0, r
+        assert r["again"]["outcome"] == "ok" and r["again"]["exact"], r
+
+
+@pytest.mark.mpi
+def test_first_use_near_the_limit_warns_and_runs():
+    """Rank 2 holds all but 40 fds of its limit of 400 when an Alltoall connects every peer:
+    the connections fit, the result is exact everywhere, and rank 2 (only) warns once, naming
+    the limit and `ulimit -Hn`."""
+    rows = _job(6, "alltoall", 400, 400, env={"R2COMM_SHM": "0"}, rank=2, room=40)
+    for r in rows:
+        assert r["outcome"] == "ok" and r["exact"], r
+        assert len(r["warnings"]) == (r["rank"] == 2), r
+    warned = rows[2]["warnings"][0]
+    assert "limit of 400" in warned and "ulimit -Hn" in warned, warned
 
 
 @pytest.mark.mpi

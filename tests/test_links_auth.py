@@ -395,3 +395,36 @@ def test_exchange_turns_a_corrupt_qp_address_into_connection_error(monkeypatch):
     sent = b.recv(4096)                      # this side's address and tag, then EOF
     assert sent.startswith(verbs_rails.QPX_MAGIC) and b.recv(100) == b""
     b.close()
+
+
+def test_accept_without_a_free_fd_rests_the_listener(links):
+    """accept() failing with EMFILE leaves the connection queued and the listener readable:
+    the thread rests that listener ACCEPT_PAUSE_S instead of spinning on it (before: thousands
+    of refusals a second, one CPU busy), and takes the queued connection once an fd is free:
+    a real peer's handshake then completes. The clients live in another process (this one has
+    no fd to spare)."""
+    import resource
+    import subprocess
+    import sys
+    port = _port(links)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    client = subprocess.Popen([sys.executable, "-c", (
+        "import socket, sys, time\n"
+        f"s = [socket.create_connection(('127.0.0.1', {port})) for _ in range(3)]\n"
+        "print('up', flush=True); time.sleep(30)")], stdout=subprocess.PIPE, text=True)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_fds(), hard))    # one fd free
+        try:
+            assert client.stdout.readline().strip() == "up"
+            time.sleep(1.0)
+            refused = [w for _, w in links.rejected if "accept failed" in w]
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        # one try per ACCEPT_PAUSE_S (0.1 s) and listener: about 10 in the second, not thousands
+        assert 1 <= len(refused) <= 25, len(refused)
+        assert "Too many open files" in refused[0], refused[0]
+        fd, _ = _connect(links, timeout=5.0)        # the listener accepts again
+        os.close(fd)
+    finally:
+        client.kill()
+        client.wait(10)

@@ -34,13 +34,16 @@ a peer's connection always finds a slot. An error of one connection (a corrupt q
 address, an attach that raises) closes that connection, is logged, counted (Links.nerrors) and
 recorded as a `link_error` event; it never ends the thread."""
 import collections
+import errno
 import logging
 import os
+import resource
 import selectors
 import threading
 import time
 
 from . import shm, tcp, verbs
+from ..errors import R2commResourceError
 
 
 log = logging.getLogger("r2comm")
@@ -56,9 +59,20 @@ CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a sile
 CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
 CONNECT_THREADS = 32     # start-up connection attempts in flight at once
 BUSY = object()           # _attempt: another attempt at that connection is under way
+VERBS_RAIL_FDS = 3       # a verbs rail connection: TCP side socket, completion channel, epoll fd
+FD_RESERVE_SHARE = 64    # a first use leaves 1/64 of the fd limit free (own files, fail-back)
+FD_WARN_FRACTION = 0.8   # a first use that takes a rank past this share of its limit warns
+ACCEPT_PAUSE_S = 0.1     # listeners rest this long after accept() found no fd (EMFILE)
 VERBS_EXCHANGE_S = 10.0  # s: a verbs rail's queue-pair exchange after its handshake (creating
                          # a QP and registering its slots takes ~1 s in an emulated guest)
 
+
+def open_fds():
+    """The fds this process has open now (/proc/self/fd; 0 where it cannot be read)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1      # less the directory's own fd
+    except OSError:
+        return 0
 
 
 def start_peers(endpoints, me):
@@ -108,6 +122,8 @@ class Links:
         self._probing = set()         # of which queued or running
         self._prober = None
         self.nconnect_for = 0         # first uses that made connections (tests, bench)
+        self.fd_warned = False        # the fd limit's warning was given (_check_fd_room)
+        self._accept_rest = []        # (listener, index, until): resting after EMFILE (_accept)
 
     def engine_rail(self, peer, rail):
         return self.nrails[peer] if rail == tcp.CTRL_RAIL else rail
@@ -194,8 +210,9 @@ class Links:
             need = sorted({p for p in need if p not in self._ready})
             if not need:
                 return
-            self.nconnect_for += 1
             jobs = [(p, k) for p in need if p not in self.shm_peers for k in self._rails_of(p)]
+            self._check_fd_room(need, [(p, k) for p, k in jobs if not self._up(p, k)])
+            self.nconnect_for += 1
             deadline = time.monotonic() + self.connect_timeout
             outcome = _parallel(jobs, lambda p, k: self._first_use(p, k, deadline),
                                 self.connect_timeout + CONNECT_TRY_S + 1.0)
@@ -211,6 +228,34 @@ class Links:
                     p, k, f"did not connect on first use (rank {self.me} -> rank {p}, rail {k}, "
                     f"within {self.connect_timeout:g} s): {why}")
             self._ready.update(need)
+
+    def _check_fd_room(self, peers, missing):
+        """Before a first use opens the connections `missing` ((peer, rail) of `peers`): raise
+        R2commResourceError when they would take this rank past its fd limit less a 64th of it
+        (the caller's collective tells its peers, so every rank raises at once, not "rank r is
+        unreachable" after the connect timeout from EMFILE in some attempts), and warn once past
+        FD_WARN_FRACTION of it. An alltoall or point-to-point to every rank connects every peer:
+        at a thousand ranks that is thousands of fds."""
+        per_rail = VERBS_RAIL_FDS if self.verbs else 1
+        add = sum(1 if k == tcp.CTRL_RAIL else per_rail for _, k in missing)
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if not add or limit == resource.RLIM_INFINITY:
+            return
+        held, reserve = open_fds(), max(limit // FD_RESERVE_SHARE, 2)
+        if held + add + reserve > limit:
+            raise R2commResourceError(
+                f"rank {self.me}: connecting to {len(peers)} more peers on first use needs about "
+                f"{add} file descriptors; it holds {held} of its limit of {limit} "
+                f"(RLIMIT_NOFILE, less {reserve} kept free; r2comm lifted the soft limit to "
+                f"the hard one at start-up): raise the hard limit (`ulimit -Hn`, limits.conf or "
+                f"the launcher's), or call collectives that talk to fewer peers (an alltoall or "
+                f"point-to-point to every rank connects every peer, on every rail)")
+        if held + add > FD_WARN_FRACTION * limit and not self.fd_warned:
+            self.fd_warned = True
+            log.warning("r2comm rank %d: %d file descriptors after connecting %d more peers, "
+                        "%.0f%% of its limit of %d (RLIMIT_NOFILE): more peers will fail with "
+                        "R2commResourceError; raise `ulimit -Hn`", self.me, held + add,
+                        len(peers), (held + add) * 100 / limit, limit)
 
     def _first_use(self, peer, rail, deadline):
         """Bring (peer, rail) up by `deadline`: this rank's attempts, or the peer's connection
@@ -405,6 +450,9 @@ class Links:
                     else:
                         self._accept(sel, key.fileobj, key.data)
                 now = time.monotonic()
+                for item in [x for x in self._accept_rest if now >= x[2]]:
+                    self._accept_rest.remove(item)          # a rested listener accepts again
+                    sel.register(item[0], selectors.EVENT_READ, item[1])
                 for fd in [fd for fd, v in self._pending.items() if now >= v.hs.deadline]:
                     self._step(sel, fd, now)
                 if now >= next_probe:
@@ -431,6 +479,11 @@ class Links:
                 return
             except OSError as exc:
                 self._reject(f"accept failed: {exc}")
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # the connection stays queued and the listener readable: rest it, or the
+                    # thread spins on accept() until an fd is free
+                    sel.unregister(lst)
+                    self._accept_rest.append((lst, lindex, time.monotonic() + ACCEPT_PAUSE_S))
                 return
             try:
                 self._admit_one(sel, sock, addr, lindex)
