@@ -106,6 +106,44 @@ def model_table(ns=(8, 48, 64, 256, 1024), nics=8):
             [dict(r, model="on_demand") for r in lazy]), "\n".join(lines)
 
 
+def synthetic_records(n, nics=8, per_host=8):
+    """n ranks' start-up endpoint records as the Iallgather delivers them (JSON bytes; the
+    fields of bootstrap.run's record), per_host ranks to a host, nics rails each."""
+    recs = []
+    for r in range(n):
+        h = r // per_host
+        ip = f"{h // 250 % 250}.{h % 250 + 1}"
+        recs.append(json.dumps({
+            "rails": [[f"198.{18 + k % 2}.{ip}", 40000 + r % 20000] for k in range(nics)],
+            "transport": ["auto", "tcp", "no verbs device"], "ctrl": [f"198.19.{ip}", 30000],
+            "host": f"node{h:05d}", "host_key": f"{h:032x}", "pid": 1000 + r,
+            "shm": f"{h:016x}", "check": "0123456789abcdef", "detector": [f"198.19.{ip}", 20000],
+            "fds": [40, 1 << 20, 1 << 20]}, separators=(",", ":")).encode())
+    return recs
+
+
+def records_cost(ns=(1024, 8192), nics=8, per_host=8, me=5):
+    """The CPU one rank spends on the n start-up records (the part of start-up that grows with
+    n; the three collectives take log2 n rounds): decoded, validated, the fd budgets judged,
+    its local peers, the communicator's topology and the peers' addresses. -> rows of n, ms,
+    us per rank, record bytes per rank. Measured here, in one process."""
+    from r2comm import bootstrap, fdlimit, railview
+    from r2comm.transport import links, shm
+    rows = []
+    for n in ns:
+        raw = synthetic_records(n, nics, per_host)
+        c0 = time.process_time()
+        eps = bootstrap.validate_endpoints([json.loads(b) for b in raw], n)
+        fdlimit.check(eps, "tcp", me)
+        shm.local_peers(eps, me)
+        railview.topology(eps, list(range(n)))
+        links.start_peers(eps, me)
+        cpu = time.process_time() - c0
+        rows.append({"n": n, "nics": nics, "ms": cpu * 1e3, "us_per_rank": cpu * 1e6 / n,
+                     "record_bytes": sum(len(b) for b in raw)})
+    return rows
+
+
 # -- one rank ----------------------------------------------------------------------------------
 def _status_kib(field):
     with open("/proc/self/status") as f:
@@ -249,11 +287,16 @@ def driver(a):
         summaries.append(summary(n, rows, a.rails))
         print(table(summaries[-1:]).splitlines()[-1], flush=True)
     models, text = model_table()
+    records = records_cost()
+    text += "\nstart-up records per rank (8 NICs, 8 ranks a host; CPU here, one process):\n" + \
+        "\n".join(f"{r['n']:>6} ranks: {r['ms']:.0f} ms ({r['us_per_rank']:.0f} us a rank), "
+                  f"{r['record_bytes'] / 2**20:.2f} MiB of records" for r in records)
     report = {"config": {"ns": ns, "rails": a.rails, "hosts": a.hosts, "shm": 0, "algo": a.algo,
                          "argv": sys.argv[1:]},
               "command": " ".join(["python", "bench/scale.py", *sys.argv[1:]]),
               "loadavg": loads, "cpus": os.cpu_count(), "time": time.time(),
-              "summaries": summaries, "skipped": skipped, "model_1024": models}
+              "summaries": summaries, "skipped": skipped, "model_1024": models,
+              "records_cost": records}
     (out / "scale.json").write_text(json.dumps(report, indent=1))
     try:                                  # the figure RESULTS.md shows (matplotlib optional)
         from r2comm.bench.plot import plot_scale

@@ -41,6 +41,18 @@ def test_model_on_demand_is_logarithmic():
     assert m["fds"] < scale.model(1024, 8, "verbs")["fds"] / 50
 
 
+def test_records_cost_runs_start_ups_own_checks_on_valid_records():
+    """records_cost's synthetic records pass the bootstrap's validation (so the figure is of
+    the real checks), the records' bytes grow as n and every row is filled."""
+    from r2comm import bootstrap
+    eps = bootstrap.validate_endpoints([json.loads(b) for b in scale.synthetic_records(64)], 64)
+    assert len({ep["host_key"] for ep in eps}) == 8 and len(eps[0]["rails"]) == 8
+    rows = scale.records_cost((64, 256))
+    assert [r["n"] for r in rows] == [64, 256]
+    assert 3.9 < rows[1]["record_bytes"] / rows[0]["record_bytes"] < 4.1, rows
+    assert all(r["ms"] > 0 and r["us_per_rank"] > 0 for r in rows), rows
+
+
 @pytest.mark.mpi
 def test_scale_bench_small(tmp_path):
     cmd = [sys.executable, f"{ROOT}/bench/scale.py", "--ns", "2,4", "--out", str(tmp_path),
@@ -66,6 +78,7 @@ def test_scale_bench_small(tmp_path):
     text = "\n".join(lines)
     assert "| 2 |" in text and "| 4 |" in text and "on demand | verbs | 15 |" in text, text
     assert targets and targets[0][1] is None                    # n = 8 and 32 not measured
+    assert "1,024 ranks" in text and "8,192 ranks" in text, text   # records_cost's sentence
     assert (tmp_path / "scale.png").stat().st_size > 10_000
     # two more peers: 2 x (2 rails + control) more fds per rank
     assert by_n[4]["fds_r2comm"]["median"] - by_n[2]["fds_r2comm"]["median"] == 6

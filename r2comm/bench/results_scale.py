@@ -100,5 +100,15 @@ def scale_section(res):
                        str(m.get("peers", 1023)), str(m["fds"]), str(m["qps"]),
                        _bytes(m["pinned_bytes"])] for m in big])
         out.append("")
+    cost = [r for r in doc.get("records_cost") or [] if r.get("n")]
+    if cost:
+        out += ["What of a rank's start-up grows with n: the three collectives take log2 n rounds "
+                "each, and every rank decodes and validates every rank's endpoint record (then "
+                "judges the fd budgets, finds its local peers and the communicator's topology; "
+                "bench/scale.py `records_cost`, synthetic records of "
+                f"{cost[0].get('nics', 8)} NICs, CPU in one process): "
+                + "; ".join(f"{r['n']:,} ranks {r['ms']:.0f} ms ({r['us_per_rank']:.0f} µs a "
+                            f"rank, {r['record_bytes'] / 2**20:.1f} MiB of records)" for r in cost)
+                + ".", ""]
     out += ["![fds and start-up against the number of ranks](figures/scale.png)", ""]
     return out, _targets(by)
