@@ -84,12 +84,13 @@ def test_async_any_order_mpiexec(tmp_path):
 @pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
 def test_errors_through_work_wait(launcher, tmp_path):
     """Unsupported ops/dtypes: R2commArgumentError at the call; an unanswered receive:
-    R2commTimeout from Work.wait(); ranks with different sizes: an r2comm error from wait()."""
+    R2commTimeout from Work.wait(); ranks with different sizes: an r2comm error from wait();
+    calls on a freed group: R2commClosedError that is a DistBackendError, sync and async."""
     if launcher == "torchrun":
         count, out = run_torchrun(2, "errors")
     else:
         count, out = run_mpiexec(3, "errors", tmp_path)
-    assert count >= 4, out[-3000:]
+    assert count >= 8, out[-3000:]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm.torch  # noqa: E402,F401  (registers "r2comm")
-from r2comm.errors import (R2commArgumentError, R2commError, R2commMismatchError,  # noqa: E402
-                           R2commTimeout)
+from r2comm.errors import (R2commArgumentError, R2commClosedError, R2commError,  # noqa: E402
+                           R2commMismatchError, R2commTimeout)
 
 warnings.filterwarnings("ignore", category=FutureWarning)   # all_gather_into_tensor's new name
 R = dist.ReduceOp
@@ -342,6 +342,25 @@ def scenario_errors(rank, size, ck):
         ck.notes.add(f"mismatch: {type(exc).__name__}")
     else:
         raise AssertionError("mismatched allreduce: no error from Work.wait()")
+    dist.barrier()
+    # a group whose communicator was freed: an error raised at the call is torch's type too
+    sub = dist.new_group(list(range(size)))
+    sub.comm.Free()
+    for call, what in ((lambda: dist.all_reduce(torch.ones(3), group=sub), "all_reduce"),
+                       (lambda: dist.all_reduce(torch.ones(3), group=sub, async_op=True).wait(),
+                        "async all_reduce"),
+                       (lambda: dist.broadcast(torch.ones(3), 0, group=sub), "broadcast"),
+                       (lambda: dist.all_gather_into_tensor(torch.empty(3 * size), torch.ones(3),
+                                                            group=sub), "all_gather")):
+        try:
+            call()
+        except R2commClosedError as exc:
+            assert isinstance(exc, dist.DistBackendError), (what, type(exc).__mro__)
+            assert isinstance(exc.__cause__, R2commClosedError), what
+            ck.count += 1
+        else:
+            raise AssertionError(f"{what} on a freed group: no R2commClosedError")
+    dist.barrier()
 
 
 def scenario_modern(rank, size, ck):

@@ -48,6 +48,7 @@ callbacks there): a callback may start a collective and wait for it (PowerSGD). 
 bounded by R2COMM_TIMEOUT when it is set, else by the group's timeout."""
 import ctypes
 import datetime
+import functools
 import os
 import queue
 import threading
@@ -659,6 +660,9 @@ class ProcessGroupR2comm(dist.ProcessGroup):
                     nbytes = t.nbytes
                     if 0 < nbytes <= hit[2]:
                         return self._allreduce_now(t, nbytes, hit[0], hit[1])
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors, opts):
         t = self._one(tensors, "allreduce")
         if t.is_sparse:
             return self._sparse_allreduce(t, opts)
@@ -1077,6 +1081,34 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         return self._join(works, list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+
+def _torch_errors_at_the_call(fn):
+    """fn with an R2commError it raises at the call (a freed group, too few fds for the
+    connections its plan needs, a peer lost in a step it waits for) raised as torch's type as
+    well (_torch_error), as Work.wait() raises the errors that come later."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except R2commError as exc:
+            new = _torch_error(exc)
+            if new is exc:
+                raise
+            raise new from exc
+    return call
+
+
+# every collective torch calls (the lean all_reduce converts its own errors in _allreduce_now)
+for _name in ("_allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+              "all_gather_single", "_allgather_base", "reduce_scatter", "reduce_scatter_single",
+              "_reduce_scatter_base", "alltoall", "all_to_all_single", "alltoall_base", "send",
+              "recv", "recv_anysource", "barrier", "gather", "scatter", "allgather_coalesced",
+              "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
+              "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced"):
+    setattr(ProcessGroupR2comm, _name,
+            _torch_errors_at_the_call(getattr(ProcessGroupR2comm, _name)))
+del _name
 
 
 _TAG_GATHER, _TAG_SCATTER = 1, 2
