@@ -70,7 +70,10 @@ def test_racing_detectors_raise_one_report():
     rank raises R2commMismatchError within BOUND with the same message in every round (the
     judge's verdict), and the next Allreduce works. Old code: each rank raised with the first
     report to reach it (different messages in a round of 3 of 3 runs)."""
-    count, out = run("racing_detectors", n=6, env={"R2COMM_ALGO": "ring"}, rounds=12)
-    assert count == 6 * 12
-    races = [ln.split() for ln in out.splitlines() if ln.startswith("RACES ")][0]
+    for _ in range(3):      # a loaded machine can serialise every round: then run again
+        count, out = run("racing_detectors", n=6, env={"R2COMM_ALGO": "ring"}, rounds=12)
+        assert count == 6 * 12
+        races = [ln.split() for ln in out.splitlines() if ln.startswith("RACES ")][0]
+        if int(races[1]) >= 1:
+            break
     assert int(races[1]) >= 1, out[-3000:]         # two detectors or more really raced
