@@ -232,7 +232,7 @@ def gloo_unavailable():
     try:
         import torch.distributed as dist
     except ImportError as exc:
-        return f"torch is not importable ({exc}); pip install 'torch>=2.10,<2.15'"
+        return f"torch is not importable ({exc}); pip install 'torch>=2.10,<2.16'"
     if not dist.is_gloo_available():
         return "this torch build has no Gloo backend"
     return None

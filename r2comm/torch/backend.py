@@ -1,6 +1,6 @@
 """The torch.distributed backend "r2comm": a ProcessGroup whose collectives run on r2comm.
 
-How it plugs in (torch 2.10 to 2.14). torch calls the registered creator (extended_api: it gets
+How it plugs in (torch 2.10 to 2.15). torch calls the registered creator (extended_api: it gets
 the group's store, ranks, timeout and name) for every process group of the backend, for the
 device types it serves (cpu, cuda). The creator returns ProcessGroupR2comm, a Python subclass of
 torch's ProcessGroup: torch calls its methods from Python (dist.all_reduce -> pg.allreduce) and
