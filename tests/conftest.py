@@ -44,7 +44,11 @@ def run_mpi(n, argv, timeout=240, env=None, expect_ok=True, mpiexec_args=(), exe
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout + 30} s:\n{exc.output}")
     if expect_ok and p.returncode != 0:
-        pytest.fail(f"{' '.join(argv)} with {n} ranks failed (rc {p.returncode}):\n{p.stdout[-6000:]}")
+        # every rank's raised error first: the tail is often other ranks' event dumps
+        errs = [ln for ln in p.stdout.splitlines() if "Error: " in ln and "event:" not in ln]
+        seen = ("errors raised:\n" + "\n".join(errs[:12]) + "\n...\n") if errs else ""
+        pytest.fail(f"{' '.join(argv)} with {n} ranks failed (rc {p.returncode}):\n{seen}"
+                    f"{p.stdout[-6000:]}")
     return p.returncode, p.stdout
 
 
