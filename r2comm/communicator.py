@@ -12,6 +12,10 @@ from .args import (ANY_SOURCE, ANY_TAG, IN_PLACE, as_array as _as_array, check_r
 from .channel import Channel
 from .config import Config
 from .errors import R2commArgumentError, R2commBufferError, R2commResourceError
+
+# errors a call finds on this rank before it posts anything (a bad argument, too few fds for the
+# connections its plan needs): the caller raises them and tells the peers (Channel._tell_peers)
+_TOLD_ERRORS = (R2commArgumentError, R2commResourceError)
 from .faults import MODES as _FAULT_MODES
 from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op
 from .plans import NONBLOCKING as _NONBLOCKING, call_name
@@ -306,7 +310,7 @@ class Communicator(Channel):
             try:
                 plan, sched, count, desc = self._schedule("allreduce", nbytes, recvbuf.itemsize,
                                                           0, dtc, op.code, send is not None)
-            except R2commResourceError as exc:     # too few fds to connect the plan's peers
+            except _TOLD_ERRORS as exc:
                 self._tell_peers(exc, "allreduce", blocking)
                 raise
             ok = not (sched.scratch or sched.pre or sched.post) and sched.fills_work
@@ -344,7 +348,7 @@ class Communicator(Channel):
                                       "buffers are host memory")
         try:
             req = start(*args, blocking)
-        except (R2commArgumentError, R2commResourceError) as exc:
+        except _TOLD_ERRORS as exc:
             self._tell_peers(exc, kind, blocking)
             raise
         if not blocking:
@@ -356,7 +360,7 @@ class Communicator(Channel):
         self._check()
         try:
             req = pipeline.start(self, kind, blocking, args, stream)
-        except (R2commArgumentError, R2commResourceError) as exc:
+        except _TOLD_ERRORS as exc:
             pipeline.tell_peers(self, exc, call_name(kind))
             raise
         if not blocking:
