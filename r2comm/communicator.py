@@ -275,6 +275,38 @@ class Communicator(Channel):
         if as_nonblocking:
             req.Wait()
 
+    def prepare_allreduce(self, nbytes, dtype, op=SUM):
+        """A function f(sendbuf, recvbuf) doing Allreduce(sendbuf, recvbuf, op,
+        as_nonblocking=True) for separate numpy arrays of `nbytes` bytes of `dtype`, with the
+        op and dtype converted once: for front ends whose small calls are latency-bound (the
+        torch backend). Buffers of another kind or dtype raise R2commArgumentError (the peers'
+        call R2commPeerError); anything else is Allreduce's, errors included. Not collective:
+        each rank prepares its own."""
+        self._check()
+        dt = np.dtype(dtype)
+        dtc = dtype_code(dt)
+        op = as_op(op)
+        if type(nbytes) is not int or nbytes <= 0 or nbytes % dt.itemsize:
+            raise R2commArgumentError(f"prepare_allreduce: {nbytes!r} bytes is not a positive "
+                                      f"multiple of {dt}'s {dt.itemsize}")
+        key = ("fast", nbytes, dtc, op.code, True)
+        ndarray = np.ndarray
+
+        def allreduce(sendbuf, recvbuf):
+            """Allreduce(sendbuf, recvbuf, op, as_nonblocking=True), prepared."""
+            try:
+                ok = recvbuf.dtype is dt and sendbuf.dtype is dt
+            except AttributeError:
+                ok = False
+            if not ok and not (type(recvbuf) is ndarray and type(sendbuf) is ndarray and
+                               recvbuf.dtype == dt and sendbuf.dtype == dt):
+                err = R2commArgumentError(f"prepared allreduce: numpy arrays of {dt} expected")
+                self._tell_peers(err, "allreduce", False)
+                raise err
+            if not self._fast_run(recvbuf, sendbuf, nbytes, dtc, op, False, key):
+                self.Allreduce(sendbuf, recvbuf, op, as_nonblocking=True)
+        return allreduce
+
     def _fast_allreduce(self, sendbuf, recvbuf, op, blocking=True):
         """Allreduce of numpy arrays in one engine call (Engine.run: export, post, wait,
         release), for the latency-bound calls where the general path's Python (buffer
@@ -282,9 +314,6 @@ class Communicator(Channel):
         False, having done nothing, for anything it does not cover (other buffer kinds, a
         dtype or op to convert or refuse, a re-plan check due, relayed members, registered
         memory): the general path then handles the call and its errors."""
-        if self._engine is None or self._world.closed or self._state is not None or \
-                self._cfg.replan_every or self._world.regcache is not None:
-            return False
         if sendbuf is IN_PLACE:
             send = None
         elif type(sendbuf) is np.ndarray and sendbuf.dtype == recvbuf.dtype and \
@@ -304,7 +333,16 @@ class Communicator(Channel):
             return False
         # kept among the plans, so whatever drops those (a new rail state, a switched
         # algorithm) drops these too
-        key = ("fast", nbytes, dtc, op.code, send is not None)
+        return self._fast_run(recvbuf, send, nbytes, dtc, op, blocking,
+                              ("fast", nbytes, dtc, op.code, send is not None))
+
+    def _fast_run(self, recvbuf, send, nbytes, dtc, op, blocking, key):
+        """The fast path's engine call, for buffers already checked (the engine checks their
+        sizes and kinds), its plan kept under `key`; False, having done nothing, where the
+        fast path does not apply."""
+        if self._engine is None or self._world.closed or self._state is not None or \
+                self._cfg.replan_every or self._world.regcache is not None:
+            return False
         hit = self._plans.get(key)
         if hit is None:
             try:

@@ -583,9 +583,62 @@ def sc_seqwrap(comm, args):
     return count + 2
 
 
+def sc_prepared(comm, args):
+    """Communicator.prepare_allreduce: the function it returns is Allreduce for every dtype
+    and op (one sequence number a call), matches a peer's Iallreduce, raises on bad input on
+    every rank and stays in step after, gives exact results where the fast path does not apply
+    (the general path then runs it), and on a freed communicator raises."""
+    n, r = comm.size, comm.rank
+    count = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            for cnt in (1, 3):
+                case = f"prep-{dtype}-{op.name}-{cnt}"
+                x = data(case, r, cnt, dtype, op)
+                y = np.empty_like(x)
+                seq = comm._seq
+                if r == 1 and cnt == 3:            # the peer's call is non-blocking
+                    comm.Iallreduce(x, y, op).Wait()
+                else:
+                    comm.prepare_allreduce(x.nbytes, x.dtype, op)(x, y)
+                check(comm._seq == seq + 1, f"{case}: {comm._seq - seq} sequence numbers")
+                check(np.array_equal(y, reduce_ref(case, n, cnt, dtype, op)), case)
+                count += 1
+    for bad in ((0, "float32"), (6, "float32"), (8, "complex128"), (8.0, "float64")):
+        expect(r2comm.R2commArgumentError, lambda: comm.prepare_allreduce(*bad), f"prepare {bad}")
+    expect(r2comm.R2commArgumentError, lambda: comm.prepare_allreduce(8, "float64", "XOR"),
+           "prepare with an unknown op")
+    run = comm.prepare_allreduce(16, np.float64, SUM)
+    x, y = np.full(2, r + 1.0), np.empty(2)
+    bad = np.empty(2, np.int64) if r == 0 else y            # rank 0 passes the wrong dtype
+    exc = expect(r2comm.R2commError, lambda: run(x, bad), "a receive buffer of another dtype")
+    want = r2comm.R2commArgumentError if r == 0 else r2comm.R2commPeerError
+    check(isinstance(exc, want), f"wrong dtype on rank 0: {type(exc).__name__} here")
+    expect(r2comm.R2commError, lambda: run(x, [0.0, 0.0]) if r == 1 else run(x, y), "a list")
+    run(x, y)
+    check(np.all(y == n * (n + 1) / 2), "a prepared call after the errors")
+    count += 8
+    comm._cfg.replan_every = 4                # where the fast path does not apply (a re-plan
+    for i in range(12):                       # check due), the general path runs the call
+        x = np.full(2, r + i, np.float64)
+        seq = comm._seq
+        run(x, y)
+        check(comm._seq == seq + 1, f"prepared call {i}, re-plan checks: {comm._seq - seq}")
+        check(np.all(y == n * (n - 1) / 2 + n * i), f"prepared call {i} with re-plan checks")
+    comm._cfg.replan_every = 0
+    count += 1
+    d = comm.Dup()
+    run_d = d.prepare_allreduce(8, np.float64, SUM)
+    d.Free()
+    expect(r2comm.R2commClosedError, lambda: run_d(np.ones(1), np.empty(1)), "freed")
+    expect(r2comm.R2commClosedError, lambda: d.prepare_allreduce(8, np.float64), "prepare freed")
+    return count + 2
+
+
 SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_nonblocking,
              "errors": sc_errors, "comms": sc_comms, "drain": sc_drain, "contended": sc_contended,
-             "spinon": sc_spinon, "fastpath": sc_fastpath, "seqwrap": sc_seqwrap}
+             "spinon": sc_spinon, "fastpath": sc_fastpath, "seqwrap": sc_seqwrap,
+             "prepared": sc_prepared}
 
 
 def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):

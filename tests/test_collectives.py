@@ -15,6 +15,14 @@ def test_collectives_dtypes_ops_sizes(n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_prepared_allreduce(n):
+    """Communicator.prepare_allreduce: exact for every dtype and op, matched with a peer's
+    Iallreduce, errors on every rank, exact where the general path runs it, closed when freed."""
+    count, _ = run_scenario(n, "prepared", timeout=90)
+    assert count == n * (11 * 4 * 2 + 11)
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_small_allreduce_fast_path(n):
     """Small blocking Allreduce in one engine call: exact for every dtype and op, in step with
     calls around it, and every error of the general path on every rank."""

@@ -624,6 +624,43 @@ def scenario_lean(rank, size, ck):
     t = torch.full((2,), float(rank + 1))
     dist.all_reduce(t)
     ck.equal(t, torch.full((2,), float(want)), "after the refused negative view")
+    _lean_ops_and_paths(rank, size, ck)
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (not the plain class the lean helper takes)."""
+
+
+def _lean_ops_and_paths(rank, size, ck):
+    """Every dtype and op of the lean path against a local reference, with rank 1's calls
+    asynchronous (the lean call matches them), tensors it must leave to the general path (a
+    tensor subclass, autograd, not contiguous, too large), and the path the group took:
+    R2T_LEAN=helper expects the C++ helper (lean.py), python the Python path."""
+    pg = dist.group.WORLD
+    want_helper = os.environ.get("R2T_LEAN", "helper") == "helper"
+    assert (pg._probe is not None) == want_helper, (pg._probe, want_helper)
+    dtypes = [torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+              torch.int32, torch.int64, torch.uint8]
+    for case, dt in enumerate(dtypes):
+        for op in (R.SUM, R.PRODUCT, R.MIN, R.MAX) + ((R.AVG,) if dt.is_floating_point else ()):
+            t = data(rank, dt, case, n=5, lo=0, hi=3)
+            ref = ref_reduce([data(r, dt, case, n=5, lo=0, hi=3) for r in range(size)], op, dt)
+            if rank == 1:
+                dist.all_reduce(t, op=op, async_op=True).wait()
+            else:
+                dist.all_reduce(t, op=op)
+            ck.equal(t, ref, f"lean {dt} {op}", exact=op != R.AVG)
+    ck.count += 1
+    assert any(pg._lean_calls.values()) == want_helper, pg._lean_calls
+    cases = {"subclass": torch.full((3,), float(rank + 1)).as_subclass(_Sub),
+             "autograd": torch.full((3,), float(rank + 1), requires_grad=True),
+             "strided": torch.full((6,), float(rank + 1))[::2],
+             "large": torch.full((70000,), float(rank + 1))}
+    for what, t in cases.items():
+        with torch.no_grad():
+            dist.all_reduce(t)
+        ck.equal(t.detach(), torch.full(t.shape, float(sum(r + 1 for r in range(size)))),
+                 f"general path: {what}")
 
 
 def scenario_group_timeout(rank, size, ck):

@@ -64,6 +64,7 @@ from ..communicator import ANY_SOURCE, Communicator
 from ..errors import R2commArgumentError, R2commError, R2commNetworkError, R2commTimeout
 from ..ops import SUM, PROD, MIN, MAX
 from ..request import Request, Status
+from . import lean
 
 BACKEND_NAME = "r2comm"
 _RedOp = dist.ReduceOp
@@ -157,6 +158,31 @@ _REDUCE = {}      # (torch dtype, ReduceOp kind) -> _redop's answer
 _LEAN = {}        # (torch dtype, _lean_key) -> (op, avg, most bytes): the lean all_reduce path
 _LEAN_MAX = 8192  # elements: latency-bound calls (larger ones are reduced in place, no copy)
 _HASHED = _kind_hashes()
+_LEAN_DTYPES = {}  # c10 scalar type number -> torch dtype (the lean helper's codes; _lean_probe)
+_KINDS = {}        # ReduceOp kind number -> kind
+_KIND_OPTS = {}    # kind -> AllreduceOptions of it (what _redop reads)
+
+
+def _lean_probe():
+    """The lean helper's probe (lean.py), its codes learnt once; None without the helper."""
+    module = lean.helper()
+    if module is None:
+        return None
+    if not _LEAN_DTYPES:
+        scratch = np.empty(16, np.uint8)
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        for dtype in _NUMPY:
+            key = module.probe([torch.zeros(1, dtype=dtype)], opts, scratch.ctypes.data, 16)
+            _LEAN_DTYPES[key[2] >> 8] = dtype
+        for kind in _TABLE:
+            opts.reduceOp = dist.ReduceOp(kind)
+            key = module.probe([torch.zeros(1)], opts, scratch.ctypes.data, 16)
+            _KINDS[key[2] & 255] = kind
+            o = dist.AllreduceOptions()
+            o.reduceOp = dist.ReduceOp(kind)
+            _KIND_OPTS[kind] = o
+    return module.probe
 
 
 class _Views:
@@ -470,6 +496,9 @@ class _DoneWork(Work):
     """A completed operation, reused by a group's synchronous all_reduce (torch waits on it at
     once and drops it): each get_future() is a new future holding the latest result."""
 
+    def wait(self, timeout=None):
+        return True
+
     def get_future(self):
         fut = torch.futures.Future()
         fut.set_result(self._result)
@@ -569,6 +598,12 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         self._coalesced = None
         self._completer = _Completer(f"r2comm-torch-{rank}")
         self._done = _DoneWork(self, [])                  # what synchronous calls return
+        self._probe = _lean_probe()                       # the lean all_reduce (lean.py)
+        self._scratch = np.empty(_LEAN_MAX * 8, np.uint8)  # its send copy
+        self._scratch_at = self._scratch.ctypes.data
+        self._scratch_lock = threading.Lock()
+        self._lean_calls = {}         # the probe's key -> _lean_call's answer
+        self._prepared_calls = {}     # (bytes, numpy dtype, op) -> comm.prepare_allreduce's
         holder = _holder(rank, size)
         for d in devices:
             self._register_backend(torch.device(d), dist.ProcessGroup.BackendType.CUSTOM, holder)
@@ -651,7 +686,30 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         return finish
 
     def allreduce(self, tensors, opts=None):
-        if len(tensors) == 1 and opts is not None and not opts.asyncOp:
+        probe = self._probe
+        if probe is not None:               # the C++ helper reads the call (lean.py)
+            if self._scratch_lock.acquire(False):   # else another thread's call is on it
+                try:
+                    key = probe(tensors, opts, self._scratch_at, self._scratch.nbytes)
+                    if key is not None:
+                        call = self._lean_calls.get(key)
+                        if call is None:
+                            call = self._lean_call(key)
+                        if call:            # _allreduce_now, inlined (a call's cost counts)
+                            t = tensors[0]
+                            try:
+                                call[2](call[1], call[0])
+                            except R2commError as exc:
+                                return self._failed_now(t, exc)
+                            self._ops_issued += 1
+                            if call[3]:
+                                t.div_(self.size())
+                            done = self._done
+                            done._result = tensors
+                            return done
+                finally:
+                    self._scratch_lock.release()
+        elif len(tensors) == 1 and opts is not None and not opts.asyncOp:
             t = tensors[0]              # torch waits at once (async_op=False): the lean path
             if t.is_cpu and not t.is_sparse and t.is_contiguous() and not t.requires_grad:
                 rop = opts.reduceOp
@@ -659,8 +717,59 @@ class ProcessGroupR2comm(dist.ProcessGroup):
                 if hit is not None:
                     nbytes = t.nbytes
                     if 0 < nbytes <= hit[2]:
-                        return self._allreduce_now(t, nbytes, hit[0], hit[1])
+                        arr = _views.get(t, nbytes)
+                        run = self._prepared(nbytes, arr.dtype, hit[0])
+                        if run is not None:
+                            return self._allreduce_now(t, arr, arr.copy(), run, hit[1])
         return self._allreduce(tensors, opts)
+
+    def _failed_now(self, t, exc):
+        """A synchronous all_reduce's error: an argument error raises (the general path's
+        wrapper makes it torch's); any other is kept on a Work for wait() to raise."""
+        if isinstance(exc, R2commArgumentError):
+            raise exc
+        w = Work(self, [], None, [t])
+        w._error = _torch_error(exc)
+        return w
+
+    def _lean_call(self, key):
+        """(recv, send, run, avg) for the helper's key (address, bytes, scalar type * 256 +
+        reduce op): a numpy view of the tensor's memory, one of the scratch (the helper copied
+        the tensor there), the prepared allreduce, and whether to divide; False where the lean
+        path does not apply (the general path then handles the call and its errors)."""
+        address, nbytes, code = key
+        dtype = _LEAN_DTYPES.get(code >> 8)
+        kind = _KINDS.get(code & 255)
+        call = False
+        if dtype is not None and kind in _TABLE and nbytes <= _LEAN_MAX * dtype.itemsize:
+            try:
+                op, avg = _redop(_KIND_OPTS[kind], dtype)
+            except R2commArgumentError:
+                op = None
+            run = None if op is None else self._prepared(nbytes, np.dtype(_NUMPY[dtype]), op)
+            if run is not None:
+                npdt = np.dtype(_NUMPY[dtype])
+                call = (_at_address(address, nbytes, npdt), self._scratch[:nbytes].view(npdt),
+                        run, avg)
+        if len(self._lean_calls) >= 256:
+            self._lean_calls.clear()
+        self._lean_calls[key] = call
+        return call
+
+    def _prepared(self, nbytes, npdt, op):
+        """The Communicator's prepared allreduce for these bytes, numpy dtype and r2comm op;
+        None where it cannot be had (a freed group: the general path raises the error)."""
+        key = (nbytes, npdt, op)
+        run = self._prepared_calls.get(key)
+        if run is None:
+            try:
+                run = self._comm.prepare_allreduce(nbytes, npdt, op)
+            except R2commError:
+                return None
+            if len(self._prepared_calls) >= 256:
+                self._prepared_calls.clear()
+            self._prepared_calls[key] = run
+        return run
 
     def _allreduce(self, tensors, opts):
         t = self._one(tensors, "allreduce")
@@ -686,19 +795,16 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         req = self._comm.Iallreduce(IN_PLACE, s.arr, op)
         return self._submit([req], self._reduce_finish([s], avg), [t])
 
-    def _allreduce_now(self, t, nbytes, op, avg):
-        """A synchronous all_reduce in one engine call (Allreduce's fast path: 8 B calls cost
-        about what Communicator.Allreduce does), matched with the peers' call as a non-blocking
-        one, since a peer may have made it asynchronous. Returns the group's done Work."""
-        arr = _views.get(t, nbytes)
-        try:        # from a copy: the in-place schedule has local copies, the fast path none
-            self._comm.Allreduce(arr.copy(), arr, op, as_nonblocking=True)
-        except R2commArgumentError:
-            raise
+    def _allreduce_now(self, t, recv, send, run, avg):
+        """A synchronous all_reduce of t in one engine call: run(send, recv), the prepared
+        Allreduce (8 B calls cost about what Communicator.Allreduce does), matched with the
+        peers' call as a non-blocking one, since a peer may have made it asynchronous; recv
+        is t's memory, send a copy of it (the in-place schedule has local copies, the fast
+        path none). Returns the group's done Work."""
+        try:
+            run(send, recv)
         except R2commError as exc:
-            w = Work(self, [], None, [t])
-            w._error = _torch_error(exc)
-            return w
+            return self._failed_now(t, exc)
         self._ops_issued += 1
         if avg:
             t.div_(self.size())
