@@ -29,13 +29,17 @@ test -f "$(ls r2comm/_core/engine*.so | head -1)"
 test -f "$(ls r2comm/_core/testing*.so | head -1)"
 
 LIBASAN="$(gcc -print-file-name=libasan.so)"
-export LD_PRELOAD="$LIBASAN${LD_PRELOAD:+ $LD_PRELOAD}"
+# libstdc++ loaded with it: otherwise ASan's __cxa_throw interceptor finds no real one, and the
+# first C++ exception (torch throws some in normal runs) aborts the process
+LIBSTDCXX="$(gcc -print-file-name=libstdc++.so.6)"
+export LD_PRELOAD="$LIBASAN $LIBSTDCXX${LD_PRELOAD:+ $LD_PRELOAD}"
 # Python itself "leaks" at exit by design: no leak checking. allocator_may_return_null: a huge
 # allocation returns NULL as in production, so the engine's handling of that is what is tested.
 export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 export PYTHONPATH="$DIR"
 export R2COMM_ASAN_BUILD=1
+export R2COMM_SANITIZE="$SAN"    # the torch backend's helper (r2comm/torch/lean.py) too
 "$PY" -c "import r2comm._core.engine as e, r2comm._core.testing as t
 for m in (e, t):
     assert m.__file__.startswith('$DIR'), m.__file__"
@@ -45,6 +49,8 @@ if [ $# -eq 0 ]; then
     set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_integrity.py tests/test_shm.py \
         tests/test_units.py tests/test_failover.py tests/test_engine_limits.py tests/test_seq_wrap.py \
         tests/test_any_source.py tests/test_self_pause.py tests/test_test_hooks.py \
+        tests/test_torch_lean.py tests/test_torch_backend.py::test_lean_all_reduce_on_changing_memory \
+        tests/test_torch_backend.py::test_dropped_async_works \
         -k "not test_random_faults_many_seeds and not atheris"
 fi
 set +e

@@ -113,9 +113,9 @@ def small_call_part(res):
         method = _median([a - b for a, b in zip(direct, numpy_r)])
         out += [f"Of the {fus(gap)} a call through torch costs beyond the numpy path, "
                 f"{fus(wrapper)} are torch's own `dist.all_reduce` (its checks, the options "
-                f"object, the group look-up) and {fus(method)} the backend's method (its checks, "
-                "the tensor's numpy view, the Work): medians of the rounds' differences, so they "
-                "need not add up.", ""]
+                f"object, the group look-up) and {fus(method)} the backend's method (the C++ "
+                "helper's read of the tensor and options, the prepared Allreduce, the done Work): "
+                "medians of the rounds' differences, so they need not add up.", ""]
     ok = ratio <= SMALL_CALL_OF_NUMPY
     return out, [(f"8 B all_reduce through torch ≤ {SMALL_CALL_OF_NUMPY:g}× the numpy path: "
                   f"**{'met' if ok else 'not met'}** ({fus(torch_us)} vs {fus(numpy_us)}: "

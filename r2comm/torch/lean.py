@@ -6,7 +6,8 @@ R2COMM_TORCH_LEAN: unset or "auto" loads it, building it on first use (about 20 
 cores; the ranks of a job wait for one build) and falling back, with one warning, to the
 backend's Python path where it cannot be built (no C++ compiler, no torch headers); "1" makes
 a failed build an error; "0" never uses it. R2COMM_CACHE_DIR: the cache folder (default
-$XDG_CACHE_HOME/r2comm, else ~/.cache/r2comm).
+$XDG_CACHE_HOME/r2comm, else ~/.cache/r2comm). R2COMM_SANITIZE (scripts/asan.sh) builds a
+sanitized one, in a folder of its own.
 
     python -m r2comm.torch build-lean     # build it now (scripts/env.sh does)
 """
@@ -33,8 +34,17 @@ def cache_dir():
     with open(_SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read())
     digest.update(f"{torch.__version__}|{torch.compiled_with_cxx11_abi()}|"
-                  f"{sys.version}|{sysconfig.get_platform()}".encode())
+                  f"{sys.version}|{sysconfig.get_platform()}|{_flags()}".encode())
     return os.path.join(root, "torch-lean", digest.hexdigest()[:16])
+
+
+def _flags():
+    """(compile flags, link flags): R2COMM_SANITIZE (scripts/asan.sh) builds it sanitized too."""
+    sanitize = os.environ.get("R2COMM_SANITIZE", "").strip()
+    if sanitize:
+        return ([f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-O1", "-g",
+                 "-fno-sanitize-recover=all"], [f"-fsanitize={sanitize}"])
+    return ["-O2"], []
 
 
 def _library(folder):
@@ -72,8 +82,9 @@ def build():
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bindir
     try:
+        cflags, ldflags = _flags()
         return cpp_extension.load(_NAME, [_SOURCE], build_directory=folder,
-                                  extra_cflags=["-O2"], verbose=False)
+                                  extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
     except Exception as exc:
         raise R2commBuildError(
             f"r2comm.torch: the lean-call helper did not build in {folder} ({exc}); "
