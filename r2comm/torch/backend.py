@@ -52,6 +52,7 @@ import functools
 import os
 import queue
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -172,15 +173,22 @@ def _lean_probe():
         scratch = np.empty(16, np.uint8)
         opts = dist.AllreduceOptions()
         opts.asyncOp = False
-        for dtype in _NUMPY:
-            key = module.probe([torch.zeros(1, dtype=dtype)], opts, scratch.ctypes.data, 16)
-            _LEAN_DTYPES[key[2] >> 8] = dtype
+        keys = [(module.probe([torch.zeros(1, dtype=d)], opts, scratch.ctypes.data, 16), d)
+                for d in _NUMPY]
+        kinds = []
         for kind in _TABLE:
-            opts.reduceOp = dist.ReduceOp(kind)
-            key = module.probe([torch.zeros(1)], opts, scratch.ctypes.data, 16)
-            _KINDS[key[2] & 255] = kind
             o = dist.AllreduceOptions()
-            o.reduceOp = dist.ReduceOp(kind)
+            o.reduceOp, o.asyncOp = dist.ReduceOp(kind), False
+            kinds.append((module.probe([torch.zeros(1)], o, scratch.ctypes.data, 16), kind, o))
+        if any(key is None for key, *_ in keys + kinds):      # a helper this torch defeats
+            warnings.warn("r2comm.torch: the lean-call helper does not read this torch's "
+                          "calls; using the Python path", RuntimeWarning, stacklevel=2)
+            lean.disable()
+            return None
+        for key, dtype in keys:
+            _LEAN_DTYPES[key[2] >> 8] = dtype
+        for key, kind, o in kinds:
+            _KINDS[key[2] & 255] = kind
             _KIND_OPTS[kind] = o
     return module.probe
 

@@ -92,6 +92,11 @@ def build():
             "microsecond more)") from exc
 
 
+def disable():
+    """No helper for the rest of this process (the backend found it does not fit)."""
+    _loaded["module"] = None
+
+
 def helper():
     """The helper's module, initialised, or None where R2COMM_TORCH_LEAN=0 or (auto) it could
     not be built. Built at most once per process."""
