@@ -754,9 +754,9 @@ class ProcessGroupR2comm(dist.ProcessGroup):
                 op, avg = _redop(_KIND_OPTS[kind], dtype)
             except R2commArgumentError:
                 op = None
-            run = None if op is None else self._prepared(nbytes, np.dtype(_NUMPY[dtype]), op)
+            npdt = np.dtype(_NUMPY[dtype])
+            run = None if op is None else self._prepared(nbytes, npdt, op)
             if run is not None:
-                npdt = np.dtype(_NUMPY[dtype])
                 call = (_at_address(address, nbytes, npdt), self._scratch[:nbytes].view(npdt),
                         run, avg)
         if len(self._lean_calls) >= 256:
