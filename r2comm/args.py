@@ -4,7 +4,7 @@ device-buffer pipeline (gpu/pipeline.py): IN_PLACE, ANY_TAG, ANY_SOURCE, root/ra
 import numpy as np
 
 from . import buffers
-from .errors import R2commArgumentError
+from .errors import R2commArgumentError, R2commBufferError
 
 
 class _InPlace:
@@ -37,7 +37,16 @@ def pair(sendbuf, recvbuf, what):
     s = buffers.as_array(sendbuf, False, f"{what} sendbuf")
     if s.dtype != r.dtype:
         raise R2commArgumentError(f"{what}: sendbuf dtype {s.dtype} != recvbuf dtype {r.dtype}")
+    check_apart(s, r, what)
     return s, r
+
+
+def check_apart(s, r, what):
+    """Raise R2commBufferError where a call's send and receive buffers share memory (MPI
+    forbids it; the schedule would read input it had already overwritten)."""
+    if np.may_share_memory(s, r):       # contiguous views: their bounds overlap exactly then
+        raise R2commBufferError(f"{what}: sendbuf and recvbuf overlap in memory; pass "
+                                "r2comm.IN_PLACE as sendbuf for an in-place call")
 
 
 _IS_DEVICE = None

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import control, p2p, railview
 from .args import (ANY_SOURCE, ANY_TAG, IN_PLACE, as_array as _as_array, check_root,
-                   device_args as _device_args, pair as _pair)
+                   check_apart as _check_apart, device_args as _device_args, pair as _pair)
 from .channel import Channel
 from .config import Config
 from .errors import R2commArgumentError, R2commBufferError, R2commResourceError
@@ -496,6 +496,7 @@ class Communicator(Channel):
             if s.dtype != r.dtype or s.nbytes != block:
                 raise R2commBufferError(f"Allgather: recvbuf must hold {self.size} x sendbuf "
                                         f"({s.nbytes} bytes {s.dtype}), got {r.nbytes} bytes {r.dtype}")
+            _check_apart(s, r, "Allgather")
             pre = [(WORK, self.rank * block, SEND, 0, block)]
         send = None if sendbuf is IN_PLACE else s
         return self._start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
@@ -545,8 +546,6 @@ class Communicator(Channel):
         if s.nbytes != r.nbytes or s.nbytes % self.size:
             raise R2commBufferError(f"Alltoall: sendbuf ({s.nbytes} bytes) and recvbuf "
                                     f"({r.nbytes} bytes) must be equal and hold {self.size} blocks")
-        if np.shares_memory(s, r):
-            raise R2commBufferError("Alltoall: sendbuf and recvbuf overlap")
         return self._start("alltoall", s.nbytes // self.size, s.itemsize, dtype_code(s.dtype), 0,
                            r, s, blocking=_blocking)
 

@@ -635,10 +635,52 @@ def sc_prepared(comm, args):
     return count + 2
 
 
+def sc_aliased(comm, args):
+    """Send and receive buffers that share memory (MPI forbids it; the schedules would read
+    input they had already overwritten: a 1-element Iallreduce(x, x) on 4 ranks gave wrong sums)
+    raise R2commBufferError on the rank that passed them, R2commPeerError on the others, on
+    the fast path, the prepared call and the general path of every collective with both
+    buffers; IN_PLACE still works, and the next call after each error is exact."""
+    n, r = comm.size, comm.rank
+    count = 0
+    bad = (r == n - 1)                        # only the last rank passes aliased buffers
+    want = r2comm.R2commBufferError if bad else r2comm.R2commPeerError
+
+    def refused(fn, what):
+        exc = expect(r2comm.R2commError, fn, what)
+        check(isinstance(exc, want), f"{what}: {type(exc).__name__} on rank {r}")
+        if bad:
+            check("overlap" in str(exc), f"{what}: {exc}")
+        y = np.empty(3)
+        comm.Allreduce(np.full(3, r + 1.0), y)
+        check(np.all(y == n * (n + 1) / 2), f"the allreduce after {what}")
+
+    cases = {
+        "Allreduce 1 (fast path)": lambda x: comm.Allreduce(x[:1], x[:1] if bad else x[1:2]),
+        "Allreduce 4000 (fast path)": lambda x: comm.Allreduce(x[:4000], x[:4000] if bad else x[4000:8000]),
+        "Allreduce overlapping halves": lambda x: comm.Allreduce(x[:4000], x[2000:6000] if bad else x[4000:8000]),
+        "Iallreduce 1": lambda x: comm.Iallreduce(x[:1], x[:1] if bad else x[1:2]).Wait(),
+        "Allreduce 2**20 (general path)": lambda x: comm.Allreduce(x[:1 << 19], x[:1 << 19] if bad else x[1 << 19:]),
+        "prepared": lambda x: comm.prepare_allreduce(8, np.float64)(x[:1], x[:1] if bad else x[1:2]),
+        "Reduce at the root": lambda x: comm.Reduce(x[:4], x[:4] if bad else x[4:8], root=n - 1),
+        "Reduce_scatter_block": lambda x: comm.Reduce_scatter_block(x[:4 * n], x[:4] if bad else x[4 * n:4 * n + 4]),
+        "Allgather": lambda x: comm.Allgather(x[:2], x[:2 * n] if bad else x[2 * n:4 * n]),
+        "Alltoall": lambda x: comm.Alltoall(x[:n], x[:n] if bad else x[n:2 * n]),
+    }
+    for what, fn in cases.items():
+        x = np.ones(1 << 20)
+        refused(lambda: fn(x), what)
+        count += 1
+    x = np.full(5, r + 1.0)
+    comm.Allreduce(r2comm.IN_PLACE, x)
+    check(np.all(x == n * (n + 1) / 2), "IN_PLACE after the refused calls")
+    return count + 1
+
+
 SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_nonblocking,
              "errors": sc_errors, "comms": sc_comms, "drain": sc_drain, "contended": sc_contended,
              "spinon": sc_spinon, "fastpath": sc_fastpath, "seqwrap": sc_seqwrap,
-             "prepared": sc_prepared}
+             "prepared": sc_prepared, "aliased": sc_aliased}
 
 
 def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):

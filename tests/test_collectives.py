@@ -22,6 +22,14 @@ def test_prepared_allreduce(n):
     assert count == n * (11 * 4 * 2 + 11)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_send_and_receive_buffers_that_overlap_raise(n):
+    """Buffers that share memory: R2commBufferError on that rank, R2commPeerError on the others
+    (fast path, prepared call, general path of every collective with both), then in step."""
+    count, _ = run_scenario(n, "aliased", timeout=90)
+    assert count == n * 11
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_small_allreduce_fast_path(n):
     """Small blocking Allreduce in one engine call: exact for every dtype and op, in step with

@@ -865,6 +865,10 @@ cdef class Engine:
             if wv.len != nbytes or (send is not None and sv.len != nbytes):
                 raise ValueError(f"buffers of {wv.len} and {sv.len if send is not None else wv.len}"
                                  f" bytes for a plan of {nbytes}")
+            if send is not None and <uint64_t>sv.buf < <uint64_t>wv.buf + <uint64_t>nbytes and \
+                    <uint64_t>wv.buf < <uint64_t>sv.buf + <uint64_t>nbytes:
+                raise ValueError("sendbuf and recvbuf overlap in memory; pass r2comm.IN_PLACE as "
+                                 "sendbuf for an in-place call")
             bufs[0] = <uint64_t>wv.buf
             bufs[1] = <uint64_t>(sv.buf if send is not None else wv.buf)
             bufs[2] = 0
