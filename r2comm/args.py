@@ -29,16 +29,25 @@ def as_array(obj, writable, what):
     return buffers.as_array(obj, writable, what)
 
 
-def pair(sendbuf, recvbuf, what):
-    """Validate (sendbuf, recvbuf); IN_PLACE means the receive buffer holds the input."""
+def pair(sendbuf, recvbuf, what, apart=True):
+    """Validate (sendbuf, recvbuf); IN_PLACE means the receive buffer holds the input.
+    apart=False leaves the overlap check (check_apart) to the caller."""
     r = buffers.as_array(recvbuf, True, f"{what} recvbuf")
     if sendbuf is IN_PLACE:
         return r, r
     s = buffers.as_array(sendbuf, False, f"{what} sendbuf")
     if s.dtype != r.dtype:
         raise R2commArgumentError(f"{what}: sendbuf dtype {s.dtype} != recvbuf dtype {r.dtype}")
-    check_apart(s, r, what)
+    if apart:
+        check_apart(s, r, what)
     return s, r
+
+
+def block_of(inner, outer, index, nbytes):
+    """Whether array `inner` is exactly block `index` (of nbytes) of array `outer`: torch's
+    (and NCCL's) in-place form of all-gather and reduce-scatter."""
+    return inner.nbytes == nbytes and \
+        inner.ctypes.data == outer.ctypes.data + index * nbytes and outer.nbytes >= (index + 1) * nbytes
 
 
 def check_apart(s, r, what):

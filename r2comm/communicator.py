@@ -4,11 +4,14 @@ The mpi4py face: arguments are checked here with the GIL held, then one call goe
 Channel under it (channel.py: sequence numbers, plans of the epoch, posting to the engine), the
 world (world.py: engine, links, transports, ids) or the engine. The transfer itself runs in the
 engine's progress thread, and the caller waits on it without the GIL."""
+import functools
+
 import numpy as np
 
 from . import control, p2p, railview
 from .args import (ANY_SOURCE, ANY_TAG, IN_PLACE, as_array as _as_array, check_root,
-                   check_apart as _check_apart, device_args as _device_args, pair as _pair)
+                   block_of as _block_of, check_apart as _check_apart,
+                   device_args as _device_args, pair as _pair)
 from .channel import Channel
 from .config import Config
 from .errors import R2commArgumentError, R2commBufferError, R2commResourceError
@@ -496,8 +499,12 @@ class Communicator(Channel):
             if s.dtype != r.dtype or s.nbytes != block:
                 raise R2commBufferError(f"Allgather: recvbuf must hold {self.size} x sendbuf "
                                         f"({s.nbytes} bytes {s.dtype}), got {r.nbytes} bytes {r.dtype}")
-            _check_apart(s, r, "Allgather")
-            pre = [(WORK, self.rank * block, SEND, 0, block)]
+            if _block_of(s, r, self.rank, block):     # sendbuf is this rank's block: in place
+                sendbuf = IN_PLACE
+                pre = []
+            else:
+                _check_apart(s, r, "Allgather")
+                pre = [(WORK, self.rank * block, SEND, 0, block)]
         send = None if sendbuf is IN_PLACE else s
         return self._start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
                            extra_pre=pre, blocking=_blocking)
@@ -516,7 +523,7 @@ class Communicator(Channel):
     def _ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, _blocking=False):
         self._check()
         op = as_op(op)
-        s, r = _pair(sendbuf, recvbuf, "Reduce_scatter_block")
+        s, r = _pair(sendbuf, recvbuf, "Reduce_scatter_block", apart=False)
         if s.nbytes % self.size:
             raise R2commBufferError(f"Reduce_scatter_block: sendbuf of {s.nbytes} bytes is not "
                                     f"{self.size} equal blocks")
@@ -526,8 +533,16 @@ class Communicator(Channel):
                                     f"needs {block}")
         if block % s.itemsize:
             raise R2commBufferError("Reduce_scatter_block: blocks must be whole elements")
+        post = None
+        if s is not r and _block_of(r, s, self.rank, block):
+            # recvbuf is this rank's block of sendbuf (torch's in-place form): the result goes
+            # to a block of its own, copied there once the operation ended
+            out, r = r, np.empty_like(r)
+            post = functools.partial(np.copyto, out, r)
+        elif s is not r:
+            _check_apart(s, r, "Reduce_scatter_block")
         return self._start("reduce_scatter_block", block, s.itemsize, dtype_code(s.dtype),
-                           op.code, r, s, blocking=_blocking)
+                           op.code, r, s, post=post, blocking=_blocking)
 
     def Ialltoall(self, sendbuf, recvbuf, stream=None):
         """Start an all-to-all exchange; returns a Request (see Alltoall)."""

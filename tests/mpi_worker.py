@@ -674,7 +674,18 @@ def sc_aliased(comm, args):
     x = np.full(5, r + 1.0)
     comm.Allreduce(r2comm.IN_PLACE, x)
     check(np.all(x == n * (n + 1) / 2), "IN_PLACE after the refused calls")
-    return count + 1
+    # torch's (and NCCL's) in-place forms: the input is this rank's block of the output
+    # (all-gather), the output this rank's block of the input (reduce-scatter)
+    for k in (3, 50000):
+        g = np.zeros(k * n)
+        g[r * k:(r + 1) * k] = r + 1
+        comm.Allgather(g[r * k:(r + 1) * k], g)
+        check(np.array_equal(g, np.repeat(np.arange(1.0, n + 1), k)), f"in-place Allgather {k}")
+        v = np.arange(k * n, dtype=np.float64) + r
+        comm.Reduce_scatter_block(v, v[r * k:(r + 1) * k])
+        want = n * np.arange(r * k, (r + 1) * k, dtype=np.float64) + n * (n - 1) / 2
+        check(np.array_equal(v[r * k:(r + 1) * k], want), f"in-place Reduce_scatter_block {k}")
+    return count + 3
 
 
 SCENARIOS = {"collectives": sc_collectives, "p2p": sc_p2p, "nonblocking": sc_nonblocking,

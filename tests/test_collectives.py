@@ -25,9 +25,10 @@ def test_prepared_allreduce(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_send_and_receive_buffers_that_overlap_raise(n):
     """Buffers that share memory: R2commBufferError on that rank, R2commPeerError on the others
-    (fast path, prepared call, general path of every collective with both), then in step."""
+    (fast path, prepared call, general path of every collective with both), then in step;
+    torch's in-place forms of all-gather and reduce-scatter stay allowed and exact."""
     count, _ = run_scenario(n, "aliased", timeout=90)
-    assert count == n * 11
+    assert count == n * 13
 
 
 @pytest.mark.parametrize("n", [2, 3])
