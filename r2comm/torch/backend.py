@@ -609,6 +609,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         self._probe = _lean_probe()                       # the lean all_reduce (lean.py)
         self._scratch = np.empty(_LEAN_MAX * 8, np.uint8)  # its send copy
         self._scratch_at = self._scratch.ctypes.data
+        self._scratch_room = self._scratch.nbytes
         self._scratch_lock = threading.Lock()
         self._lean_calls = {}         # the probe's key -> _lean_call's answer
         self._prepared_calls = {}     # (bytes, numpy dtype, op) -> comm.prepare_allreduce's
@@ -698,7 +699,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         if probe is not None:               # the C++ helper reads the call (lean.py)
             if self._scratch_lock.acquire(False):   # else another thread's call is on it
                 try:
-                    key = probe(tensors, opts, self._scratch_at, self._scratch.nbytes)
+                    key = probe(tensors, opts, self._scratch_at, self._scratch_room)
                     if key is not None:
                         call = self._lean_calls.get(key)
                         if call is None:
