@@ -1,19 +1,24 @@
 """Channel: a communicator's line to the engine, under its mpi4py face (communicator.py).
 
 A Channel is a group of ranks on a world (world.py) with its own communicator id: its sequence
-of calls, the plans of its rail-state epoch (plans.py, epoch.py), the posting of a collective to
+of calls, the plans of its rail-state epoch (plans.py; switches agreed in replan.py), the posting of a collective to
 the engine, and the telling of a local argument error to the peers. Its last section is the
 internal interface that r2comm's own modules use (gpu/pipeline.py, torch/backend.py,
 control.py, request.py) instead of private attributes."""
 import logging
+import threading
+import time
 
 import numpy as np
 
-from . import control, epoch as _epoch, railview
-from .errors import R2commClosedError, PEER_ARGUMENT_CODE, claim_telling
+from . import control, railview
+from .errors import R2commClosedError, R2commTimeout, PEER_ARGUMENT_CODE, claim_telling
 from .plans import NONBLOCKING as _NONBLOCKING, SEQ_MASK, call_name, compile_call
+from .replan import seq_before, same_rows
 from .request import Request
 from .world import agree_max, engine_module as _engine
+
+AGREE_POLL_S = 0.02        # replan()/rail_state(): a retry while the ranks' facts still differ
 
 log = logging.getLogger("r2comm")
 
@@ -21,7 +26,7 @@ log = logging.getLogger("r2comm")
 class Channel:
     """The engine side of a communicator (see the module doc); Communicator is its subclass."""
 
-    def _init(self, world, mpi_comm, members, comm_id, owner):
+    def _init(self, world, mpi_comm, members, comm_id, owner, twin=False):
         self._world = world
         self._engine = world.engine
         self._cfg = world.cfg
@@ -34,24 +39,32 @@ class Channel:
         self._plans = {}
         self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
         self._state = None                    # RailState the plans are made for (None: static)
-        self._marks = None                    # this rank's rail marks when the epoch was agreed
-        self._epoch = 0                       # agreed rail-state epoch (see _maybe_replan)
-        self._epoch_state = None              # the RailState gathered when it was agreed
-        self._is_ctl = False                  # a twin: no epoch checks of its own
+        self._relay = False                   # it has broken pairs: peers are relayed around
+        self._epoch = 0                       # agreed rail-state epoch: +1 at every switch
+        self._is_ctl = twin                   # a twin: no epoch checks of its own
         self.rank = members.index(world.boot.rank)
-        self._topo = railview.topology(world.boot.endpoints, members)
-        # the first plans follow the start-up outcome: rails that did not connect are down, a
-        # pair with no common rail is relayed around (startup.py)
-        state = railview.start_state(world, members)
-        if state is not None:
-            self._epoch_state = state
-            self._adopt(state)
         self.size = len(members)
+        self._topo = railview.topology(world.boot.endpoints, members)
+        # plan switches (replan.py): _pending is None unless a switch is being agreed (_limit:
+        # the call that waits for it) or agreed and not reached yet (_switches, in call order)
+        self._gate = threading.Condition()
+        self._pending = None
+        self._limit = None
+        self._switches = []
+        # the first plans follow the start-up facts: NICs that did not come up, pairs with no
+        # common rail relayed around (startup.py, facts.py)
+        self.round_digest = world.start_digest   # the facts this communicator last agreed on
+        state = world.plan_state(world.start_facts, members)
+        self.round_state = state              # ... and their plan state
+        if state is not None:
+            self._adopt(state)
+        if not twin and self.size > 1 and world.replans is not None:
+            world.replans.register(self)
 
     @classmethod
-    def _child(cls, world, mpi_comm, members, comm_id):
+    def _child(cls, world, mpi_comm, members, comm_id, twin=False):
         c = cls.__new__(cls)
-        c._init(world, mpi_comm, members, comm_id, owner=False)
+        c._init(world, mpi_comm, members, comm_id, owner=False, twin=twin)
         return c
 
     def _check(self):
@@ -81,11 +94,13 @@ class Channel:
         collective lines up on every rank."""
         if self.closed or self.size == 1 or not claim_telling(exc):
             return
-        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
-            try:                            # the peers' call runs the epoch check here too
-                self._maybe_replan()
-            except Exception:
-                log.exception("r2comm: epoch check before a failed call")
+        try:
+            if self._pending is not None:   # the peers' call crosses the switch here too
+                self._cross()
+            if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+                self._maybe_replan()        # (and runs the epoch check)
+        except Exception:
+            log.exception("r2comm: plan switch or epoch check before a failed call")
         seq = self._seq
         self._seq = (seq + 1) & SEQ_MASK
         msg = (f"rank {self._world.boot.rank} could not start its {call_name(kind, blocking)} "
@@ -97,36 +112,107 @@ class Channel:
 
     def _adopt(self, state):
         self._state = state
+        self._relay = state is not None and state.has_broken_pairs()
         self._plans.clear()
 
-    def _gather_state(self):
-        """The live RailState of this communicator, the same on every rank (collective)."""
-        return _epoch.gather_state(control.plane(self), self._world, self._members,
-                                   self._topo.host_of)
+    def _switch(self, state, force=False):
+        """Plans for `state` from the call about to start on (every rank switches at the same
+        call): a new epoch, unless the state is the one the plans follow already (force: a
+        new epoch anyway, as replan() starts one)."""
+        old = self._state
+        if not force and (state is old or (state is not None and old is not None and
+                                           state.fingerprint() == old.fingerprint())):
+            return
+        self._adopt(state)
+        self._epoch += 1
+        try:
+            self._engine.note_event(
+                "replanned", -1, -1, f"communicator {self._id}: epoch {self._epoch} from call "
+                f"{self._seq}: plans for "
+                f"{'the static state' if state is None else state.describe()}")
+        except (RuntimeError, AttributeError):      # closed, or a test's stand-in engine
+            pass
 
-    def _rail_marks(self):
-        return _epoch.rail_marks(self._engine, self._members)
+    def _agreed_facts(self):
+        """(digest, facts) that every rank holds, agreed over the control plane (collective):
+        the ranks' digests are compared until they are equal (an announcement may still be
+        spreading), at most `timeout` s."""
+        ctl = control.plane(self)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            digest, entries = self._world.facts.snapshot()
+            if same_rows(control.allgather(ctl, [float(digest)])):
+                return digest, entries
+            if time.monotonic() > deadline:       # (the same verdict on every rank)
+                raise R2commTimeout(f"communicator {self._id}: the ranks' NIC facts did not "
+                                    f"agree within {self.timeout:g} s")
+            time.sleep(AGREE_POLL_S)
+
+    def _gather_state(self):
+        """The agreed rail state of this communicator from the NIC facts, the same on every
+        rank (collective): per host and NIC, plus the pair exceptions."""
+        _, entries = self._agreed_facts()
+        return self._world.plan_state(entries, self._members, always=True)
 
     def _maybe_replan(self):
-        """R2COMM_REPLAN=K: the epoch check (epoch.py), at every K-th operation; a higher
-        agreed epoch gathers the rail state and re-plans from it."""
+        """R2COMM_REPLAN=K: the epoch check at every K-th operation: where every rank holds the
+        same facts and they differ from the plans', the plans switch here (collective)."""
         if self._is_ctl:
             return
-        marks = self._rail_marks()
-        epoch = _epoch.agreed_epoch(control.plane(self), self._epoch, marks != self._marks)
-        if epoch <= self._epoch:
-            return
-        self._marks = marks
-        state = self._gather_state()
-        self._epoch = epoch
-        self._epoch_state = state
-        if self._state is not None or not state.healthy():
-            self._adopt(state)
+        digest, entries = self._world.facts.snapshot()
+        if not same_rows(control.allgather(control.plane(self), [float(digest)])):
+            return                                  # (still spreading: a later check)
+        self._switch(self._world.plan_state(entries, self._members))
+
+    # -- plan switches agreed in the background (replan.py) --------------------------------------
+    def _cross(self):
+        """At the start of a call while a plan switch is being agreed or is due: switch where
+        the call is the agreed one, and wait while the round in progress holds it."""
+        deadline = time.monotonic() + self.timeout
+        with self._gate:
+            while True:
+                while self._switches and not seq_before(self._seq, self._switches[0][0]):
+                    self._switch(self._switches.pop(0)[1])
+                if self._limit is None or seq_before(self._seq, self._limit):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise R2commTimeout(f"communicator {self._id}: call {self._seq} waited "
+                                        f"{self.timeout:g} s for a plan switch round")
+                self._gate.wait(min(left, 0.5))
+            self._pending = True if (self._switches or self._limit is not None) else None
+
+    def hold_calls(self, margin):
+        """A switch round begins: calls from the next one + `margin` on wait for its end
+        (release_calls). Returns that call number."""
+        with self._gate:
+            self._limit = (self._seq + margin) & SEQ_MASK
+            self._pending = True
+            return self._limit
+
+    def release_calls(self, decision):
+        """The round ended: decision (first call, plan state, facts digest) of an agreed switch,
+        or None. Waiting calls go on."""
+        with self._gate:
+            self._limit = None
+            if decision is not None:
+                at, state, digest = decision
+                self._switches.append((at, state))
+                self.round_digest, self.round_state = digest, state
+            self._pending = True if self._switches else None
+            self._gate.notify_all()
+
+    @property
+    def comm_id(self):
+        """This communicator's id (comm_ids.py)."""
+        return self._id
 
     def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
                result=None, extra_pre=(), blocking=False):
         """Build/fetch the schedule, do the local pre-copies, post it to the engine."""
         self._check()
+        if self._pending is not None:
+            self._cross()
         if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
             self._maybe_replan()
         separate = send is not None and send is not work
@@ -154,7 +240,7 @@ class Channel:
         seq = self._seq
         self._seq = (seq + 1) & SEQ_MASK
         members = self._members
-        if self._state is not None:       # peers this rank cannot reach are relayed around
+        if self._relay:                   # peers this rank cannot reach are relayed around
             members = [g for i, g in enumerate(self._members)
                        if i == self.rank or self._state.working(self.rank, i)]
         # (the engine's `count` is the element count, its `tag` a collective's call descriptor)
@@ -195,7 +281,10 @@ class Channel:
         return self._rank_of.get(grank, -1)
 
     def next_seq(self):
-        """Take this communicator's next sequence number (after the epoch check when due)."""
+        """Take this communicator's next sequence number (after a due plan switch or epoch
+        check)."""
+        if self._pending is not None:
+            self._cross()
         if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
             self._maybe_replan()
         seq = self._seq
@@ -208,15 +297,14 @@ class Channel:
 
     def twin(self, kind, generation=0):
         """A communicator over the same ranks, world and bootstrap communicator with the id
-        the world's allocator gives twin `kind` ("control", "gpu" with its generation) of this
-        one; it runs no epoch checks of its own."""
+        the world's allocator gives twin `kind` ("control", "epoch": the plan-switch rounds',
+        "gpu" with its generation) of this one; it runs no epoch checks of its own."""
         ids = self._world.ids
-        if kind not in ("control", "gpu"):
-            raise ValueError(f"twin kind {kind!r}: 'control' or 'gpu'")
-        cid = ids.control(self._id) if kind == "control" else ids.gpu_twin(self._id, generation)
-        t = self._child(self._world, self._mpi, list(self._members), cid)
-        t._is_ctl = True
-        return t
+        if kind not in ("control", "epoch", "gpu"):
+            raise ValueError(f"twin kind {kind!r}: 'control', 'epoch' or 'gpu'")
+        cid = ids.control(self._id) if kind == "control" else ids.epoch(self._id) \
+            if kind == "epoch" else ids.gpu_twin(self._id, generation)
+        return self._child(self._world, self._mpi, list(self._members), cid, twin=True)
 
     def derive(self, boot_comm, members):
         """A new communicator of this world over `members` (world ranks, in rank order) built on

@@ -2,12 +2,14 @@
 - normal communicators (the world: 0; Dup, Split, torch groups) take ids agreed by their ranks
   (the maximum of every rank's next free id, over the bootstrap communicator: O(log n)), so a
   rank that created more communicators than another never reuses an id;
-- each one's control-plane twin (control.py) is CONTROL_BIT | id;
+- each one's control-plane twin (control.py) is CONTROL_BIT | id, and its plan-switch twin
+  (replan.py: the agreements that move its plans to a new epoch) CONTROL_BIT | EPOCH_BIT | id;
 - each one's device-buffer staging twins (gpu/pipeline.py) are GPU_BIT | generation << 24 | id.
 So normal ids stay below 2**24 where staging twins are used, and below GPU_BIT always."""
 from .errors import R2commArgumentError
 
 CONTROL_BIT = 0x80000000      # communicator id bit of control-plane twins
+EPOCH_BIT = 0x20000000        # with CONTROL_BIT: the plan-switch twins
 GPU_BIT = 0x40000000          # communicator id bit of staging twins
 GPU_GEN_SHIFT = 24            # a staging twin's generation sits above the parent's id
 GPU_GENERATIONS = 64
@@ -30,6 +32,14 @@ class CommIds:
     def control(comm_id):
         """The id of the control-plane twin of communicator `comm_id`."""
         return CONTROL_BIT | comm_id
+
+    @staticmethod
+    def epoch(comm_id):
+        """The id of the plan-switch twin of communicator `comm_id` (normal ids stay below
+        EPOCH_BIT)."""
+        if comm_id >= EPOCH_BIT:
+            raise R2commArgumentError(f"communicator id {comm_id} beyond the plan-switch twins'")
+        return CONTROL_BIT | EPOCH_BIT | comm_id
 
     @staticmethod
     def gpu_twin(comm_id, generation):

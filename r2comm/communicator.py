@@ -229,29 +229,29 @@ class Communicator(Channel):
 
     # -- re-planning ---------------------------------------------------------------------------
     def rail_state(self):
-        """The live rail state of this communicator, the same on every rank (collective, over
-        r2comm's control plane). Bandwidths are the engines' measured rates (start-up probe,
-        then acknowledgements), R2COMM_RAIL_BW where a rail has no measurement yet."""
+        """The rail state of this communicator from the NIC facts every rank holds (collective,
+        over r2comm's control plane: it waits until the ranks' facts agree): per host and NIC
+        (a NIC announced down at 0, one announced slow at its fraction of the rail's figure,
+        R2COMM_RAIL_BW x 10 Gbit/s), plus the pairs announced down (planner.state.NicRailState)."""
         self._check()
         return self._gather_state()
 
     @property
     def epoch(self):
-        """The agreed rail-state epoch: 0 at start, +1 at every agreed change (an R2COMM_REPLAN
-        check that saw a rail fail or come back, or a replan() call); the same on every rank
-        after the same operation."""
+        """The agreed rail-state epoch: 0 at start, +1 at every switch of the plans (a NIC
+        announced down or up again, by default; an R2COMM_REPLAN=K check; a replan() call);
+        the same on every rank after the same operation."""
         return self._epoch
 
     def replan(self, state=None):
-        """Make the plans follow the rail state from now on (collective: every rank must call
-        it at the same operation boundary, which is what makes the switch agreed). Broken
-        pairs are routed around; a slow host gets the degraded-server allreduce when the cost
-        model says it is faster. Starts a new epoch. Returns the state."""
-        self._marks = self._rail_marks()
+        """Make the plans follow the rail state (rail_state(), or `state`) from the next call on
+        (collective: every rank calls it at the same operation boundary). Needed only with
+        R2COMM_REPLAN=0 or for a state of your own: by default the plans follow the NIC facts
+        by themselves. Broken pairs are routed around; a slow host gets the degraded-server
+        allreduce or the tree fold when the cost model says it is faster. Returns the state."""
+        self._check()
         state = self.rail_state() if state is None else state
-        self._epoch += 1
-        self._epoch_state = state
-        self._adopt(state)
+        self._switch(state, force=True)
         return state
 
     # -- collectives (buffer interface) ----------------------------------------------------------
@@ -343,8 +343,9 @@ class Communicator(Channel):
         """The fast path's engine call, for buffers already checked (the engine checks their
         sizes and kinds), its plan kept under `key`; False, having done nothing, where the
         fast path does not apply."""
-        if self._engine is None or self._world.closed or self._state is not None or \
-                self._cfg.replan_every or self._world.regcache is not None:
+        if self._engine is None or self._world.closed or self._relay or \
+                self._pending is not None or self._cfg.replan_every or \
+                self._world.regcache is not None:
             return False
         hit = self._plans.get(key)
         if hit is None:

@@ -64,7 +64,10 @@ class Config:
     debug: str = ""                                # R2COMM_DEBUG: INFO logs failover events
     algo: str = ""                                 # R2COMM_ALGO: force an algorithm
     acks: bool = True                              # R2COMM_ACKS=0: benchmark only, no loss protection
-    replan_every: int = 0                          # R2COMM_REPLAN=K: agree on rail state every K ops
+    replan_auto: bool = True                       # R2COMM_REPLAN=auto (default): plans follow
+                                                   #   the NIC facts by themselves (replan.py)
+    replan_every: int = 0                          # R2COMM_REPLAN=K: check every K ops instead;
+                                                   #   R2COMM_REPLAN=0: neither (replan() only)
     bw_probe: int = 1 << 20                        # R2COMM_PROBE: start-up probe message bytes, 0 off
     bw_probe_set: bool = False                     # R2COMM_PROBE given (else: off on loopback rails)
     hedge: int = -1                                # R2COMM_HEDGE: tail copies on another rail;
@@ -155,7 +158,13 @@ class Config:
         c.debug = os.environ.get("R2COMM_DEBUG", "").upper()
         c.algo = os.environ.get("R2COMM_ALGO", "")
         c.acks = os.environ.get("R2COMM_ACKS", "1") != "0"
-        c.replan_every = _int("R2COMM_REPLAN", 0)
+        mode = os.environ.get("R2COMM_REPLAN", "").strip().lower()
+        c.replan_auto = mode in ("", "auto")
+        c.replan_every = 0 if c.replan_auto else _int("R2COMM_REPLAN", 0)
+        if c.replan_every < 0:
+            from .errors import R2commArgumentError
+            raise R2commArgumentError(f"R2COMM_REPLAN={mode!r}: 'auto' (the default), 0 (off) "
+                                      "or a number of operations K > 0")
         c.bw_probe = _bytes("R2COMM_PROBE", c.bw_probe)
         c.bw_probe_set = os.environ.get("R2COMM_PROBE") not in (None, "")
         c.hedge = _int("R2COMM_HEDGE", c.hedge)

@@ -4,9 +4,9 @@ through the engine (not through the bootstrap MPI communicator).
 Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
 CONTROL_BIT | id (comm_ids.py), so its operations have their own sequence numbers and tags and
 never match the application's. It follows its communicator's plans (the rail state of the
-agreed epoch). The start-up bandwidth probe (bandwidth_probe.py), the rail-state agreement
-(rail_state(): agree_rails, per-rank summaries of planner/agree.py) and the epoch check of
-R2COMM_REPLAN run on it.
+agreed epoch). The start-up bandwidth probe (bandwidth_probe.py), the facts agreement of
+rail_state() / replan() and the epoch check of R2COMM_REPLAN=K run on it; the plan-switch
+rounds of replan.py run on a second twin of their own (epoch_plane).
 
 allgather() gathers one small float64 row per rank with point-to-point messages (issue 31):
 
@@ -69,6 +69,7 @@ on_phase = None             # test instrumentation: on_phase(ctl, call, phase) b
                             # phase (tests fail a pair between phases); None in production
 
 _planes = weakref.WeakKeyDictionary()     # communicator -> its control-plane twin
+_epoch_planes = weakref.WeakKeyDictionary()   # communicator -> its plan-switch twin
 _calls = weakref.WeakKeyDictionary()      # control-plane twin -> allgather call numbers taken
 _tree_cache = weakref.WeakKeyDictionary()  # control-plane twin -> (state, size, trees)
 
@@ -80,6 +81,15 @@ def plane(comm):
     if ctl is None:
         ctl = _planes[comm] = comm.twin("control")
     ctl.follow(comm.plan_state)
+    return ctl
+
+
+def epoch_plane(comm):
+    """The plan-switch twin of `comm` (replan.py's rounds; created on first use, the same on
+    every rank). Its caller sets the state its trees follow (the one last agreed)."""
+    ctl = _epoch_planes.get(comm)
+    if ctl is None:
+        ctl = _epoch_planes[comm] = comm.twin("epoch")
     return ctl
 
 
@@ -361,26 +371,3 @@ def flood(ctl, row, rounds=ROUNDS, timeout=None):
 def allreduce_max(ctl, values, **kw):
     """Element-wise maximum over ranks of a small vector (through allgather)."""
     return allgather(ctl, values, **kw).max(axis=0)
-
-
-def agree_rails(ctl, fixed, exceptions):
-    """agree.agree_state's exchange for the control plane: every rank's fixed summary row
-    (planner.agree.summarise; the last number its exception count) in one allgather, then the
-    exceptions in a second one whose rows are as long as the most any rank has (none when no
-    rank has any). Each rank contributes O(nrails + its exceptions) numbers, not O(n). Both
-    call numbers are taken first, so a rank that raises in the first takes the second too."""
-    from .planner import agree
-    call = _take_calls(ctl, 2)
-    table = _gather(ctl, fixed, call, ROUNDS, None, tree=True)
-    try:
-        counts = agree.check_fixed(table, ctl.size, (len(fixed) - 1) // (2 * agree.FIELDS))
-    except ValueError as exc:
-        raise R2commNetworkError(f"control plane: {exc}") from None
-    width = max(counts, default=0) * agree.EXC_FIELDS
-    if not width:
-        return table, [np.zeros((0, agree.EXC_FIELDS)) for _ in counts]
-    row = np.zeros(width)
-    row[:exceptions.size] = np.asarray(exceptions, np.float64).ravel()
-    rows = _gather(ctl, row, call + 1, ROUNDS, None, tree=True)
-    return table, [rows[r, :c * agree.EXC_FIELDS].reshape(c, agree.EXC_FIELDS)
-                   for r, c in enumerate(counts)]

@@ -1,5 +1,5 @@
 """Adapters between the world's view of ranks and rails and the planner's: the Topology of a
-communicator's ranks, the start-up RailState seen by them, and the topology() description."""
+communicator's ranks and the topology() description."""
 from . import planner
 
 
@@ -22,20 +22,6 @@ def topology(endpoints, members):
     keys = host_keys(endpoints)           # once: O(n), not O(n) per member
     return planner.Topology.from_labels([keys[g] for g in members],
                                         [len(endpoints[g]["rails"]) for g in members])
-
-
-def start_state(world, members):
-    """The start-up RailState (world.start_state) seen by the ranks `members` (global ranks,
-    in communicator order), or None when it is healthy for them."""
-    st = world.start_state
-    if st is None:
-        return None
-    sub = planner.RailState([st.hosts[g] for g in members], st.nrails,
-                            {(a, b, k): st.link[(ga, gb, k)]
-                             for a, ga in enumerate(members) for b, gb in enumerate(members)
-                             for k in range(st.nrails) if (ga, gb, k) in st.link},
-                            st.alpha, st.chunk, st.degraded_tol)
-    return None if sub.healthy() else sub
 
 
 def describe(topo, rank, state):

@@ -9,8 +9,10 @@ finished), and then:
   * a data rail that did not connect starts DOWN for that pair on both ends (Links.settle:
     Engine.mark_unconnected, event rail_never_up with the reason) and is probed for fail-back
     like a rail that failed later, so bringing the NIC up re-admits it;
-  * the first plan follows the table (rail_state(): a pair with no common rail is relayed
-    around, as after a later failure);
+  * the first plan follows the table's NIC facts (facts(): a NIC that the kernel reported down
+    or whose rail failed towards two or more other hosts is down for every pair through it,
+    other rails that did not connect are pair exceptions; a pair with no common rail is
+    relayed around, as after a later failure);
   * check() raises R2commNetworkError, on every rank and with the same message, when a control
     connection did not come up (R2COMM_CTRL_ADDR is wrong or the management network is down:
     that is configuration to fix, not a NIC to route around) or when the rails that came up
@@ -138,12 +140,13 @@ class StartOutcome:
     endpoints when asked, so that a healthy start-up costs O(1) here, not O(n^2));
     addrs[r]: rank r's endpoints (bootstrap)."""
 
-    def __init__(self, size, nrails, failed, endpoints, rail_addrs):
+    def __init__(self, size, nrails, failed, endpoints, rail_addrs, kernel_down=None):
         self.size = size
         self.nrails = nrails
         self._pair_rails = {}
         self.probe_bytes = None               # agree(): the start-up probe's message size
         self.failed = failed
+        self.kernel_down = kernel_down or {}  # rank -> its rails whose NIC the kernel said down
         self.endpoints = endpoints
         self.rail_addrs = rail_addrs          # per rank: its local rail addresses
 
@@ -212,28 +215,15 @@ class StartOutcome:
                 f"ranks in disconnected groups {groups} (no path between ranks "
                 f"{', '.join(f'{a} and {b}' for a, b in broken)}): {self._lines(keys)}")
 
-    def rail_state(self, hosts, rail_bw=None, rates="nic"):
-        """The planner's RailState of this table (world ranks), or None when every rail is up
-        (the static plans are right then)."""
-        if self.healthy():
-            return None
-        from .planner import RailState
-        stats = []
-        eps = self.endpoints
-        for r in range(self.size):
-            row = {}
-            for p in range(self.size):
-                if p == r:
-                    continue
-                lo, hi = min(r, p), max(r, p)
-                rows = [("up" if self.rail_up(r, p, k) else "down", 1.0, 0.0)
-                        for k in range(self.rails_of(lo, hi))]
-                if shm.is_local(eps, r, p):      # the shm link as a full set of rails (see
-                    rows = rows[:1] * max(len(eps[r]["rails"]), len(eps[p]["rails"]))
-                row[p] = rows                    # Communicator.rail_state)
-            stats.append(row)
-        hosts = list(hosts) if len(set(hosts)) > 1 else list(range(self.size))
-        return RailState.from_rail_stats(hosts, stats, rail_bw or None, rates=rates)
+    def facts(self, host_of, nrails):
+        """The NIC facts of this table ({key: facts.Fact}, the same on every rank; facts.py):
+        a NIC the kernel reported down, or whose rail failed towards two or more other hosts,
+        is down for every pair through it; other failed rails are pair exceptions. O(failures),
+        never a table over every pair. host_of: the fact host of every rank (facts.fact_hosts);
+        nrails: the most rails a rank lists."""
+        from . import facts
+        data = {key: why for key, why in self.failed.items() if key[2] != CTRL}
+        return facts.startup_facts(data, host_of, self.kernel_down, nrails)
 
 
 def quiet_max(mpi_comm, values, timeout, what):
@@ -251,24 +241,58 @@ def quiet_max(mpi_comm, values, timeout, what):
     return [int(v) for v in out]
 
 
-def agree(mpi_comm, boot, outcome, timeout, probe_bytes=0):
+KERNEL = -1           # a report's peer for "the kernel says this rank's NIC is down"
+
+
+def agree(mpi_comm, boot, outcome, timeout, probe_bytes=0, nic_down=()):
     """Exchange every rank's Links.establish() report (quietly) -> the same StartOutcome on
     every rank. outcome: {(peer, rail): None or reason} for the connections this rank opened,
-    rail tcp.CTRL_RAIL for the control connection. One quiet reduction of the failure counts
-    (and of probe_bytes: the start-up probe's message size, StartOutcome.probe_bytes, the
-    largest any rank asked for; None where unknown, a store bootstrap); the reports themselves
-    travel only when a connection failed somewhere."""
+    rail tcp.CTRL_RAIL for the control connection; nic_down: this rank's rails whose NIC the
+    kernel reports down (or an injected start=1 fault darkens). One quiet reduction of the
+    failure counts (and of probe_bytes: the start-up probe's message size,
+    StartOutcome.probe_bytes, the largest any rank asked for; None where unknown, a store
+    bootstrap); the reports themselves travel only when something failed somewhere, and are
+    validated on arrival."""
     from .transport import tcp
     mine = {(p, CTRL if k == tcp.CTRL_RAIL else k): why
             for (p, k), why in outcome.items() if why is not None}
-    failed = {}
+    for k in nic_down:
+        mine[(KERNEL, int(k))] = "the kernel reports the NIC down"
+    failed, kernel = {}, {}
     most = quiet_max(mpi_comm, [len(mine), probe_bytes], timeout,
                      "start-up (waiting for the other ranks' connections)")
+    eps = boot.endpoints
     if most is None or most[0] != 0:
         for a, rep in enumerate(mpi_comm.allgather(mine)):
-            for (b, k), why in rep.items():
-                failed[(a, b, k)] = why
-    eps = boot.endpoints
-    start = StartOutcome(len(eps), None, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps])
+            for (b, k), why in _checked_report(a, rep, eps):
+                if b == KERNEL:
+                    kernel.setdefault(a, []).append(k)
+                else:
+                    failed[(a, b, k)] = why
+    start = StartOutcome(len(eps), None, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps],
+                         kernel)
     start.probe_bytes = None if most is None else most[1]
     return start
+
+
+def _checked_report(a, rep, eps):
+    """Rank a's start-up report, validated (it crossed a process boundary): [((peer, rail),
+    why)] with peer a higher rank (the opener reports) or KERNEL, rail one of that pair's data
+    rails (or of rank a's, for KERNEL) or CTRL, why a short string."""
+    n = len(eps)
+    if not isinstance(rep, dict) or len(rep) > 4 * (n + 1) * 64:
+        raise R2commProtocolError(f"r2comm start-up: rank {a}'s report is malformed")
+    out = []
+    for key, why in rep.items():
+        ok = isinstance(key, (tuple, list)) and len(key) == 2 and isinstance(why, str) and \
+            len(why) <= 4096
+        if ok:
+            b, k = key
+            rail = type(k) is int and 0 <= k < len(eps[a]["rails"])
+            ok = type(b) is int and (rail if b == KERNEL else
+                                     a < b < n and (rail or k == CTRL))
+        if not ok:
+            raise R2commProtocolError(f"r2comm start-up: rank {a}'s report names "
+                                      f"{str(key)[:80]!r}: not one of its connections")
+        out.append(((b, k), why))
+    return out

@@ -8,10 +8,14 @@ import os
 import threading
 import weakref
 
-from . import bootstrap, events, faults, fdlimit, startup
+from . import bootstrap, events, facts, faults, fdlimit, startup
 from .comm_ids import CommIds
 from .errors import R2commBuildError
+from .nicwatch import NicWatch
+from .planner.state import DEFAULT_BW
+from .planner.topology import INTRA_BW
 from .railview import loopback_only, topology
+from .replan import Replans
 from .transport import liveness, select
 from .transport.rails import rail_stats
 from .transport.links import Links
@@ -90,7 +94,6 @@ class World:
         self.transports = transports     # select.JobTransports: what the transports answer
         self.ids = CommIds()
         self.closed = False
-        self.start_state = None      # RailState of the start-up outcome (world ranks), or None
         self.event_cursor = 0
         self.callbacks = []
         self.timers = []
@@ -98,6 +101,19 @@ class World:
         self.start_probe_bytes = None   # the probe size agreed at start-up (None: not agreed)
         self.liveness = None         # the failure detector (transport/liveness.py), or None
         self.regcache = transports.registration_cache()   # zero-copy sends from user memory
+        # NIC facts (facts.py): per host and NIC, plus pair exceptions; the start-up table's,
+        # then what is announced (nicwatch.py); plans follow them (replan.py)
+        eps = boot.endpoints
+        self.nrails = max(len(ep["rails"]) for ep in eps)
+        self.fact_host_of = facts.fact_hosts(topology(eps, range(boot.size)).host_of)
+        self.start_facts = {}
+        self.start_digest = 0
+        self.facts = facts.FactBook(boot.size, max(self.fact_host_of) + 1, self.nrails)
+        rel = cfg.rail_bw or []
+        self.rail_figures = [DEFAULT_BW * (rel[k] if k < len(rel) else 1.0)
+                             for k in range(self.nrails)]
+        self.nicwatch = None
+        self.replans = None
 
     @classmethod
     def open(cls, mpi_comm, cfg, rails, on_event=None):
@@ -134,19 +150,36 @@ class World:
         links, start = _connect(engine, boot, cfg, mpi_comm)
         world = cls(engine, links, boot, cfg, transports)
         world.start_probe_bytes = start.probe_bytes
+        world.start_facts = start.facts(world.fact_host_of, world.nrails)
+        world.start_digest = facts.digest_of(world.start_facts)
+        world.facts.merge(world.start_facts)
         try:                               # issue 31: the ring failure detector
-            world.liveness = liveness.start(engine, boot, cfg)
+            world.liveness = liveness.start(engine, boot, cfg, world.facts)
+            world.nicwatch = NicWatch(
+                engine, world.facts, boot.rank, world.fact_host_of, boot.rail_addrs,
+                len(boot.rail_addrs),
+                spread=None if world.liveness is None else world.liveness.share_facts,
+                dead=(lambda: ()) if world.liveness is None else world.liveness.dead,
+                reconnect=links.reconnect_idle,
+                measure_rates=not loopback_only(boot.endpoints))
+            world.nicwatch.start()
+            if cfg.replan_auto and boot.size > 1:
+                world.replans = Replans(world)
+                world.replans.start()
         except BaseException:
             world.close()
             raise
-        world.start_state = start.rail_state(topology(boot.endpoints, range(boot.size)).host_of,
-                                             cfg.rail_bw, "scale" if loopback_only(boot.endpoints)
-                                             else "nic")
         links.on_tick = lambda: events.flush(world)
         if on_event is not None:
             world.callbacks.append(on_event)
         _live_worlds.add(world)
         return world
+
+    def plan_state(self, entries, members, always=False):
+        """The planner's state of the world ranks `members` from NIC facts `entries`
+        (facts.plan_state): None when no fact holds against them, unless `always`."""
+        return facts.plan_state(entries, self.fact_host_of, members, self.nrails,
+                                self.rail_figures, INTRA_BW, always)
 
     def probe_size(self, mpi_comm):
         """The bandwidth probe's message size, the same on every rank (0: no probe; see
@@ -179,6 +212,10 @@ class World:
                 hedge(self.cfg.hedge)
         nics = mpi_comm.allgather(probe.nic_rates(res, len(self.boot.rail_addrs)))
         res.nic_rates = nics[rank]
+        if g == list(range(self.boot.size)) and not loopback_only(eps):
+            # the world's probe on real NICs (loopback "rails" all share the CPUs): the NICs
+            # it found slow are facts, the same on every rank
+            self.facts.merge(facts.probe_facts(nics, self.fact_host_of)[0])
         for p in range(len(g)):
             local = p != rank and self.transports.is_local(g[p])   # (no NIC: as measured)
             for k in range(len(stats[g[p]]) if p != rank else 0):
@@ -226,6 +263,10 @@ class World:
         self.closed = True
         for t in self.timers:
             t.cancel()
+        if self.replans is not None:
+            self.replans.close()
+        if self.nicwatch is not None:
+            self.nicwatch.close()
         if self.liveness is not None:        # first, so that no death is declared late
             self.liveness.close()
         self.engine.drain(min(self.cfg.timeout, 10.0))
@@ -262,8 +303,12 @@ def _connect(engine, boot, cfg, mpi_comm):
         links = Links(engine, boot, cfg)
         # start on the rails that connect within R2COMM_CONNECT_TIMEOUT (startup.py)
         # the same reduction agrees on the probe's message size (one collective less)
+        # this rank's NICs the kernel reports down (or a start=1 fault darkens): NIC facts
+        nic_down = [k for k, st in enumerate(engine_module().nic_states(boot.rail_addrs))
+                    if st == 0 or engine.nic_injected(k)]
         start = startup.agree(mpi_comm, boot, links.establish(cfg.connect_timeout),
-                              cfg.timeout + cfg.connect_timeout, wanted_probe_bytes(cfg, boot))
+                              cfg.timeout + cfg.connect_timeout, wanted_probe_bytes(cfg, boot),
+                              nic_down)
         start.check(cfg.connect_timeout)
         links.settle(start)
         if start.down_rails() and boot.rank == 0:

@@ -136,9 +136,21 @@ def sc_dead_rail(comm, args, took, cpu):
         evs = comm.events
         restored = {(e["peer"], e["rail"]) for e in evs if e["kind"] == "rail_restored"}
         check(mine <= restored, f"rank {r}: rail_restored for {sorted(mine)}: {sorted(restored)}")
-        if args.get("replan") == "1":              # relays stay until the plans follow
-            comm.replan()                          # the rail state again (or R2COMM_REPLAN)
-            row["replanned"] = comm._state.describe()
+        if args.get("replan") == "1":              # relays stay until the plans follow the
+            deadline = time.monotonic() + 10       # pair's facts again: by themselves, at
+            k = 0                                  # one call on every rank (replan.py)
+            while True:
+                done += collectives(comm, f"follow{k}")
+                k += 1
+                st = comm._state
+                relayed = st is not None and bool(st.broken_pairs())
+                late = time.monotonic() > deadline
+                if WORLD.allreduce(1 if relayed and not late else 0) == 0:
+                    break
+            check(not relayed, f"rank {r}: the plans still relay after 10 s: {st and st.describe()}")
+            epochs = WORLD.allgather(comm.epoch)
+            check(len(set(epochs)) == 1 and epochs[0] > 0, f"epochs agreed: {epochs}")
+            row["replanned"] = "static" if st is None else st.describe()
         done += collectives(comm, "healed")
         x = np.ones(4 << 20, np.float32)           # 16 MiB: every rail gets chunks
         y = np.empty_like(x)

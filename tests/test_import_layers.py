@@ -22,7 +22,7 @@ CYCLE_FREE = ("r2comm.bench", "r2comm.gpu")
 LEAVES = {"r2comm.planner": ("r2comm.errors",)}
 KNOWN_CIRCLES = ()
 TRANSPORT_BLIND = ("r2comm.communicator", "r2comm.channel", "r2comm.world", "r2comm.plans",
-                   "r2comm.epoch", "r2comm.railview", "r2comm.args", "r2comm.p2p", "r2comm.events",
+                   "r2comm.railview", "r2comm.facts", "r2comm.replan", "r2comm.args", "r2comm.p2p", "r2comm.events",
                    "r2comm.comm_ids")
 TRANSPORT_WORDS = ("shm", "verbs")
 PUBLIC_NAMES = {("r2comm.communicator", "shm_peers")}     # the public API's own name

@@ -112,6 +112,11 @@ cdef enum:
     EV_PEER_STALLED = 12
     EV_PEER_RESUMED = 13
     EV_LINK_ERROR = 14      # the links thread caught an error of one connection (links.py)
+    EV_NIC_DOWN = 15        # a NIC announced down or slow (facts.py: peer = the announcer)
+    EV_NIC_UP = 16          # a NIC announced up at its full rate again
+    EV_PAIR_DOWN = 17       # a pair's rail announced down (an exception: neither NIC explains it)
+    EV_PAIR_UP = 18         # that exception lifted
+    EV_REPLANNED = 19       # a communicator's plans switched to a new agreed epoch (replan.py)
 
 cdef enum:
     # where the engine located a failure (the events' 'cause')
@@ -311,6 +316,9 @@ cdef cppclass PairRail:
     int fail_cause           # CAUSE_* of the failure being recorded
     double nic_check_t       # acks late: when this rank's NIC of the rail was last looked at
     int polled_listed        # in State.polled (a TPF_POLLED transport was attached here once)
+    int nic_off              # a NIC under this rail (either end's) is announced down (facts.py):
+                             # never connected on first use, counted down, probed only once the
+                             # NIC is announced up again (set_nic_off)
 
 cdef cppclass Peer:
     int rank
@@ -326,6 +334,8 @@ cdef cppclass Peer:
     double resume_t              # when its process acknowledged again after a silence on every
                                  # rail (a resume after a stop; judged rails get a fresh deadline)
     int shm                      # a local peer: its data rail is shared memory (no NIC faults)
+    int same_host                # on this rank's host (set_same_host): its rails' rates say
+                                 # nothing about this host's NICs (nic_rates)
     cmap[uint32_t, uint32_t] p2p_send_seq
     cmap[uint32_t, P2PState*] p2p
 

@@ -58,6 +58,7 @@ cdef extern from "r2_health.h" nogil:
         unsigned long long bytes_acked, snd_wnd
     int r2_tcp_snap(int fd, r2_tcpsnap* s)
     int r2_local_nic(int fd, char* name, size_t n)
+    int r2_addr_state(const char* addr, char* name, size_t n)
     int r2_peer_local(int fd)
     int r2_drop_input(int fd)
 
@@ -145,6 +146,24 @@ tcp_transport(&TCP_TP)
 
 # ---------------------------------------------------------------------------------------------
 # Python-facing objects
+
+def nic_states(addrs):
+    """The kernel's word on the interface holding each IPv4 address of `addrs`: 1 up with
+    carrier, 0 down or without carrier, -1 not an address of this host (one getifaddrs
+    each; some 50 us)."""
+    cdef char name[64]
+    cdef bytes b
+    cdef const char* c
+    cdef int res
+    out = []
+    for a in addrs:
+        b = str(a).encode("ascii", "replace")[:63]
+        c = b
+        with nogil:
+            res = r2_addr_state(c, name, sizeof(name))
+        out.append(res)
+    return out
+
 
 cdef class Plan:
     """One rank's compiled schedule for one (operation, size, dtype, epoch): messages and the
@@ -550,7 +569,7 @@ cdef class Engine:
                 for k in range(p.nrails):
                     r = p.rails[k]
                     if r.state == R_DOWN and r.fail_count > 0 and now >= r.next_probe and \
-                            not self._injected(k, i):
+                            not r.nic_off and not self._injected(k, i):
                         out.append((i, k))
         finally:
             pthread_mutex_unlock(&e.mu)
@@ -643,6 +662,12 @@ cdef class Engine:
 
     def injected(self, int rail, int peer):
         return bool(self._injected(rail, peer))
+
+    def nic_injected(self, int rail):
+        """An injected fault holds rail `rail` towards every peer (the emulated NIC is dark)."""
+        cdef State* e = self._live()
+        return 0 <= rail < <int>e.inj_mode.size() and e.inj_mode[rail] != INJ_NONE and \
+            e.inj_peer[rail] < 0
 
     # -- fault injection -----------------------------------------------------------------------
     def inject(self, int rail, int mode, int peer=-1, int64_t after_bytes=-1):
@@ -1048,6 +1073,18 @@ cdef class Engine:
             add_event(e, EV_LINK_ERROR, peer, rail, 0, 0, 0.0, c)
             pthread_mutex_unlock(&e.mu)
 
+    def note_event(self, str kind, int peer, int rail, str info, double seconds=0.0):
+        """Record one of the control plane's events (NOTED_EVENTS: nic_down, nic_up, pair_down,
+        pair_up, replanned) in this rank's event list, as the engine's own are."""
+        cdef State* e = self._live()
+        cdef int ev = NOTED_EVENTS[kind]
+        cdef bytes text = info.encode("utf-8", "replace")[:1024]
+        cdef const char* c = text
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            add_event(e, ev, peer, rail, e.me, 0, seconds, c)
+            pthread_mutex_unlock(&e.mu)
+
     def events_since(self, uint64_t start):
         """The events numbered `start` and after (numbers count every event ever recorded;
         each dict's "index"); the engine keeps the last 1,024 to 2,048 of them, so older ones
@@ -1089,7 +1126,8 @@ cdef class Engine:
                 for k in range(e.peers[i].nrails):
                     r = e.peers[i].rails[k]
                     # (an idle rail, not connected yet, is connected on first use: usable)
-                    rows.append(("up" if r.state == R_UP or rail_idle(r) else "down",
+                    rows.append(("up" if r.state == R_UP or (rail_idle(r) and not r.nic_off)
+                                 else "down",
                                  r.bytes_sent, r.bytes_recv,
                                  r.bytes_resent, r.inflight_bytes, r.weight, r.fail_count, r.rate,
                                  r.bytes_hedged))
@@ -1127,9 +1165,10 @@ cdef class Engine:
         return fresh
 
     def link_state(self, int peer, int rail):
-        """One connection's state: "up", "down" (failed, or did not connect) or "idle" (never
-        connected: made on first use, r2comm/transport/links.py); rail == nrails(peer) is the
-        control connection."""
+        """One connection's state: "up", "down" (failed, or did not connect), "idle" (never
+        connected: made on first use, r2comm/transport/links.py) or "off" (not up, and a NIC
+        under it is announced down: set_nic_off); rail == nrails(peer) is the control
+        connection."""
         cdef State* e = self._live()
         cdef PairRail* r
         cdef int st
@@ -1139,9 +1178,128 @@ cdef class Engine:
         with nogil:
             pthread_mutex_lock(&e.mu)
             r = e.peers[peer].rails[rail]
-            st = 2 if r.state == R_UP else (1 if rail_idle(r) else 0)
+            st = 2 if r.state == R_UP else (3 if r.nic_off else (1 if rail_idle(r) else 0))
             pthread_mutex_unlock(&e.mu)
-        return ("down", "idle", "up")[st]
+        return ("down", "idle", "up", "off")[st]
+
+    # -- NIC facts (r2comm/facts.py, r2comm/nicwatch.py; issue 39) ------------------------------
+    def set_nic_off(self, peers, int rail, bint off, str reason, bint fail_up=True,
+                    bint cause_local=False, bint idle_only=False):
+        """A NIC under rail `rail` towards each of `peers` (global ranks) is announced down
+        (off) or up again. Off: the rail is counted down whether it was ever connected or not,
+        never connected on first use, not probed; with fail_up, one that is up is failed now
+        (its chunks move to the other rails; the peer is told), with `reason` and cause
+        local_nic (cause_local) or remote_nic. Up again: the mark goes, and a rail that failed
+        is probed at once. idle_only: only rails never connected are marked (this rank's own
+        NIC: its failed rails stay probed, which is how it sees the NIC work again). Shared-
+        memory peers have no NIC and are skipped. Returns the number of rails whose mark
+        changed."""
+        cdef State* e = self._live()
+        cdef bytes msg = reason.encode("utf-8", "replace")[:1000]
+        cdef const char* cmsg = msg
+        cdef vector[int] ids
+        cdef Peer* p
+        cdef PairRail* r
+        cdef size_t i
+        cdef int changed = 0
+        cdef double now
+        for x in peers:
+            if 0 <= x < e.nranks and x != e.me:
+                ids.push_back(<int>x)
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            now = mono()
+            for i in range(ids.size()):
+                p = e.peers[ids[i]]
+                if p == NULL or p.shm or rail < 0 or rail >= p.nrails:
+                    continue
+                r = p.rails[rail]
+                if (r.nic_off != 0) == off or (off and idle_only and not rail_idle(r)):
+                    continue
+                changed += 1
+                r.nic_off = 1 if off else 0
+                if off and fail_up and r.state == R_UP:
+                    r.fail_cause = CAUSE_LOCAL_NIC if cause_local else CAUSE_REMOTE_NIC
+                    fail_rail(e, r, cmsg, e.me, 1)
+                elif not off and r.state == R_DOWN and r.fail_count > 0:
+                    r.backoff = e.probe_base
+                    r.next_probe = now
+            e.signal = 1
+            pthread_mutex_unlock(&e.mu)
+        self._wake()
+        return changed
+
+    def rails_to(self, int peer):
+        """The data rails this rank has towards `peer` (0 for itself)."""
+        cdef State* e = self._live()
+        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
+            return 0
+        return e.peers[peer].nrails
+
+    def set_same_host(self, peers):
+        """The peers (global ranks) on this rank's host: their rails' rates are not a NIC's."""
+        cdef State* e = self._live()
+        cdef int i
+        mine = set(int(x) for x in peers)
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+        try:
+            for i in range(e.nranks):
+                if e.peers[i] != NULL:
+                    e.peers[i].same_host = 1 if i in mine else 0
+        finally:
+            pthread_mutex_unlock(&e.mu)
+
+    def down_rails(self):
+        """The data rails to peers with a NIC (not shared memory) that are down after having
+        been tried (connected and failed, or marked unconnected): [(peer, rail, seconds since
+        it failed, nic_off)]. O(peers x rails) in C; only the failures become Python objects."""
+        cdef State* e = self._live()
+        cdef vector[int] ps, ks, offs
+        cdef vector[double] ages
+        cdef Peer* p
+        cdef PairRail* r
+        cdef int i, k
+        cdef double now
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            now = mono()
+            for i in range(e.nranks):
+                p = e.peers[i]
+                if p == NULL or p.shm or p.lost:
+                    continue
+                for k in range(p.nrails):
+                    r = p.rails[k]
+                    if r.state == R_DOWN and r.fail_count > 0:
+                        ps.push_back(i)
+                        ks.push_back(k)
+                        ages.push_back(now - r.fail_time if r.fail_time > 0 else 0.0)
+                        offs.push_back(r.nic_off)
+            pthread_mutex_unlock(&e.mu)
+        return [(ps[i], ks[i], ages[i], bool(offs[i])) for i in range(<int>ps.size())]
+
+    def nic_rates(self, int nrails):
+        """Per rail index: the best measured rate (bytes/s, 0: none) of an up rail towards a
+        peer on another host (not same_host, not shared memory): what this host's NIC moves."""
+        cdef State* e = self._live()
+        cdef vector[double] best
+        cdef Peer* p
+        cdef PairRail* r
+        cdef int i, k
+        best.resize(nrails if nrails > 0 else 0, 0.0)
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            for i in range(e.nranks):
+                p = e.peers[i]
+                if p == NULL or p.shm or p.same_host:
+                    continue
+                for k in range(p.nrails):
+                    if k < nrails:
+                        r = p.rails[k]
+                        if r.state == R_UP and r.rate > best[k]:
+                            best[k] = r.rate
+            pthread_mutex_unlock(&e.mu)
+        return [best[k] for k in range(best.size())]
 
     def peer_ok(self, int peer):
         cdef State* e = self._live()

@@ -7,6 +7,7 @@
                             // (glibc's <netinet/tcp.h> stops at tcpi_total_retrans)
 #include <linux/filter.h>
 #include <netinet/in.h>
+#include <arpa/inet.h>
 #include <sys/socket.h>
 #include <net/if.h>
 #include <ifaddrs.h>
@@ -76,6 +77,20 @@ static inline int r2_ifaddr_state(const struct sockaddr_storage* ss, char* name,
     }
     freeifaddrs(all);
     return res;
+}
+
+// The interface holding IPv4 address `addr` (dotted quad) on this host, as r2_ifaddr_state: 1 up
+// with carrier, 0 down or without carrier, -1 not an address of this host (or not IPv4).
+static inline int r2_addr_state(const char* addr, char* name, size_t n) {
+    struct sockaddr_storage ss;
+    std::memset(&ss, 0, sizeof(ss));
+    struct sockaddr_in* sin = (struct sockaddr_in*)&ss;
+    sin->sin_family = AF_INET;
+    if (n)
+        name[0] = 0;
+    if (inet_pton(AF_INET, addr, &sin->sin_addr) != 1)
+        return -1;
+    return r2_ifaddr_state(&ss, name, n);
 }
 
 // The interface that holds fd's local address: 1 up with carrier, 0 down or without carrier

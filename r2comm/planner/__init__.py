@@ -17,7 +17,7 @@ is used; with a RailState, choose() prices them among the other candidates. algo
 forces it where the topology allows one (otherwise the flat plan is used), "flat" excludes it."""
 import math
 
-from . import agree, algorithms, cost, degraded, hierarchical, price, routing, treefold
+from . import algorithms, cost, degraded, hierarchical, price, routing, treefold
 from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, REDUCE_SEND, REDUCE_SEND_REV
 from .state import NicRailState, RailState, PartitionedError
 from .topology import Topology, INTRA_BW

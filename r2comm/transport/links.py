@@ -59,6 +59,7 @@ CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a sile
 CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
 CONNECT_THREADS = 32     # start-up connection attempts in flight at once
 BUSY = object()           # _attempt: another attempt at that connection is under way
+OFF = "its NIC is announced down (r2comm.facts)"   # _first_use: not attempted
 VERBS_RAIL_FDS = 3       # a verbs rail connection: TCP side socket, completion channel, epoll fd
 FD_RESERVE_SHARE = 64    # a first use leaves 1/64 of the fd limit free (own files, fail-back)
 FD_WARN_FRACTION = 0.8   # a first use that takes a rank past this share of its limit warns
@@ -217,8 +218,8 @@ class Links:
             outcome = _parallel(jobs, lambda p, k: self._first_use(p, k, deadline),
                                 self.connect_timeout + CONNECT_TRY_S + 1.0)
             for (p, k), why in sorted(outcome.items()):
-                if why is None or self._up(p, k):
-                    continue
+                if why is None or why is OFF or self._up(p, k):
+                    continue                  # (OFF: stays idle until its NIC is back up)
                 if k == tcp.CTRL_RAIL:
                     log.warning("r2comm rank %d: the control connection to rank %d did not come "
                                 "up within %g s (R2COMM_CONNECT_TIMEOUT): %s", self.me, p,
@@ -228,6 +229,18 @@ class Links:
                     p, k, f"did not connect on first use (rank {self.me} -> rank {p}, rail {k}, "
                     f"within {self.connect_timeout:g} s): {why}")
             self._ready.update(need)
+
+    def reconnect_idle(self, peers, rail):
+        """Data rail `rail` to each of `peers` (global ranks) that a first use already
+        connected for and that is idle (skipped while its NIC was announced down): tried on
+        the prober thread, as a fail-back probe is. Peers never needed stay for first use."""
+        for peer in peers:
+            if peer == self.me or peer not in self._ready or peer in self.shm_peers or \
+                    rail >= self.nrails[peer]:
+                continue
+            if self.engine.link_state(peer, rail) != "idle":
+                continue
+            self._queue_probe(peer, rail)
 
     def _check_fd_room(self, peers, missing):
         """Before a first use opens the connections `missing` ((peer, rail) of `peers`): raise
@@ -267,6 +280,8 @@ class Links:
                 return None
             if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
                 return "the NIC is dark on this side (injected fault)"
+            if rail != tcp.CTRL_RAIL and self.engine.link_state(peer, rail) == "off":
+                return OFF
             left = deadline - time.monotonic()
             if left <= 0:
                 return why
@@ -664,19 +679,25 @@ class Links:
                     if peer < self.me or \
                             not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
                         self.engine.probe_failed(peer, rail)   # the lower rank re-connects
-                elif (peer, rail) not in self._probing:
-                    with self._cv:
-                        self._probing.add((peer, rail))
-                        self._probe_q.append((peer, rail))
-                        self._cv.notify_all()
-                    if self._prober is None:
-                        self._prober = threading.Thread(target=self._probe_loop, daemon=True,
-                                                        name="r2comm-prober")
-                        self._prober.start()
+                else:
+                    self._queue_probe(peer, rail)
             except RuntimeError:
                 return                                     # the engine was closed
             except Exception as exc:                       # noqa: BLE001
                 self._link_error("fail-back probe", peer, rail, exc)
+
+    def _queue_probe(self, peer, rail):
+        """Have the prober thread try (peer, rail) once (not twice at a time)."""
+        with self._cv:
+            if (peer, rail) in self._probing:
+                return
+            self._probing.add((peer, rail))
+            self._probe_q.append((peer, rail))
+            self._cv.notify_all()
+            if self._prober is None:
+                self._prober = threading.Thread(target=self._probe_loop, daemon=True,
+                                                name="r2comm-prober")
+                self._prober.start()
 
     def _probe_loop(self):
         """The prober thread: one fail-back attempt at a time, from _probe's queue."""
@@ -687,9 +708,14 @@ class Links:
                     continue
                 peer, rail = self._probe_q.popleft()
             try:
+                idle = self.engine.link_state(peer, rail) == "idle"   # (reconnect_idle)
                 err = self._attempt(peer, rail, self.engine.probe_timeout(peer, rail))
                 if err is not None and err is not BUSY and not self._up(peer, rail):
-                    self.engine.probe_failed(peer, rail)
+                    if idle:                      # from now on probed as one that failed
+                        self.engine.mark_unconnected(
+                            peer, rail, f"did not connect when its NIC came back: {err}")
+                    else:
+                        self.engine.probe_failed(peer, rail)
                 # (BUSY: a connection for it is being made; the next due probe sees how it went)
             except RuntimeError:
                 return                                     # the engine was closed

@@ -57,7 +57,7 @@ ONCE = 0xFFFC        # rail id of a short-lived one (confirm, probe, spread)
 HDR = struct.Struct("!BBHQ")             # type, flags, payload length, frame counter
 TAG_LEN = 16
 MAX_PAYLOAD = 0xFFFF                     # a dead list of up to 5,041 entries
-HB = struct.Struct("!II")                # dead ranks known, digest of the list
+HB = struct.Struct("!III")               # dead ranks known, digest of the list, of the facts
 ENTRY = struct.Struct("!IBII")           # dead rank, cause, suspected by, confirmed by
 SUSPECT = struct.Struct("!I")            # the suspect
 VERDICT = struct.Struct("!IB")           # the suspect, verdict
@@ -65,6 +65,7 @@ END = struct.Struct("!I")                # the exclusive end (rank) of a spread 
 NOBODY = 0xFFFFFFFF
 
 T_HB, T_DEADS, T_SUSPECT, T_VERDICT, T_PING, T_PONG, T_SPREAD, T_BYE = range(1, 9)
+T_FACTS, T_SPREAD_FACTS = 9, 10          # the NIC facts (r2comm/facts.py), whole
 ALIVE, GONE, UNREACHABLE, FROZEN = 0, 1, 2, 3
 CAUSE_TEXT = {GONE: "its process is gone (connections refused or reset)",
               UNREACHABLE: "its host answers nothing (no TCP reply)",
@@ -228,8 +229,10 @@ def reason_text(rank, cause, suspecter, confirmer, silent=None):
 class Detector:
     """The ring failure detector of one rank (see the module's docstring)."""
 
-    def __init__(self, rank, size, secret, job, listener, addrs, settings, on_dead=None):
+    def __init__(self, rank, size, secret, job, listener, addrs, settings, on_dead=None,
+                 facts=None):
         self.me, self.size = rank, size
+        self.facts = facts                   # the NIC facts it spreads (facts.FactBook), or None
         self.secret, self.job = secret, job
         self.listener = listener
         self.addrs = addrs                   # per rank: (address, port) of its listener
@@ -256,6 +259,7 @@ class Detector:
         self._succ_conn = None
         self._nbrs = None                    # (pred, succ) last seen by _watch
         self._synced = {}                    # fd -> monotonic time a dead list was last sent
+        self._facts_synced = {}              # fd -> ... and the facts
         self._jobs = queue.Queue()           # worker jobs: (function, args)
         self._asks = queue.Queue(MAX_ASKS)   # others' suspicions to probe (second worker)
         self._done = collections.deque()     # worker results: callables run on the ring thread
@@ -290,6 +294,12 @@ class Detector:
     def neighbours(self):
         """(predecessor, successor) among the live ranks in this rank's view (None: alone)."""
         return self._pred(), self._succ()
+
+    def share_facts(self):
+        """Spread this rank's NIC facts to every live rank (the halving tree, as a death's
+        news; heartbeat digests repair what a spread missed)."""
+        if self.facts is not None and not self._stop.is_set():
+            self._jobs.put((self._spread, (self.me, T_SPREAD_FACTS)))
 
     def fds(self):
         """Sockets this detector holds now (listener, wake pair and connections)."""
@@ -484,20 +494,27 @@ class Detector:
         if ftype == T_HB:
             if len(payload) != HB.size:
                 raise FrameError("a heartbeat of the wrong size")
-            n, dig = HB.unpack(payload)
+            n, dig, fdig = HB.unpack(payload)
             if dig != digest(self.deads):
                 self._sync(conn)
+            if self.facts is not None and fdig != self._facts_digest():
+                self._sync_facts(conn)
         elif ftype == T_DEADS:
             self._merge(decode_deads(payload, self.size))
-        elif ftype == T_SPREAD:
+        elif ftype == T_FACTS:
+            self._merge_facts(payload)
+        elif ftype in (T_SPREAD, T_SPREAD_FACTS):
             if len(payload) < END.size:
                 raise FrameError("a spread frame without its segment")
             (end,) = END.unpack_from(payload)
             if end >= self.size:
                 raise FrameError("a spread segment out of range")
-            self._merge(decode_deads(payload[END.size:], self.size))
+            if ftype == T_SPREAD:
+                self._merge(decode_deads(payload[END.size:], self.size))
+            else:
+                self._merge_facts(payload[END.size:])
             self._drop(conn, evidence=False)
-            self._jobs.put((self._spread, (end,)))
+            self._jobs.put((self._spread, (end, ftype)))
         elif ftype == T_SUSPECT:
             (q,) = SUSPECT.unpack(payload) if len(payload) == SUSPECT.size else (self.size,)
             if q >= self.size or q == self.me or conn.job is not None:
@@ -535,11 +552,33 @@ class Detector:
             conn.post(T_DEADS, payload)
             self.sent["deads"] += 1
 
+    def _facts_digest(self):
+        return self.facts.digest() & 0xFFFFFFFF if self.facts is not None else 0
+
+    def _merge_facts(self, payload):
+        """Take a received facts table (validated by the book; a bad one closes the frame's
+        connection like any bad frame)."""
+        if self.facts is None:
+            return
+        try:
+            self.facts.merge(self.facts.decode(payload))
+        except ValueError as exc:             # (facts.FactError)
+            raise FrameError(f"a bad facts table: {exc}") from None
+
+    def _sync_facts(self, conn):
+        """Send the facts to a neighbour whose digest differs (once a period at most)."""
+        fd = conn.sock.fileno()
+        now = time.monotonic()
+        if now - self._facts_synced.get(fd, 0.0) >= self.s.period:
+            self._facts_synced[fd] = now
+            conn.post(T_FACTS, self.facts.encode())
+            self.sent["facts"] += 1
+
     def _beat(self, now):
         if self.excluded:
             return
         pred, succ = self.neighbours()
-        payload = HB.pack(len(self.deads), digest(self.deads))
+        payload = HB.pack(len(self.deads), digest(self.deads), self._facts_digest())
         for conn in list(self._ring.values()):
             if conn.peer in (pred, succ) and conn.peer not in self.test_mute:
                 try:
@@ -813,12 +852,13 @@ class Detector:
         finally:
             conn.close()
 
-    def _spread(self, end):
-        """Send the dead list down the halving tree over this rank's segment (live ranks
-        after it, before `end`); a target that does not answer hands its part to the next."""
+    def _spread(self, end, ftype=T_SPREAD):
+        """Send the dead list (T_SPREAD) or the facts (T_SPREAD_FACTS) down the halving tree
+        over this rank's segment (live ranks after it, before `end`); a target that does not
+        answer hands its part to the next."""
         with self._lock:
             members = self._live_after(self.me, end)
-            payload = encode_deads(self.deads)
+            payload = encode_deads(self.deads) if ftype == T_SPREAD else self.facts.encode()
         for t, hi in halving_targets(members):
             stop = members[hi] if hi < len(members) else end
             for k in range(t, hi):
@@ -829,8 +869,8 @@ class Detector:
                 try:
                     conn.sock.setblocking(True)
                     conn.sock.settimeout(self.s.probe)
-                    conn.sock.sendall(conn.frame(T_SPREAD, END.pack(stop) + payload))
-                    self.sent["spread"] += 1
+                    conn.sock.sendall(conn.frame(ftype, END.pack(stop) + payload))
+                    self.sent["spread" if ftype == T_SPREAD else "spread_facts"] += 1
                 except OSError:
                     continue
                 finally:
@@ -852,10 +892,10 @@ def listener(addr):
     return lst
 
 
-def start(engine, boot, cfg):
+def start(engine, boot, cfg, facts=None):
     """The communicator's detector (None when R2COMM_LIVENESS=0 or one rank) on the listener
     bootstrap opened (boot.detector), every rank's address from the endpoint records, every new
-    dead rank handed to engine.peer_dead."""
+    dead rank handed to engine.peer_dead; it spreads the NIC facts of `facts` (a FactBook)."""
     if boot.detector is None:
         return None
     try:
@@ -866,7 +906,7 @@ def start(engine, boot, cfg):
     det = Detector(boot.rank, boot.size, boot.secret, boot.job, boot.detector, addrs,
                    Settings(cfg.liveness_period_ms / 1e3, cfg.liveness_suspect_ms / 1e3,
                             cfg.liveness_frozen_ms / 1e3),
-                   on_dead=engine.peer_dead)
+                   on_dead=engine.peer_dead, facts=facts)
     det.start()
     return det
 
