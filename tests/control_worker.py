@@ -86,7 +86,8 @@ def sc_updown(comm, args):
     struck = []
 
     def hook(plane, call, phase):
-        if call == 1 and phase == control.DOWN_A and plane.rank == parent:
+        # (this plane's calls only: the plan-switch rounds run allgathers of their own)
+        if plane is ctl and call == 1 and phase == control.DOWN_A and plane.rank == parent:
             for k in range(len(comm.rails)):
                 plane.fail_rail(k, args.get("mode", "hard"), peer=child)
             struck.append(time.monotonic())
