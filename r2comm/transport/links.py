@@ -278,10 +278,10 @@ class Links:
         while True:
             if self._up(peer, rail):
                 return None
-            if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
-                return "the NIC is dark on this side (injected fault)"
             if rail != tcp.CTRL_RAIL and self.engine.link_state(peer, rail) == "off":
                 return OFF
+            if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
+                return "the NIC is dark on this side (injected fault)"
             left = deadline - time.monotonic()
             if left <= 0:
                 return why
