@@ -14,7 +14,7 @@ argv: seconds n_idle port... [key=value...]
   hellos=HEX       ... that replay a HELLO seen on the wire (a network observer)
   from=S to=D rail=K version=V   the HELLOs' fields (hellos=shm)
 Stops after `seconds` or when its stdin closes, then prints
-`FLOOD opened=<connections made> hellos=<hellos sent> answered=<hellos the server answered>`."""
+`FLOOD hellos=<hellos sent> answered=<hellos the server answered> opened=<connections made>`."""
 import os
 import shutil
 import socket
@@ -222,7 +222,7 @@ def main():
     stop.set()
     for t in ts:
         t.join(5)
-    print(f"FLOOD opened={opened[0]} hellos={counts[0]} answered={counts[1]}", flush=True)
+    print(f"FLOOD hellos={counts[0]} answered={counts[1]} opened={opened[0]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -441,7 +441,7 @@ def _make_pair(addr="127.0.0.1"):
     secret, job = os.urandom(32), os.urandom(8)
     lsts = [[tcp.listen(addr), tcp.listen(addr)] for _ in range(2)]      # rail 0, control
     eps = [{"rails": [ls[0].getsockname()], "ctrl": ls[1].getsockname()} for ls in lsts]
-    cfg = SimpleNamespace(rail_timeout_ms=500, sockbuf=0, notsent_lowat=0, connect_timeout=2.0)
+    cfg = SimpleNamespace(rail_timeout_ms=500, sockbuf=0, notsent_lowat=0, connect_timeout=3.0)
     out = []
     for r in range(2):
         boot = SimpleNamespace(rank=r, size=2, rail_addrs=[addr], endpoints=eps,
@@ -489,10 +489,10 @@ def test_hellos_without_the_proof_take_no_claim(attack):
     """Issue 40 item 3: another user sends HELLOs for (rank 1 -> rank 0, control) from changing
     127.x addresses and never proves the secret: built from the segment names it can list in
     /dev/shm (the job id was their first field), or replayed from one seen on the wire (a
-    network observer). Rank 0's first use of rank 1 still brings every connection up at once.
-    Before, the job id was public and every such HELLO took the pair's claim for up to 2 s:
-    rank 0's own connect to rank 1 was BUSY until its deadline (the control connection did not
-    come up)."""
+    network observer). Rank 0's first use of rank 1 still brings every connection up within 2 s
+    (its deadline: 3 s). Before, the job id was public and every such HELLO took the pair's
+    claim for up to 2 s: rank 0's own connect to rank 1 was BUSY until its deadline (the
+    control connection did not come up)."""
     lk0, lk1 = _make_pair()
     seg = _Segment(lk0.boot)
     hello = "shm" if attack == "shm-names" else \
@@ -508,7 +508,7 @@ def test_hellos_without_the_proof_take_no_claim(attack):
         took = time.monotonic() - t0
         assert sorted(a[:2] for a in lk0.engine.attached) == [(1, 0), (1, 1)], \
             (lk0.engine.attached, lk0.engine.events)
-        assert took < 1.0, took
+        assert took < 2.0, took
     finally:
         out = flood.communicate("", timeout=20)[0]
         for lk in (lk0, lk1):
@@ -525,8 +525,10 @@ def test_flood_from_a_peers_own_address_does_not_block_start_up(hellos):
     """Issue 40 item 2: the ranks listen on 127.0.0.9, and another user binds 127.0.0.9 too and
     floods rank 1's listeners from it: 200 idle connections renewed when cut (and HELLOs built
     from the /dev/shm names, never proven). Rank 0's start-up connections to rank 1 come up,
-    and so does each of ten more connections, within 1 s. Before, a source that was a peer's
-    address was exempt from every cap on sources, and those HELLOs counted as valid ones."""
+    and so does each of ten more connections, within 2 s (the flood keeps rank 1's thread
+    accepting and closing a thousand or more connections a second on this shared 2-core
+    machine). Before, a source that was a peer's address was exempt from every cap on sources,
+    and those HELLOs counted as valid ones: "Connection reset by peer"."""
     addr = "127.0.0.9"
     lk0, lk1 = _make_pair(addr)
     seg = _Segment(lk0.boot)
@@ -545,10 +547,10 @@ def test_flood_from_a_peers_own_address_does_not_block_start_up(hellos):
         for k in range(10):
             t0 = time.monotonic()
             fd, _ = tcp.connect(addr, _port(lk1, 1), addr, lk0.boot.secret, 0, 1,
-                                tcp.CTRL_RAIL, 1.0, 500)
+                                tcp.CTRL_RAIL, 3.0, 500)
             took.append(time.monotonic() - t0)
             os.close(fd)
-        assert max(took) < 1.0, took
+        assert max(took) < 2.0, took
     finally:
         out = flood.communicate("", timeout=20)[0]
         for lk in (lk0, lk1):
