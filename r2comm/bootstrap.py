@@ -3,12 +3,13 @@ parameters, endpoint exchange.
 
 The job secret is HMAC(out-of-band secret, salt): rank 0 draws the 32-byte salt and broadcasts
 it; the out-of-band secret (R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET, config.Config.job_secret,
-empty when unset) never leaves the rank. Everything keyed (the job id in every hello, the
-handshake proofs, the per-connection frame-MAC keys, shared-memory segment names) derives from
-the job secret, so a process that read the salt but lacks the out-of-band secret can neither
-join nor pass a handshake. Under mpi4py the lowercase calls used here unpickle what other ranks
-sent: that is mpi4py's trust model (the MPI launcher and the ranks it started are trusted; no
-outside process can write into an MPI communicator). A StoreComm never unpickles."""
+empty when unset) never leaves the rank. Everything keyed (every hello's tag, the handshake
+proofs, the per-connection frame-MAC keys, shared-memory segment names, the job id that
+segment headers carry) derives from the job secret, so a process that read the salt but lacks
+the out-of-band secret can neither join nor pass a handshake. Under mpi4py the lowercase calls
+used here unpickle what other ranks sent: that is mpi4py's trust model (the MPI launcher and the
+ranks it started are trusted; no outside process can write into an MPI communicator). A
+StoreComm never unpickles."""
 import hashlib
 import hmac
 import logging

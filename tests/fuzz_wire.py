@@ -31,7 +31,7 @@ Checked after every input:
 Handshake: tcp.accept on one end of a socketpair, fed raw bytes or a HELLO built from the input
 with a correct or wrong MAC (the other side played in a thread); tcp.connect against a loopback
 listener that answers with fuzzed or correct replies. Every outcome must be exactly the expected
-one: accepted (right job, rank, admission and MAC) or HandshakeError, never another exception.
+one: accepted (right tag, rank, admission and MAC) or HandshakeError, never another exception.
 
 Run: python tests/fuzz_wire.py frames|handshake [libFuzzer args] (atheris, coverage guided over
 this harness and the engine outcomes it branches on); tests/test_fuzz.py runs a fixed-seed
@@ -579,7 +579,6 @@ def _bad_header_within(stream):
 # Handshake
 
 SECRET = b"s" * 32
-JOB = b"jobjob42"
 ME = 1
 
 
@@ -613,20 +612,24 @@ def fuzz_handshake(data):
             b.sendall(pv.bytes(pv.pick((0, 1, 20, 47, 48, 49, 80, 200))) if mode else data[1:])
             b.shutdown(socket.SHUT_WR)
             try:
-                tcp.accept(_OneShotListener(a), SECRET, JOB, ME, 2.0, 500, _admit)
+                tcp.accept(_OneShotListener(a), SECRET, ME, 2.0, 500, _admit)
             except tcp.HandshakeError:
                 STATS["hs_refused"] += 1
                 return 1
             raise AssertionError("raw bytes accepted as a handshake")
         # a HELLO built from the input; the connector side answers in a thread
         magic = b"R2CH" if pv.byte() >= 20 else pv.bytes(4).ljust(4, b"\0")
-        ver = 1 if pv.byte() >= 20 else pv.int(2)
-        job = JOB if pv.byte() >= 30 else pv.bytes(8).ljust(8, b"\0")
+        ver = tcp.VERSION if pv.byte() >= 20 else pv.int(2)
+        good_tag = pv.byte() >= 30
         src = pv.pick((0, 2, 5, -1, 2 ** 31 - 1))
         dst = ME if pv.byte() >= 30 else pv.pick((0, 2, -5))
         rail = pv.pick((0, 1, 2, 3, 0xFFFF))
         cid = pv.int(4)
-        hello = tcp.HELLO.pack(magic, ver, job, src, dst, rail, cid, pv.bytes(16).ljust(16, b"\0"))
+        fields = tcp.HELLO.unpack(tcp.hello(SECRET, src, dst, rail, cid,
+                                            pv.bytes(16).ljust(16, b"\0")))
+        tag = fields[2] if good_tag else pv.bytes(8).ljust(8, b"\0")
+        good_tag = tag == fields[2]
+        hello = tcp.HELLO.pack(magic, ver, tag, *fields[3:])
         good_mac = pv.byte() >= 60
         cut = pv.byte() < 20
         outcome = {}
@@ -648,15 +651,16 @@ def fuzz_handshake(data):
                     reply[16:], hmac.new(SECRET, b"acc" + hello + reply[:16],
                                          hashlib.sha256).digest())
                 b.sendall(mac if good_mac else bytes(32))
+                b.recv(tcp.ACK_LEN)                     # admitted (or closed)
             except OSError:
                 pass
         pv_cut = pv.byte() % 48
         th = threading.Thread(target=peer)
         th.start()
-        expect_ok = (not cut and magic == b"R2CH" and ver == 1 and job == JOB and dst == ME
-                     and _admit(src, rail) and good_mac)
+        expect_ok = (not cut and magic == b"R2CH" and ver == tcp.VERSION and good_tag and
+                     dst == ME and _admit(src, rail) and good_mac)
         try:
-            res = tcp.accept(_OneShotListener(a), SECRET, JOB, ME, 2.0, 500, _admit)
+            res = tcp.accept(_OneShotListener(a), SECRET, ME, 2.0, 500, _admit)
             ok = True
         except tcp.HandshakeError:
             ok = False
@@ -714,6 +718,7 @@ def _fuzz_connect(pv):
                 nonce = os.urandom(16)
                 s.sendall(nonce + hmac.new(SECRET, b"acc" + hello + nonce, hashlib.sha256).digest())
                 s.recv(32)
+                s.sendall(hmac.new(SECRET, b"ok" + hello + nonce, hashlib.sha256).digest()[:16])
             else:
                 s.sendall(junk)
         except OSError:
@@ -723,7 +728,7 @@ def _fuzz_connect(pv):
     th = threading.Thread(target=server)
     th.start()
     try:
-        fd, cid = tcp.connect("127.0.0.1", port, None, SECRET, JOB, 0, ME, 0, 2.0, 500)
+        fd, cid = tcp.connect("127.0.0.1", port, None, SECRET, 0, ME, 0, 2.0, 500)
         os.close(fd)
         ok = True
     except tcp.HandshakeError:

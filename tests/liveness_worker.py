@@ -5,7 +5,8 @@ usage: liveness_worker.py DIR RANK SIZE key=value...
   hb_every=S                       this rank heartbeats every S s (a slow rank; tests only)
   mute=R                           this rank sends no heartbeat to rank R (a slow link)
   max=S                            exit after S s at most (default 60)
-The ranks meet through DIR (addr.<rank> files, a shared secret in DIR/secret); each writes its
+The ranks meet through DIR (addr.<rank> files: port and pid; a shared secret in DIR/secret; all
+run on this host, so each knows the others' pids); each writes its
 state to DIR/state.<rank>.json every 50 ms (atomically) and stops when DIR/stop appears."""
 import json
 import os
@@ -27,23 +28,26 @@ def main():
     lst.listen(1024)
     tmp = os.path.join(d, f"addr.{rank}.tmp")
     with open(tmp, "w") as f:
-        f.write(str(lst.getsockname()[1]))
+        f.write(f"{lst.getsockname()[1]} {os.getpid()}")
     os.replace(tmp, os.path.join(d, f"addr.{rank}"))
     until = time.monotonic() + 60
     while time.monotonic() < until and not all(os.path.exists(os.path.join(d, f"addr.{r}"))
                                                for r in range(size)):
         time.sleep(0.02)
-    addrs = []
+    addrs, pids = [], {}
     for r in range(size):
         with open(os.path.join(d, f"addr.{r}")) as f:
-            addrs.append(("127.0.0.1", int(f.read())))
+            port, pid = f.read().split()
+        addrs.append(("127.0.0.1", int(port)))
+        if r != rank:
+            pids[r] = int(pid)
     told = {}
 
     def on_dead(r, reason, process):
         told[r] = (time.time(), reason, process)
     s = liveness.Settings(float(kw.get("period", 0.2)), float(kw.get("suspect", 2.0)),
                           float(kw.get("frozen", 60.0)), float(kw.get("probe", liveness.PROBE_S)))
-    det = liveness.Detector(rank, size, secret, b"testjob1", lst, addrs, s, on_dead)
+    det = liveness.Detector(rank, size, secret, lst, addrs, s, on_dead, pids)
     if "hb_every" in kw:
         det.test_hb_every = float(kw["hb_every"])
     if "mute" in kw:

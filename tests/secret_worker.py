@@ -1,8 +1,8 @@
 """A rank of a store-bootstrapped job (DirStore) whose store is watched by an attacker: every
 value any rank sets is also copied to <store>.seen/ (what a process that reads the store learns).
 argv: rank size store_dir, or rank size tcp:<port> (torch's TCPStore on 127.0.0.1, not
-watched). After start-up it prints `INFO <json>` (its job id, as a sniffer of
-the hellos would learn it, and its control endpoint), waits for <store>.go, runs one allreduce
+watched). After start-up it prints `INFO <json>` (its job id, which derives from the job
+secret, and its control endpoint), waits for <store>.go, runs one allreduce
 and prints `OK secret <rank>`."""
 import json
 import os

@@ -51,8 +51,9 @@ def _expected_local(comm, args):
 
 
 def _no_segments_left(comm):
-    job = comm._world.boot.job.hex()
-    left = [f for f in os.listdir("/dev/shm") if f.startswith(f"r2comm-{job}-")]
+    pids = {str(ep["pid"]) for ep in comm._world.boot.endpoints}   # (names: tag-ns-pid-...)
+    left = [f for f in os.listdir("/dev/shm") if f.startswith("r2comm-") and
+            f.split("-")[3:4] and f.split("-")[3] in pids]
     check(not left, f"shm segments of this job still in /dev/shm after set-up: {left}")
 
 

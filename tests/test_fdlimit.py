@@ -134,18 +134,18 @@ def test_handshake_waits_work_past_fd_1024(high_fds):
     the verbs queue-pair exchange's (verbs_rails) poll instead of select()."""
     from r2comm.transport import verbs as verbs_rails
     from r2comm.transport import tcp
-    secret, job = os.urandom(32), os.urandom(8)
+    secret = os.urandom(32)
     lst = tcp.listen("127.0.0.1")
     got = {}
 
     def acceptor():
         try:
-            got["ok"] = tcp.accept(lst, secret, job, 1, 5.0, 500)
+            got["ok"] = tcp.accept(lst, secret, 1, 5.0, 500)
         except Exception as exc:             # reported below
             got["err"] = repr(exc)
     t = threading.Thread(target=acceptor)
     t.start()
-    fd, cid = tcp.connect("127.0.0.1", lst.getsockname()[1], None, secret, job, 0, 1, 0, 5.0, 500)
+    fd, cid = tcp.connect("127.0.0.1", lst.getsockname()[1], None, secret, 0, 1, 0, 5.0, 500)
     t.join(10)
     assert "err" not in got and got["ok"][0] == 0 and got["ok"][3] == cid, got
     assert fd > 1024 and got["ok"][2] > 1024

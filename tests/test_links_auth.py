@@ -59,6 +59,9 @@ class FakeEngine:
     def note_link_error(self, peer, rail, info):
         self.events.append(("link_error", peer, rail, info))
 
+    def mark_unconnected(self, peer, rail, why):
+        self.events.append(("rail_never_up", peer, rail, why))
+
 
 def _make_links(rank=1, peer_ep=None):
     """Rank `rank` of 2 with one rail: its listeners, and a links thread (not started)."""
@@ -94,7 +97,7 @@ def _port(lk, i=0):
 
 
 def _connect(lk, timeout=2.0):
-    return tcp.connect("127.0.0.1", _port(lk), None, lk.boot.secret, lk.boot.job, 0, 1, 0,
+    return tcp.connect("127.0.0.1", _port(lk), None, lk.boot.secret, 0, 1, 0,
                        timeout, 500)
 
 
@@ -151,14 +154,16 @@ def test_slow_handshake_holds_neither_the_thread_nor_past_its_deadline(links):
 
 
 def test_pending_handshakes_are_capped(links):
-    links.max_pending = 8
+    """Connections without a valid hello hold at most `anonymous` of the slots: the oldest
+    are closed for newcomers at once, the rest at their deadline; a peer then gets in."""
+    links.admission = links_mod.admission.Policy(total=8, anonymous=6, per_source=6)
     idle = [socket.create_connection(("127.0.0.1", _port(links))) for _ in range(20)]
     try:
         t0 = time.monotonic()
         closed = [s for s in idle if _closed_within(s, 0.05)]
-        assert len(closed) >= 12 and time.monotonic() - t0 < 0.9   # the excess, at once
-        assert _soon(lambda: sum("already pending" in w for _, w in links.rejected) >= 12)
-        time.sleep(1.2)                             # the 8 pending ones reach their deadline
+        assert len(closed) >= 14 and time.monotonic() - t0 < 0.9   # the excess, at once
+        assert _soon(lambda: sum("to make room" in w for _, w in links.rejected) >= 14)
+        time.sleep(1.2)                             # the 6 pending ones reach their deadline
         assert all(_closed_within(s, 1.0) for s in idle if s not in closed)
         fd, _ = _connect(links)                     # and a real peer gets in again
         os.close(fd)
@@ -169,8 +174,8 @@ def test_pending_handshakes_are_capped(links):
 
 def test_garbage_hellos_are_refused_reported_and_bounded(links, caplog):
     caplog.set_level(logging.WARNING, logger="r2comm")
-    bad_job = tcp.HELLO.pack(tcp.MAGIC, tcp.VERSION, os.urandom(8), 0, 1, 0, 5, bytes(16))
-    wrong_rank = tcp.HELLO.pack(tcp.MAGIC, tcp.VERSION, links.boot.job, 0, 7, 0, 5, bytes(16))
+    bad_job = tcp.hello(os.urandom(32), 0, 1, 0, 5, bytes(16))         # another job's secret
+    wrong_rank = tcp.hello(links.boot.secret, 0, 7, 0, 5, bytes(16))
     kinds = [b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40, bad_job, wrong_rank, os.urandom(44)]
     for i in range(300):
         s = socket.create_connection(("127.0.0.1", _port(links, i % 2)))
@@ -179,7 +184,7 @@ def test_garbage_hellos_are_refused_reported_and_bounded(links, caplog):
         s.close()
     # a connector that does not know the secret: its proof fails
     s = socket.create_connection(("127.0.0.1", _port(links)))
-    s.sendall(tcp.HELLO.pack(tcp.MAGIC, tcp.VERSION, links.boot.job, 0, 1, 0, 5, bytes(16)))
+    s.sendall(tcp.hello(links.boot.secret, 0, 1, 0, 5, bytes(16)))
     s.recv(48)
     s.sendall(bytes(32))
     assert _closed_within(s, 2.0)
@@ -217,7 +222,7 @@ def test_idle_flood_does_not_lock_peers_out(links):
             for rail, i in ((0, 0), (tcp.CTRL_RAIL, 1)):
                 t0 = time.monotonic()
                 fd, _ = tcp.connect("127.0.0.1", _port(links, i), None, links.boot.secret,
-                                    links.boot.job, 0, 1, rail, 1.0, 500)
+                                    0, 1, rail, 1.0, 500)
                 took.append(time.monotonic() - t0)
                 os.close(fd)
             time.sleep(0.05)
@@ -233,10 +238,10 @@ def test_idle_flood_does_not_lock_peers_out(links):
 
 
 def test_pending_limits_per_source_and_for_unknown_sources(links):
-    """One unknown source holds at most max_pending_per_source handshakes, unknown sources
-    together at most max_pending_unknown (the oldest go); a peer's address gets in."""
-    per = links.max_pending_per_source
-    links.max_pending_unknown = 2 * per
+    """One source holds at most per_source handshakes without a valid hello, all sources
+    together at most `anonymous` (the oldest go); a peer's connection gets in."""
+    per = links.admission.per_source
+    links.admission.anonymous = 2 * per
     idle = {}
     try:
         for i in range(3):
@@ -291,7 +296,7 @@ def test_failed_failback_attach_keeps_probing(monkeypatch):
     def peer():                                          # rank 1's side of two probes
         for _ in range(2):
             try:
-                got.append(tcp.accept(srv, lk.boot.secret, lk.boot.job, 1, 5.0, 500))
+                got.append(tcp.accept(srv, lk.boot.secret, 1, 5.0, 500))
             except (OSError, tcp.HandshakeError) as exc:
                 got.append(exc)
     t = threading.Thread(target=peer)
@@ -428,3 +433,155 @@ def test_accept_without_a_free_fd_rests_the_listener(links):
     finally:
         client.kill()
         client.wait(10)
+
+
+def _make_pair(addr="127.0.0.1"):
+    """Ranks 0 and 1 of a job, one rail each, every listener on `addr`: their links (threads
+    not started), sharing one secret and endpoint table."""
+    secret, job = os.urandom(32), os.urandom(8)
+    lsts = [[tcp.listen(addr), tcp.listen(addr)] for _ in range(2)]      # rail 0, control
+    eps = [{"rails": [ls[0].getsockname()], "ctrl": ls[1].getsockname()} for ls in lsts]
+    cfg = SimpleNamespace(rail_timeout_ms=500, sockbuf=0, notsent_lowat=0, connect_timeout=3.0)
+    out = []
+    for r in range(2):
+        boot = SimpleNamespace(rank=r, size=2, rail_addrs=[addr], endpoints=eps,
+                               listeners=lsts[r], secret=secret, job=job)
+        out.append(links_mod.Links(FakeEngine(), boot, cfg))
+    return out
+
+
+class _Segment:
+    """A file in /dev/shm under the name a local pair's shared-memory link gives its segment
+    (mode 0600: another user sees the name only), as during a link's set-up."""
+
+    def __init__(self, boot):
+        from r2comm.transport import shm
+        self.path = "/dev/shm" + shm.segment_name(boot.secret, os.getpid(), 0, 1, 0x1234)
+        os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+
+    def close(self):
+        os.unlink(self.path)
+
+
+def _flood(args):
+    """The flood client (tests/flood_client.py) as another user; stopped by closing stdin."""
+    import subprocess
+    return subprocess.Popen(flood_client.command(args), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _captured_hello(boot, src, dst, rail):
+    """The HELLO a rank sends when it opens (src -> dst, rail), as seen on the wire."""
+    lst = tcp.listen("127.0.0.1")
+    seen = []
+    t = threading.Thread(target=flood_client.observe_hellos, args=(lst, seen))
+    t.start()
+    with pytest.raises((OSError, tcp.HandshakeError)):
+        tcp.connect("127.0.0.1", lst.getsockname()[1], None, boot.secret, src, dst,
+                    rail, 2.0, 500)
+    t.join(5)
+    lst.close()
+    return seen[0]
+
+
+@pytest.mark.parametrize("attack", ["shm-names", "replayed-hello"])
+def test_hellos_without_the_proof_take_no_claim(attack):
+    """Issue 40 item 3: another user sends HELLOs for (rank 1 -> rank 0, control) from changing
+    127.x addresses and never proves the secret: built from the segment names it can list in
+    /dev/shm (the job id was their first field), or replayed from one seen on the wire (a
+    network observer). Rank 0's first use of rank 1 still brings every connection up within 2 s
+    (its deadline: 3 s). Before, the job id was public and every such HELLO took the pair's
+    claim for up to 2 s: rank 0's own connect to rank 1 was BUSY until its deadline (the
+    control connection did not come up)."""
+    lk0, lk1 = _make_pair()
+    seg = _Segment(lk0.boot)
+    hello = "shm" if attack == "shm-names" else \
+        _captured_hello(lk0.boot, 1, 0, tcp.CTRL_RAIL).hex()
+    flood = _flood([8, 0, _port(lk0, 1), f"hellos={hello}", "from=1", "to=0",
+                    f"rail={tcp.CTRL_RAIL}", f"version={tcp.VERSION}"])
+    try:
+        for lk in (lk0, lk1):
+            lk._thread.start()
+        time.sleep(1.0)                     # the flood is under way
+        t0 = time.monotonic()
+        lk0.connect_for([1])
+        took = time.monotonic() - t0
+        assert sorted(a[:2] for a in lk0.engine.attached) == [(1, 0), (1, 1)], \
+            (lk0.engine.attached, lk0.engine.events)
+        assert took < 2.0, took
+    finally:
+        out = flood.communicate("", timeout=20)[0]
+        for lk in (lk0, lk1):
+            lk.close()
+        seg.close()
+    got = flood_client.result(out)
+    assert got["hellos"] >= 50, out
+    if attack == "shm-names":
+        assert got["answered"] == 0, out        # refused before this side's proof
+
+
+@pytest.mark.parametrize("hellos", ["idle", "shm"])
+def test_flood_from_a_peers_own_address_does_not_block_start_up(hellos):
+    """Issue 40 item 2: the ranks listen on 127.0.0.9, and another user binds 127.0.0.9 too and
+    floods rank 1's listeners from it: 200 idle connections renewed when cut (and HELLOs built
+    from the /dev/shm names, never proven). Rank 0's start-up connections to rank 1 come up,
+    and so does each of ten more connections, within 2 s (the flood keeps rank 1's thread
+    accepting and closing a thousand or more connections a second on this shared 2-core
+    machine). Before, a source that was a peer's address was exempt from every cap on sources,
+    and those HELLOs counted as valid ones: "Connection reset by peer"."""
+    addr = "127.0.0.9"
+    lk0, lk1 = _make_pair(addr)
+    seg = _Segment(lk0.boot)
+    extra = [] if hellos == "idle" else ["hellos=shm", "from=0", "to=1",
+                                         f"rail={tcp.CTRL_RAIL}", f"version={tcp.VERSION}"]
+    flood = _flood([10, 200, _port(lk1, 1), _port(lk1, 0), f"src={addr}", f"dst={addr}",
+                    *extra])
+    took = []
+    try:
+        lk1._thread.start()
+        time.sleep(1.5)                     # the flood holds what it can
+        t0 = time.monotonic()
+        outcome = lk0.establish(3.0)
+        took.append(time.monotonic() - t0)
+        assert all(why is None for why in outcome.values()), outcome
+        for k in range(10):
+            t0 = time.monotonic()
+            fd, _ = tcp.connect(addr, _port(lk1, 1), addr, lk0.boot.secret, 0, 1,
+                                tcp.CTRL_RAIL, 3.0, 500)
+            took.append(time.monotonic() - t0)
+            os.close(fd)
+        assert max(took) < 2.0, took
+    finally:
+        out = flood.communicate("", timeout=20)[0]
+        for lk in (lk0, lk1):
+            lk.close()
+        seg.close()
+    assert flood_client.result(out)["opened"] > 200, out          # cut and renewed
+
+
+def test_admission_policy_keeps_valid_hellos_and_the_newest():
+    """admission.Policy (links and the failure detector): a newcomer over its address's cap
+    closes that address's oldest connection without a valid hello, over the anonymous cap the
+    oldest anonymous one; a connection whose hello checked is never closed for an anonymous
+    newcomer, whatever its address, and the newcomer is refused only when every slot holds
+    one; a pair keeps its newest `per_pair`."""
+    from r2comm.transport.admission import Policy
+
+    class Hs:
+        def __init__(self, src, since, pair=None):
+            self.addr, self.since, self.pair = (src, 1), since, pair
+            self.got_hello = pair is not None
+    pol = Policy(total=6, anonymous=4, per_source=2, per_pair=2)
+    pend = {1: Hs("127.0.0.9", 1, (0, 0)), 2: Hs("127.0.0.9", 2), 3: Hs("127.0.0.9", 3)}
+    assert pol.room(pend, "127.0.0.9") == ([(2, "more than 2 without a valid hello from "
+                                                "127.0.0.9")], True)
+    pend.update({4: Hs("10.0.0.1", 4), 5: Hs("10.0.0.2", 5)})
+    assert pol.room(pend, "10.0.0.3")[0][0][0] == 2                # the oldest anonymous
+    del pend[2]
+    assert pol.room(pend, "10.0.0.3") == ([], True)
+    full = {k: Hs("127.0.0.9", k, (k % 3, 0)) for k in range(6)}   # every slot: a valid hello
+    assert pol.room(full, "127.0.0.9") == ([], False)
+    full[9] = Hs("127.0.0.9", 9, (0, 0))
+    assert pol.pair_excess(full, 9) == [0]                        # pair (0, 0): 0, 3, 9
+    with pytest.raises(ValueError):
+        Policy(total=4, anonymous=8)

@@ -13,14 +13,17 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from conftest import run_mpi, ROOT
+import flood_client
 from r2comm._core import testing
 
 SHM_WORKER = os.path.join(ROOT, "tests", "shm_worker.py")
 JOB = b"testjob!"
+SECRET = b"a job secret of thirty-two bytes!"
 SHM_OK = True           # (conftest: these jobs run over shared memory)
 
 
@@ -141,6 +144,49 @@ def test_segment_is_checked_and_named_per_job():
         E.shm_create(b"/r2comm-x", 5000, 1, JOB, 1)   # not a power of two
 
 
+def test_segment_names_and_hellos_carry_no_job_id(monkeypatch):
+    """Issue 40 item 3: what another user sees of a link's set-up, the segment's name in
+    /dev/shm and the HELLO on the wire, carries neither the job id nor anything that another
+    link reuses: the name's first field derives from the job secret and the link (HMAC), and
+    the HELLO's tag from the secret and the HELLO. Before, both carried job.hex() / the job id,
+    which let any local user send HELLOs that took a pair's claim. Driven through open_link:
+    the segment cannot be made (the opener falls back to TCP), and the TCP link's HELLO is read
+    by a plain listener."""
+    import hashlib
+    from types import SimpleNamespace
+    from r2comm.transport import shm, tcp
+    names = []
+
+    class NoRoom:
+        @staticmethod
+        def shm_create(name, *args):
+            names.append(name.decode())
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(shm, "_segments", lambda: NoRoom)
+    monkeypatch.setattr(shm, "_warned", {1})             # (no warning about the fallback)
+    lst = tcp.listen("127.0.0.1")
+    hellos = []
+    secret = os.urandom(32)
+    job = hashlib.sha256(secret).digest()[:8]                # bootstrap's job id
+    cfg = SimpleNamespace(shm_ring=4096, rail_timeout_ms=500, sockbuf=0, notsent_lowat=0)
+    seen = []
+    for _ in range(2):
+        boot = SimpleNamespace(rank=0, size=2, secret=secret, job=job,
+                               endpoints=[{}, {"ctrl": lst.getsockname()}])
+        t = threading.Thread(target=flood_client.observe_hellos, args=(lst, hellos))
+        t.start()
+        with pytest.raises((OSError, tcp.HandshakeError)):
+            shm.open_link(None, boot, cfg, 1, 2.0)
+        t.join(10)
+        seen.append((names[-1], hellos[-1]))
+    lst.close()
+    for name, hello in seen:
+        assert name.startswith("/r2comm-") and job.hex() not in name, name
+        assert job not in hello and job.hex().encode() not in hello
+    first = [name.split("-")[1] for name, _ in seen]
+    assert first[0] != first[1] and len(first[0]) == 16      # per link, not per job
+
+
 # -- hostile segments (issue 28) -----------------------------------------------------------
 MAGIC = 0x3130474E495232           # r2_shm.h's header: magic, version, conn id, ring bytes,
 HEADER = struct.Struct("<QIIQQ8s")  # creator pid, job id; then ring[0] at 128, ring[1] at 640
@@ -236,6 +282,7 @@ class _Boot:
     """What accept_link reads of the bootstrap: this is rank 1, rank 0 is this process."""
     rank = 1
     job = JOB
+    secret = SECRET
     endpoints = [{"pid": os.getpid()}, {"pid": os.getpid()}]
 
 
@@ -249,7 +296,7 @@ def test_hostile_segment_fails_the_link_with_a_protocol_error(hostile):
     from r2comm.errors import R2commProtocolError
     E = _segments()
     conn_id = 0x55
-    name = shm.segment_name(JOB, os.getpid(), 0, 1, conn_id)
+    name = shm.segment_name(SECRET, os.getpid(), 0, 1, conn_id)
     mapped = None
     if hostile == "overflow":
         _craft(name, 4096, 2 ** 63, conn_id)
@@ -421,12 +468,12 @@ def test_stale_segments_of_dead_processes_are_removed():
     code = ("import os, sys; sys.path.insert(0, %r); from r2comm._core import shm_segments as E; "
             "from r2comm.transport import shm; n = shm.segment_name(%r, os.getpid(), 0, 1, 1); "
             "E.shm_create(n.encode(), 4096, 1, %r, os.getpid()); print(n, flush=True); "
-            "os._exit(0)") % (ROOT, JOB, JOB)
+            "os._exit(0)") % (ROOT, SECRET, JOB)
     out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                          timeout=60, check=True).stdout.split()
     dead = out[0]
     assert os.path.exists("/dev/shm" + dead)
-    live = shm.segment_name(JOB, os.getpid(), 0, 1, 2)
+    live = shm.segment_name(SECRET, os.getpid(), 0, 1, 2)
     E = _segments()
     base, n = E.shm_create(live.encode(), 4096, 2, JOB, os.getpid())
     try:
@@ -452,11 +499,11 @@ def test_cleanup_spares_young_foreign_and_other_users_segments():
     E = _segments()
     pid = _dead_pid()
     ns = os.stat("/proc/self/ns/pid").st_ino
-    names = {"young": shm.segment_name(JOB, pid, 0, 1, 0x21),
-             "other_user": shm.segment_name(JOB, pid, 0, 1, 0x22),
-             "other_ns": shm.segment_name(JOB, pid, 0, 1, 0x23).replace(f"-{ns:x}-",
+    names = {"young": shm.segment_name(SECRET, pid, 0, 1, 0x21),
+             "other_user": shm.segment_name(SECRET, pid, 0, 1, 0x22),
+             "other_ns": shm.segment_name(SECRET, pid, 0, 1, 0x23).replace(f"-{ns:x}-",
                                                                          f"-{ns + 1:x}-"),
-             "stale": shm.segment_name(JOB, pid, 0, 1, 0x24)}
+             "stale": shm.segment_name(SECRET, pid, 0, 1, 0x24)}
     maps = []
     try:
         for key, name in names.items():

@@ -77,21 +77,21 @@ def _listener():
 
 
 def test_handshake_accepts_the_job_and_refuses_others():
-    secret, job = os.urandom(32), os.urandom(8)
+    secret = os.urandom(32)
     lst, port = _listener()
     got = {}
 
     def acceptor(n):
         for _ in range(n):
             try:
-                got.setdefault("ok", []).append(tcp.accept(lst, secret, job, 1, 2.0, 500))
+                got.setdefault("ok", []).append(tcp.accept(lst, secret, 1, 2.0, 500))
             except tcp.HandshakeError as exc:
                 got.setdefault("err", []).append(str(exc))
     t = threading.Thread(target=acceptor, args=(3,))
     t.start()
-    fd, cid = tcp.connect("127.0.0.1", port, None, secret, job, 0, 1, 0, 2.0, 500)
+    fd, cid = tcp.connect("127.0.0.1", port, None, secret, 0, 1, 0, 2.0, 500)
     with pytest.raises(tcp.HandshakeError):       # wrong secret: acceptor's MAC does not verify
-        tcp.connect("127.0.0.1", port, None, os.urandom(32), job, 0, 1, 0, 2.0, 500)
+        tcp.connect("127.0.0.1", port, None, os.urandom(32), 0, 1, 0, 2.0, 500)
     raw = socket.create_connection(("127.0.0.1", port))   # a stray client speaking garbage
     raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)
     t.join(5)

@@ -23,16 +23,17 @@ starts down and is probed the same way (r2comm/startup.py).
 
 One thread accepts incoming connections for the whole life of the engine and authenticates
 them without blocking (tcp.ServerHandshake, driven by a selector): a connection that never
-finishes its handshake holds one of MAX_PENDING slots until its deadline, never the thread, so
+finishes its handshake holds one of 64 slots until its deadline, never the thread, so
 fail-back probes and event delivery keep running.
 
-A client that floods the listeners cannot lock the ranks out (admission, _make_room): sources
-that are not a peer's address (the endpoint table) hold at most MAX_PENDING_UNKNOWN slots in
-all and MAX_PENDING_PER_SOURCE each, and when the slots are taken the oldest pending handshake
-of an unknown source (one that has not sent a valid hello first) is closed for the newcomer, so
-a peer's connection always finds a slot. An error of one connection (a corrupt queue-pair
-address, an attach that raises) closes that connection, is logged, counted (Links.nerrors) and
-recorded as a `link_error` event; it never ends the thread."""
+A client that floods the listeners cannot lock the ranks out (admission.Policy, also the
+failure detector's): a connection holds a slot of its pair only once its HELLO carries a valid
+tag, whatever its source address; until then it is anonymous, capped in all and per address, and
+the oldest anonymous one is closed for a newcomer. A pair's claim (_admit_pair) is taken only
+once the connector proved the secret, so HELLOs that never do block none of this rank's own
+connects. An error of one connection (a corrupt queue-pair address, an attach that raises)
+closes that connection, is logged, counted (Links.nerrors) and recorded as a `link_error` event;
+it never ends the thread."""
 import collections
 import errno
 import logging
@@ -42,15 +43,12 @@ import selectors
 import threading
 import time
 
-from . import shm, tcp, verbs
+from . import admission, shm, tcp, verbs
 from ..errors import R2commResourceError
 
 
 log = logging.getLogger("r2comm")
 HANDSHAKE_TIMEOUT = 2.0     # s: a whole incoming handshake (a rail's takes about a millisecond)
-MAX_PENDING = 64            # incoming handshakes in progress (then the oldest unknown goes)
-MAX_PENDING_UNKNOWN = 32    # of which from sources that are no peer's address
-MAX_PENDING_PER_SOURCE = 4  # of which from one such source address
 ACCEPT_BATCH = 256          # connections taken from one listener per wake-up
 REJECTED_KEEP = 256         # refused connections remembered in Links.rejected
 LOG_EVERY = 5.0             # s: at most one warning about refused connections per this
@@ -98,10 +96,7 @@ class Links:
         self.rejected = collections.deque(maxlen=REJECTED_KEEP)  # (time, reason), newest last
         self.nrejected = 0            # refused connections in all (the deque keeps the last ones)
         self.handshake_timeout = HANDSHAKE_TIMEOUT
-        self.max_pending = MAX_PENDING
-        self.max_pending_unknown = MAX_PENDING_UNKNOWN
-        self.max_pending_per_source = MAX_PENDING_PER_SOURCE
-        self.known_sources = _peer_addresses(boot.endpoints, self.me)
+        self.admission = admission.Policy()   # which pending handshakes a flood may close
         self._pending = {}            # fd -> _Pending
         self.nerrors = 0              # connections closed for an unexpected error (link_error)
         self.errors = collections.deque(maxlen=REJECTED_KEEP)   # (time, what), newest last
@@ -164,16 +159,17 @@ class Links:
             self._opening.discard((peer, rail))
             self._cv.notify_all()
 
-    def _admit_pair(self, peer, rail):
+    def _admit_pair(self, peer, rail, claim=True):
         """An incoming handshake for (peer, rail) may go on: the lower rank's always; a higher
         rank's unless this rank is opening that connection itself or has it up (the lower
-        rank's connection wins, so both ends keep the same one). Admitted: counted in
-        _accepting until _release."""
+        rank's connection wins, so both ends keep the same one). Admitted with claim: counted
+        in _accepting until _release (only once the connector proved the secret)."""
         key = (peer, rail)
         with self._cv:
             if peer > self.me and (key in self._opening or self._up(peer, rail)):
                 return False
-            self._accepting[key] += 1
+            if claim:
+                self._accepting[key] += 1
             return True
 
     def _release(self, key):
@@ -389,9 +385,9 @@ class Links:
         else:
             (addr, port), local = ep["rails"][rail], self.boot.rail_addrs[rail]
         try:
-            fd, conn_id = tcp.connect(addr, port, local, self.boot.secret, self.boot.job, self.me,
-                                      peer, rail, timeout, self.cfg.rail_timeout_ms,
-                                      self.cfg.sockbuf, self.cfg.notsent_lowat)
+            fd, conn_id = tcp.connect(addr, port, local, self.boot.secret, self.me, peer, rail,
+                                      timeout, self.cfg.rail_timeout_ms, self.cfg.sockbuf,
+                                      self.cfg.notsent_lowat)
         except (OSError, tcp.HandshakeError) as exc:
             return str(exc) or type(exc).__name__
         except Exception as exc:          # noqa: BLE001
@@ -458,7 +454,9 @@ class Links:
                     ready = sel.select(0.02)
                 except (OSError, ValueError):
                     return
-                for key, _ in ready:
+                # handshakes first: a HELLO that arrived takes its connection out of a
+                # flood's reach before the listeners' newcomers make room
+                for key, _ in sorted(ready, key=lambda kv: kv[0].data is not None):
                     if key.data is None:
                         if key.fd in self._pending:   # (not evicted by an _accept just now)
                             self._step(sel, key.fd)
@@ -508,70 +506,51 @@ class Links:
 
     def _admit_one(self, sel, sock, addr, lindex):
         """Start the handshake of one accepted connection, making room for it if needed."""
-        known = addr[0] in self.known_sources
-        if not self._make_room(sel, addr[0], known):
+        victims, room = self.admission.room({fd: p.hs for fd, p in self._pending.items()},
+                                            addr[0])
+        for fd, why in victims:
+            self._evict(sel, fd, why)
+        if not room:
             sock.close()
-            self._reject(f"connection from {addr[0]}:{addr[1]} closed: {self.max_pending} "
-                         "handshakes already pending, from peers' addresses")
+            self._reject(f"connection from {addr[0]}:{addr[1]} closed: "
+                         f"{self.admission.total} handshakes pending, each with a valid hello")
             return
-        ctrl_index = len(self.boot.listeners) - 1
-        pending = _Pending(None, lindex, addr[0], known)
+        pending = _Pending(None, lindex, addr[0])
+
+        def check(peer, rail, lindex=lindex):
+            return self._wanted(peer, rail, lindex) and self._admit_pair(peer, rail, False)
 
         def admit(peer, rail, lindex=lindex):
-            if not (0 <= peer < self.boot.size and peer != self.me):
-                return False
-            if rail in (shm.SHM_RAIL, shm.TCP_RAIL):   # only a local, lower rank opens one
-                return lindex == ctrl_index and peer in self.shm_peers and peer < self.me
-            if rail == tcp.CTRL_RAIL:
-                ok = lindex == ctrl_index
-            elif peer in self.shm_peers:
-                return False               # a local peer has no NIC rails
-            else:
-                # the listener must be that rail's, and an injected fault keeps the NIC dark
-                ok = rail < self.nrails[peer] and lindex == rail and \
-                    not self.engine.injected(rail, peer)
-            if not ok or not self._admit_pair(peer, rail):
+            if not (self._wanted(peer, rail, lindex) and self._admit_pair(peer, rail)):
                 return False
             pending.claim = (peer, rail)   # released once attached or failed (_release)
             return True
-        hs = tcp.ServerHandshake(sock, addr, self.boot.secret, self.boot.job, self.me,
+        hs = tcp.ServerHandshake(sock, addr, self.boot.secret, self.me,
                                  time.monotonic() + self.handshake_timeout,
                                  self.cfg.rail_timeout_ms, admit, self.cfg.sockbuf,
-                                 self.cfg.notsent_lowat)
+                                 self.cfg.notsent_lowat, check)
         pending.hs = hs
         fd = sock.fileno()
         self._pending[fd] = pending
         sel.register(fd, selectors.EVENT_READ, None)
         self._step(sel, fd)
 
-    def _make_room(self, sel, src, known):
-        """Close pending handshakes so that a new one from address src fits the limits: from
-        an unknown source, its source's oldest beyond MAX_PENDING_PER_SOURCE and the oldest
-        unknown beyond MAX_PENDING_UNKNOWN; when all slots are taken, the oldest unknown one
-        (for a newcomer from a peer's address, else the oldest of those). Those that sent a
-        valid hello go last. False: no room (unknown newcomer, every slot a peer's)."""
-        pending = self._pending
-        if not known:
-            same = [fd for fd, p in pending.items() if p.src == src]
-            if len(same) >= self.max_pending_per_source:
-                self._evict(sel, same, f"more than {self.max_pending_per_source} from {src}")
-            unknown = [fd for fd, p in pending.items() if not p.known]
-            if len(unknown) >= self.max_pending_unknown:
-                self._evict(sel, unknown, f"more than {self.max_pending_unknown} from "
-                            "addresses of no peer")
-        if len(pending) < self.max_pending:
-            return True
-        victims = [fd for fd, p in pending.items() if not p.known]
-        if not victims and known:
-            victims = list(pending)
-        if not victims:
+    def _wanted(self, peer, rail, lindex):
+        """A connection from rank `peer` for `rail` on listener lindex is one this rank takes."""
+        if not (0 <= peer < self.boot.size and peer != self.me):
             return False
-        self._evict(sel, victims, f"{self.max_pending} handshakes already pending")
-        return True
+        ctrl_index = len(self.boot.listeners) - 1
+        if rail in (shm.SHM_RAIL, shm.TCP_RAIL):   # only a local, lower rank opens one
+            return lindex == ctrl_index and peer in self.shm_peers and peer < self.me
+        if rail == tcp.CTRL_RAIL:
+            return lindex == ctrl_index
+        if peer in self.shm_peers:
+            return False                   # a local peer has no NIC rails
+        # the listener must be that rail's, and an injected fault keeps the NIC dark
+        return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
 
-    def _evict(self, sel, fds, why):
-        """Close the oldest of the pending handshakes fds (those without a hello first)."""
-        fd = min(fds, key=lambda f: (self._pending[f].hs.got_hello, self._pending[f].since))
+    def _evict(self, sel, fd, why):
+        """Close the pending handshake on fd to make room (admission.Policy chose it)."""
         p = self._pending[fd]
         self._forget(sel, fd)
         p.hs.close()
@@ -588,7 +567,7 @@ class Links:
             self._forget(sel, fd)
             hs.close()
             self._release(pend.claim)
-            if "refused (rail failed" not in str(exc):
+            if not isinstance(exc, tcp.Refused):
                 self._reject(str(exc))
             return
         except Exception as exc:          # noqa: BLE001 (e.g. admit() on a closed engine)
@@ -597,22 +576,29 @@ class Links:
             self._release(pend.claim)
             self._link_error("handshake", -1, -1, exc)
             return
-        if res is not None:
-            self._forget(sel, fd)          # fd now belongs to the engine
-            if res[1] not in (tcp.CTRL_RAIL, shm.SHM_RAIL, shm.TCP_RAIL) and self.verbs:
-                # the queue-pair exchange waits for the peer: not on this thread, which
-                # drives every other handshake
-                threading.Thread(target=self._attach_verbs, args=(pend.claim, *res),
-                                 daemon=True, name="r2comm-qpx").start()
-            else:
-                try:
-                    self._attach(*res)
-                except (OSError, tcp.HandshakeError) as exc:
-                    self._reject(f"rank {res[0]} rail {res[1]}: connection refused: {exc}")
-                except Exception as exc:  # noqa: BLE001 (_attach released what it took)
-                    self._link_error("attaching", res[0], res[1], exc)
-                finally:
-                    self._release(pend.claim)
+        if res is None:
+            if hs.got_hello and not pend.paired:   # its pair's slot, the newest of that pair
+                pend.paired = True
+                hss = {k: p.hs for k, p in self._pending.items()}
+                for old in self.admission.pair_excess(hss, fd):
+                    self._evict(sel, old, f"more than {self.admission.per_pair} handshakes "
+                                          f"of rank {hs.pair[0]} rail {hs.pair[1]}")
+            return
+        self._forget(sel, fd)              # fd now belongs to the engine
+        if res[1] not in (tcp.CTRL_RAIL, shm.SHM_RAIL, shm.TCP_RAIL) and self.verbs:
+            # the queue-pair exchange waits for the peer: not on this thread, which
+            # drives every other handshake
+            threading.Thread(target=self._attach_verbs, args=(pend.claim, *res),
+                             daemon=True, name="r2comm-qpx").start()
+        else:
+            try:
+                self._attach(*res)
+            except (OSError, tcp.HandshakeError) as exc:
+                self._reject(f"rank {res[0]} rail {res[1]}: connection refused: {exc}")
+            except Exception as exc:      # noqa: BLE001 (_attach released what it took)
+                self._link_error("attaching", res[0], res[1], exc)
+            finally:
+                self._release(pend.claim)
 
     def _attach_verbs(self, claim, *res):
         try:
@@ -743,14 +729,14 @@ class Links:
 
 
 class _Pending:
-    """One incoming handshake in progress: its state machine, listener, source address, whether
-    that is a peer's address, when it was accepted, and the (peer, rail) it was admitted for."""
-    __slots__ = ("hs", "lindex", "src", "known", "since", "claim")
+    """One incoming handshake in progress: its state machine, listener, source address, the
+    (peer, rail) it was admitted for, and whether its pair's cap was applied."""
+    __slots__ = ("hs", "lindex", "src", "claim", "paired")
 
-    def __init__(self, hs, lindex, src, known):
-        self.hs, self.lindex, self.src, self.known = hs, lindex, src, known
-        self.since = time.monotonic()
+    def __init__(self, hs, lindex, src):
+        self.hs, self.lindex, self.src = hs, lindex, src
         self.claim = None
+        self.paired = False
 
 
 def _parallel(jobs, attempt, wait_s):
@@ -778,18 +764,3 @@ def _parallel(jobs, attempt, wait_s):
         w.join(max(end - time.monotonic(), 0))
     with lock:
         return dict(out)
-
-
-def _peer_addresses(endpoints, me):
-    """The addresses the other ranks listen on (rails and control): where their connections
-    come from, barring NAT (a connection from elsewhere still gets in, with the unknown ones)."""
-    out = set()
-    for r, ep in enumerate(endpoints):
-        if r == me:
-            continue
-        out.update(a for a, _ in ep.get("rails", ()))
-        ctrl = ep.get("ctrl")
-        if ctrl:
-            out.add(ctrl[0])
-    out.discard("0.0.0.0")
-    return out

@@ -10,13 +10,23 @@ any valid frame from a rank counts as hearing it.
 
 Suspicion and confirmation (SWIM's indirect probe). A neighbour silent for `suspect` seconds,
 or whose ring connection closed or refused, is suspected; the suspecter asks the suspect's other
-ring neighbour (then the next live ranks, up to CONFIRMERS) to probe it on a fresh connection:
-refused or reset -> its process is gone; no TCP answer within PROBE_S -> its host or path is
-dead; TCP accepted but the handshake (or a PING) unanswered -> its process is frozen (SIGSTOP,
-a debugger); a PONG -> alive (the suspecter's own link was slow: the suspicion is dropped). A
-gone or unreachable rank is declared dead at once; a frozen one only once it has been silent
-for `frozen` seconds (README: a paused process is not a dead one), then the same way. With two
-live ranks there is no second observer: the suspecter probes itself.
+ring neighbour (then the next live ranks, up to CONFIRMERS) to probe it on a fresh connection.
+Only what the kernel says of the suspect is evidence of death: a refused connect, an
+authenticated connection it reset or closed, or (a process on this host) its pid gone -> its
+process is gone; no TCP answer within PROBE_S from another host -> its host or path is dead.
+Anything else is inconclusive -> frozen: a handshake closed, reset or unanswered (a SIGSTOPped
+process, a debugger, or a flood that holds its listener: nobody else can tell those apart), no
+TCP answer on this host. A PONG -> alive (the suspecter's own link was slow: the suspicion is
+dropped). A gone or unreachable rank is declared dead at once; a frozen one only once it has
+been silent (no authenticated frame) for `frozen` seconds (README: a paused process is not a
+dead one), then the same way. With two live ranks there is no second observer: the suspecter
+probes itself.
+
+Admission. The listener is public (any local user can connect to it), so it takes connections
+under admission.Policy, like the links' listeners: a connection holds a slot only once its
+HELLO carries a valid tag, anonymous ones are capped in all and per source address and the
+oldest goes for a newcomer; established ones are capped by kind (MAX_RING, MAX_ONCE), refused
+after the proof (the connector sees an inconclusive close, never a refusal).
 
 Spread. The declarer sends the news (the whole dead list) along a halving tree over the live
 ranks in ring order starting at itself: each receiver forwards to the middle of the ring segment
@@ -25,7 +35,10 @@ messages per rank per death, on short-lived authenticated connections (rail id O
 that does not answer hands its segment to the next live rank in it. Heartbeats carry the dead
 list's size and digest, so a rank that missed the tree (its sender died mid-way) gets the list
 from a ring neighbour one period later. The ring is repaired around a dead rank (the next live
-rank is connected), so a second failure is detected the same way. A rank that learns it was
+rank is connected), so a second failure is detected the same way. The ring view (neighbours,
+the dead list's digest) is cached and recomputed only when the dead or departed ranks change,
+so a pass of the ring thread costs the same at 64 ranks and at 8,192 (issue 39); observers and
+the spread's targets are found in O(log n) (RingView). A rank that learns it was
 itself declared dead (it resumed after a long stop) treats every other rank as lost: a fail-stop
 model, as in ULFM.
 
@@ -35,11 +48,12 @@ ring (selector, bounded timeouts); one more does the blocking client work (conne
 spread) from a queue. Nothing here runs on the data path. Frames: type, flags, length, counter,
 payload, and a 16-byte HMAC-SHA256 tag under the connection's per-direction key (tcp.take_keys),
 each counter used once in order; a bad frame closes its connection."""
+import bisect
 import collections
-import errno
 import hashlib
 import hmac
 import logging
+import os
 import queue
 import selectors
 import socket
@@ -48,7 +62,7 @@ import threading
 import time
 import zlib
 
-from . import tcp
+from . import admission, shm, tcp
 
 log = logging.getLogger("r2comm")
 
@@ -74,7 +88,8 @@ CAUSE_TEXT = {GONE: "its process is gone (connections refused or reset)",
 PROBE_S = 0.6          # one probe's connect, and then its handshake and PING, each at most
 CONFIRMERS = 3         # second observers asked in turn (the first that answers decides)
 HANDSHAKE_S = 2.0      # an incoming handshake's deadline
-MAX_CONNS = 64         # connections held at once (ring, pending, short-lived) before refusing
+MAX_RING = 4           # ring connections held at once (the two neighbours, a repair's new one)
+MAX_ONCE = 32          # short-lived ones (confirm, probe, spread) held at once
 MAX_ASKS = 16          # others' suspicions waiting for a probe here (more: not answered)
 
 
@@ -226,18 +241,72 @@ def reason_text(rank, cause, suspecter, confirmer, silent=None):
     return (f"rank {rank} is dead (failure detector: {CAUSE_TEXT[cause]}{quiet}; {who})")
 
 
+class RingView:
+    """The live ranks of a ring of `size` in rank order, given the ranks that are out (dead or
+    departed): neighbours, counts and the k-th live rank after a rank in O(log n) each."""
+
+    def __init__(self, size, out=()):
+        self.size = size
+        self.out = frozenset(out)
+        self._sorted = sorted(self.out)
+
+    def _out_within(self, a, m):
+        """Out ranks at ring offsets 1..m after a."""
+        if m <= 0:
+            return 0
+        lo, hi, n, srt = a + 1, a + m, self.size, self._sorted
+        if hi < n:
+            return bisect.bisect_right(srt, hi) - bisect.bisect_left(srt, lo)
+        return len(srt) - bisect.bisect_left(srt, lo) + bisect.bisect_right(srt, hi - n)
+
+    def count(self, a, b):
+        """Live ranks after a and before b in ring order (b == a: all but a)."""
+        m = ((b - a) % self.size or self.size) - 1
+        return m - self._out_within(a, m)
+
+    def nth(self, a, k):
+        """The k-th (from 0) live rank after a in ring order; None if there are fewer."""
+        lo, hi = 1, self.size - 1
+        if hi - self._out_within(a, hi) <= k:
+            return None
+        while lo < hi:                         # the least offset with k + 1 live ranks up to it
+            mid = (lo + hi) // 2
+            if mid - self._out_within(a, mid) > k:
+                hi = mid
+            else:
+                lo = mid + 1
+        return (a + lo) % self.size
+
+    def walk(self, a, step):
+        """The live ranks from a (not a itself) in ring order (step 1) or backwards (-1)."""
+        r = a
+        for _ in range(self.size - 1):
+            r = (r + step) % self.size
+            if r not in self.out:
+                yield r
+
+    def neighbours(self, a):
+        """(predecessor, successor) of a among the live ranks (None, None: a is alone)."""
+        succ = next(self.walk(a, 1), None)
+        if succ is None or succ == a:
+            return None, None
+        return next(self.walk(a, -1)), succ
+
+
 class Detector:
     """The ring failure detector of one rank (see the module's docstring)."""
 
-    def __init__(self, rank, size, secret, job, listener, addrs, settings, on_dead=None,
+    def __init__(self, rank, size, secret, listener, addrs, settings, on_dead=None, pids=None,
                  facts=None):
         self.me, self.size = rank, size
         self.facts = facts                   # the NIC facts it spreads (facts.FactBook), or None
-        self.secret, self.job = secret, job
+        self.secret = secret
         self.listener = listener
         self.addrs = addrs                   # per rank: (address, port) of its listener
+        self.pids = dict(pids or {})         # rank -> pid, of ranks this kernel shows (this host)
         self.s = settings
         self.on_dead = on_dead
+        self.admission = admission.Policy()  # which pending handshakes a flood may close
         self.deads = {}                      # rank -> (cause, suspected by, confirmed by)
         self.dead_at = {}                    # rank -> time.time() this rank learned it
         self.left = set()                    # ranks that closed their detector (BYE)
@@ -255,6 +324,10 @@ class Detector:
         self._ring = {}                      # fd -> Conn (ring connections)
         self._once = {}                      # fd -> Conn (short-lived, accepted)
         self._pending = {}                   # fd -> tcp.ServerHandshake
+        self._paired = set()                 # of which fds whose pair's cap was applied
+        self._view = RingView(size)          # the live ranks (recomputed when deads/left change)
+        self._nbrs_now = self._view.neighbours(rank)
+        self._digest = digest({})            # of the dead list (heartbeats carry it)
         self._connecting = None              # successor being connected by the worker
         self._succ_conn = None
         self._nbrs = None                    # (pred, succ) last seen by _watch
@@ -293,7 +366,7 @@ class Detector:
 
     def neighbours(self):
         """(predecessor, successor) among the live ranks in this rank's view (None: alone)."""
-        return self._pred(), self._succ()
+        return self._nbrs_now
 
     def share_facts(self):
         """Spread this rank's NIC facts to every live rank (the halving tree, as a death's
@@ -339,33 +412,29 @@ class Detector:
     def _out(self, r):
         return r in self.deads or r in self.left
 
-    def _live_after(self, start, stop):
-        """Live ranks after `start` in ring order, before `stop` (exclusive; start: all)."""
-        out = []
-        r = (start + 1) % self.size
-        while r != start and r != stop:
-            if not self._out(r):
-                out.append(r)
-            r = (r + 1) % self.size
-        return out
+    def _reviewed(self):
+        """The dead or departed ranks changed: recompute the ring view, neighbours and digest
+        (the only O(n) work, once per change)."""
+        with self._lock:
+            out = set(self.deads) | self.left
+            self._digest = digest(self.deads)
+        self._view = RingView(self.size, out)
+        self._nbrs_now = self._view.neighbours(self.me)
 
     def _succ(self):
-        nxt = self._live_after(self.me, self.me)
-        return nxt[0] if nxt else None
-
-    def _pred(self):
-        nxt = self._live_after(self.me, self.me)
-        return nxt[-1] if nxt else None
+        return self._nbrs_now[1]
 
     def _other_observers(self, q):
         """Who may confirm a suspicion of q: its other ring neighbour, then the next live
-        ranks (never q, never this rank), CONFIRMERS at most."""
-        ring = [r for r in self._live_after(q, q) if r != self.me]
-        if self._succ() == q:                  # q's other neighbour is after it
-            order = ring
-        else:                                  # q is the predecessor: its other one is before
-            order = ring[::-1]
-        return order[:CONFIRMERS]
+        ranks (never q, never this rank), CONFIRMERS at most; walks only as far as those."""
+        step = 1 if self._succ() == q else -1  # q's other neighbour is after it / before it
+        out = []
+        for r in self._view.walk(q, step):
+            if r != self.me and r != q:
+                out.append(r)
+                if len(out) == CONFIRMERS:
+                    break
+        return out
 
     # -- the ring thread -------------------------------------------------------------------------
     def _serve(self):
@@ -374,7 +443,9 @@ class Detector:
             while not self._stop.is_set():
                 now = time.monotonic()
                 wait = max(0.0, min(next_hb - now, self.s.period / 2))
-                for key, _ in self._sel.select(wait):
+                # handshakes first: a HELLO that arrived takes its connection out of a flood's
+                # reach before the listener's newcomers make room
+                for key, _ in sorted(self._sel.select(wait), key=lambda kv: kv[0].data == "listen"):
                     self._ready(key)
                 while self._done:
                     self._done.popleft()()
@@ -411,17 +482,28 @@ class Detector:
                 return
             except OSError:
                 return
-            if len(self._ring) + len(self._once) + len(self._pending) >= MAX_CONNS:
+            victims, room = self.admission.room(self._pending, addr[0])
+            for fd, _why in victims:
+                self._pending[fd].close()
+                self._drop_pending(fd)
+            if not room:
                 sock.close()
                 continue
-            hs = tcp.ServerHandshake(sock, addr, self.secret, self.job, self.me,
-                                     time.monotonic() + HANDSHAKE_S, 0, self._admit)
+            hs = tcp.ServerHandshake(sock, addr, self.secret, self.me,
+                                     time.monotonic() + HANDSHAKE_S, 0, self._admit,
+                                     check=self._wanted)
             self._pending[sock.fileno()] = hs
             self._sel.register(sock.fileno(), selectors.EVENT_READ, "hs")
             self._step(sock.fileno())
 
-    def _admit(self, peer, rail):
+    def _wanted(self, peer, rail):
+        """A HELLO from rank `peer` for `rail` may go on (before the proof: no effect)."""
         return 0 <= peer < self.size and peer != self.me and rail in (RING, ONCE)
+
+    def _admit(self, peer, rail):
+        """The connector proved the secret: room for one more connection of its kind?"""
+        held = len(self._ring) < MAX_RING if rail == RING else len(self._once) < MAX_ONCE
+        return self._wanted(peer, rail) and held
 
     def _step(self, fd, now=None):
         hs = self._pending.get(fd)
@@ -434,6 +516,11 @@ class Detector:
             hs.close()
             return
         if res is None:
+            if hs.got_hello and fd not in self._paired:    # the newest of its pair stay
+                self._paired.add(fd)
+                for old in self.admission.pair_excess(self._pending, fd):
+                    self._pending[old].close()
+                    self._drop_pending(old)
             return
         self._drop_pending(fd)
         peer, rail, cfd, _conn_id = res
@@ -445,6 +532,7 @@ class Detector:
 
     def _drop_pending(self, fd):
         del self._pending[fd]
+        self._paired.discard(fd)
         try:
             self._sel.unregister(fd)
         except (KeyError, ValueError):
@@ -495,7 +583,7 @@ class Detector:
             if len(payload) != HB.size:
                 raise FrameError("a heartbeat of the wrong size")
             n, dig, fdig = HB.unpack(payload)
-            if dig != digest(self.deads):
+            if dig != self._digest:
                 self._sync(conn)
             if self.facts is not None and fdig != self._facts_digest():
                 self._sync_facts(conn)
@@ -530,6 +618,7 @@ class Detector:
             if conn.peer not in self.left:
                 with self._lock:
                     self.left.add(conn.peer)
+                self._reviewed()
             self._drop(conn, evidence=False)
         else:
             raise FrameError(f"unexpected liveness frame type {ftype}")
@@ -578,7 +667,7 @@ class Detector:
         if self.excluded:
             return
         pred, succ = self.neighbours()
-        payload = HB.pack(len(self.deads), digest(self.deads), self._facts_digest())
+        payload = HB.pack(len(self.deads), self._digest, self._facts_digest())
         for conn in list(self._ring.values()):
             if conn.peer in (pred, succ) and conn.peer not in self.test_mute:
                 try:
@@ -672,6 +761,7 @@ class Detector:
             self.deads.update(fresh)
             for r in fresh:
                 self.dead_at[r] = t
+        self._reviewed()
         for r, (cause, sus, conf) in sorted(fresh.items()):
             if r == self.me:
                 continue
@@ -742,16 +832,17 @@ class Detector:
     def _dial(self, q, rail, timeout):
         """An authenticated connection to q's detector: a Conn, or the OSError / HandshakeError."""
         addr, port = self.addrs[q]
-        fd, _cid = tcp.connect(addr, port, None, self.secret, self.job, self.me, q, rail,
-                               timeout, 0)
+        fd, _cid = tcp.connect(addr, port, None, self.secret, self.me, q, rail, timeout, 0)
         return Conn(fd, q, "ring" if rail == RING else "once")
 
     def _connect_ring(self, q):
+        """Connect the successor q; a refused connect is evidence against it, a handshake that
+        closed or reset is not (a flood can do that)."""
         refused = False
         try:
             fd, _cid = tcp.connect(self.addrs[q][0], self.addrs[q][1], None, self.secret,
-                                   self.job, self.me, q, RING, self.s.probe, 0)
-        except (ConnectionRefusedError, ConnectionResetError):
+                                   self.me, q, RING, self.s.probe, 0)
+        except ConnectionRefusedError:
             fd, refused = None, True
         except (OSError, tcp.HandshakeError):
             fd = None
@@ -819,8 +910,13 @@ class Detector:
         self._call(answer)
 
     def probe(self, q):
-        """Probe q's detector directly: ALIVE (it answered a PING), GONE (refused or reset),
-        UNREACHABLE (no TCP answer) or FROZEN (its kernel accepted, the process is silent)."""
+        """Probe q's detector directly: ALIVE (it answered a PING), GONE (its pid gone from this
+        host, a refused connect, or it reset or closed the authenticated connection),
+        UNREACHABLE (no TCP answer from another host) or FROZEN (inconclusive: its kernel
+        accepted and the handshake or PING went unanswered, closed or reset, or no TCP answer
+        on this host)."""
+        if self._process_gone(q):
+            return GONE
         addr, port = self.addrs[q]
         raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         raw.settimeout(self.s.probe)
@@ -828,42 +924,56 @@ class Detector:
             raw.connect((addr, port))              # the kernel's answer alone
         except ConnectionRefusedError:
             return GONE
-        except OSError as exc:
-            return GONE if exc.errno in (errno.ECONNRESET, errno.ECONNREFUSED) else UNREACHABLE
+        except OSError:                            # (on this host: a full backlog, a flood's)
+            return FROZEN if q in self.pids else UNREACHABLE
         finally:
             raw.close()
         try:
             conn = self._dial(q, ONCE, self.s.probe)
         except ConnectionRefusedError:
             return GONE
-        except (OSError, tcp.HandshakeError) as exc:
-            return GONE if "closed" in str(exc) else FROZEN
+        except (OSError, tcp.HandshakeError):
+            return FROZEN
         try:
             conn.sock.setblocking(True)
             conn.sock.settimeout(self.s.probe)
             conn.sock.sendall(conn.frame(T_PING))
             for ftype, _payload in self._blocking_frames(conn):
                 return ALIVE if ftype == T_PONG else FROZEN
+            return GONE                            # it closed an authenticated connection
+        except ConnectionResetError:
             return GONE
-        except OSError:
-            return FROZEN
-        except FrameError:
+        except (OSError, FrameError):
             return FROZEN
         finally:
             conn.close()
+
+    def _process_gone(self, q):
+        """q runs on this host (its pid known) and no process has that pid any more."""
+        pid = self.pids.get(q)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:                            # another user's process: it exists
+            return False
+        return False
 
     def _spread(self, end, ftype=T_SPREAD):
         """Send the dead list (T_SPREAD) or the facts (T_SPREAD_FACTS) down the halving tree
         over this rank's segment (live ranks after it, before `end`); a target that does not
         answer hands its part to the next."""
         with self._lock:
-            members = self._live_after(self.me, end)
             payload = encode_deads(self.deads) if ftype == T_SPREAD else self.facts.encode()
-        for t, hi in halving_targets(members):
-            stop = members[hi] if hi < len(members) else end
+        view = self._view
+        m = view.count(self.me, end)           # live ranks of the segment, none listed
+        for t, hi in halving_targets(range(m)):
+            stop = view.nth(self.me, hi) if hi < m else end
             for k in range(t, hi):
                 try:
-                    conn = self._dial(members[k], ONCE, self.s.probe)
+                    conn = self._dial(view.nth(self.me, k), ONCE, self.s.probe)
                 except (OSError, tcp.HandshakeError):
                     continue
                 try:
@@ -903,10 +1013,12 @@ def start(engine, boot, cfg, facts=None):
     except BaseException:
         boot.detector.close()
         raise
-    det = Detector(boot.rank, boot.size, boot.secret, boot.job, boot.detector, addrs,
+    pids = {r: ep["pid"] for r, ep in enumerate(boot.endpoints)
+            if shm.is_local(boot.endpoints, boot.rank, r)}   # same host, same pid namespace
+    det = Detector(boot.rank, boot.size, boot.secret, boot.detector, addrs,
                    Settings(cfg.liveness_period_ms / 1e3, cfg.liveness_suspect_ms / 1e3,
                             cfg.liveness_frozen_ms / 1e3),
-                   on_dead=engine.peer_dead, facts=facts)
+                   on_dead=engine.peer_dead, pids=pids, facts=facts)
     det.start()
     return det
 

@@ -10,8 +10,10 @@ remote peers, comm.shm_peers names the local ones.
 
 Set-up (cold path, Python; the lower rank opens, as for TCP rails):
   1. the opener creates a POSIX shm segment (O_EXCL, mode 0600) named
-     /r2comm-<job id>-<pid namespace>-<opener pid>-<lo>-<hi>-<connection id> holding both
-     rings; its header carries the job id, connection id and ring size;
+     /r2comm-<tag>-<pid namespace>-<opener pid>-<lo>-<hi>-<connection id> holding both
+     rings, where tag = HMAC(job secret, the other fields)[:8] (hex): another user who lists
+     /dev/shm learns nothing that takes part in a handshake; its header carries the job id,
+     connection id and ring size;
   2. it opens a TCP connection to the peer's control listener (loopback or the management
      address) and runs tcp.py's HMAC handshake with rail code SHM_RAIL and that connection id:
      both sides prove the job secret before anything is mapped;
@@ -45,6 +47,8 @@ set-up) is left alone.
 """
 import errno
 import functools
+import hashlib
+import hmac
 import logging
 import os
 import select
@@ -120,14 +124,16 @@ def pid_namespace():
         return 0
 
 
-def segment_name(job, pid, lo, hi, conn_id):
-    """The link's segment name: the creator's pid namespace and pid say who may clean it up."""
-    return (f"/{PREFIX}{job.hex()}-{pid_namespace():x}-{int(pid)}-{int(lo)}-{int(hi)}-"
-            f"{conn_id:08x}")
+def segment_name(secret, pid, lo, hi, conn_id):
+    """The link's segment name: the creator's pid namespace and pid say who may clean it up;
+    its tag derives from the job secret (nothing in it is the job id or a key)."""
+    rest = f"{pid_namespace():x}-{int(pid)}-{int(lo)}-{int(hi)}-{conn_id:08x}"
+    tag = hmac.new(secret, b"r2comm shm name " + rest.encode(), hashlib.sha256).hexdigest()[:16]
+    return f"/{PREFIX}{tag}-{rest}"
 
 
 def _parse(entry):
-    """(job hex, pid namespace, pid) of an r2comm segment file name, or None."""
+    """(tag hex, pid namespace, pid) of an r2comm segment file name, or None."""
     if not entry.startswith(PREFIX):
         return None
     parts = entry[len(PREFIX):].split("-")
@@ -231,7 +237,7 @@ def open_link(engine, boot, cfg, peer, timeout):
     seg = _segments()
     me, job = boot.rank, boot.job
     conn_id = struct.unpack("!I", os.urandom(4))[0]
-    name = segment_name(job, os.getpid(), me, peer, conn_id)
+    name = segment_name(boot.secret, os.getpid(), me, peer, conn_id)
     try:
         base, n = seg.shm_create(name.encode(), cfg.shm_ring, conn_id, job, os.getpid())
     except OSError as exc:
@@ -242,7 +248,7 @@ def open_link(engine, boot, cfg, peer, timeout):
     try:
         deadline = time.monotonic() + timeout
         addr, port = boot.endpoints[peer]["ctrl"]
-        fd, _ = tcp.connect(addr, port, None, boot.secret, job, me, peer, SHM_RAIL, timeout,
+        fd, _ = tcp.connect(addr, port, None, boot.secret, me, peer, SHM_RAIL, timeout,
                             cfg.rail_timeout_ms, 0, 0, conn_id=conn_id)
         keys = tcp.take_keys(fd)
         _wait_byte(fd, deadline)
@@ -276,9 +282,8 @@ def open_tcp_link(engine, boot, cfg, peer, timeout):
     """The opener's fallback: a local pair's data rail 0 as a TCP connection to the peer's
     control listener (rail code TCP_RAIL). Raises OSError or tcp.HandshakeError."""
     addr, port = boot.endpoints[peer]["ctrl"]
-    fd, conn_id = tcp.connect(addr, port, None, boot.secret, boot.job, boot.rank, peer,
-                              TCP_RAIL, timeout, cfg.rail_timeout_ms, cfg.sockbuf,
-                              cfg.notsent_lowat)
+    fd, conn_id = tcp.connect(addr, port, None, boot.secret, boot.rank, peer, TCP_RAIL,
+                              timeout, cfg.rail_timeout_ms, cfg.sockbuf, cfg.notsent_lowat)
     keys = tcp.take_keys(fd)
     try:
         engine.attach(peer, 0, fd, conn_id, *keys)
@@ -326,7 +331,7 @@ def accept_link(engine, boot, peer, fd, conn_id):
         pid = boot.endpoints[peer].get("pid")
         if pid is None:
             raise tcp.HandshakeError(f"rank {peer} announced no process id")
-        name = segment_name(boot.job, pid, peer, boot.rank, conn_id)
+        name = segment_name(boot.secret, pid, peer, boot.rank, conn_id)
         base, n = _map_peer_segment(name, conn_id, boot.job, peer)
         if os.write(fd, b"\x01") != 1:
             raise OSError(errno.EAGAIN, "could not answer the shared-memory set-up")

@@ -1,12 +1,19 @@
 """TCP rail transport, cold path: listen, connect, accept, and the authenticated handshake.
 
 Every connection proves knowledge of the per-job secret both ways before the engine sees it:
-  connector -> HELLO(magic, version, job id, src rank, dst rank, rail, connection id, nonce_c)
+  connector -> HELLO(magic, version, tag, src rank, dst rank, rail, connection id, nonce_c)
   acceptor  -> nonce_s + HMAC(secret, "acc" | HELLO | nonce_s)
   connector -> HMAC(secret, "con" | HELLO | nonce_s)
-Anything else (wrong job, wrong rank, bad MAC, short read, timeout) closes the socket.
-Both sides then derive one key per direction from the secret and both nonces (frame MACs,
-R2COMM_INTEGRITY=mac); take_keys(fd) hands them to whoever attaches the connection.
+  acceptor  -> HMAC(secret, "ok" | HELLO | nonce_s)[:16]   (admitted)
+The HELLO's tag is HMAC(secret, "hel" | the HELLO with a zero tag)[:8]: no job id travels, and
+only a holder of the secret (or whoever replays a HELLO seen on the wire) makes a HELLO that the
+acceptor answers.
+The acceptor admits the connection (admit(): a claim on the pair's slot) only once the
+connector's proof checked, then says so; a refusal closes the socket before that last message,
+so the connector never takes a refused connection for a working one. Anything else (wrong tag,
+wrong rank, bad MAC, short read, timeout) closes the socket. Both sides then derive one key per
+direction from the secret and both nonces (frame MACs, R2COMM_INTEGRITY=mac); take_keys(fd)
+hands them to whoever attaches the connection.
 
 The accepting side is a non-blocking state machine (ServerHandshake) so that one thread can
 drive many handshakes at once, each under one deadline: a client that trickles bytes holds a
@@ -21,10 +28,12 @@ import struct
 import time
 
 MAGIC = b"R2CH"
-VERSION = 1
+VERSION = 2            # 2: a tagged HELLO (no job id) and the acceptor's admission message
 CTRL_RAIL = 0xFFFF
 HELLO = struct.Struct("!4sH8siiHI16s")
+TAG_LEN = 8            # the HELLO's tag
 MAC_LEN = 32
+ACK_LEN = 16           # the acceptor's "admitted"
 TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 FRAME_KEY_LEN = 32
@@ -33,6 +42,10 @@ _keys = {}          # fd -> (tx key, rx key) of a connection that has not been a
 
 class HandshakeError(Exception):
     """The peer did not prove the job secret, or spoke something else."""
+
+
+class Refused(HandshakeError):
+    """The acceptor does not want this connection (its check() or admit() said no)."""
 
 
 def listen(addr):
@@ -55,6 +68,20 @@ def _recv_exact(sock, n):
 
 def _mac(secret, label, hello, nonce_s):
     return hmac.new(secret, label + hello + nonce_s, hashlib.sha256).digest()
+
+
+def hello(secret, src, dst, rail, conn_id, nonce):
+    """The tagged HELLO of a connection src -> dst on `rail`."""
+    fields = (src, dst, rail, conn_id, nonce)
+    tag = hmac.new(secret, b"hel" + HELLO.pack(MAGIC, VERSION, bytes(TAG_LEN), *fields),
+                   hashlib.sha256).digest()[:TAG_LEN]
+    return HELLO.pack(MAGIC, VERSION, tag, *fields)
+
+
+def _hello_valid(secret, raw):
+    """raw (a HELLO of this version) carries the tag of the job secret."""
+    _m, _v, tag, src, dst, rail, conn_id, nonce = HELLO.unpack(raw)
+    return hmac.compare_digest(tag, HELLO.unpack(hello(secret, src, dst, rail, conn_id, nonce))[2])
 
 
 def _derive_keys(secret, hello, nonce_s, acceptor):
@@ -95,10 +122,12 @@ def tune(sock, rail_timeout_ms, sockbuf=0, lowat=0):
         sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, lowat)
 
 
-def connect(addr, port, local_addr, secret, job, src, dst, rail, timeout, rail_timeout_ms,
+def connect(addr, port, local_addr, secret, src, dst, rail, timeout, rail_timeout_ms,
             sockbuf=0, lowat=0, conn_id=None):
     """Open and authenticate one connection; returns (fd, connection id). conn_id: the
-    connection id to announce (default random; a shared-memory link names its segment by it)."""
+    connection id to announce (default random; a shared-memory link names its segment by it).
+    Raises OSError (ConnectionRefusedError: nothing listens there) or HandshakeError (the
+    acceptor closed before admitting it: refused, busy, or not this job)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -107,16 +136,19 @@ def connect(addr, port, local_addr, secret, job, src, dst, rail, timeout, rail_t
         sock.connect((addr, port))
         if conn_id is None:
             conn_id = struct.unpack("!I", os.urandom(4))[0]
-        hello = HELLO.pack(MAGIC, VERSION, job, src, dst, rail, conn_id, os.urandom(16))
-        sock.sendall(hello)
+        msg = hello(secret, src, dst, rail, conn_id, os.urandom(16))
+        sock.sendall(msg)
         reply = _recv_exact(sock, 16 + MAC_LEN)
         nonce_s, mac = reply[:16], reply[16:]
-        if not hmac.compare_digest(mac, _mac(secret, b"acc", hello, nonce_s)):
+        if not hmac.compare_digest(mac, _mac(secret, b"acc", msg, nonce_s)):
             raise HandshakeError(f"rank {dst} at {addr}:{port} failed to prove the job secret")
-        sock.sendall(_mac(secret, b"con", hello, nonce_s))
+        sock.sendall(_mac(secret, b"con", msg, nonce_s))
+        if not hmac.compare_digest(_recv_exact(sock, ACK_LEN),
+                                   _mac(secret, b"ok", msg, nonce_s)[:ACK_LEN]):
+            raise HandshakeError(f"rank {dst} at {addr}:{port}: a bad admission message")
         tune(sock, rail_timeout_ms, sockbuf, lowat)
         sock.setblocking(False)
-        keys = _derive_keys(secret, hello, nonce_s, False)
+        keys = _derive_keys(secret, msg, nonce_s, False)
         fd = sock.detach()
         _keys[fd] = keys
         return fd, conn_id
@@ -128,14 +160,19 @@ def connect(addr, port, local_addr, secret, job, src, dst, rail, timeout, rail_t
 class ServerHandshake:
     """The accepting side of one handshake, driven without blocking: step() when the socket is
     readable (or its deadline passed) returns None while more is needed, the result
-    (peer rank, rail, fd, connection id) once the connector proved the secret (the socket is
-    then detached: fd belongs to the caller), or raises HandshakeError or OSError (the caller
-    closes it). One deadline covers the whole handshake."""
+    (peer rank, rail, fd, connection id) once the connector proved the secret and admit() took
+    it (the socket is then detached: fd belongs to the caller), or raises HandshakeError
+    (Refused: check() or admit() said no) or OSError; the caller closes it. check(peer, rail)
+    runs on a valid HELLO, before this side's proof, and must have no effect; admit(peer, rail)
+    runs once the connector's proof checked (where a claim may be taken). One deadline covers
+    the whole handshake."""
 
-    def __init__(self, sock, addr, secret, job, me, deadline, rail_timeout_ms, admit=None,
-                 sockbuf=0, lowat=0):
+    def __init__(self, sock, addr, secret, me, deadline, rail_timeout_ms, admit=None,
+                 sockbuf=0, lowat=0, check=None):
         self.sock, self.addr, self.deadline = sock, addr, deadline
-        self._secret, self._job, self._me, self._admit = secret, job, me, admit
+        self.since = time.monotonic()
+        self.pair = None                  # (peer rank, rail) once a valid HELLO named them
+        self._secret, self._me, self._admit, self._check = secret, me, admit, check
         self._tune = (rail_timeout_ms, sockbuf, lowat)
         self._buf = bytearray()
         self._hello = None
@@ -147,7 +184,7 @@ class ServerHandshake:
 
     @property
     def got_hello(self):
-        """The connector sent a valid HELLO of this job to this rank (it got this side's proof)."""
+        """The connector sent a HELLO with a valid tag for this rank (it got this side's proof)."""
         return self._hello is not None
 
     def _who(self):
@@ -179,42 +216,47 @@ class ServerHandshake:
                                      f"({len(self._buf)} of {need} bytes)")
             return None
         if self._hello is None:
-            hello, self._buf = bytes(self._buf), bytearray()
-            magic, ver, pjob, src, dst, rail, conn_id, _nonce = HELLO.unpack(hello)
+            msg, self._buf = bytes(self._buf), bytearray()
+            magic, ver, _tag, src, dst, rail, _conn_id, _nonce = HELLO.unpack(msg)
             if magic != MAGIC or ver != VERSION:
-                raise HandshakeError(f"{self._who()} is not an r2comm rail")
-            if pjob != self._job or dst != self._me:
+                raise HandshakeError(f"{self._who()} is not an r2comm rail of this version")
+            if dst != self._me or not _hello_valid(self._secret, msg):
                 raise HandshakeError(f"{self._who()} belongs to another job/rank")
-            if self._admit is not None and not self._admit(src, rail):
-                raise HandshakeError(f"rank {src} rail {rail}: refused (rail failed on this side)")
-            self._hello, self._nonce_s = hello, os.urandom(16)
-            reply = self._nonce_s + _mac(self._secret, b"acc", hello, self._nonce_s)
-            try:
-                sent = self.sock.send(reply)      # 48 bytes into a new socket's empty buffer
-            except OSError as exc:
-                raise HandshakeError(f"{self._who()}: {exc}") from exc
-            if sent != len(reply):
-                raise HandshakeError(f"{self._who()}: could not send the handshake reply")
+            if self._check is not None and not self._check(src, rail):
+                raise Refused(f"rank {src} rail {rail}: refused (not wanted on this side)")
+            self._hello, self._nonce_s, self.pair = msg, os.urandom(16), (src, rail)
+            self._send(self._nonce_s + _mac(self._secret, b"acc", msg, self._nonce_s))
             return self._step(now)
         if not hmac.compare_digest(bytes(self._buf),
                                    _mac(self._secret, b"con", self._hello, self._nonce_s)):
             raise HandshakeError(f"{self._who()} failed authentication")
-        _magic, _ver, _job, src, _dst, rail, conn_id, _nonce = HELLO.unpack(self._hello)
+        _magic, _ver, _tag, src, _dst, rail, conn_id, _nonce = HELLO.unpack(self._hello)
+        if self._admit is not None and not self._admit(src, rail):
+            raise Refused(f"rank {src} rail {rail}: refused (not wanted on this side)")
+        self._send(_mac(self._secret, b"ok", self._hello, self._nonce_s)[:ACK_LEN])
         tune(self.sock, *self._tune)
         keys = _derive_keys(self._secret, self._hello, self._nonce_s, True)
         fd = self.sock.detach()
         _keys[fd] = keys
         return src, rail, fd, conn_id
 
+    def _send(self, data):
+        """Send one short handshake message whole (a new socket's empty buffer takes it)."""
+        try:
+            sent = self.sock.send(data)
+        except OSError as exc:
+            raise HandshakeError(f"{self._who()}: {exc}") from exc
+        if sent != len(data):
+            raise HandshakeError(f"{self._who()}: could not send a handshake message")
 
-def accept(listener, secret, job, me, timeout, rail_timeout_ms, admit=None, sockbuf=0,
-           lowat=0):
+
+def accept(listener, secret, me, timeout, rail_timeout_ms, admit=None, sockbuf=0, lowat=0):
     """Accept and authenticate one connection, blocking; returns (peer rank, rail, fd,
-    connection id). admit(peer, rail) -> False refuses it before this side proves the secret,
-    so the connector never takes a refused connection for a working rail. timeout bounds the
-    whole handshake."""
+    connection id). admit(peer, rail) -> False refuses it once the connector proved the secret,
+    before this side admits it, so the connector never takes a refused connection for a working
+    rail. timeout bounds the whole handshake."""
     sock, addr = listener.accept()
-    hs = ServerHandshake(sock, addr, secret, job, me, time.monotonic() + timeout,
+    hs = ServerHandshake(sock, addr, secret, me, time.monotonic() + timeout,
                          rail_timeout_ms, admit, sockbuf, lowat)
     try:
         while True:
