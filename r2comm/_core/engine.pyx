@@ -321,8 +321,7 @@ cdef class Engine:
                 r.peer = i
                 r.index = k
                 r.window = window
-                r.rbuf = <char*>malloc(RBUF_SIZE)
-                r.stage = <char*>malloc(chunk_size) if k < p.nrails else NULL
+                # (its read and staging buffers come with its first connection: _attach)
                 p.rails.push_back(r)
             e.peers.push_back(p)
         # NIC fault slots: every rail index a peer has, and this rank's NICs (`nics`) even when
@@ -504,6 +503,10 @@ cdef class Engine:
         with nogil:
             pthread_mutex_lock(&e.mu)
             r = e.peers[peer].rails[rail]
+            if rail_buffers(e, r, rail < e.peers[peer].nrails) != 0:
+                pthread_mutex_unlock(&e.mu)
+                with gil:
+                    raise MemoryError("no memory for a connection's read and staging buffers")
             if r.state == R_UP:
                 fail_rail(e, r, "replaced by a new connection", e.me, 0)
             restored = r.fail_count > 0
@@ -731,12 +734,7 @@ cdef class Engine:
                 r = p.rails[k]
                 if r.fd >= 0:
                     raise RuntimeError("set_integrity after a connection was attached")
-                if mac and r.mbuf == NULL:
-                    if k < p.nrails:
-                        r.mbuf, r.mbuf_cap = r.stage, e.cs          # between frames it is free
-                    else:
-                        r.mbuf, r.mbuf_cap = <char*>malloc(MAX_CTRL_PAYLOAD), MAX_CTRL_PAYLOAD
-        e.mac = mac
+        e.mac = mac                    # (each rail's frame buffer comes with its connection)
 
     def set_noack(self, bint on):
         """Benchmark-only: trust TCP, count a chunk done once written (measures what the

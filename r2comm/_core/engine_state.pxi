@@ -57,6 +57,29 @@ cdef PairRail* new_rail() noexcept nogil:
         r.fault_at = -1          # no injected fault due
     return r
 
+cdef int rail_buffers(State* e, PairRail* r, int data) noexcept nogil:
+    """The buffers a rail needs once it has a connection, made on its first one (a rank holds
+    rails to every peer, connected or not: an unconnected one costs its struct only): the read
+    buffer, a data rail's staging buffer (a chunk) and, in mac mode, the frame buffer (a data
+    rail's is its staging buffer, free between frames). 0, or -1 with no memory."""
+    if r.rbuf == NULL:
+        r.rbuf = <char*>malloc(RBUF_SIZE)
+        if r.rbuf == NULL:
+            return -1
+    if data and r.stage == NULL:
+        r.stage = <char*>malloc(e.cs)
+        if r.stage == NULL:
+            return -1
+    if e.mac and r.mbuf == NULL:
+        if data:
+            r.mbuf, r.mbuf_cap = r.stage, e.cs
+        else:
+            r.mbuf = <char*>malloc(MAX_CTRL_PAYLOAD)
+            if r.mbuf == NULL:
+                return -1
+            r.mbuf_cap = MAX_CTRL_PAYLOAD
+    return 0
+
 cdef State* new_state() noexcept nogil:
     cdef State* e = r2_new[State]()
     if e != NULL:
