@@ -354,7 +354,8 @@ cdef cppclass State:
     cmap[CS, Op*] active
     cmap[CS, pair[int, string]] aborted
     cmap[CS, pair[int, string]] verdicts   # (comm, seq) -> the judge's verdict on a mismatched
-                             # collective (its error code and report), seen or published here
+                             # collective (the rank it came from, this one's where it judged,
+                             # and the report), seen or published here
     cmap[uint32_t, pair[uint32_t, string]] mismatched  # comm -> (seq, error) of a collective that
                              # failed with a mismatch and that no wait has reported yet
     int poisoning

@@ -470,6 +470,34 @@ cdef void clear_mismatch(State* e, Op* op) noexcept nogil:
 # bounded: it ends without a verdict after VERDICT_WAIT, or once the judge is lost (then the
 # rank raises with its own report). Calls the mismatch poisoned (note_mismatch) wait for the
 # verdict on the call that poisoned them (their text quotes it) or on their own call.
+# A verdict counts only from the judge, or (from_judge) relayed by a member to a rank that holds
+# no connection to the judge (connections are made on first use): never from a rank outside
+# the communicator, nor from another member where the judge can tell this rank itself, nor on
+# the judge. One that came before its call was posted is kept with its sender and checked when
+# the call is posted (post_op); one that does not count is dropped.
+cdef int from_judge(State* e, vector[int]& members, int sender) noexcept nogil:
+    """A verdict from rank `sender` counts for a call among `members` (see above)."""
+    cdef int judge, k
+    cdef size_t i
+    cdef Peer* p
+    if members.empty():
+        return 0
+    judge = members[0]
+    if sender == judge:
+        return 1
+    if judge == e.me or judge < 0 or judge >= e.nranks:
+        return 0
+    for i in range(1, members.size()):
+        if members[i] == sender:
+            break
+    else:
+        return 0                        # not a member
+    p = e.peers[judge]
+    if p != NULL:
+        for k in range(<int>p.rails.size()):
+            if p.rails[k] != NULL and p.rails[k].state == R_UP:
+                return 0                # the judge's own verdict comes this way
+    return 1
 cdef void await_verdict(State* e, Op* op, uint32_t vseq) noexcept nogil:
     """op failed with a mismatch of its own call (vseq == op.seq) or of the earlier call vseq
     that poisoned it: the judge publishes its report; another rank takes the verdict it has
@@ -478,7 +506,7 @@ cdef void await_verdict(State* e, Op* op, uint32_t vseq) noexcept nogil:
         return
     op.vseq = vseq
     if op.members[0] == e.me:
-        keep_verdict(e, op.comm, op.seq, op.err, op.msg)
+        keep_verdict(e, op.comm, op.seq, e.me, op.msg)
         relay_verdict(e, op, -1)
         return
     itv = e.verdicts.find(CS(op.comm, vseq))
@@ -496,12 +524,13 @@ cdef void await_verdict(State* e, Op* op, uint32_t vseq) noexcept nogil:
     op.hold = 1                         # (e.mismatched) is what the verdict made it
     op.hold_until = mono() + VERDICT_WAIT
 
-cdef void keep_verdict(State* e, uint32_t comm, uint32_t seq, int code,
+cdef void keep_verdict(State* e, uint32_t comm, uint32_t seq, int sender,
                        string msg) noexcept nogil:
-    """Remember the verdict on (comm, seq) (bounded like the aborts: ABORTED_MAX)."""
+    """Remember the verdict on (comm, seq) and the rank it came from (this one: the judge's
+    own) (bounded like the aborts: ABORTED_MAX)."""
     if e.verdicts.size() >= ABORTED_MAX and e.verdicts.count(CS(comm, seq)) == 0:
         e.verdicts.erase(e.verdicts.begin())
-    e.verdicts[CS(comm, seq)] = pair[int, string](code, msg)
+    e.verdicts[CS(comm, seq)] = pair[int, string](sender, msg)
 
 cdef void relay_verdict(State* e, Op* op, int skip) noexcept nogil:
     """Send the verdict on op's call to its other members (but `skip`, who sent it here)."""
@@ -513,7 +542,8 @@ cdef void relay_verdict(State* e, Op* op, int skip) noexcept nogil:
     v = deref(itv).second
     for i in range(op.members.size()):
         if op.members[i] != e.me and op.members[i] != skip:
-            send_abort(e, op.members[i], FL_VERDICT, op.comm, op.seq, v.first, v.second.c_str())
+            send_abort(e, op.members[i], FL_VERDICT, op.comm, op.seq, E_MISMATCH,
+                       v.second.c_str())
 
 cdef void take_verdict(State* e, Op* op, uint32_t vseq, string& report) noexcept nogil:
     """op's error becomes the verdict on call vseq: its own call's report, or quoted as the
@@ -533,7 +563,7 @@ cdef void take_verdict(State* e, Op* op, uint32_t vseq, string& report) noexcept
 cdef void on_verdict(State* e, PairRail* r, string& report) noexcept nogil:
     """The judge's verdict on collective (comm, seq), from a peer: fail the call with it if it
     still runs (or when it is posted), pass it on once, and give it to the calls holding
-    their error for it."""
+    their error for it; ignored where it does not come from the judge (from_judge)."""
     cdef r2_hdr* h = &r.rh
     cdef Op* op = NULL
     cdef vector[Op*] held
@@ -543,16 +573,19 @@ cdef void on_verdict(State* e, PairRail* r, string& report) noexcept nogil:
     ita = e.active.find(CS(h.comm, h.seq))
     if ita != e.active.end():
         op = deref(ita).second
+        if not from_judge(e, op.members, r.peer):
+            return
     if op != NULL or not seq_is_past(e, h.comm, h.seq):
-        keep_verdict(e, h.comm, h.seq, E_MISMATCH, report)     # (not posted: post_op takes
-    if op != NULL:                                              # it and passes it on then)
+        keep_verdict(e, h.comm, h.seq, r.peer, report)     # (not posted: post_op checks
+    if op != NULL:                                          # it, takes it and passes it on)
         if op.state == ST_ACTIVE:
             fail_op(e, op, E_MISMATCH, report.c_str(), 0)
         relay_verdict(e, op, r.peer)
     it = e.active.lower_bound(CS(h.comm, 0))
     while it != e.active.end() and deref(it).first.first == h.comm:
         if deref(it).second.hold and (deref(it).second.vseq == h.seq or
-                                      deref(it).first.second == h.seq):
+                                      deref(it).first.second == h.seq) and \
+                from_judge(e, deref(it).second.members, r.peer):
             held.push_back(deref(it).second)
         inc(it)
     for i in range(held.size()):

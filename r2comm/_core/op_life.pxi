@@ -218,10 +218,13 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
         note_posted_seq(e, comm, seq)
         e.active[CS(comm, seq)] = op
         itv = e.verdicts.find(CS(comm, seq))
+        if itv != e.verdicts.end() and not from_judge(e, members, deref(itv).second.first):
+            e.verdicts.erase(itv)           # not the judge's (matching.pxi): dropped
+            itv = e.verdicts.end()
         if itv != e.verdicts.end():
             # the judge's verdict on this call came first (matching.pxi): it fails with that
             e.aborted.erase(CS(comm, seq))
-            fail_op(e, op, deref(itv).second.first, deref(itv).second.second.c_str(), 0)
+            fail_op(e, op, E_MISMATCH, deref(itv).second.second.c_str(), 0)
             relay_verdict(e, op, -1)
             take_unexpected(e, NULL, comm, seq, members)
             return op.id
