@@ -203,6 +203,28 @@ def test_an_early_verdict_is_checked_when_the_call_is_posted(rig3):
     assert rig3.e.wait(oid, 1.0)[:3] == (ERROR, E_MISMATCH, "the judge decides")
 
 
+def test_the_judge_s_early_verdict_wins_over_an_earlier_relay(rig3):
+    """Before the call is posted a member's relay comes first, then the judge's own verdict
+    (judge connected): the call fails at its post with the judge's. Old code: with the first
+    to come (the relay's)."""
+    assert rig3.feed_from(2, CTRL, verdict(b"as rank 2 relayed it"))
+    assert rig3.feed_from(1, CTRL, verdict(b"as the judge sent it"))
+    oid = post(rig3, [1, 0, 2])
+    assert rig3.e.wait(oid, 0.0)[:3] == (ERROR, E_MISMATCH, "as the judge sent it")
+    rig3.e.release(oid)
+    assert testing.debug_state(rig3.e)["verdicts"] == 0
+
+
+def test_an_early_relay_counts_where_the_judge_holds_no_connection():
+    r = Rig3(up=(1,))
+    try:
+        assert r.feed_from(1, CTRL, verdict(b"relayed before the post"))
+        oid = post(r, [2, 0, 1])
+        assert r.e.wait(oid, 0.0)[:3] == (ERROR, E_MISMATCH, "relayed before the post")
+    finally:
+        r.close()
+
+
 def test_a_relayed_verdict_counts_where_the_judge_holds_no_connection():
     """Members [2, 0, 1], judge 2 not connected to this rank (connections made on first use):
     rank 1's relay of the verdict counts, as before, and the call holding its mismatch takes

@@ -824,6 +824,7 @@ cdef class Engine:
             if ita != e.aborted.end():
                 e.aborted.erase(ita)
             e.verdicts.erase(CS(comm, seq))
+            drop_early_verdicts(e, comm, seq)
             take_unexpected(e, NULL, comm, seq, mem)
             for i in range(mem.size()):
                 if mem[i] != e.me and mem[i] >= 0 and mem[i] < e.nranks and \

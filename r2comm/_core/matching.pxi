@@ -473,8 +473,9 @@ cdef void clear_mismatch(State* e, Op* op) noexcept nogil:
 # A verdict counts only from the judge, or (from_judge) relayed by a member to a rank that holds
 # no connection to the judge (connections are made on first use): never from a rank outside
 # the communicator, nor from another member where the judge can tell this rank itself, nor on
-# the judge. One that came before its call was posted is kept with its sender and checked when
-# the call is posted (post_op); one that does not count is dropped.
+# the judge. Those that come before their call is posted are kept per sender (early_verdicts)
+# and the one that counts is taken when the call is posted (take_early_verdict); the rest are
+# dropped.
 cdef int from_judge(State* e, vector[int]& members, int sender) noexcept nogil:
     """A verdict from rank `sender` counts for a call among `members` (see above)."""
     cdef int judge, k
@@ -532,6 +533,41 @@ cdef void keep_verdict(State* e, uint32_t comm, uint32_t seq, int sender,
         e.verdicts.erase(e.verdicts.begin())
     e.verdicts[CS(comm, seq)] = pair[int, string](sender, msg)
 
+cdef void keep_early_verdict(State* e, uint32_t comm, uint32_t seq, int sender,
+                             string& msg) noexcept nogil:
+    """A verdict on a call not posted here yet, kept with its sender (one per sender; bounded:
+    ABORTED_MAX in all, over it the lowest (comm, seq, sender) goes)."""
+    cdef CSR k = CSR(CS(comm, seq), sender)
+    if e.early_verdicts.count(k):
+        return
+    if e.early_verdicts.size() >= ABORTED_MAX:
+        e.early_verdicts.erase(e.early_verdicts.begin())
+    e.early_verdicts[k] = msg
+
+cdef int take_early_verdict(State* e, uint32_t comm, uint32_t seq,
+                            vector[int]& members) noexcept nogil:
+    """At the post of call (comm, seq) among `members`: the early verdict that counts (the
+    judge's, else a member's relay where from_judge takes it) becomes the call's verdict
+    (keep_verdict); every early verdict on the call is dropped. 1 if one counted."""
+    cdef int best = -1, sender
+    cdef string msg
+    it = e.early_verdicts.lower_bound(CSR(CS(comm, seq), -1))
+    while it != e.early_verdicts.end() and deref(it).first.first == CS(comm, seq):
+        sender = deref(it).first.second
+        if (best < 0 or sender == members[0]) and from_judge(e, members, sender):
+            best = sender
+            msg = deref(it).second
+        it = e.early_verdicts.erase(it)
+    if best < 0:
+        return 0
+    keep_verdict(e, comm, seq, best, msg)
+    return 1
+
+cdef void drop_early_verdicts(State* e, uint32_t comm, uint32_t seq) noexcept nogil:
+    it = e.early_verdicts.lower_bound(CSR(CS(comm, seq), -1))
+    while it != e.early_verdicts.end() and deref(it).first.first == CS(comm, seq):
+        it = e.early_verdicts.erase(it)
+
 cdef void relay_verdict(State* e, Op* op, int skip) noexcept nogil:
     """Send the verdict on op's call to its other members (but `skip`, who sent it here)."""
     cdef size_t i
@@ -575,12 +611,13 @@ cdef void on_verdict(State* e, PairRail* r, string& report) noexcept nogil:
         op = deref(ita).second
         if not from_judge(e, op.members, r.peer):
             return
-    if op != NULL or not seq_is_past(e, h.comm, h.seq):
-        keep_verdict(e, h.comm, h.seq, r.peer, report)     # (not posted: post_op checks
-    if op != NULL:                                          # it, takes it and passes it on)
+        keep_verdict(e, h.comm, h.seq, r.peer, report)
         if op.state == ST_ACTIVE:
             fail_op(e, op, E_MISMATCH, report.c_str(), 0)
         relay_verdict(e, op, r.peer)
+    elif not seq_is_past(e, h.comm, h.seq):
+        keep_early_verdict(e, h.comm, h.seq, r.peer, report)   # post_op takes it, checked,
+        return                                                 # and passes it on then
     it = e.active.lower_bound(CS(h.comm, 0))
     while it != e.active.end() and deref(it).first.first == h.comm:
         if deref(it).second.hold and (deref(it).second.vseq == h.seq or

@@ -217,12 +217,9 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     if not p2p:
         note_posted_seq(e, comm, seq)
         e.active[CS(comm, seq)] = op
-        itv = e.verdicts.find(CS(comm, seq))
-        if itv != e.verdicts.end() and not from_judge(e, members, deref(itv).second.first):
-            e.verdicts.erase(itv)           # not the judge's (matching.pxi): dropped
-            itv = e.verdicts.end()
-        if itv != e.verdicts.end():
+        if take_early_verdict(e, comm, seq, members):
             # the judge's verdict on this call came first (matching.pxi): it fails with that
+            itv = e.verdicts.find(CS(comm, seq))
             e.aborted.erase(CS(comm, seq))
             fail_op(e, op, E_MISMATCH, deref(itv).second.second.c_str(), 0)
             relay_verdict(e, op, -1)
