@@ -117,7 +117,9 @@ def synthetic_records(n, nics=8, per_host=8):
             "rails": [[f"198.{18 + k % 2}.{ip}", 40000 + r % 20000] for k in range(nics)],
             "transport": ["auto", "tcp", "no verbs device"], "ctrl": [f"198.19.{ip}", 30000],
             "host": f"node{h:05d}", "host_key": f"{h:032x}", "pid": 1000 + r,
-            "shm": f"{h:016x}", "check": "0123456789abcdef", "detector": [f"198.19.{ip}", 20000],
+            "shm": f"{h:016x}", "check": "0123456789abcdef" * 2,
+            "params": {"chunk_size": 524288, "acks": True, "integrity": "checksum"},
+            "detector": [f"198.19.{ip}", 20000],
             "fds": [40, 1 << 20, 1 << 20]}, separators=(",", ":")).encode())
     return recs
 

@@ -5,7 +5,7 @@ Light on import: the engine and mpi4py load only when a Communicator is created,
 from .errors import (R2commError, R2commArgumentError, R2commBufferError, R2commClosedError,
                      R2commTimeout, R2commNetworkError, R2commMismatchError, R2commTruncateError,
                      R2commProtocolError, R2commBuildError, R2commPeerError,
-                     R2commResourceError)
+                     R2commResourceError, R2commSecurityWarning)
 from .ops import SUM, PROD, MIN, MAX, Op
 
 __version__ = "0.1.0"
@@ -26,4 +26,4 @@ __all__ = ["Communicator", "Request", "Status", "Rail", "IN_PLACE", "ANY_TAG", "
            "MIN", "MAX", "Op", "R2commError", "R2commArgumentError", "R2commBufferError",
            "R2commClosedError", "R2commTimeout", "R2commNetworkError", "R2commMismatchError",
            "R2commTruncateError", "R2commProtocolError", "R2commBuildError", "R2commPeerError",
-           "R2commResourceError"]
+           "R2commResourceError", "R2commSecurityWarning"]

@@ -119,6 +119,8 @@ class Config:
     job_secret: bytes = field(default=b"", repr=False)  # R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET:
                                                    #   a secret given to every rank out of band,
                                                    #   mixed into every key (bootstrap.py)
+    warn_no_secret: bool = True                    # R2COMM_WARN_NO_SECRET=0: no warning when a
+                                                   #   store bootstrap runs without job_secret
     liveness: bool = True                          # R2COMM_LIVENESS=0: no failure detector
                                                    #   (r2comm/transport/liveness.py)
     liveness_period_ms: float = 200.0              # R2COMM_LIVENESS_PERIOD_MS: heartbeat period
@@ -146,7 +148,7 @@ class Config:
             raise R2commArgumentError(f"R2COMM_CONNECT_TIMEOUT={c.connect_timeout}: must be > 0 "
                                       "(seconds)")
         c.chunk_size = _bytes("R2COMM_CHUNK_SIZE", c.chunk_size)
-        c.chunk_size = max(4096, min(c.chunk_size, 64 << 20)) // 8 * 8   # whole elements of any dtype
+        c.chunk_size = max(CHUNK_MIN, min(c.chunk_size, CHUNK_MAX)) // 8 * 8   # whole elements
         c.rail_timeout_ms = _float("R2COMM_RAIL_TIMEOUT_MS", c.rail_timeout_ms)
         c.peer_timeout_ms = _float("R2COMM_PEER_TIMEOUT_MS", c.peer_timeout_ms)
         c.window = _bytes("R2COMM_WINDOW", c.window)
@@ -175,7 +177,7 @@ class Config:
         c.spin_us = _float("R2COMM_SPIN_US", c.spin_us)
         c.notsent_lowat = _bytes("R2COMM_NOTSENT_LOWAT", c.notsent_lowat)
         c.integrity = (os.environ.get("R2COMM_INTEGRITY", "") or c.integrity).strip().lower()
-        if c.integrity not in ("checksum", "mac"):
+        if c.integrity not in INTEGRITY_MODES:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_INTEGRITY={c.integrity!r}: must be checksum or mac")
         c.window_ms = _float("R2COMM_WINDOW_MS", c.window_ms)
@@ -208,6 +210,7 @@ class Config:
             from .errors import R2commArgumentError
             raise R2commArgumentError(f"R2COMM_GPU_REDUCE={c.gpu_reduce!r}: must be device or host")
         c.job_secret = job_secret_from_env()
+        c.warn_no_secret = os.environ.get("R2COMM_WARN_NO_SECRET", "1").strip() != "0"
         c.test_transport = _test_transport(os.environ.get("R2COMM_TEST_TRANSPORT", ""))
         # the fake transport exercises the TCP path: with it, local peers use TCP as well
         c.shm = os.environ.get("R2COMM_SHM", "1").strip() != "0" and not c.test_transport
@@ -232,6 +235,8 @@ class Config:
         return c
 
 
+CHUNK_MIN, CHUNK_MAX = 4096, 64 << 20   # bytes: the chunk sizes a job may run with
+INTEGRITY_MODES = ("checksum", "mac")
 JOB_SECRET_MIN = 16         # bytes: shorter out-of-band secrets are refused (guessable offline)
 
 

@@ -49,6 +49,11 @@ class R2commResourceError(R2commError):
     r2comm/fdlimit.py, or for a first use's connections, transport/links.py)."""
 
 
+class R2commSecurityWarning(UserWarning):
+    """A configuration that leaves the job open to other users or the network (a store
+    bootstrap without an out-of-band secret: README, Security)."""
+
+
 class R2commBuildError(R2commError, ImportError):
     """The compiled engine (r2comm/_core/engine.pyx) is not built for this Python."""
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_engine_limits import U8, Rig, data_header  # noqa: E402
+from test_engine_limits import CS, U8, Rig, data_header  # noqa: E402
 
 from r2comm._core import engine as eng, testing  # noqa: E402
 
@@ -135,3 +135,106 @@ def test_a_call_posted_after_the_verdict_quotes_it_at_once(rig):
     assert rig.e.wait(first, 0.0)[2] == "the verdict on #0"
     rig.e.release(first)
     assert testing.debug_state(rig.e)["verdicts"] == 0
+
+
+# -- issue 40, item 7: a verdict counts only from the judge -------------------------------------
+class Rig3(Rig):
+    """Rank 0 of 3 on the fuzz transport: ranks 1 and 2 with two rails and control each, of
+    which those in `up` are attached (a rank left out holds no connection with rank 0)."""
+
+    def __init__(self, up=(1, 2)):
+        self.e = eng.Engine(0, 3, [0, 2, 2], CS, 5.0, 10.0, 4 * CS)
+        for peer in up:
+            for k in (0, 1, 2):
+                testing.fuzz_attach(self.e, peer, k, 7 + 3 * peer + k)
+        self.keep = []
+
+    def feed_from(self, peer, rail, data):
+        used, up, _ = testing.fuzz_feed(self.e, peer, rail, data)
+        assert used == len(data)
+        return up
+
+
+@pytest.fixture
+def rig3():
+    r = Rig3()
+    yield r
+    r.close()
+
+
+def test_the_judge_takes_no_verdict_from_a_peer(rig):
+    """This rank judges (members [0, 1]): rank 1's "verdict" neither fails its call nor sets
+    its report. Old code: the call failed with rank 1's text."""
+    oid = post(rig, JUDGE_IS_ME)
+    assert rig.feed(CTRL, verdict(b"rank 1 decides"))
+    assert rig.e.wait(oid, 0.3)[0] == ACTIVE
+    assert testing.debug_state(rig.e)["verdicts"] == 0
+
+
+def test_a_member_s_verdict_does_not_count_where_the_judge_is_connected(rig3):
+    """Members [1, 0, 2], judge 1 connected: rank 2's verdict is ignored, the judge's then
+    counts. Old code: rank 2's text failed the call."""
+    oid = post(rig3, [1, 0, 2])
+    assert rig3.feed_from(2, CTRL, verdict(b"rank 2 decides"))
+    assert rig3.e.wait(oid, 0.3)[0] == ACTIVE
+    assert rig3.feed_from(1, CTRL, verdict(b"the judge decides"))
+    assert rig3.e.wait(oid, 1.0)[:3] == (ERROR, E_MISMATCH, "the judge decides")
+
+
+def test_a_non_member_s_verdict_never_counts(rig3):
+    """Members [1, 0]: rank 2, outside the communicator, is ignored before and after the call
+    is posted. Old code: its text failed the call."""
+    assert rig3.feed_from(2, CTRL, verdict(b"an outsider decides"))
+    oid = post(rig3, [1, 0])
+    assert rig3.e.wait(oid, 0.2)[0] == ACTIVE
+    assert rig3.feed_from(2, CTRL, verdict(b"an outsider decides", seq=0))
+    assert rig3.e.wait(oid, 0.3)[0] == ACTIVE
+    assert testing.debug_state(rig3.e)["verdicts"] == 0
+
+
+def test_an_early_verdict_is_checked_when_the_call_is_posted(rig3):
+    """A verdict from rank 2 before the call (members [1, 0, 2]) is dropped at the post, and
+    does not keep the judge's, which comes later, out. Old code: the call failed at its post
+    with rank 2's text."""
+    assert rig3.feed_from(2, CTRL, verdict(b"rank 2 decides"))
+    oid = post(rig3, [1, 0, 2])
+    assert rig3.e.wait(oid, 0.2)[0] == ACTIVE
+    assert rig3.feed_from(1, CTRL, verdict(b"the judge decides"))
+    assert rig3.e.wait(oid, 1.0)[:3] == (ERROR, E_MISMATCH, "the judge decides")
+
+
+def test_the_judge_s_early_verdict_wins_over_an_earlier_relay(rig3):
+    """Before the call is posted a member's relay comes first, then the judge's own verdict
+    (judge connected): the call fails at its post with the judge's. Old code: with the first
+    to come (the relay's)."""
+    assert rig3.feed_from(2, CTRL, verdict(b"as rank 2 relayed it"))
+    assert rig3.feed_from(1, CTRL, verdict(b"as the judge sent it"))
+    oid = post(rig3, [1, 0, 2])
+    assert rig3.e.wait(oid, 0.0)[:3] == (ERROR, E_MISMATCH, "as the judge sent it")
+    rig3.e.release(oid)
+    assert testing.debug_state(rig3.e)["verdicts"] == 0
+
+
+def test_an_early_relay_counts_where_the_judge_holds_no_connection():
+    r = Rig3(up=(1,))
+    try:
+        assert r.feed_from(1, CTRL, verdict(b"relayed before the post"))
+        oid = post(r, [2, 0, 1])
+        assert r.e.wait(oid, 0.0)[:3] == (ERROR, E_MISMATCH, "relayed before the post")
+    finally:
+        r.close()
+
+
+def test_a_relayed_verdict_counts_where_the_judge_holds_no_connection():
+    """Members [2, 0, 1], judge 2 not connected to this rank (connections made on first use):
+    rank 1's relay of the verdict counts, as before, and the call holding its mismatch takes
+    it."""
+    r = Rig3(up=(1,))
+    try:
+        oid = post(r, [2, 0, 1])
+        assert r.feed_from(1, 0, other_call())
+        assert r.e.wait(oid, 0.3)[0] == ACTIVE            # held for the verdict
+        assert r.feed_from(1, CTRL, verdict(b"relayed from the judge"))
+        assert r.e.wait(oid, 1.0)[:3] == (ERROR, E_MISMATCH, "relayed from the judge")
+    finally:
+        r.close()

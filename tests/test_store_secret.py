@@ -188,6 +188,31 @@ def test_store_reader_cannot_join_with_an_out_of_band_secret(tmp_path, oob):
         _stop(procs)
 
 
+@pytest.mark.parametrize("case", ["no-secret", "silenced", "out-of-band-secret"])
+def test_a_store_job_without_a_secret_warns_once_on_rank_0(tmp_path, case):
+    """checksum integrity over a store (issue 40, item 5): without an out-of-band secret rank 0
+    warns once (R2commSecurityWarning) and rank 1 not; R2COMM_WARN_NO_SECRET=0 or a secret:
+    no warning. Old code: no warning at all without mac."""
+    env = {"R2COMM_INTEGRITY": "checksum",
+           **({"R2COMM_WARN_NO_SECRET": "0"} if case == "silenced" else {}),
+           **({"R2COMM_JOB_SECRET": OOB} if case == "out-of-band-secret" else {})}
+    path = tmp_path / "st"
+    procs, lines = _launch(2, path, [env, env])
+    try:
+        got = _collect(lines, lambda g: sum(ln.startswith("INFO") for _, ln in g) == 2)
+        assert sum(ln.startswith("INFO") for _, ln in got) == 2, \
+            "".join(ln for _, ln in got)[-3000:]
+        warned = [r for r, ln in got if ln.startswith("WARNING")
+                  and "without an out-of-band secret" in ln]
+        assert warned == ([0] if case == "no-secret" else []), got
+        assert not [ln for _, ln in got if ln.startswith("WARNING") and "mac" in ln], got
+        open(str(path) + ".go", "w").close()
+        done = _collect(lines, lambda g: sum(ln.startswith("OK secret") for _, ln in g) == 2)
+        assert sum(ln.startswith("OK secret") for _, ln in done) == 2, done
+    finally:
+        _stop(procs)
+
+
 def test_no_secret_left_in_a_torch_tcpstore_after_start_up():
     """A job over torch's TCPStore: once every rank is up, the salt's key (the first bcast:
     r2comm/0/1) is gone; the parameters and the endpoint records stay."""
@@ -220,7 +245,7 @@ def test_out_of_band_secrets_that_differ_fail_every_rank(tmp_path):
             p.wait(90)
         out = "".join(ln for _, ln in _collect(lines, lambda g: False, limit=1.0))
         assert all(p.returncode != 0 for p in procs), out[-3000:]
-        assert out.count("have another job secret than rank 0") == 2, out[-3000:]
+        assert out.count("have another job secret than rank") == 2, out[-3000:]
     finally:
         _stop(procs)
 

@@ -140,10 +140,11 @@ def test_lean_all_reduce_on_changing_memory(path):
     """Synchronous small all_reduces stay right where the memory under an address changes
     (reallocation, views, set_, more tensors than the view cache holds), give every dtype and
     op exactly, match a peer's asynchronous call, and leave what they do not cover to the
-    general path: through the C++ helper (lean.py) and, with R2COMM_TORCH_LEAN=0, without."""
+    general path: through the C++ helper (lean.py) and, with R2COMM_TORCH_LEAN=0, without;
+    tensors past their storage raise R2commBufferError on both (4 cases)."""
     env = {"R2T_LEAN": path} if path == "helper" else {"R2T_LEAN": path, "R2COMM_TORCH_LEAN": "0"}
     count, out = run_torchrun(2, "lean", env=env)
-    assert count == 48 + 35 + 1 + 4, out[-3000:]
+    assert count == 48 + 35 + 1 + 4 + 4, out[-3000:]
 
 
 def test_group_timeout_is_the_groups_own():

@@ -79,6 +79,27 @@ class _Sub(torch.Tensor):
     pass
 
 
+def test_probe_refuses_a_tensor_past_its_storage(helper):
+    """A tensor whose storage was resized under it (torch allows it): its size says more bytes
+    than the storage holds, and the probe leaves it to the general path (which raises: the
+    backend's tests) instead of copying past the allocation. Old code: 16,000 floats with an
+    8-byte storage passed, and 64,000 bytes were copied from it."""
+    scratch = np.full(65536, 7, np.uint8)
+    at, room = scratch.ctypes.data, scratch.nbytes
+    big = torch.ones(16000)
+    big.untyped_storage().resize_(8)
+    base = torch.ones(16)
+    view = base[8:]                                 # offset 32 bytes, 32 bytes long
+    base.untyped_storage().resize_(40)
+    freed = torch.ones(4)
+    freed.untyped_storage().resize_(0)              # as FSDP frees a parameter's storage
+    for what, t in {"shrunk": big, "offset view": view, "freed": freed}.items():
+        assert helper.probe([t], _opts(), at, room) is None, what
+    assert (scratch == 7).all()
+    fits = torch.ones(16)[8:]                       # the same view, its storage whole: taken
+    assert helper.probe([fits], _opts(), at, room)[:2] == (fits.data_ptr(), 32)
+
+
 def test_probe_of_a_parameter(helper):
     """nn.Parameter is the plain class for THPVariable_CheckExact: taken when it needs no grad."""
     scratch = np.zeros(16, np.uint8)

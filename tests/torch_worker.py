@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm.torch  # noqa: E402,F401  (registers "r2comm")
-from r2comm.errors import (R2commArgumentError, R2commClosedError, R2commError,  # noqa: E402
-                           R2commMismatchError, R2commTimeout)
+from r2comm.errors import (R2commArgumentError, R2commBufferError,  # noqa: E402
+                           R2commClosedError, R2commError, R2commMismatchError, R2commTimeout)
 
 warnings.filterwarnings("ignore", category=FutureWarning)   # all_gather_into_tensor's new name
 R = dist.ReduceOp
@@ -625,6 +625,36 @@ def scenario_lean(rank, size, ck):
     dist.all_reduce(t)
     ck.equal(t, torch.full((2,), float(want)), "after the refused negative view")
     _lean_ops_and_paths(rank, size, ck)
+    _past_storage(rank, size, ck)
+
+
+def _past_storage(rank, size, ck):
+    """Tensors that reach past their storage (resized under them, as FSDP frees a parameter's):
+    all_reduce (lean-sized, probe-sized, an offset view, a freed storage) and broadcast raise
+    R2commBufferError at the call on every rank instead of reading and writing past the
+    allocation, and the next all_reduce lines up. Old code: the 16,000-float one was copied
+    from its 8-byte storage by the helper's probe, then reduced in place past it."""
+    def shrunk(n, keep):
+        t = torch.full((n,), float(rank + 1))
+        t.untyped_storage().resize_(keep)
+        return t
+    base = torch.full((16,), float(rank + 1))
+    cases = {"16000 floats, 8 bytes": shrunk(16000, 8), "5 floats, 8 bytes": shrunk(5, 8),
+             "freed": shrunk(4, 0), "offset view": base[8:]}
+    base.untyped_storage().resize_(40)
+    calls = {"all_reduce": dist.all_reduce, "broadcast": lambda t: dist.broadcast(t, src=0)}
+    for what, t in cases.items():
+        for call, fn in calls.items():
+            try:
+                fn(t)
+            except R2commBufferError as exc:
+                assert "past its storage" in str(exc), exc
+            else:
+                raise AssertionError(f"{call} of a tensor past its storage ({what}) ran")
+        good = torch.full((3,), float(rank + 1))
+        dist.all_reduce(good)
+        ck.equal(good, torch.full((3,), float(sum(r + 1 for r in range(size)))),
+                 f"after the refused {what}")
 
 
 class _Sub(torch.Tensor):

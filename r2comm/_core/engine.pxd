@@ -341,6 +341,7 @@ cdef cppclass Peer:
 
 ctypedef pair[uint64_t, uint64_t] Key
 ctypedef pair[uint32_t, uint32_t] CS
+ctypedef pair[CS, int] CSR       # (comm, seq, the rank a verdict came from)
 ctypedef pair[uint32_t, uint64_t] CA
 
 cdef cppclass State:
@@ -364,7 +365,10 @@ cdef cppclass State:
     cmap[CS, Op*] active
     cmap[CS, pair[int, string]] aborted
     cmap[CS, pair[int, string]] verdicts   # (comm, seq) -> the judge's verdict on a mismatched
-                             # collective (its error code and report), seen or published here
+                             # collective posted here (the rank it came from, this one's where
+                             # it judged, and the report), taken or published here
+    cmap[CSR, string] early_verdicts   # (comm, seq, sender) -> a verdict on a call not posted
+                             # here yet, per sender: post_op takes the one that counts
     cmap[uint32_t, pair[uint32_t, string]] mismatched  # comm -> (seq, error) of a collective that
                              # failed with a mismatch and that no wait has reported yet
     int poisoning

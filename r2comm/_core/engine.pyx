@@ -280,6 +280,8 @@ cdef class Engine:
         cdef int i, k
         cdef epoll_event ev
         # (read before anything is made: a malformed value raises with nothing to undo)
+        if chunk_size == 0:
+            raise ValueError("Engine: chunk_size must be positive (chunks divide messages)")
         cdef uint64_t max_unexp_bytes = _env_uint("R2COMM_UNEXPECTED_BYTES", UNEXP_MAX_BYTES)
         cdef uint32_t max_unexp_msgs = <uint32_t>min(
             _env_uint("R2COMM_UNEXPECTED_MSGS", UNEXP_MAX_MSGS), 0xFFFFFFFF)
@@ -845,6 +847,7 @@ cdef class Engine:
             if ita != e.aborted.end():
                 e.aborted.erase(ita)
             e.verdicts.erase(CS(comm, seq))
+            drop_early_verdicts(e, comm, seq)
             take_unexpected(e, NULL, comm, seq, mem)
             for i in range(mem.size()):
                 if mem[i] != e.me and mem[i] >= 0 and mem[i] < e.nranks and \

@@ -470,6 +470,35 @@ cdef void clear_mismatch(State* e, Op* op) noexcept nogil:
 # bounded: it ends without a verdict after VERDICT_WAIT, or once the judge is lost (then the
 # rank raises with its own report). Calls the mismatch poisoned (note_mismatch) wait for the
 # verdict on the call that poisoned them (their text quotes it) or on their own call.
+# A verdict counts only from the judge, or (from_judge) relayed by a member to a rank that holds
+# no connection to the judge (connections are made on first use): never from a rank outside
+# the communicator, nor from another member where the judge can tell this rank itself, nor on
+# the judge. Those that come before their call is posted are kept per sender (early_verdicts)
+# and the one that counts is taken when the call is posted (take_early_verdict); the rest are
+# dropped.
+cdef int from_judge(State* e, vector[int]& members, int sender) noexcept nogil:
+    """A verdict from rank `sender` counts for a call among `members` (see above)."""
+    cdef int judge, k
+    cdef size_t i
+    cdef Peer* p
+    if members.empty():
+        return 0
+    judge = members[0]
+    if sender == judge:
+        return 1
+    if judge == e.me or judge < 0 or judge >= e.nranks:
+        return 0
+    for i in range(1, members.size()):
+        if members[i] == sender:
+            break
+    else:
+        return 0                        # not a member
+    p = e.peers[judge]
+    if p != NULL:
+        for k in range(<int>p.rails.size()):
+            if p.rails[k] != NULL and p.rails[k].state == R_UP:
+                return 0                # the judge's own verdict comes this way
+    return 1
 cdef void await_verdict(State* e, Op* op, uint32_t vseq) noexcept nogil:
     """op failed with a mismatch of its own call (vseq == op.seq) or of the earlier call vseq
     that poisoned it: the judge publishes its report; another rank takes the verdict it has
@@ -478,7 +507,7 @@ cdef void await_verdict(State* e, Op* op, uint32_t vseq) noexcept nogil:
         return
     op.vseq = vseq
     if op.members[0] == e.me:
-        keep_verdict(e, op.comm, op.seq, op.err, op.msg)
+        keep_verdict(e, op.comm, op.seq, e.me, op.msg)
         relay_verdict(e, op, -1)
         return
     itv = e.verdicts.find(CS(op.comm, vseq))
@@ -496,12 +525,48 @@ cdef void await_verdict(State* e, Op* op, uint32_t vseq) noexcept nogil:
     op.hold = 1                         # (e.mismatched) is what the verdict made it
     op.hold_until = mono() + VERDICT_WAIT
 
-cdef void keep_verdict(State* e, uint32_t comm, uint32_t seq, int code,
+cdef void keep_verdict(State* e, uint32_t comm, uint32_t seq, int sender,
                        string msg) noexcept nogil:
-    """Remember the verdict on (comm, seq) (bounded like the aborts: ABORTED_MAX)."""
+    """Remember the verdict on (comm, seq) and the rank it came from (this one: the judge's
+    own) (bounded like the aborts: ABORTED_MAX)."""
     if e.verdicts.size() >= ABORTED_MAX and e.verdicts.count(CS(comm, seq)) == 0:
         e.verdicts.erase(e.verdicts.begin())
-    e.verdicts[CS(comm, seq)] = pair[int, string](code, msg)
+    e.verdicts[CS(comm, seq)] = pair[int, string](sender, msg)
+
+cdef void keep_early_verdict(State* e, uint32_t comm, uint32_t seq, int sender,
+                             string& msg) noexcept nogil:
+    """A verdict on a call not posted here yet, kept with its sender (one per sender; bounded:
+    ABORTED_MAX in all, over it the lowest (comm, seq, sender) goes)."""
+    cdef CSR k = CSR(CS(comm, seq), sender)
+    if e.early_verdicts.count(k):
+        return
+    if e.early_verdicts.size() >= ABORTED_MAX:
+        e.early_verdicts.erase(e.early_verdicts.begin())
+    e.early_verdicts[k] = msg
+
+cdef int take_early_verdict(State* e, uint32_t comm, uint32_t seq,
+                            vector[int]& members) noexcept nogil:
+    """At the post of call (comm, seq) among `members`: the early verdict that counts (the
+    judge's, else a member's relay where from_judge takes it) becomes the call's verdict
+    (keep_verdict); every early verdict on the call is dropped. 1 if one counted."""
+    cdef int best = -1, sender
+    cdef string msg
+    it = e.early_verdicts.lower_bound(CSR(CS(comm, seq), -1))
+    while it != e.early_verdicts.end() and deref(it).first.first == CS(comm, seq):
+        sender = deref(it).first.second
+        if (best < 0 or sender == members[0]) and from_judge(e, members, sender):
+            best = sender
+            msg = deref(it).second
+        it = e.early_verdicts.erase(it)
+    if best < 0:
+        return 0
+    keep_verdict(e, comm, seq, best, msg)
+    return 1
+
+cdef void drop_early_verdicts(State* e, uint32_t comm, uint32_t seq) noexcept nogil:
+    it = e.early_verdicts.lower_bound(CSR(CS(comm, seq), -1))
+    while it != e.early_verdicts.end() and deref(it).first.first == CS(comm, seq):
+        it = e.early_verdicts.erase(it)
 
 cdef void relay_verdict(State* e, Op* op, int skip) noexcept nogil:
     """Send the verdict on op's call to its other members (but `skip`, who sent it here)."""
@@ -513,7 +578,8 @@ cdef void relay_verdict(State* e, Op* op, int skip) noexcept nogil:
     v = deref(itv).second
     for i in range(op.members.size()):
         if op.members[i] != e.me and op.members[i] != skip:
-            send_abort(e, op.members[i], FL_VERDICT, op.comm, op.seq, v.first, v.second.c_str())
+            send_abort(e, op.members[i], FL_VERDICT, op.comm, op.seq, E_MISMATCH,
+                       v.second.c_str())
 
 cdef void take_verdict(State* e, Op* op, uint32_t vseq, string& report) noexcept nogil:
     """op's error becomes the verdict on call vseq: its own call's report, or quoted as the
@@ -533,7 +599,7 @@ cdef void take_verdict(State* e, Op* op, uint32_t vseq, string& report) noexcept
 cdef void on_verdict(State* e, PairRail* r, string& report) noexcept nogil:
     """The judge's verdict on collective (comm, seq), from a peer: fail the call with it if it
     still runs (or when it is posted), pass it on once, and give it to the calls holding
-    their error for it."""
+    their error for it; ignored where it does not come from the judge (from_judge)."""
     cdef r2_hdr* h = &r.rh
     cdef Op* op = NULL
     cdef vector[Op*] held
@@ -543,16 +609,20 @@ cdef void on_verdict(State* e, PairRail* r, string& report) noexcept nogil:
     ita = e.active.find(CS(h.comm, h.seq))
     if ita != e.active.end():
         op = deref(ita).second
-    if op != NULL or not seq_is_past(e, h.comm, h.seq):
-        keep_verdict(e, h.comm, h.seq, E_MISMATCH, report)     # (not posted: post_op takes
-    if op != NULL:                                              # it and passes it on then)
+        if not from_judge(e, op.members, r.peer):
+            return
+        keep_verdict(e, h.comm, h.seq, r.peer, report)
         if op.state == ST_ACTIVE:
             fail_op(e, op, E_MISMATCH, report.c_str(), 0)
         relay_verdict(e, op, r.peer)
+    elif not seq_is_past(e, h.comm, h.seq):
+        keep_early_verdict(e, h.comm, h.seq, r.peer, report)   # post_op takes it, checked,
+        return                                                 # and passes it on then
     it = e.active.lower_bound(CS(h.comm, 0))
     while it != e.active.end() and deref(it).first.first == h.comm:
         if deref(it).second.hold and (deref(it).second.vseq == h.seq or
-                                      deref(it).first.second == h.seq):
+                                      deref(it).first.second == h.seq) and \
+                from_judge(e, deref(it).second.members, r.peer):
             held.push_back(deref(it).second)
         inc(it)
     for i in range(held.size()):

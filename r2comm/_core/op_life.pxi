@@ -217,11 +217,11 @@ cdef uint64_t post_op(State* e, PlanC* plan, uint64_t* bufs, int dtype, int redo
     if not p2p:
         note_posted_seq(e, comm, seq)
         e.active[CS(comm, seq)] = op
-        itv = e.verdicts.find(CS(comm, seq))
-        if itv != e.verdicts.end():
+        if take_early_verdict(e, comm, seq, members):
             # the judge's verdict on this call came first (matching.pxi): it fails with that
+            itv = e.verdicts.find(CS(comm, seq))
             e.aborted.erase(CS(comm, seq))
-            fail_op(e, op, deref(itv).second.first, deref(itv).second.second.c_str(), 0)
+            fail_op(e, op, E_MISMATCH, deref(itv).second.second.c_str(), 0)
             relay_verdict(e, op, -1)
             take_unexpected(e, NULL, comm, seq, members)
             return op.id

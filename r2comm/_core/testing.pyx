@@ -227,7 +227,7 @@ def debug_state(Engine engine):
                "unexpected": e.cunexp.size(), "notices": e.notices.size(),
                # what a peer's frames can grow, each bounded (issue 28)
                "unexpected_msgs": e.unexp_msgs, "unexpected_bytes": e.unexp_bytes,
-               "aborted": e.aborted.size(), "verdicts": e.verdicts.size(),
+               "aborted": e.aborted.size(), "verdicts": e.verdicts.size() + e.early_verdicts.size(),
                "next_seq": e.next_seq.size(),
                "p2p_states": np2p, "events_kept": e.events.size(),
                "events_total": e.events_base + e.events.size(),

@@ -26,7 +26,8 @@ PyObject* init(PyObject*, PyObject* cls) {
 
 // probe(tensors, opts, scratch_address, scratch_bytes): for a list of one plain tensor (not a
 // subclass) on the CPU, strided, contiguous, without autograd, without negative or conjugate
-// bit, of 1..scratch_bytes bytes, and options of exactly AllreduceOptions with asyncOp false:
+// bit, of 1..scratch_bytes bytes that all lie inside its storage (a storage resized under its
+// tensor holds fewer), and options of exactly AllreduceOptions with asyncOp false:
 // copies the tensor's bytes to the scratch and returns (address, bytes, scalar type * 256 +
 // reduce op). Anything else: None, having done nothing.
 PyObject* probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -55,8 +56,12 @@ PyObject* probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyErr_Occurred())
     return nullptr;
   const long long nbytes = static_cast<long long>(t.nbytes());
+  const long long offset = static_cast<long long>(t.storage_offset()) *
+                           static_cast<long long>(t.element_size());
+  const long long held = static_cast<long long>(t.storage().nbytes());
   const void* data = t.data_ptr();
-  if (nbytes <= 0 || nbytes > room || scratch == 0 || data == nullptr)
+  if (nbytes <= 0 || nbytes > room || scratch == 0 || data == nullptr || offset < 0 ||
+      offset > held || nbytes > held - offset)
     Py_RETURN_NONE;
   std::memcpy(reinterpret_cast<void*>(static_cast<intptr_t>(scratch)), data,
               static_cast<size_t>(nbytes));

@@ -62,7 +62,8 @@ import torch._C._distributed_c10d as _c10d
 from .. import IN_PLACE
 from ..bootstrap_store import StoreComm
 from ..communicator import ANY_SOURCE, Communicator
-from ..errors import R2commArgumentError, R2commError, R2commNetworkError, R2commTimeout
+from ..errors import (R2commArgumentError, R2commBufferError, R2commError, R2commNetworkError,
+                      R2commTimeout)
 from ..ops import SUM, PROD, MIN, MAX
 from ..request import Request, Status
 from . import lean
@@ -82,12 +83,30 @@ for _n in ("uint16", "uint32", "uint64"):
 _world = {"comm": None, "ranks": None}
 
 
+def _check_storage(t):
+    """Raise R2commBufferError where strided tensor t reaches past the bytes of its storage:
+    torch lets a storage shrink under its tensors (t.untyped_storage().resize_(n)), and reading
+    or writing t's elements then goes past the allocation (issue 40, item 6)."""
+    if t.layout != torch.strided or t.numel() == 0:
+        return
+    try:
+        held = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return                  # no storage (a wrapper subclass): nothing there to read past
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    if (last + 1) * t.element_size() > held:
+        raise R2commBufferError(f"r2comm backend: the tensor ({tuple(t.shape)}, {t.dtype}, "
+                                f"storage offset {t.storage_offset()}) reaches past its "
+                                f"storage's {held} bytes (a storage resized under it)")
+
+
 def _device(t, reduce=False):
     """(cupy view of a CUDA tensor's memory, torch stream it is ordered on) for the device
     pipeline, or None: CPU tensors, non-contiguous ones, dtypes it does not reduce, no cupy
     (then the tensor takes the host copy path). reduce=False: a byte view (any dtype)."""
     if t.device.type != "cuda" or t.is_sparse or not t.is_contiguous():
         return None
+    _check_storage(t)
     try:
         import cupy
     except ImportError:
@@ -204,7 +223,10 @@ class _Views:
         self._most = most
 
     def get(self, t, nbytes):
-        """t's memory as a numpy array (t: contiguous, on the CPU, of a _NUMPY dtype)."""
+        """t's memory as a numpy array (t: contiguous, on the CPU, of a _NUMPY dtype, of
+        nbytes bytes); R2commBufferError where they are not all inside its storage."""
+        if t.storage_offset() * t.itemsize + nbytes > t.untyped_storage().nbytes():
+            _check_storage(t)
         key = (t.data_ptr(), nbytes, t.dtype)
         arr = self._arrays.get(key)
         if arr is not None and not t.is_neg():
@@ -268,9 +290,10 @@ class _Staged:
             raise R2commArgumentError("r2comm backend: sparse tensors are not supported")
         h = t.detach()
         copy = False
+        if h.device.type != "cpu" and h.device.type not in _ACCEL:
+            raise R2commArgumentError(f"r2comm backend: tensors on {h.device} are not supported")
+        _check_storage(h)                 # before anything reads it (a copy, a view)
         if h.device.type != "cpu":
-            if h.device.type not in _ACCEL:
-                raise R2commArgumentError(f"r2comm backend: tensors on {h.device} are not supported")
             h = h.to("cpu")               # staged through host memory: no GPU path yet
             copy = True
         if not h.is_contiguous():
@@ -788,6 +811,7 @@ class ProcessGroupR2comm(dist.ProcessGroup):
         if op is None:
             return self._bitwise([t], avg, [t])
         if t.device.type == "cpu" and t.dtype in _NUMPY and t.is_contiguous() and t.numel():
+            _check_storage(t)
             arr = t.detach().view(-1).numpy()         # no staging
             req = self._comm.Iallreduce(IN_PLACE, arr, op)
             return self._submit([req], (lambda: t.detach().div_(self.size())) if avg else None,

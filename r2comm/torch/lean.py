@@ -9,11 +9,18 @@ a failed build an error; "0" never uses it. R2COMM_CACHE_DIR: the cache folder (
 $XDG_CACHE_HOME/r2comm, else ~/.cache/r2comm). R2COMM_SANITIZE (scripts/asan.sh) builds a
 sanitized one, in a folder of its own.
 
+The cache is this user's only (cache.py): its folders are made 0700 and refused, with the
+helper, when another user owns one or may write to it (or to a folder above it); a build goes
+into a staging folder renamed into place, with its library's sha256 recorded, and a library
+whose sha256 is not the recorded one is never loaded; the ranks of a job wait for one build
+through a lock that ends with the process holding it (at most BUILD_WAIT s).
+
     python -m r2comm.torch build-lean     # build it now (scripts/env.sh does)
 """
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import sysconfig
 import warnings
@@ -21,21 +28,33 @@ import warnings
 import torch
 
 from ..errors import R2commBuildError
+from . import cache
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lean.cpp")
 _NAME = "r2comm_torch_lean"
 _loaded = {}          # "module": the helper, or None once it could not be had
+_LAYOUT = "2"         # the cache's layout (cache.py: staged, recorded), part of a folder's name
+BUILD_WAIT = 900.0    # s: longest a process waits for another's build of the helper
+
+
+def cache_root():
+    """R2COMM_CACHE_DIR, else $XDG_CACHE_HOME/r2comm, else ~/.cache/r2comm."""
+    return os.environ.get("R2COMM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "r2comm")
+
+
+def _key():
+    """The name of this torch's, this source's and these flags' build folder."""
+    with open(_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read())
+    digest.update(f"{_LAYOUT}|{torch.__version__}|{torch.compiled_with_cxx11_abi()}|"
+                  f"{sys.version}|{sysconfig.get_platform()}|{_flags()}".encode())
+    return digest.hexdigest()[:16]
 
 
 def cache_dir():
     """The folder of this torch's and this source's build."""
-    root = os.environ.get("R2COMM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "r2comm")
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read())
-    digest.update(f"{torch.__version__}|{torch.compiled_with_cxx11_abi()}|"
-                  f"{sys.version}|{sysconfig.get_platform()}|{_flags()}".encode())
-    return os.path.join(root, "torch-lean", digest.hexdigest()[:16])
+    return os.path.join(cache_root(), "torch-lean", _key())
 
 
 def _flags():
@@ -64,28 +83,49 @@ def _import(path):
 
 
 def build():
-    """Build the helper into cache_dir() (or find it there) and import it; raises
-    R2commBuildError, saying why, where it cannot be built."""
-    folder = cache_dir()
-    path = _library(folder)
-    # torch's build holds the folder's "lock" file: another process (a rank of this job) may
-    # be building it now, and then cpp_extension.load waits for that build
-    if path is not None and not os.path.exists(os.path.join(folder, "lock")):
-        try:
-            return _import(path)
-        except ImportError:
-            pass                 # a build of this folder that did not finish: built again
+    """Build the helper into cache_dir() (or find it there, checked) and import it; raises
+    R2commBuildError, saying why, where it cannot be built or the cache is not this user's
+    only (cache.UnsafeCache)."""
+    try:
+        parent = cache.private_folder(os.path.join(cache.private_root(cache_root()),
+                                                   "torch-lean"))
+        folder = os.path.join(parent, _key())
+        lib = cache.published(folder)
+        if lib is None:
+            with cache.lock(folder + ".lock", BUILD_WAIT):
+                lib = cache.published(folder)        # another process's build, just finished
+                if lib is None:
+                    return _build_into(folder)
+    except OSError as exc:
+        raise R2commBuildError(f"r2comm.torch: the lean-call helper's cache "
+                               f"{cache_root()} cannot be used ({exc})") from exc
+    try:
+        return _import(lib)
+    except ImportError as exc:
+        raise R2commBuildError(f"r2comm.torch: the lean-call helper {lib} does not import "
+                               f"({exc}); remove {folder}") from exc
+
+
+def _build_into(folder):
+    """Build the helper in a staging folder and publish it as `folder` (its lock held)."""
     from torch.utils import cpp_extension
-    os.makedirs(folder, exist_ok=True)
+    cache.clear_staging(folder)
+    stage = cache.staging(folder)
     # ninja from the virtualenv of this Python, where PATH does not name it
     bindir = os.path.dirname(sys.executable)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + bindir
     try:
         cflags, ldflags = _flags()
-        return cpp_extension.load(_NAME, [_SOURCE], build_directory=folder,
-                                  extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
+        module = cpp_extension.load(_NAME, [_SOURCE], build_directory=stage,
+                                    extra_cflags=cflags, extra_ldflags=ldflags, verbose=False)
+        lib = _library(stage)
+        if lib is None:
+            raise R2commBuildError(f"no {_NAME} library in {stage} after the build")
+        cache.publish(stage, folder, lib)
+        return module
     except Exception as exc:
+        shutil.rmtree(stage, ignore_errors=True)
         raise R2commBuildError(
             f"r2comm.torch: the lean-call helper did not build in {folder} ({exc}); "
             "R2COMM_TORCH_LEAN=0 leaves it out (small all_reduce calls then cost about 1.8 "
