@@ -271,10 +271,10 @@ def test_frames_and_lists_validated():
     lv.tcp._keys[b.fileno()] = (key2, key1)
     ca, cb = lv.Conn(a.detach(), 1, "ring"), lv.Conn(b.detach(), 0, "ring")
     try:
-        ca.post(lv.T_HB, lv.HB.pack(0, 0))
+        ca.post(lv.T_HB, lv.HB.pack(0, 0, 0))
         time.sleep(0.05)
-        assert list(cb.frames()) == [(lv.T_HB, lv.HB.pack(0, 0))]
-        good = ca.frame(lv.T_HB, lv.HB.pack(0, 0))
+        assert list(cb.frames()) == [(lv.T_HB, lv.HB.pack(0, 0, 0))]
+        good = ca.frame(lv.T_HB, lv.HB.pack(0, 0, 0))
         ca.sock.send(good[:-1] + bytes([good[-1] ^ 1]))       # one bit of the tag flipped
         time.sleep(0.05)
         with pytest.raises(lv.FrameError):

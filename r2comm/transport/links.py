@@ -139,10 +139,13 @@ class Links:
     def _up(self, peer, rail):
         """Connection (peer, rail) is up in the engine (an engine without link_state, a test's
         fake: it was attached once)."""
+        state = self._state(peer, rail)
+        return (peer, rail) in self._seen if state is None else state == "up"
+
+    def _state(self, peer, rail):
+        """Engine.link_state of connection (peer, rail); None for an engine without it."""
         state = getattr(self.engine, "link_state", None)
-        if state is None:
-            return (peer, rail) in self._seen
-        return state(peer, self.engine_rail(peer, rail)) == "up"
+        return None if state is None else state(peer, self.engine_rail(peer, rail))
 
     def _claim(self, peer, rail):
         """Take (peer, rail) for an attempt of this rank: False while one of ours or an
@@ -234,7 +237,7 @@ class Links:
             if peer == self.me or peer not in self._ready or peer in self.shm_peers or \
                     rail >= self.nrails[peer]:
                 continue
-            if self.engine.link_state(peer, rail) != "idle":
+            if self._state(peer, rail) != "idle":
                 continue
             self._queue_probe(peer, rail)
 
@@ -274,7 +277,7 @@ class Links:
         while True:
             if self._up(peer, rail):
                 return None
-            if rail != tcp.CTRL_RAIL and self.engine.link_state(peer, rail) == "off":
+            if rail != tcp.CTRL_RAIL and self._state(peer, rail) == "off":
                 return OFF
             if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
                 return "the NIC is dark on this side (injected fault)"
@@ -694,7 +697,7 @@ class Links:
                     continue
                 peer, rail = self._probe_q.popleft()
             try:
-                idle = self.engine.link_state(peer, rail) == "idle"   # (reconnect_idle)
+                idle = self._state(peer, rail) == "idle"     # (reconnect_idle)
                 err = self._attempt(peer, rail, self.engine.probe_timeout(peer, rail))
                 if err is not None and err is not BUSY and not self._up(peer, rail):
                     if idle:                      # from now on probed as one that failed
