@@ -140,6 +140,8 @@ class Channel:
         ctl = control.plane(self)
         deadline = time.monotonic() + self.timeout
         while True:
+            if self._world.nicwatch is not None:      # (the engine follows them first)
+                self._world.nicwatch.apply()
             digest, entries = self._world.facts.snapshot()
             if same_rows(control.allgather(ctl, [float(digest)])):
                 return digest, entries

@@ -76,6 +76,7 @@ class NicWatch:
         self._up_since = {}                          # key -> when its evidence went away
         self._flaps = {}                             # key -> [times of down announcements]
         self._slow_since = {}
+        self._apply_lock = threading.Lock()        # apply() runs here and on the replan thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="r2comm-nics", daemon=True)
         engine.set_same_host([r for r in self.members[self.my_host] if r != me])
@@ -251,7 +252,13 @@ class NicWatch:
 
     # -- applying -------------------------------------------------------------------------------
     def apply(self):
-        """Bring the engine in line with every fact held (idempotent; the changes only)."""
+        """Bring the engine in line with every fact held (idempotent; the changes only). The
+        replan thread calls it too before a round, so that the round's first-use connections
+        never wait on a NIC the facts already hold down."""
+        with self._apply_lock:
+            self._apply()
+
+    def _apply(self):
         changes = self.book.changes
         if changes == self._seen:
             return

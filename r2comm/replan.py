@@ -35,7 +35,8 @@ from .errors import R2commError
 
 log = logging.getLogger("r2comm")
 
-SWITCH_MARGIN = 32        # calls a rank may start while its communicator's round runs
+SWITCH_MARGIN = 2         # calls a rank may start while its communicator's round runs (the
+                          # switch comes that many calls after the round: a few ms, not 32 ops)
 ROUND_GAP_S = 0.05        # a communicator's rounds start at least this far apart
 ROUND_TIMEOUT_S = 10.0    # one round's bound (a round that fails decides nothing)
 RETRY_MAX_S = 5.0         # a failing communicator's rounds back off up to this
@@ -106,6 +107,8 @@ class Replans:
     def _maybe_round(self, comm):
         if comm.closed:
             return
+        if self.world.nicwatch is not None:      # the engine follows what the round agrees on
+            self.world.nicwatch.apply()
         digest, entries = self.book.snapshot()
         if digest == comm.round_digest:
             return

@@ -11,7 +11,12 @@ nicdown   the ranks of host `victim` lose NIC `rail` (an injected fault on each 
           down towards every rank of that host (also those it never connected), not attempt
           it on a first use (an Alltoall that connects every peer), and keep every result
           exact; then the NIC comes back and the same happens the other way.
-Prints "FACTS <json>" per rank (rank 0) and "OK nicdown <count>"."""
+realdown  (netns=1, in the testbed) the same under a real `ip link set ... down`: rank 0
+          writes `marker` once the stream runs; the test takes the NIC down and writes
+          `marker`.down (its wall time), waits for `marker`.seen, brings the NIC up and writes
+          `marker`.up; each rank reports when (wall time of its `replanned` event) and at which
+          call it switched.
+Prints "FACTS <json>" per rank (rank 0) and "OK <scenario> <count>"."""
 import json
 import os
 import sys
@@ -19,8 +24,9 @@ import time
 
 from mpi4py import MPI
 
-_G = int(dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a).get("per_host", "2"))
-os.environ["R2COMM_HOST"] = f"emulated-{MPI.COMM_WORLD.rank // _G}"
+_ARGS = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
+if _ARGS.get("netns") != "1":             # the testbed's namespaces make the hosts themselves
+    os.environ["R2COMM_HOST"] = f"emulated-{MPI.COMM_WORLD.rank // int(_ARGS.get('per_host', 2))}"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
@@ -136,7 +142,72 @@ def sc_nicdown(comm, args):
     return checks
 
 
-SCENARIOS = {"nicdown": sc_nicdown}
+def _wait_file(path, limit):
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - t0 > limit:
+            return None
+        time.sleep(0.01)
+    with open(path) as f:
+        return json.load(f)
+
+
+def _switched_at(comm, epoch):
+    """Wall time of this rank's switch to `epoch` (its replanned event)."""
+    for e in comm.events:
+        if e["kind"] == "replanned" and f"epoch {epoch} from" in e["info"]:
+            return e["t"]
+    return None
+
+
+def sc_realdown(comm, args):
+    n, r = comm.size, comm.rank
+    marker = args["marker"]
+    nrails = len(comm.rails)
+    hosts = comm.topology()["nhosts"]
+    victim, rail = int(args.get("victim", hosts - 1)), int(args.get("rail", 1))
+    rng = np.random.default_rng(r)
+    checks, _, _ = stream_until(comm, "warm", lambda: True, 0, rng)
+    check(comm.epoch == 0, "healthy start")
+    WORLD.Barrier()
+    if r == 0:
+        with open(marker + ".tmp", "w") as f:
+            json.dump({"t0": time.time()}, f)
+        os.replace(marker + ".tmp", marker)
+    c, bursts, took = stream_until(
+        comm, "down", lambda: comm.epoch >= 1 and os.path.exists(marker + ".down"), 20.0, rng)
+    checks += c
+    t_down = _wait_file(marker + ".down", 5.0)["t"]
+    want = [nrails] * hosts
+    want[victim] -= 1
+    row = {"rank": r, "epoch_down": comm.epoch, "rails_up_down": rails_up(comm),
+           "adopt_s": round(_switched_at(comm, 1) - t_down, 3), "calls": switch_calls(comm)}
+    check(comm.epoch == 1 and rails_up(comm) == want,
+          f"rank {r}: epoch {comm.epoch}, rails_up_per_host {rails_up(comm)}, want {want}")
+    if r == 0:
+        with open(marker + ".seen.tmp", "w") as f:
+            json.dump({}, f)
+        os.replace(marker + ".seen.tmp", marker + ".seen")
+    c, bursts, took = stream_until(
+        comm, "up", lambda: comm.epoch >= 2 and os.path.exists(marker + ".up"), 30.0, rng)
+    checks += c
+    t_up = _wait_file(marker + ".up", 5.0)["t"]
+    row.update(epoch_up=comm.epoch, rails_up_up=rails_up(comm), calls=switch_calls(comm),
+               back_s=round(_switched_at(comm, 2) - t_up, 3),
+               facts_at=[(e["kind"], round(e["t"] - t_down, 3)) for e in comm.events
+                         if e["kind"] in ("nic_down", "nic_up", "replanned", "rail_restored")])
+    check(comm.epoch == 2 and rails_up(comm) in (None, [nrails] * hosts),
+          f"rank {r}: epoch {comm.epoch}, rails_up_per_host {rails_up(comm)} at the end")
+    rows = WORLD.gather(row, root=0)
+    if r == 0:
+        check(len({json.dumps(rw["calls"], sort_keys=True) for rw in rows}) == 1,
+              f"the ranks switched at different calls: {[rw['calls'] for rw in rows]}")
+        for rw in rows:
+            print(f"FACTS {json.dumps(rw)}", flush=True)
+    return checks
+
+
+SCENARIOS = {"nicdown": sc_nicdown, "realdown": sc_realdown}
 
 if __name__ == "__main__":
     main(SCENARIOS, default_timeout=60)
