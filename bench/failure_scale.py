@@ -106,8 +106,9 @@ def _phase(out, name, fn):
     return res
 
 
-def point(n, case):
-    """One (n, case) in this process: {"ranks", "case", "<phase>_ms", ..., "total_ms",
+def point(n, case, colls=None):
+    """One (n, case) in this process (colls: the collectives whose first plans are timed, all of
+    PLANS by default): {"ranks", "case", "<phase>_ms", ..., "total_ms",
     "peak_mib", "rss_added_mib", "algo", "facts", "exceptions"}."""
     from r2comm import control, facts, plans, replan
     from r2comm._core import engine as eng_mod
@@ -185,11 +186,22 @@ def point(n, case):
     def first_plans():
         algos = {}
         for coll, nbytes, itemsize in PLANS:
+            if colls is not None and coll not in colls:
+                continue
             _, sched, _, _, _ = plans.compile_call(eng_mod.Plan, coll, me, members, nbytes,
                                                    itemsize, 0, 0, 0, True, cfg, state, topo)
             algos[coll] = sched.algo
         return algos
     out["algos"] = _phase(out, "plans", first_plans)
+    out["plan_ms"] = {}                           # (each collective's alone: the same again,
+    for coll, nbytes, itemsize in PLANS:          # cold, one at a time)
+        if colls is not None and coll not in colls:
+            continue
+        clear_caches()
+        t0 = time.process_time()
+        plans.compile_call(eng_mod.Plan, coll, me, members, nbytes, itemsize, 0, 0, 0, True,
+                           cfg, state, topo)
+        out["plan_ms"][coll] = round((time.process_time() - t0) * 1e3, 2)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     out["total_ms"] = round(sum(out[p + "_ms"] for p in ("learn", "agree", "state", "plans")), 3)
@@ -203,8 +215,9 @@ def point(n, case):
     return out
 
 
-def run_point(n, case, timeout):
-    cmd = [sys.executable, __file__, "--point", f"{n}:{case}"]
+def run_point(n, case, timeout, colls=None):
+    cmd = [sys.executable, __file__, "--point", f"{n}:{case}"] + \
+        (["--colls", ",".join(colls)] if colls else [])
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                        timeout=timeout, cwd=str(ROOT))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -266,16 +279,18 @@ def main(argv=None):
     p.add_argument("--json")
     p.add_argument("--plot")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--colls", default="", help="only these collectives' first plans")
     p.add_argument("--point", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.point:
         n, case = a.point.split(":")
-        print(json.dumps(point(int(n), case)), flush=True)
+        print(json.dumps(point(int(n), case, a.colls.split(",") if a.colls else None)),
+              flush=True)
         return 0
     rows = []
     for n in (int(x) for x in a.ns.split(",")):
         for case in a.cases.split(","):
-            rows.append(run_point(n, case, a.timeout))
+            rows.append(run_point(n, case, a.timeout, a.colls.split(",") if a.colls else None))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     doc = {"rows": rows, "ranks_per_host": G, "nics": NICS, "rail": RAIL,

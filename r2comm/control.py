@@ -118,8 +118,10 @@ def _grow(order, n, usable):
     for _ in range(GROW_PASSES):
         left = []
         for r in waiting:
-            q = next((q for q in room if usable(q, r)), None)
-            if q is None:
+            for q in room:                   # (a plain loop: this runs once per rank, 8,192
+                if usable(q, r):             # of them in ~10 ms; the first room mostly takes)
+                    break
+            else:
                 left.append(r)
                 continue
             parent[r] = q
@@ -139,12 +141,22 @@ def control_trees(n, working=None):
     binary tree when every pair works), B in reverse rank order; B uses no pair of A, neither
     uses a pair `working(a, b)` rejects (None: every pair works). At most 2 children per rank
     in each, so at most 6 peers per rank."""
-    ok = working or (lambda a, b: True)
-    a = _grow(list(range(n)), n, ok)
+    if working is None:
+        return _plain_trees(n)
+    a = _grow(list(range(n)), n, working)
 
     def usable_b(q, r):
-        return a[q] != r and a[r] != q and ok(q, r)
+        return a[q] != r and a[r] != q and working(q, r)
     b = _grow([0] + list(range(n - 1, 0, -1)), n, usable_b)
+    return a, b
+
+
+@functools.lru_cache(maxsize=8)
+def _plain_trees(n):
+    """control_trees(n) where every pair works: A is the binary tree r -> (r - 1) // 2 in closed
+    form, B grown around it; made once per size (every communicator of n ranks shares them)."""
+    a = [None] + [(r - 1) // 2 for r in range(1, n)]
+    b = _grow([0] + list(range(n - 1, 0, -1)), n, lambda q, r: a[q] != r and a[r] != q)
     return a, b
 
 
