@@ -40,6 +40,7 @@ SWITCH_MARGIN = 2         # calls a rank may start while its communicator's roun
 ROUND_GAP_S = 0.05        # a communicator's rounds start at least this far apart
 ROUND_TIMEOUT_S = 10.0    # one round's bound (a round that fails decides nothing)
 RETRY_MAX_S = 5.0         # a failing communicator's rounds back off up to this
+CLOSE_WAIT_S = 1.0        # close() waits this long for a round in progress
 SEQ_MASK = 0xFFFFFFFF
 
 
@@ -84,8 +85,8 @@ class Replans:
         self._stop.set()
         with self.book.cond:
             self.book.cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(ROUND_TIMEOUT_S + 1.0)
+        if self._thread.is_alive():       # (a round waiting on ranks that closed ends with
+            self._thread.join(CLOSE_WAIT_S)   # the engine: the thread is a daemon)
 
     def _run(self):
         seen = -1
