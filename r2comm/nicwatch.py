@@ -38,7 +38,8 @@ from . import facts as F
 
 log = logging.getLogger("r2comm")
 
-TICK_S = 0.1               # how often the evidence is looked at
+TICK_S = 0.2               # how often the evidence is looked at (the engine fails its own
+                           # rails on a dead local NIC within 0.1 s by itself: idle_nic_check)
 TRAFFIC_HOLD_S = 0.5       # failures towards other hosts count once they are this old
 PAIR_HOLD_S = 1.0          # a pair's rail down this long, no NIC fact explaining it: an exception
 PAIR_CUT_HOLD_S = 0.2      # ... every rail of the pair down this long: traffic must be relayed

@@ -91,7 +91,7 @@ class Replans:
     def _run(self):
         seen = -1
         while not self._stop.is_set():
-            seen = self.book.wait_change(seen, 0.2)
+            seen = self.book.wait_change(seen, 1.0)     # (a change wakes it at once)
             if self._stop.is_set() or self.world.closed:
                 return
             for cid in sorted(self._comms.keys()):
