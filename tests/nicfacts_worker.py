@@ -207,7 +207,38 @@ def sc_realdown(comm, args):
     return checks
 
 
-SCENARIOS = {"nicdown": sc_nicdown, "realdown": sc_realdown}
+def sc_noreplan(comm, args):
+    """R2COMM_REPLAN=0: the NIC's fact still reaches every rank (the rail down towards every
+    rank of that host, no first use of it), but the plans stay: epoch 0, no state, until
+    comm.replan(), which every rank calls at one call."""
+    n, r = comm.size, comm.rank
+    G, rail = int(args["per_host"]), int(args.get("rail", 1))
+    victim = n // G - 1
+    mine = [p for p in range(n) if p // G == victim]
+    rng = np.random.default_rng(r)
+    check(not comm.config.replan_auto and comm.config.replan_every == 0, "R2COMM_REPLAN=0")
+    checks, _, _ = stream_until(comm, "warm", lambda: True, 0, rng)
+    if r in mine:
+        comm.fail_rail(rail, "hard")
+    from r2comm import facts
+    key = facts.nic_key(victim, rail)
+    c, _, _ = stream_until(comm, "held", lambda: comm._world.facts.level(key) == 0, 10.0, rng)
+    checks += c
+    check(comm._world.facts.level(key) == 0, f"rank {r}: the NIC's fact arrived")
+    c, _, _ = stream_until(comm, "more", lambda: False, 0.5, rng)
+    checks += c
+    check(comm.epoch == 0 and comm._state is None, f"rank {r}: the plans moved: {comm.epoch}")
+    if r not in mine:
+        stats = comm.engine.rail_stats()
+        check(all(stats[p][rail][0] == "down" for p in mine), f"rank {r}: rail {rail} to host "
+              f"{victim}: {[stats[p][rail][0] for p in mine]}")
+    st = comm.replan()
+    check(comm.epoch == 1 and st.degraded_hosts() == [victim], f"replan(): {st.describe()}")
+    checks += burst(comm, "after", 4, 0)
+    return checks
+
+
+SCENARIOS = {"nicdown": sc_nicdown, "realdown": sc_realdown, "noreplan": sc_noreplan}
 
 if __name__ == "__main__":
     main(SCENARIOS, default_timeout=60)

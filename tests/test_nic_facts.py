@@ -31,3 +31,12 @@ def test_nic_failure_adopted_by_every_rank_at_one_call(n, per_host):
     assert len({json.dumps(r["calls"], sort_keys=True) for r in rows}) == 1
     assert all(r["epoch_down"] == 1 and r["epoch_up"] == 2 for r in rows), rows
     assert all(r["alltoall_s"] < 3.0 for r in rows), rows     # no connect timeout on the rail
+
+
+@pytest.mark.mpi
+def test_replan_off_keeps_the_plans_but_not_the_dead_nic():
+    """R2COMM_REPLAN=0: the fact still reaches every rank and keeps every pair off the NIC, the
+    plans stay (epoch 0) until every rank calls replan()."""
+    rc, out = run_mpi(6, [WORKER, "noreplan", "per_host=2"], timeout=90,
+                      env=dict(FAST, R2COMM_REPLAN="0"))
+    assert "OK noreplan" in out, out[-3000:]
