@@ -221,8 +221,10 @@ def plan_state(entries, host_of, members, nrails, rail_bw, intra_bw, always=Fals
     if not nic_facts and not exc and not always:
         return None
     order = list(dict.fromkeys(hosts))            # hosts in order of their first member
+    full = [float(rail_bw[k]) for k in range(nrails)]
+    hit = {h for h, _ in nic_facts}
     nic = [[rail_bw[k] * nic_facts.get((h, k), FULL) / FULL for k in range(nrails)]
-           for h in order]
+           if h in hit else full[:] for h in order]
     kw.setdefault("degraded_tol", DEGRADED_TOL)
     st = NicRailState(hosts, nic, intra_bw, exceptions=exc, **kw)
     if st.has_broken_pairs() and splits(st):
