@@ -362,9 +362,12 @@ class RailState:
                 if self.pair_bw(a, b) <= 0]
 
     def has_broken_pairs(self):
-        """Some pair has no common working rail (then the planner relays, over every rank's
-        schedule)."""
+        """Some pair has no common working rail (then the planner relays)."""
         return bool(self.broken_pairs())
+
+    def broken_ranks(self):
+        """The ranks with a broken pair, ascending (the only ones whose messages get relayed)."""
+        return sorted({r for p in self.broken_pairs() for r in p})
 
     def working(self, a, b):
         return a != b and self.pair_bw(a, b) > 0
@@ -634,6 +637,50 @@ class NicRailState(RailState):
     def neighbours(self, a):
         return [b for b in range(self.n) if b != a and self.pair_bw(a, b) > 0]
 
+    def broken_ranks(self):
+        """As RailState.broken_ranks, per host: the ranks of hosts that share no NIC with some
+        other host (or, with no local bandwidth, share a host), and the ranks of the pairs an
+        exception breaks; O(H + distinct NIC sets² + exceptions) unless some are broken."""
+        masks = self._masks()
+        by_mask = {}
+        for i, m in enumerate(masks):
+            by_mask.setdefault(m, []).append(i)
+        bad = set()
+        for m1, hs in by_mask.items():
+            if not m1 and len(self._hl) > 1 or \
+                    any(not m1 & m2 for m2 in by_mask if m2 != m1) or \
+                    (len(hs) > 1 and not m1):
+                bad.update(hs)
+        out = {r for i in bad for r in self._hr[self._hl[i]]}
+        if self.intra_bw <= 0:
+            out.update(r for rs in self._hr.values() if len(rs) > 1 for r in rs)
+        named = {x for (a, b, k) in self.exceptions for x in (a, b)}
+        for r in named & out:                     # an exception may mend its broken pairs
+            if not any(self.pair_bw(r, p) <= 0 for p in self._unlinked(r)):
+                out.discard(r)
+        for (a, b, k) in self.exceptions:
+            if self.pair_bw(a, b) <= 0:
+                out.update((a, b))
+        return sorted(out)
+
+    def _unlinked(self, r):
+        """The ranks rank r shares no NIC with (its own host's with no local bandwidth)."""
+        masks = self._masks()
+        i = self._hi[r]
+        return [p for j, m in enumerate(masks)
+                if (j == i and self.intra_bw <= 0) or (j != i and not m & masks[i])
+                for p in self._hr[self._hl[j]] if p != r]
+
+    def components(self):
+        """As RailState.components, from breadth-first searches per host (HostHops):
+        O(H·K + exceptions) each, not O(n²)."""
+        left, comps = list(range(self.n)), []
+        while left:
+            hops = HostHops(self, left[0])
+            comps.append([r for r in left if r in hops])
+            left = [r for r in left if r not in hops]
+        return comps
+
     def to_dense(self):
         """The same state as a plain RailState (every (rank, peer, rail)): small n only."""
         st = RailState(list(self.hosts), self.nrails, {}, self.alpha, self.chunk,
@@ -645,3 +692,108 @@ class NicRailState(RailState):
                         v = self.rail_bw(a, b, k)
                         st.link[(a, b, k)] = (v > 0, v)
         return st
+
+
+class HostHops:
+    """Hop distances to one rank (src) over the working pairs of a NicRailState, found per host:
+    the ranks of a host that no exception names (a *group*) all have the same neighbours, so a
+    breadth-first search over the groups and the few ranks that exceptions name (plus src)
+    answers for every rank, in O(H·K + T·(H + T)) for T named ranks. Reads like {rank: hops}
+    (`in`, [], get) and lists a rank's next hops towards src (next_hops)."""
+
+    def __init__(self, state, src):
+        self.state, self.src = state, src
+        hl = state.host_list()
+        self.hi = state.host_indices()
+        self.ranks = [state.host_ranks(h) for h in hl]
+        self.masks = [sum(1 << k for k, v in enumerate(row) if v > 0) for row in state.nic]
+        self.intra = state.intra_bw > 0
+        self.named = sorted({x for (p, q, _k) in state.exceptions for x in (p, q)} | {src})
+        named = set(self.named)
+        self.group = [[r for r in rs if r not in named] for rs in self.ranks]
+        H, K = len(hl), state.nrails
+        on_rail = [[i for i in range(H) if self.masks[i] >> k & 1] for k in range(K)]
+        gd = [None] * H                           # hops of each host's group
+        nd = {src: 0}                             # hops of each named rank
+        skipped = [None] * K                      # rail expanded: None no, -1 every host on
+        frontier = [("r", src)]                   # it reached, h all but host h's group
+        d = 0
+        while frontier:
+            nxt = []
+
+            def reach(g):
+                if gd[g] is None and self.group[g]:
+                    gd[g] = d + 1
+                    nxt.append(("g", g))
+            for kind, x in frontier:
+                h = self.hi[x] if kind == "r" else x
+                for k in range(K):                # groups on a rail this node's host has
+                    if not self.masks[h] >> k & 1 or skipped[k] == -1:
+                        continue
+                    if skipped[k] is None:
+                        for g in on_rail[k]:
+                            if g != h:
+                                reach(g)
+                        skipped[k] = h if gd[h] is None and self.group[h] else -1
+                    elif skipped[k] != h:
+                        reach(skipped[k])
+                        skipped[k] = -1
+                if kind == "r" and self.intra:
+                    reach(h)                      # the rest of its own host
+                for v in self.named:
+                    if v not in nd and self._works(kind, x, v):
+                        nd[v] = d + 1
+                        nxt.append(("r", v))
+            frontier = nxt
+            d += 1
+        self.gd, self.nd = gd, nd
+        self.named_set = named
+
+    def _base(self, ha, hb):
+        """Whether two ranks of hosts ha and hb that no exception pairs work together."""
+        return self.intra if ha == hb else bool(self.masks[ha] & self.masks[hb])
+
+    def _works(self, kind, x, v):
+        if kind == "r":
+            return x != v and self.state.working(x, v)
+        return self._base(x, self.hi[v])
+
+    def get(self, r, default=None):
+        if r in self.named_set:
+            return self.nd.get(r, default)
+        v = self.gd[self.hi[r]]
+        return default if v is None else v
+
+    def __getitem__(self, r):
+        v = self.get(r)
+        if v is None:
+            raise KeyError(r)
+        return v
+
+    def __contains__(self, r):
+        return self.get(r) is not None
+
+    def next_hops(self, u, load):
+        """[(rank, same)] of u's working neighbours one hop nearer src: each group's rank of
+        least load (lowest rank on ties; `same` True for those, whose figures are their
+        group's) and the named ranks."""
+        want = self.get(u) - 1
+        hu = self.hi[u]
+        out = []
+        for g, gv in enumerate(self.gd):
+            if gv == want and self._base(hu, g):
+                best = None
+                for c in self.group[g]:
+                    if c == u:
+                        continue
+                    lc = load.get(c, 0)
+                    if best is None or lc < best[0]:
+                        best = (lc, c)
+                        if lc <= 0:
+                            break
+                if best is not None:
+                    out.append(best[1])
+        for v in self.named:
+            if self.nd.get(v) == want and u != v and self.state.working(u, v):
+                out.append(v)
+        return out

@@ -107,12 +107,14 @@ BOUND_HOSTS = (3, 4, 8, 16, 32, 64, 128, 256, 512)
 BOUND_RATES = (0.0, 0.25, 0.5, 0.875)      # the slow NIC's rate: 0 down, else that fraction
 
 
-def bound_case(H, nic_rate, nbytes=256 * MiB, nics=2, rate=50e9):
+def bound_case(H, nic_rate, nbytes=256 * MiB, nics=2, rate=50e9, ranks_per_host=1):
     """replay/T* of the planner's own choice (issue 32 item 3's target: <= 1.05 at every host
     count): H hosts x `nics` NICs, the last host's last NIC down (nic_rate 0) or at nic_rate of
     its rate; every rank's schedule from planner.build() (closed-form choice, this rank's
     schedule only), replayed exactly with no per-message latency in the fabric (T* has none;
-    the planner still prices with its α), as bench/SIM.md."""
+    the planner still prices with its α), as bench/SIM.md. ranks_per_host > 1: every rank of
+    H x ranks_per_host planned (the hosts' local links at the fabric's intra_bw, which T*, a
+    bound between hosts, does not count)."""
     import time
     from .. import planner
     from ..config import Config
@@ -120,18 +122,19 @@ def bound_case(H, nic_rate, nbytes=256 * MiB, nics=2, rate=50e9):
     from .cluster import Cluster
     from .fabric import Fabric
     from .predict import EFFICIENCY
-    fab = Fabric(H, nics, rate, 1, EFFICIENCY, 0.0)
+    G = ranks_per_host
+    fab = Fabric(H, nics, rate, G, EFFICIENCY, 0.0)
     if nic_rate == 0:
         fab.down(H - 1, nics - 1)
     else:
         fab.degrade(H - 1, nics - 1, nic_rate)
-    st = fab.state()
-    eager = Config().eager
+    st = fab.state(flat=G > 1)
+    n, eager = st.n, Config().eager
     t0 = time.process_time()
-    sc = [planner.build("allreduce", r, H, nbytes, 4, 0, eager, state=st) for r in range(H)]
+    sc = [planner.build("allreduce", r, n, nbytes, 4, 0, eager, state=st) for r in range(n)]
     plan_s = time.process_time() - t0
-    res = Cluster(fab).run_schedules(sc)
+    res = Cluster(fab, flat=G > 1).run_schedules(sc)
     tstar = cost.lower_bound_state(nbytes, st)
     return {"hosts": H, "nic_rate": nic_rate, "bytes": nbytes, "nics": nics,
-            "chosen": sc[0].algo, "ratio": res["time_s"] / tstar, "messages": res["messages"],
-            "plan_s": plan_s, "cpu_s": time.process_time() - t0}
+            "ranks_per_host": G, "chosen": sc[0].algo, "ratio": res["time_s"] / tstar,
+            "messages": res["messages"], "plan_s": plan_s, "cpu_s": time.process_time() - t0}
