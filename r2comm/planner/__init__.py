@@ -3,10 +3,12 @@
 Pure Python and socket-free, so tests and a simulator can use it directly.
 
 Without a RailState the planner is static (ring / recursive doubling by size). With one
-(`state=`, the same on every rank) it is bandwidth-aware: build() prices every candidate with the
-cost model (cost.py) and routes around broken pairs (routing.py); "degraded" (degraded.py) keeps a
-slow host off the critical path, and "treefold" (treefold.py) does so with a pipeline depth of
-log H; both are priced in closed form (price.py) and chosen where they cost least.
+(`state=`, the same on every rank) it is bandwidth-aware: build() prices every candidate of every
+collective in closed form (price.py) and builds only the calling rank's schedule; messages over
+broken pairs are relayed (routing.py: up to RELAY_ALL_MAX ranks over every rank's schedules,
+priced by cost.py; above, per rank). "degraded" (degraded.py) keeps a slow host off the critical
+path, and "treefold" (treefold.py) does so with a pipeline depth of log H; both are chosen where
+they cost least.
 
 Hosts. With a topology (topology.py: which ranks share a host, `topo=` without a RailState; a
 RailState's `hosts` with one) where several hosts run several ranks, the hierarchical schedules
@@ -138,9 +140,11 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
     schedules read their input from it instead of a copy (Schedule.fills_work).
     topo: the Topology (used without a RailState; a RailState carries its own hosts).
 
-    Only this rank's schedule is built (in time proportional to its length) wherever no pair
-    is broken: the algorithm is chosen by the closed-form prices of price.py, once per size
-    class (size_class()) of the arguments, so a new size of a known class only builds."""
+    Only this rank's schedule is built (in time proportional to its length), for every
+    collective, wherever no pair is broken or above RELAY_ALL_MAX ranks (then relayed from the
+    schedules of the ranks with a broken pair alone): the algorithm is chosen by the
+    closed-form prices of price.py, once per size class (size_class()) of the arguments, so a
+    new size of a known class only builds."""
     if state is None:
         if coll == "allreduce" and not algo and topo is not None and topo.nhosts == 1 and \
                 halving_allreduce(n, nbytes, eager):
@@ -180,12 +184,12 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
     if broken:
         s = routing.relay_rank(rank, lambda r: _build_rank(
             coll, r, name, n, nbytes, itemsize, root, eager, separate_send, topo, state),
-            _broken_ranks(state, net), state)
+            _broken_ranks(state, net), state).validate()
     else:
         s = _build_or_resize(key + (rank, name), coll, rank, name, n, nbytes, itemsize, root,
                              eager, separate_send, topo, state)
     s.cost = _state_price(coll, name, net, nbytes, root, state)
-    return s.validate()
+    return s
 
 
 RELAY_ALL_MAX = 64          # ranks: with a broken pair, up to here every rank's schedules are
@@ -238,7 +242,7 @@ def _build_or_resize(key, coll, rank, name, n, nbytes, itemsize, root, eager, se
         if hit is not None:
             s = hierarchical.resize(hit[1], topo, hit[0], nbytes, itemsize, eager)
             if s is not None:
-                return s
+                return s.validate()
     s = _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_send, topo,
                     state).validate()
     if coll == "allreduce" and name == "hierarchical":

@@ -551,10 +551,10 @@ def collective(coll, name, net, nbytes, root=0):
         return t
     if coll in ("bcast", "reduce"):                  # a tree, down (bcast) or up (reduce)
         out, inn, local, depth = _tree_loads(net, name, root)
-        vol = max(max((max(out[i], inn[i]) / b if b > 0 else INF)
-                      for i, b in enumerate(net.hbw) if out[i] or inn[i]) if H > 1 else 0.0,
-                  local / intra)
-        return chain(depth, nbytes, nbytes / vol if vol > 0 else INF, a, c)
+        per_byte = max(max((max(out[i], inn[i]) / b if b > 0 else INF)
+                           for i, b in enumerate(net.hbw) if out[i] or inn[i]) if H > 1 else 0.0,
+                       local / intra)             # seconds per byte of the busiest NIC or link
+        return chain(depth, nbytes, 1 / per_byte if per_byte > 0 else INF, a, c)
     if coll == "alltoall":                        # every pair one block, all at once
         t = max((len(rs) * (n - len(rs)) * nbytes / net.hbw[i] if net.hbw[i] > 0 else INF)
                 for i, rs in enumerate(net.hosts)) if H > 1 else 0.0
