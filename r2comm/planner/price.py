@@ -33,12 +33,13 @@ class Net:
     forms need, made in O(n) without looking at pairs of hosts."""
 
     def __init__(self, host_of, hbw, intra_bw, alpha, chunk, state=None, ring_bw=None,
-                 degraded=(), rank_bw=None):
+                 degraded=(), rank_bw=None, hosts=None):
         self.host_of = list(host_of)
         self.n = len(self.host_of)
-        hosts = {}
-        for r, h in enumerate(self.host_of):
-            hosts.setdefault(h, []).append(r)
+        if hosts is None:                              # {host label: its ranks}
+            hosts = {}
+            for r, h in enumerate(self.host_of):
+                hosts.setdefault(h, []).append(r)
         self.hosts = list(hosts.values())             # ranks of each host, in order of first rank
         self.hidx = {h: i for i, h in enumerate(hosts)}
         self.H = len(self.hosts)
@@ -63,14 +64,14 @@ class Net:
         bandwidth, the identity ring's slowest link."""
         hl = state.host_list()
         hbw = [state.host_bw(h) for h in hl]
+        hosts = {h: state.host_ranks(h) for h in hl}
         intra = INF
-        for h in hl:
-            rs = state.host_ranks(h)
+        for rs in hosts.values():
             if len(rs) > 1:
                 intra = min(intra, state.pair_bw(rs[0], rs[1]))
         ring = _ring_bw(state)
         return cls(state.hosts, hbw, intra if intra < INF else 0.0, state.alpha, state.chunk,
-                   state, ring, state.degraded_ranks(), state.rank_bw)
+                   state, ring, state.degraded_ranks(), state.rank_bw, hosts)
 
     def degraded_split(self):
         """(full-ring fraction, slowest degraded rank's bandwidth, median healthy rank's) of
@@ -78,16 +79,16 @@ class Net:
         if getattr(self, "_split", None) is None:
             from .degraded import split_fraction
             bad = set(self.degraded)
-            per_host = {}
-            for r in range(self.n):
-                h = self.host_of[r]
-                if h not in per_host:
-                    per_host[h] = self.rank_bw(r)
-            bad_hosts = {self.host_of[r] for r in bad}
-            ok = sorted(v for h, v in per_host.items() if h not in bad_hosts
-                        for _ in range(len(self.hosts[self.hidx[h]])))
-            b_d = min(per_host[h] for h in bad_hosts)
-            b_ok = ok[(len(ok) - 1) // 2]
+            per_host = [(self.rank_bw(rs[0]), len(rs)) for rs in self.hosts]   # per host
+            bad_hosts = {self.hidx[self.host_of[r]] for r in bad}
+            b_d = min(per_host[i][0] for i in bad_hosts)
+            ok = sorted(per_host[i] for i in range(self.H) if i not in bad_hosts)
+            mid, b_ok = (sum(c for _, c in ok) - 1) // 2, None    # the median healthy rank's
+            for v, c in ok:
+                if mid < c:
+                    b_ok = v
+                    break
+                mid -= c
             self._split = (split_fraction(self.n, len(bad), b_d, b_ok), b_d, b_ok)
         return self._split
 
@@ -97,7 +98,7 @@ class Net:
         if getattr(self, "_rail_pen", None) is None:
             from .direct import rail_penalty
             bad = set(self.degraded)
-            ok = [r for r in range(self.n) if r not in bad][:1]
+            ok = [next(r for r in range(self.n) if r not in bad)]
             self._rail_pen = rail_penalty(self.state, ok, sorted(bad)) \
                 if self.state is not None else 0.0
         return self._rail_pen
@@ -190,15 +191,19 @@ def _ring_bw(state):
     hi = state.host_indices() if hasattr(state, "host_indices") else None
     if hi is None:
         ask = range(n)
-    else:
-        nxt = hi[1:] + hi[:1]
-        ask = [r for r in range(n) if hi[r] != nxt[r]]
-        same = next((r for r in range(n) if hi[r] == nxt[r]), None)
-        if same is not None:
-            ask.append(same)
-        for (a, b, _k) in state.exceptions:
-            if b == a + 1 or (a, b) == (0, n - 1):
-                ask.append(a if b == a + 1 else b)
+    else:                           # the pairs between hosts on arrays, host pair by pair
+        import numpy as np
+        h = np.array(hi)
+        nxt = np.roll(h, -1)
+        odd = {a if b == a + 1 else b for (a, b, _k) in state.exceptions
+               if b == a + 1 or (a, b) == (0, n - 1)}          # ring pairs with an exception
+        cut = np.array([r for r in np.nonzero(h != nxt)[0].tolist() if r not in odd], dtype=int)
+        nic = np.array(state.nic, dtype=float)
+        x, y = nic[h[cut]], nic[nxt[cut]]
+        bws = np.where((x > 0) & (y > 0), np.minimum(x, y), 0.0).sum(axis=1).tolist()
+        ask = sorted(odd) + np.nonzero(h == nxt)[0][:1].tolist()
+        return min((v for v in bws + [state.pair_bw(r, (r + 1) % n) for r in ask] if v > 0),
+                   default=0.0)
     return min((v for v in (state.pair_bw(r, (r + 1) % n) for r in ask) if v > 0), default=0.0)
 
 

@@ -589,8 +589,7 @@ class NicRailState(RailState):
         return self.host_bw(h) / len(self._hr[h])
 
     def degraded_ranks(self):
-        bad = set(self.degraded_hosts())
-        return [r for r in range(self.n) if self.hosts[r] in bad] if bad else []
+        return sorted(r for h in self.degraded_hosts() for r in self._hr[h])
 
     def _masks(self):
         return [sum(1 << k for k, v in enumerate(row) if v > 0) for row in self.nic]
