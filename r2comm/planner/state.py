@@ -460,19 +460,18 @@ class NicRailState(RailState):
         self.nic = [list(map(float, row)) for row in nic]
         self.intra_bw = float(intra_bw)
         self.exceptions = dict(exceptions or {})
-        hl = []
-        self._hidx = {}
-        for h in self.hosts:
-            if h not in self._hidx:
-                self._hidx[h] = len(hl)
+        hl, hidx, hr, hi = [], {}, {}, []        # (one pass over the ranks)
+        for r, h in enumerate(self.hosts):
+            i = hidx.get(h)
+            if i is None:
+                i = hidx[h] = len(hl)
                 hl.append(h)
+                hr[h] = []
+            hr[h].append(r)
+            hi.append(i)
         if len(self.nic) != len(hl):
             raise ValueError(f"{len(self.nic)} NIC rows for {len(hl)} hosts")
-        self._hl = hl
-        self._hr = {h: [] for h in hl}
-        for r, h in enumerate(self.hosts):
-            self._hr[h].append(r)
-        self._hi = [self._hidx[h] for h in self.hosts]
+        self._hl, self._hidx, self._hr, self._hi = hl, hidx, hr, hi
         self._pbw = {}
         self._top2 = []                       # per rail: the best two NIC figures (value, host)
         for k in range(self.nrails):
