@@ -12,7 +12,9 @@ made once); with --old, every rank's schedules priced by cost.py as before
 simulator's replay (sim/sweep.py; --sweep-big: at 32-128 hosts, sweep.big_grid), --bound the
 replay/T* of the planner's own choice at 3-512 hosts with a NIC down or partly slow
 (sim/sweep.bound_case; --bound-hosts ...,1024 adds 1,024 hosts: about 5-7 min of CPU per NIC
-state; --bound-nics 8: 8 NICs per host). JSON for bench/RESULTS.md (results_planner.py).
+state; --bound-nics 8: 8 NICs per host), --coll-sweep the flat/hierarchical choice of allgather,
+reduce_scatter_block and bcast against the replay (sim/sweep.collective_case). JSON for
+bench/RESULTS.md (results_planner.py).
 
     python -m r2comm.bench.planner_scale --json bench/out/planner_scale.json [--old] [--sweep N]
         [--sweep-big] [--bound] [--bound-hosts 3,4,8,...] [--bound-nics 2] [--colls 128,1024]
@@ -127,6 +129,22 @@ def bound_rows(hosts=None, nics=2, rates=None, ranks_per_host=1):
     return rows
 
 
+def collective_sweep():
+    """sweep.collective_case() over sweep.collective_grid(): per collective the mean and worst
+    chosen / best replay, the closed forms' and cost.py's (about 25 min of CPU here)."""
+    from ..sim import sweep
+    t0 = time.process_time()
+    pts = [sweep.collective_case(*c) for c in sweep.collective_grid()]
+    out = {"points": len(pts), "cpu_s": time.process_time() - t0, "by_coll": {}}
+    for coll in sorted({p["coll"] for p in pts}):
+        mine = [p for p in pts if p["coll"] == coll]
+        out["by_coll"][coll] = {k: (sum(p[k] for p in mine) / len(mine), max(p[k] for p in mine))
+                                for k in ("ratio", "cost_py_ratio")}
+    out["worst"] = sorted(pts, key=lambda p: -p["ratio"])[:8]
+    print(json.dumps(out["by_coll"]), flush=True)
+    return out
+
+
 def sweep_rows(points):
     """sweep.case() over `points`: {"points", "cpu_s", "worst", "ratios"}, the worst printed."""
     from ..sim import sweep
@@ -158,6 +176,9 @@ def main(argv=None):
     p.add_argument("--bound-ranks", type=int, default=1, help="ranks per host of --bound")
     p.add_argument("--colls", default="",
                    help="hosts (e.g. 128,1024) at which to time every collective's first plan")
+    p.add_argument("--coll-sweep", action="store_true",
+                   help="also the flat/hierarchical choice of the other collectives against "
+                        "the replay (sweep.collective_grid)")
     p.add_argument("--no-plan-times", action="store_true", help="skip the plan-time rows")
     a = p.parse_args(argv)
     rows = []
@@ -180,6 +201,8 @@ def main(argv=None):
     if a.sweep:
         from ..sim import sweep
         doc["sweep"] = sweep_rows(sweep.grid(a.sweep))
+    if a.coll_sweep:
+        doc["coll_sweep"] = collective_sweep()
     if a.sweep_big:
         from ..sim import sweep
         doc["sweep_big"] = sweep_rows(sweep.big_grid())

@@ -103,6 +103,45 @@ def crosscheck(H, K, G, loss, nbytes, rate=1.25e9, alpha=25e-6, segments=None):
     return out
 
 
+COLL_GRID = ((2, 3, 4, 8, 16), (2, 4, 8), (2, 8), (0.0, 0.5, 1.0), (1.25e9, 50e9),
+             ("allgather", "reduce_scatter_block", "bcast"), (64 << 10, 4 * MiB))
+
+
+def collective_grid(max_ranks=64):
+    """Every point of COLL_GRID (hosts, ranks per host, NICs, loss, NIC rate, collective,
+    bytes per rank) of at most max_ranks ranks: 1,008 points."""
+    return [c for c in itertools.product(*COLL_GRID) if c[0] * c[1] <= max_ranks]
+
+
+def collective_case(H, G, K, loss, rate, coll, nbytes, alpha=25e-6, intra_bw=8e9):
+    """The flat and the hierarchical plan of `coll` on H hosts x G ranks (K NICs at `rate`,
+    NIC 0 of the last host losing `loss`), every rank planned (a flat fabric): both replayed
+    exactly, the closed-form choice (planner.choose) and cost.py's over every rank's
+    schedules. {"chosen", "cost_py", "replay": {algo: s}, "ratio", "cost_py_ratio"}."""
+    from .. import planner
+    from ..planner import cost
+    from .cluster import Cluster
+    from .fabric import Fabric
+    from .predict import EFFICIENCY
+    fab = Fabric(H, K, rate, G, EFFICIENCY, alpha, intra_bw=intra_bw)
+    if loss:
+        fab.degrade(H - 1, 0, 1.0 - loss)
+    st = fab.state(flat=True)
+    n, replay, old = st.n, {}, {}
+    for a in ("flat", "hierarchical"):
+        sc = planner.build_all(coll, n, nbytes, 4, 0, 64 << 10, a, st)
+        old[a] = cost.predict(sc, st)
+        replay[a] = Cluster(fab, flat=True).run_schedules(sc)["time_s"]
+    chosen = planner.choose(coll, n, nbytes, 4, st, 0, 64 << 10)
+    chosen = chosen if chosen in replay else "flat"
+    by_cost = planner.price.cheapest(old)
+    best = min(replay.values())
+    return {"hosts": H, "ranks_per_host": G, "nics": K, "loss": loss, "rate": rate,
+            "coll": coll, "bytes": nbytes, "chosen": chosen, "cost_py": by_cost,
+            "replay": replay, "ratio": replay[chosen] / best,
+            "cost_py_ratio": replay[by_cost] / best}
+
+
 BOUND_HOSTS = (3, 4, 8, 16, 32, 64, 128, 256, 512)
 BOUND_RATES = (0.0, 0.25, 0.5, 0.875)      # the slow NIC's rate: 0 down, else that fraction
 
