@@ -98,7 +98,7 @@ class Net:
         if getattr(self, "_rail_pen", None) is None:
             from .direct import rail_penalty
             bad = set(self.degraded)
-            ok = [next(r for r in range(self.n) if r not in bad)]
+            ok = next(([r] for r in range(self.n) if r not in bad), [])
             self._rail_pen = rail_penalty(self.state, ok, sorted(bad)) \
                 if self.state is not None else 0.0
         return self._rail_pen
@@ -134,8 +134,8 @@ class Net:
         return min((self.hbw[i] / c for i, c in enumerate(out) if c), default=INF)
 
     def ring_figures(self, order):
-        """(bytes/s of the slowest edge of a ring in `order`, each host's NICs shared by the
-        ring edges leaving it, and the number of edges between hosts)."""
+        """(the bottleneck bytes/s of a ring in `order`: its slowest edge, or a host's NICs
+        shared by the ring edges leaving it; the number of its edges between hosts)."""
         n = len(order)
         out = [0] * self.H
         b = INF
@@ -182,9 +182,10 @@ class Net:
 
 
 def _ring_bw(state):
-    """The slowest working pair of the ring in rank order (a broken one is relayed). A state
-    held per host and NIC (host_indices()) asks only the pairs between hosts and those with an
-    exception, and one pair inside a host: the others answer alike."""
+    """The slowest working pair of the ring in rank order (a broken one is relayed). On a state
+    held per host and NIC (host_indices()) the pairs between hosts are figured on arrays from
+    their NICs, and only the pairs with an exception and one pair inside a host are asked: the
+    others answer alike."""
     n = state.n
     if n <= 1:
         return INF
