@@ -172,6 +172,17 @@ def own_rows(rank, members, rail_stats):
             for g, rows in rail_stats.items() if g in g2c and g != me}
 
 
+class Fingerprint(tuple):
+    """A state's fingerprint: a tuple that hashes once (8,192 ranks: 0.1 ms a hash, and the
+    planner looks its caches up by it on every plan)."""
+
+    def __hash__(self):
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+
 class PartitionedError(ValueError):
     """The working rails do not connect every rank: no schedule can reach them all."""
 
@@ -488,9 +499,10 @@ class NicRailState(RailState):
     def fingerprint(self):
         """Made once (set_link() makes it again): equal fingerprints plan identically."""
         if self._fp is None:
-            self._fp = ("nic", tuple(self.hosts), self.nrails, self.alpha, self.chunk,
-                        self.degraded_tol, self.intra_bw, tuple(tuple(r) for r in self.nic),
-                        tuple(sorted(self.exceptions.items())))
+            self._fp = Fingerprint(("nic", tuple(self.hosts), self.nrails, self.alpha,
+                                    self.chunk, self.degraded_tol, self.intra_bw,
+                                    tuple(tuple(r) for r in self.nic),
+                                    tuple(sorted(self.exceptions.items()))))
         return self._fp
 
     def set_link(self, a, b, rail, up=None, bw=None):
