@@ -196,11 +196,17 @@ def test_broken_pairs_above_64_ranks_relayed_per_rank(monkeypatch):
     monkeypatch.setattr(planner, "build_all", refuse)
     monkeypatch.setattr(cost, "predict", refuse)
     planner.clear_caches()
+    got = {}
     for algo in ("", "ring", "treefold"):
-        sc = [planner.build("allreduce", r, 96, 97 * 4, 4, 0, 0, algo, st) for r in range(96)]
+        sc = got[algo] = [planner.build("allreduce", r, 96, 97 * 4, 4, 0, 0, algo, st)
+                          for r in range(96)]
         assert consistent(sc) and not routing.uses_broken_pair(sc, st)
         assert sc[0].algo.endswith("+relay") or algo != "ring", sc[0].algo   # (95 -> 0)
         check_allreduce(sc, inputs(f"relay96-{algo}", 96, 97, "int32"), chunk=64, seed=1)
+    monkeypatch.undo()
+    for algo, sc in got.items():                  # what relay() over every rank's gives
+        every = planner.build_all("allreduce", 96, 97 * 4, 4, 0, 0, algo, st)
+        assert [(s.algo, s.msgs, s.deps) for s in sc] == [(s.algo, s.msgs, s.deps) for s in every]
 
 
 def test_route_searches_per_host_not_per_pair(monkeypatch):
