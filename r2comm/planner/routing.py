@@ -234,9 +234,9 @@ def route(state, a, b, nbytes=1, load=None, _dist=None):
     while path[-1] != b:
         u = path[-1]
         if isinstance(dist, HostHops):
-            cands = dist.next_hops(u, load)
-        else:
-            cands = [c for c in state.neighbours(u) if dist.get(c, -1) == dist[u] - 1]
+            path.append(dist.next_hop(u, nbytes, load))
+            continue
+        cands = [c for c in state.neighbours(u) if dist.get(c, -1) == dist[u] - 1]
 
         def score(c):
             if c == b:
@@ -252,7 +252,11 @@ def uses_broken_pair(schedules, state):
     """Whether a send of `schedules` (a list indexed by rank, or {rank: Schedule}) crosses a
     broken pair."""
     items = schedules.items() if isinstance(schedules, dict) else enumerate(schedules)
-    return any(m[0] == "send" and not state.working(r, m[1]) for r, s in items for m in s.msgs)
+    for r, s in items:
+        bad = state.broken_peers(r)
+        if bad and any(m[0] == "send" and m[1] in bad for m in s.msgs):
+            return True
+    return False
 
 
 def relay(schedules, state, suffix="+relay"):
@@ -305,9 +309,10 @@ def _relayed(schedules, senders, state):
     load, dists = {}, {}
     nrelayed = 0
     for a in senders:
+        bad = state.broken_peers(a)
         for i, m in enumerate(schedules[a].msgs):
             b, nbytes = m[1], m[5]
-            if m[0] != "send" or state.working(a, b):
+            if m[0] != "send" or b not in bad:
                 continue
             if b not in dists:
                 dists[b] = _hops(state, b)

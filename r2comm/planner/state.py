@@ -380,6 +380,10 @@ class RailState:
         """The ranks with a broken pair, ascending (the only ones whose messages get relayed)."""
         return sorted({r for p in self.broken_pairs() for r in p})
 
+    def broken_peers(self, a):
+        """The ranks rank a has no working rail with (a set)."""
+        return {b for b in range(self.n) if b != a and not self.working(a, b)}
+
     def working(self, a, b):
         return a != b and self.pair_bw(a, b) > 0
 
@@ -491,6 +495,7 @@ class NicRailState(RailState):
         self._hbw = None
         self._fp = None
         self._broken = None
+        self._graph = None
 
     def copy(self):
         return type(self)(self.hosts, self.nic, self.intra_bw, self.alpha, self.chunk,
@@ -513,7 +518,7 @@ class NicRailState(RailState):
         self.exceptions[key] = (old_up if up is None else bool(up),
                                 old_bw if bw is None else float(bw))
         self._pbw.clear()
-        self._fp = self._broken = None
+        self._fp = self._broken = self._graph = None
         return self
 
     def _base_rail(self, a, b, k):
@@ -605,6 +610,13 @@ class NicRailState(RailState):
     def _masks(self):
         return [sum(1 << k for k, v in enumerate(row) if v > 0) for row in self.nic]
 
+    def host_graph(self):
+        """What HostHops needs of this state, made once (set_link() makes it again): a
+        HostGraph."""
+        if self._graph is None:
+            self._graph = HostGraph(self)
+        return self._graph
+
     def has_broken_pairs(self):
         if self._broken is None:
             self._broken = self._find_broken()
@@ -673,6 +685,16 @@ class NicRailState(RailState):
                 out.update((a, b))
         return sorted(out)
 
+    def broken_peers(self, a):
+        """As RailState.broken_peers: the ranks of the hosts a shares no NIC with (its own
+        host's with no local bandwidth), as exceptions leave them, and those an exception
+        breaks; O(those ranks + exceptions)."""
+        out = {p for p in self._unlinked(a) if self.pair_bw(a, p) <= 0}
+        for (x, y, k) in self.exceptions:
+            if a in (x, y) and self.pair_bw(x, y) <= 0:
+                out.add(y if x == a else x)
+        return out
+
     def _unlinked(self, r):
         """The ranks rank r shares no NIC with (its own host's with no local bandwidth)."""
         masks = self._masks()
@@ -704,25 +726,61 @@ class NicRailState(RailState):
         return st
 
 
+class HostGraph:
+    """A NicRailState's hosts as a graph: the ranks of each host, its NICs up (a bit mask),
+    the hosts on each rail, the ranks exceptions name, each host's ranks less those (its
+    *group*), and base_row(h): the bandwidth between a rank of host h and one of every host
+    when no exception names them, as an array (the same sums, in the same order, as
+    pair_bw)."""
+
+    def __init__(self, state):
+        import numpy as np
+        self.state = state
+        self.hi = state.host_indices()
+        self.ranks = [state.host_ranks(h) for h in state.host_list()]
+        self.masks = [sum(1 << k for k, v in enumerate(row) if v > 0) for row in state.nic]
+        H = len(self.ranks)
+        self.on_rail = [[i for i in range(H) if self.masks[i] >> k & 1]
+                        for k in range(state.nrails)]
+        self.named = {x for (p, q, _k) in state.exceptions for x in (p, q)}
+        self.group = [[r for r in rs if r not in self.named] for rs in self.ranks] \
+            if self.named else self.ranks
+        self.nic = np.array(state.nic, dtype=float).reshape(H, state.nrails)
+        self._rows = {}
+
+    def base_row(self, h):
+        import numpy as np
+        row = self._rows.get(h)
+        if row is None:
+            mine = self.nic[h]
+            row = np.zeros(len(self.ranks))
+            for k in range(len(mine)):              # left to right, as pair_bw's sum
+                col = self.nic[:, k]
+                row = row + np.where((col > 0) & (mine[k] > 0), np.minimum(col, mine[k]), 0.0)
+            row[h] = self.state.intra_bw
+            row = self._rows[h] = row
+        return row
+
+
 class HostHops:
     """Hop distances to one rank (src) over the working pairs of a NicRailState, found per host:
     the ranks of a host that no exception names (a *group*) all have the same neighbours, so a
     breadth-first search over the groups and the few ranks that exceptions name (plus src)
     answers for every rank, in O(H·K + T·(H + T)) for T named ranks. Reads like {rank: hops}
-    (`in`, [], get) and lists a rank's next hops towards src (next_hops)."""
+    (`in`, [], get) and picks a rank's next hop towards src (next_hop)."""
 
     def __init__(self, state, src):
         self.state, self.src = state, src
-        hl = state.host_list()
-        self.hi = state.host_indices()
-        self.ranks = [state.host_ranks(h) for h in hl]
-        self.masks = [sum(1 << k for k, v in enumerate(row) if v > 0) for row in state.nic]
+        graph = self.graph = state.host_graph()
+        self.hi, self.ranks, self.masks = graph.hi, graph.ranks, graph.masks
         self.intra = state.intra_bw > 0
-        self.named = sorted({x for (p, q, _k) in state.exceptions for x in (p, q)} | {src})
-        named = set(self.named)
-        self.group = [[r for r in rs if r not in named] for rs in self.ranks]
-        H, K = len(hl), state.nrails
-        on_rail = [[i for i in range(H) if self.masks[i] >> k & 1] for k in range(K)]
+        named = graph.named | {src}
+        self.named = sorted(named)
+        hs = self.hi[src]
+        self.group = list(graph.group)            # src's host's group without src
+        self.group[hs] = [r for r in self.group[hs] if r != src]
+        H, K = len(self.ranks), state.nrails
+        on_rail = graph.on_rail
         gd = [None] * H                           # hops of each host's group
         nd = {src: 0}                             # hops of each named rank
         skipped = [None] * K                      # rail expanded: None no, -1 every host on
@@ -758,6 +816,15 @@ class HostHops:
             d += 1
         self.gd, self.nd = gd, nd
         self.named_set = named
+        self._rows = {}                          # _towards() per host of the hop's rank
+        self._gd_arr = None
+        self._first = None
+
+    def _arrays(self):
+        import numpy as np
+        if self._gd_arr is None:
+            self._gd_arr = np.array([-1 if v is None else v for v in self.gd])
+            self._first = np.array([rs[0] if rs else -1 for rs in self.group])
 
     def _base(self, ha, hb):
         """Whether two ranks of hosts ha and hb that no exception pairs work together."""
@@ -783,27 +850,52 @@ class HostHops:
     def __contains__(self, r):
         return self.get(r) is not None
 
-    def next_hops(self, u, load):
-        """[(rank, same)] of u's working neighbours one hop nearer src: each group's rank of
-        least load (lowest rank on ties; `same` True for those, whose figures are their
-        group's) and the named ranks."""
+    def next_hop(self, u, nbytes, load):
+        """routing.route()'s next hop from u towards src: of u's working neighbours one hop
+        nearer, the one that would finish its relayed bytes soonest ((load + nbytes) / the
+        slower of its links to u and to src, load: {rank: bytes relayed}), ties to the lowest
+        rank; src itself first. Per group on arrays: a group's candidate is its rank of least
+        load (all of a group share their links), O(H + loaded ranks) a hop."""
+        import numpy as np
         want = self.get(u) - 1
-        hu = self.hi[u]
-        out = []
-        for g, gv in enumerate(self.gd):
-            if gv == want and self._base(hu, g):
-                best = None
-                for c in self.group[g]:
-                    if c == u:
-                        continue
-                    lc = load.get(c, 0)
-                    if best is None or lc < best[0]:
-                        best = (lc, c)
-                        if lc <= 0:
-                            break
-                if best is not None:
-                    out.append(best[1])
+        if want == 0:
+            return self.src                         # (the only rank at 0 hops)
+        self._arrays()
+        st = self.state
+        bott, adj = self._towards(u)
+        bl = np.zeros(len(self.group))
+        first = self._first.copy()
+        touched = {}
+        for r, v in load.items():
+            if r not in self.named_set:
+                touched.setdefault(self.hi[r], []).append(r)
+        for g in touched:
+            bl[g], first[g] = min(((load.get(c, 0), c) for c in self.group[g] if c != u),
+                                  default=(0, -1))
+        score = np.where(adj & (self._gd_arr == want), (bl + nbytes) / bott, np.inf)
+        best = (np.inf, None)
+        m = score.min()
+        if m < np.inf:
+            best = (float(m), int(first[score == m].min()))
         for v in self.named:
-            if self.nd.get(v) == want and u != v and self.state.working(u, v):
-                out.append(v)
-        return out
+            if self.nd.get(v) == want and u != v and st.working(u, v):
+                bv = min(st.pair_bw(u, v), st.pair_bw(v, self.src)
+                         if st.working(v, self.src) else st.pair_bw(u, v))
+                best = min(best, ((load.get(v, 0) + nbytes) / bv, v))
+        return best[1]
+
+    def _towards(self, u):
+        """(the slower of each group's links to u and to src, whether it works with u and holds
+        a rank but u), as arrays over the groups, made once per host of u. Ranks of a group
+        have no exception, with u or src: their links are their hosts' (HostGraph.base_row)."""
+        import numpy as np
+        hu = self.hi[u]
+        hit = self._rows.get(hu)
+        if hit is None:
+            to_u = self.graph.base_row(hu)
+            to_src = self.graph.base_row(self.hi[self.src])
+            bott = np.where(to_src > 0, np.minimum(to_u, to_src), to_u)
+            size = np.array([len(rs) for rs in self.group])
+            adj = (to_u > 0) & (size > 0)
+            hit = self._rows[hu] = (np.where(adj, bott, 1.0), adj)
+        return hit
