@@ -226,3 +226,34 @@ def test_route_searches_per_host_not_per_pair(monkeypatch):
     big.nic[0] = [0.0, DEFAULT_BW]                # host 0 shares no NIC with host 512
     big = big.copy()
     assert len(routing.route(big, 3, 512 * 8 + 5)) == 3
+
+
+def test_host_level_queries_answer_like_the_per_pair_state():
+    """Random NicRailStates (hosts 1-6 x 1-3 ranks, 1-3 NICs, NICs down or slow, no local
+    bandwidth, exceptions that break or mend pairs): broken ranks and peers, components, hop
+    distances and routes under relay load equal those of the same state held per pair."""
+    rng = random.Random(1)
+    for trial in range(250):
+        H, G, K = rng.randint(1, 6), rng.randint(1, 3), rng.randint(1, 3)
+        nic = [[rng.choice([0.0, 1e9, 1e9, 5e8]) for _ in range(K)] for _ in range(H)]
+        st = NicRailState([h for h in range(H) for _ in range(G)], nic,
+                          rng.choice([0.0, 8e9, 8e9]))
+        n = st.n
+        for _ in range(rng.randint(0, 3) if n > 1 else 0):
+            a, b = rng.sample(range(n), 2)
+            st.set_link(a, b, rng.randrange(K), up=rng.random() < 0.5,
+                        bw=rng.choice([1e8, 2e9]))
+        dense = st.to_dense()
+        assert st.broken_ranks() == dense.broken_ranks(), trial
+        assert st.components() == dense.components(), trial
+        assert all(st.broken_peers(a) == dense.broken_peers(a) for a in range(n)), trial
+        for b in range(n):
+            hops, want = routing._hops(st, b), routing._hops(dense, b)
+            assert {r: hops.get(r) for r in range(n)} == {r: want.get(r) for r in range(n)}
+        if dense.partitioned() or n < 2:
+            continue
+        for _ in range(4):
+            a, b = rng.sample(range(n), 2)
+            load = {r: rng.choice([0, 100, 200]) for r in rng.sample(range(n), rng.randint(0, n))}
+            assert routing.route(st, a, b, 100, dict(load)) == \
+                routing.route(dense, a, b, 100, dict(load)), (trial, a, b)
