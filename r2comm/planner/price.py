@@ -1,4 +1,5 @@
-"""Closed-form α-β prices of the allreduce candidates, from a host-level summary of the rails.
+"""Closed-form α-β prices of the allreduce candidates (and, collective(), of the other
+collectives' flat and hierarchical plans), from a host-level summary of the rails.
 
 choose() (planner/__init__.py) prices every candidate here instead of building every rank's
 schedule and running cost.py's message-level model over them: a price costs O(H) or less once
