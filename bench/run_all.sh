@@ -188,7 +188,7 @@ run sim_validate 120 TERM "$PY" -m r2comm.sim validate --json "$OUT/sim_validate
 
 # the planner at scale (issue 32; about 1-3 min, no root needed): plan time per rank 64-8,192
 # ranks, and the choice against the simulator's replay
-run planner_scale 600 TERM "$PY" -m r2comm.bench.planner_scale --old --sweep 12 \
+run planner_scale 600 TERM "$PY" -m r2comm.bench.planner_scale --old --sweep 12 --colls 128,1024 \
     --json "$OUT/planner_scale.json"
 
 # connections at scale (issue 31; about 1-2 min, no root needed): start-up, fds and memory per

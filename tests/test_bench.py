@@ -951,6 +951,32 @@ def test_results_planner_section_from_fake_json(tmp_path):
     assert "Planner at scale" in results.render(str(tmp_path))
 
 
+def test_results_planner_section_with_half_rate_and_collectives(tmp_path):
+    """Issue 39's rows: a NIC at half rate beside healthy and down, and the first plan of every
+    collective, each cold and all in turn, against the 50 / 200 ms budgets."""
+    def row(n, nic, first, later=0.1, algo="hierarchical_tree"):
+        return {"hosts": n // 8, "ranks": n, "nic": nic, "nic_down": nic == "down",
+                "algo": algo, "later_algo": algo, "messages": 62, "first_ms": first,
+                "later_ms": later, "predicted_ms": 15.0}
+    colls = {c: {"first_ms": 3.0, "algo": "hierarchical", "messages": 10, "bytes": 1}
+             for c in ("allreduce", "allgather", "bcast")}
+    doc = {"rows": [row(1024, "healthy", 1.0), row(1024, "down", 4.0), row(1024, "half", 30.0)],
+           "bytes": 64 << 20, "later_bytes": (64 << 20) + 4096, "ranks_per_host": 8, "nics": 8,
+           "colls": [{"hosts": 128, "ranks": 1024, "nic": "down", "colls": colls,
+                      "sequence_ms": 12.0},
+                     {"hosts": 1024, "ranks": 8192, "nic": "half", "colls": colls,
+                      "sequence_ms": 250.0}]}
+    (tmp_path / "planner_scale.json").write_text(json.dumps(doc))
+    sec = results.render(str(tmp_path)).split("## Planner at scale (issue 32)")[1].split("\n## ")[0]
+    assert "| 1024 | 128 | hierarchical_tree | 62 | 1.00 | 0.10 | 4.00 | 0.10 | " \
+           "hierarchical_tree | 30 | 0.10 | hierarchical_tree | – |" in sec
+    assert "(healthy and a NIC down or at 1/2): **not met** (1.00 / 4.00 / 30 ms)" in sec
+    assert "| 1024 | down | 3.00 (hierarchical) | 3.00 (hierarchical) | 3.00 (hierarchical) | " \
+           "12 |" in sec
+    assert "at 1024 ranks, NIC down, in turn from cold ≤ 50 ms: **met** (12 ms)" in sec
+    assert "at 8192 ranks, NIC at 1/2, in turn from cold ≤ 200 ms: **not met** (250 ms)" in sec
+
+
 def test_results_torchdist_section_from_fake_json(tmp_path):
     """Issue 29's torch.distributed vs Gloo section from the three benches' JSON: the per-size
     medians and paired ratios, the 8 B target met / not met, the FSDP2 losses' equality."""

@@ -3,10 +3,12 @@
 Pure Python and socket-free, so tests and a simulator can use it directly.
 
 Without a RailState the planner is static (ring / recursive doubling by size). With one
-(`state=`, the same on every rank) it is bandwidth-aware: build() prices every candidate with the
-cost model (cost.py) and routes around broken pairs (routing.py); "degraded" (degraded.py) keeps a
-slow host off the critical path, and "treefold" (treefold.py) does so with a pipeline depth of
-log H; both are priced in closed form (price.py) and chosen where they cost least.
+(`state=`, the same on every rank) it is bandwidth-aware: build() prices every candidate of every
+collective in closed form (price.py) and builds only the calling rank's schedule; messages over
+broken pairs are relayed (routing.py: up to RELAY_ALL_MAX ranks over every rank's schedules,
+priced by cost.py; above, per rank). "degraded" (degraded.py) keeps a slow host off the critical
+path, and "treefold" (treefold.py) does so with a pipeline depth of log H; both are chosen where
+they cost least.
 
 Hosts. With a topology (topology.py: which ranks share a host, `topo=` without a RailState; a
 RailState's `hosts` with one) where several hosts run several ranks, the hierarchical schedules
@@ -51,10 +53,27 @@ _CACHE = {}
 
 
 def clear_caches():
-    """Forget every plan, choice, price net and template this process cached (to time a cold
-    planner)."""
+    """Forget every plan, choice, price net and template this process cached, and empty every
+    functools cache of the planner's modules (second_tree, tree_units, ...): the next plan is
+    cold."""
     for cache in (_CACHE, _CHOICE, _NETS, _TEMPLATES):
         cache.clear()
+    for fn in lru_caches():
+        fn.cache_clear()
+
+
+def lru_caches():
+    """Every functools cache (lru_cache, cache) defined in the planner's modules."""
+    import sys
+    out = []
+    for name, mod in sorted(sys.modules.items()):
+        if mod is None or not (name == __name__ or name.startswith(__name__ + ".")):
+            continue
+        for obj in vars(mod).values():
+            if callable(getattr(obj, "cache_clear", None)) and \
+                    getattr(obj, "__module__", None) == name and obj not in out:
+                out.append(obj)
+    return out
 
 
 _CACHE_MAX = 128
@@ -121,9 +140,11 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
     schedules read their input from it instead of a copy (Schedule.fills_work).
     topo: the Topology (used without a RailState; a RailState carries its own hosts).
 
-    Only this rank's schedule is built (in time proportional to its length) wherever no pair
-    is broken: the algorithm is chosen by the closed-form prices of price.py, once per size
-    class (size_class()) of the arguments, so a new size of a known class only builds."""
+    Only this rank's schedule is built (in time proportional to its length), for every
+    collective, wherever no pair is broken or above RELAY_ALL_MAX ranks (then relayed from the
+    schedules of the ranks with a broken pair alone): the algorithm is chosen by the
+    closed-form prices of price.py, once per size class (size_class()) of the arguments, so a
+    new size of a known class only builds."""
     if state is None:
         if coll == "allreduce" and not algo and topo is not None and topo.nhosts == 1 and \
                 halving_allreduce(n, nbytes, eager):
@@ -147,30 +168,66 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
         raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
     if state.n != n:
         raise ValueError(f"RailState describes {state.n} ranks, the communicator has {n}")
-    if coll == "allreduce" and not state.has_broken_pairs():
-        net = _net(state)
-        key = ("state", coll, n, itemsize, root, eager, algo, net.key, separate_send,
-               size_class(n, nbytes, eager))
-        name = _CHOICE.get(key)
-        if name is None:
-            name = algo
-            if algo in ("", "flat") or (algo in HIER_ALGOS and net.H in (1, n)):
-                if _needs_reroute(state):       # a ring in rank order would take a slow pair
-                    name = choose(coll, n, nbytes, itemsize, state, root, eager,
-                                  flat_only=algo == "flat")
-                else:
-                    name = price.cheapest(_allreduce_prices(net, nbytes,
-                                                            flat_only=algo == "flat"))
-                _remember(key, name)
-        if name != "ring_rerouted":
-            topo = _state_topo(state) if name in HIER_ALGOS else None
-            s = _build_or_resize(key + (rank, name), coll, rank, name, n, nbytes, itemsize,
-                                 root, eager, separate_send, topo, state)
-            s.cost = _allreduce_prices(net, nbytes, names=(name,)).get(name, 0.0)
-            return s.validate()
-    scheds = build_all(coll, n, nbytes, itemsize, root, eager, algo, state, separate_send)
-    s = scheds[rank]
-    return s.copy()
+    broken = state.has_broken_pairs()
+    if broken and n <= RELAY_ALL_MAX:
+        return build_all(coll, n, nbytes, itemsize, root, eager, algo, state,
+                         separate_send)[rank].copy()
+    net = _net(state)
+    key = ("state", coll, n, itemsize, root, eager, algo, net.key, separate_send,
+           size_class(n, nbytes, eager))
+    name = _CHOICE.get(key)
+    if name is None:
+        if broken:
+            state.check_connected()
+        name = _remember(key, _choose_state(coll, n, nbytes, root, algo, state, net))
+    topo = _state_topo(state) if name in HIER_ALGOS else None
+    if broken:
+        s = routing.relay_rank(rank, lambda r: _build_rank(
+            coll, r, name, n, nbytes, itemsize, root, eager, separate_send, topo, state),
+            _broken_ranks(state, net), state).validate()
+    else:
+        s = _build_or_resize(key + (rank, name), coll, rank, name, n, nbytes, itemsize, root,
+                             eager, separate_send, topo, state)
+    s.cost = _state_price(coll, name, net, nbytes, root, state)
+    return s
+
+
+RELAY_ALL_MAX = 64          # ranks: with a broken pair, up to here every rank's schedules are
+                            # relayed and priced by cost.py (build_all); above, this rank's
+                            # alone (routing.relay_rank), the plan chosen by the closed forms,
+                            # which do not price the relays
+
+
+def _broken_ranks(state, net):
+    """state.broken_ranks(), found once per state summary."""
+    out = getattr(net, "broken_ranks", None)
+    if out is None:
+        out = net.broken_ranks = state.broken_ranks()
+    return out
+
+
+def _choose_state(coll, n, nbytes, root, algo, state, net):
+    """The algorithm build() runs on a state with no broken pair: `algo` where it names one
+    that applies, else the cheapest candidate by its closed-form price (price.py)."""
+    if coll == "allreduce":
+        if algo in ("", "flat") or (algo in HIER_ALGOS and net.H in (1, n)):
+            return price.cheapest(_allreduce_prices(net, nbytes, flat_only=algo == "flat",
+                                                    state=state))
+        return algo
+    hier = hierarchical.applicable(coll, _state_topo(state))
+    if algo == "hierarchical" or (algo == "" and not hier):
+        return "hierarchical" if hier else "flat"
+    if algo == "flat":
+        return "flat"
+    return price.cheapest({a: price.collective(coll, a, net, nbytes, root)
+                           for a in ("flat", "hierarchical")})
+
+
+def _state_price(coll, name, net, nbytes, root, state):
+    """Closed-form seconds of the named plan (a schedule's .cost)."""
+    if coll == "allreduce":
+        return _allreduce_prices(net, nbytes, names=(name,), state=state).get(name, 0.0)
+    return price.collective(coll, name, net, nbytes, root)
 
 
 _TEMPLATES = {}             # size class + rank -> (nbytes, Schedule) of the long schedules
@@ -185,7 +242,7 @@ def _build_or_resize(key, coll, rank, name, n, nbytes, itemsize, root, eager, se
         if hit is not None:
             s = hierarchical.resize(hit[1], topo, hit[0], nbytes, itemsize, eager)
             if s is not None:
-                return s
+                return s.validate()
     s = _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_send, topo,
                     state).validate()
     if coll == "allreduce" and name == "hierarchical":
@@ -230,8 +287,13 @@ def _topo_net(topo):
     return net
 
 
-def _allreduce_prices(net, nbytes, names=None, flat_only=False):
+def _allreduce_prices(net, nbytes, names=None, flat_only=False, state=None):
+    """{name: closed-form seconds} of the allreduce candidates (`names` only, where given);
+    with `state` (no pair broken) also ring_rerouted where _needs_reroute(state)."""
     costs = price.prices("allreduce", net, nbytes, names)
+    if state is not None and (names is None or "ring_rerouted" in names) and \
+            _needs_reroute(state):
+        costs["ring_rerouted"] = price.ring(net, nbytes, _reroute_order(state, net))
     if flat_only:
         costs = {a: c for a, c in costs.items() if a not in HIER_ALGOS} or costs
     return costs
@@ -288,6 +350,9 @@ def _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_sen
     if coll == "allreduce" and name == "ring":
         return routing.allreduce_ring_ordered(rank, list(range(n)), nbytes, itemsize, eager,
                                               "ring")
+    if coll == "allreduce" and name == "ring_rerouted":
+        return routing.allreduce_ring_ordered(rank, _reroute_order(state, _net(state)), nbytes,
+                                              itemsize, eager)
     if coll == "allreduce" and name == "recursive_doubling":
         return algorithms.allreduce_rd(rank, n, nbytes, itemsize, separate_send, eager)
     if coll == "allreduce" and name == "rabenseifner" and not n & (n - 1):
@@ -354,7 +419,7 @@ def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state, separate_sen
         sc = [treefold.allreduce_treefold(r, n, nbytes, itemsize, eager, state)
               for r in range(n)]
     elif coll == "allreduce" and algo == "ring_rerouted":
-        order = routing.best_ring_order(state)
+        order = _reroute_order(state, _net(state))
         sc = [routing.allreduce_ring_ordered(r, order, nbytes, itemsize, eager) for r in range(n)]
     elif coll == "allreduce" and algo in ("", "ring") and not (
             algo == "" and latency_allreduce(n, nbytes, eager)):
@@ -373,17 +438,25 @@ RING_SEARCH_MAX = 64     # ranks: above, rings follow rank order (no Hamiltonian
 
 
 def _ring_order(state, members=None):
-    """routing.best_ring_order() for up to RING_SEARCH_MAX ranks (and wherever a pair is
-    broken); the members in rank order above that, where the search's O(n^2) pair scan is
-    unaffordable and a host-level rail state leaves nothing for it to find (every ring passes
-    the slowest host)."""
-    if state.n <= RING_SEARCH_MAX or state.has_broken_pairs():
+    """routing.best_ring_order() for up to RING_SEARCH_MAX ranks; the members in rank order
+    above that, where the search's O(n^2) pair scan is unaffordable and a host-level rail state
+    leaves nothing for it to find (every ring passes the slowest host; a broken pair is
+    relayed)."""
+    if state.n <= RING_SEARCH_MAX:
         return routing.best_ring_order(state, members)
     return list(range(state.n)) if members is None else sorted(members)
 
 
+def _reroute_order(state, net):
+    """routing.best_ring_order(state): ring_rerouted's order, found once per state summary."""
+    order = getattr(net, "reroute_order", None)
+    if order is None:
+        order = net.reroute_order = routing.best_ring_order(state)
+    return order
+
+
 def _needs_reroute(state):
-    """Whether ring_rerouted is a candidate: a broken pair, or up to RING_SEARCH_MAX ranks a
+    """Whether ring_rerouted is a candidate: up to RING_SEARCH_MAX ranks, a broken pair or a
     ring order faster than rank order. Not for a state held per host and NIC with no per-pair
     exception: every ring passes the slowest host there, and the search's per-pair figures
     miss that ranks of one host share its NICs (at 8 hosts x 8 ranks with a NIC down it found
@@ -391,7 +464,7 @@ def _needs_reroute(state):
     first plan)."""
     n = state.n
     if state.has_broken_pairs():
-        return True
+        return n <= RING_SEARCH_MAX
     if isinstance(state, NicRailState) and not state.exceptions:
         return False
     return n <= RING_SEARCH_MAX and routing.ring_order(state) not in (None, list(range(n)))
@@ -413,16 +486,15 @@ def candidates(coll, n, state):
 
 def evaluate(coll, n, nbytes, itemsize, state, root=0, eager=DEFAULT_EAGER):
     """{algorithm: predicted seconds} over candidates(coll, n, state): the closed-form prices
-    (price.py) for an allreduce with no broken pair; otherwise cost.py's model over every
-    rank's schedule (relays change the schedules themselves)."""
+    (price.py) where no pair is broken or above RELAY_ALL_MAX ranks (the relays unpriced);
+    otherwise cost.py's model over every rank's relayed schedules."""
     names = candidates(coll, n, state)
-    if coll == "allreduce" and not state.has_broken_pairs():
-        costs = _allreduce_prices(_net(state), nbytes)
-        out = {a: costs[a] for a in names if a in costs}
-        for a in names:
-            if a not in out:
-                out[a] = build_all(coll, n, nbytes, itemsize, root, eager, a, state)[0].cost
-        return out
+    if not state.has_broken_pairs() or n > RELAY_ALL_MAX:
+        net = _net(state)
+        if coll == "allreduce":
+            costs = _allreduce_prices(net, nbytes, state=state)
+            return {a: costs[a] for a in names if a in costs}
+        return {a: price.collective(coll, a or "flat", net, nbytes, root) for a in names}
     return {a: build_all(coll, n, nbytes, itemsize, root, eager, a, state)[0].cost
             for a in names}
 

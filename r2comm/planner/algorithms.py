@@ -203,15 +203,16 @@ def reduce_tree(rank, n, nbytes, root, eager=0):
 
 
 def allgather_ring(rank, n, block, eager=0):
-    """recvbuf holds n blocks; this rank's block is already in place."""
+    """recvbuf holds n blocks; this rank's block is already in place. Step st sends block
+    rank - st to the right and receives block rank - st - 1 from the left; each send waits for
+    the previous step's receive (messages listed directly: 2(n-1) of them per rank)."""
     s = Schedule("ring")
     right, left = (rank + 1) % n, (rank - 1) % n
-    prev = None
+    own = block <= eager
     for st in range(n - 1):
-        sb, rb = (rank - st) % n, (rank - st - 1) % n
-        si = s.send(right, st, WORK, sb * block, block, owned=block <= eager)
-        s.dep(prev, si)
-        prev = s.recv(left, st, WORK, rb * block, block, COPY)
+        s.msgs += (("send", right, st, WORK, (rank - st) % n * block, block, COPY, own),
+                   ("recv", left, st, WORK, (rank - st - 1) % n * block, block, COPY, False))
+    s.deps = [(2 * st - 1, 2 * st) for st in range(1, n - 1)]
     return s
 
 
@@ -221,24 +222,22 @@ def reduce_scatter_ring(rank, n, block, itemsize, eager=0):
     s.scratch = n * block
     s.pre.append((SCRATCH, 0, SEND, 0, n * block))
     right, left = (rank + 1) % n, (rank - 1) % n
-    prev = None
-    for st in range(n - 1):
-        sb, rb = (rank - st - 1) % n, (rank - st - 2) % n
-        si = s.send(right, st, SCRATCH, sb * block, block, owned=block <= eager)
-        s.dep(prev, si)
-        ri = s.recv(left, st, SCRATCH, rb * block, block, REDUCE)
-        prev = ri
+    own = block <= eager
+    for st in range(n - 1):                       # (as allgather_ring: send after receive)
+        s.msgs += (("send", right, st, SCRATCH, (rank - st - 1) % n * block, block, COPY, own),
+                   ("recv", left, st, SCRATCH, (rank - st - 2) % n * block, block, REDUCE,
+                    False))
+    s.deps = [(2 * st - 1, 2 * st) for st in range(1, n - 1)]
     s.post.append((WORK, 0, SCRATCH, rank * block, block))
     return s
 
 
 def alltoall_direct(rank, n, block, eager=0):
     s = Schedule("direct")
-    for k in range(1, n):
-        peer = (rank + k) % n
-        s.send(peer, 0, SEND, peer * block, block, owned=block <= eager)
-    for k in range(1, n):
-        peer = (rank - k) % n
-        s.recv(peer, 0, WORK, peer * block, block, COPY)
+    own = block <= eager
+    s.msgs = [("send", p, 0, SEND, p * block, block, COPY, own)
+              for p in ((rank + k) % n for k in range(1, n))] + \
+             [("recv", p, 0, WORK, p * block, block, COPY, False)
+              for p in ((rank - k) % n for k in range(1, n))]
     s.pre.append((WORK, rank * block, SEND, rank * block, block))
     return s

@@ -1,4 +1,5 @@
-"""Closed-form α-β prices of the allreduce candidates, from a host-level summary of the rails.
+"""Closed-form α-β prices of the allreduce candidates (and, collective(), of the other
+collectives' flat and hierarchical plans), from a host-level summary of the rails.
 
 choose() (planner/__init__.py) prices every candidate here instead of building every rank's
 schedule and running cost.py's message-level model over them: a price costs O(H) or less once
@@ -33,12 +34,13 @@ class Net:
     forms need, made in O(n) without looking at pairs of hosts."""
 
     def __init__(self, host_of, hbw, intra_bw, alpha, chunk, state=None, ring_bw=None,
-                 degraded=(), rank_bw=None):
+                 degraded=(), rank_bw=None, hosts=None):
         self.host_of = list(host_of)
         self.n = len(self.host_of)
-        hosts = {}
-        for r, h in enumerate(self.host_of):
-            hosts.setdefault(h, []).append(r)
+        if hosts is None:                              # {host label: its ranks}
+            hosts = {}
+            for r, h in enumerate(self.host_of):
+                hosts.setdefault(h, []).append(r)
         self.hosts = list(hosts.values())             # ranks of each host, in order of first rank
         self.hidx = {h: i for i, h in enumerate(hosts)}
         self.H = len(self.hosts)
@@ -63,16 +65,14 @@ class Net:
         bandwidth, the identity ring's slowest link."""
         hl = state.host_list()
         hbw = [state.host_bw(h) for h in hl]
+        hosts = {h: state.host_ranks(h) for h in hl}
         intra = INF
-        for h in hl:
-            rs = state.host_ranks(h)
+        for rs in hosts.values():
             if len(rs) > 1:
                 intra = min(intra, state.pair_bw(rs[0], rs[1]))
-        n = state.n
-        ring = min((state.pair_bw(r, (r + 1) % n) for r in range(n)), default=0.0) \
-            if n > 1 else INF
+        ring = _ring_bw(state)
         return cls(state.hosts, hbw, intra if intra < INF else 0.0, state.alpha, state.chunk,
-                   state, ring, state.degraded_ranks(), state.rank_bw)
+                   state, ring, state.degraded_ranks(), state.rank_bw, hosts)
 
     def degraded_split(self):
         """(full-ring fraction, slowest degraded rank's bandwidth, median healthy rank's) of
@@ -80,16 +80,16 @@ class Net:
         if getattr(self, "_split", None) is None:
             from .degraded import split_fraction
             bad = set(self.degraded)
-            per_host = {}
-            for r in range(self.n):
-                h = self.host_of[r]
-                if h not in per_host:
-                    per_host[h] = self.rank_bw(r)
-            bad_hosts = {self.host_of[r] for r in bad}
-            ok = sorted(v for h, v in per_host.items() if h not in bad_hosts
-                        for _ in range(len(self.hosts[self.hidx[h]])))
-            b_d = min(per_host[h] for h in bad_hosts)
-            b_ok = ok[(len(ok) - 1) // 2]
+            per_host = [(self.rank_bw(rs[0]), len(rs)) for rs in self.hosts]   # per host
+            bad_hosts = {self.hidx[self.host_of[r]] for r in bad}
+            b_d = min(per_host[i][0] for i in bad_hosts)
+            ok = sorted(per_host[i] for i in range(self.H) if i not in bad_hosts)
+            mid, b_ok = (sum(c for _, c in ok) - 1) // 2, None    # the median healthy rank's
+            for v, c in ok:
+                if mid < c:
+                    b_ok = v
+                    break
+                mid -= c
             self._split = (split_fraction(self.n, len(bad), b_d, b_ok), b_d, b_ok)
         return self._split
 
@@ -99,7 +99,7 @@ class Net:
         if getattr(self, "_rail_pen", None) is None:
             from .direct import rail_penalty
             bad = set(self.degraded)
-            ok = [r for r in range(self.n) if r not in bad][:1]
+            ok = next(([r] for r in range(self.n) if r not in bad), [])
             self._rail_pen = rail_penalty(self.state, ok, sorted(bad)) \
                 if self.state is not None else 0.0
         return self._rail_pen
@@ -134,6 +134,27 @@ class Net:
                 out[self.hidx[self.host_of[r]]] += 1
         return min((self.hbw[i] / c for i, c in enumerate(out) if c), default=INF)
 
+    def ring_figures(self, order):
+        """(the bottleneck bytes/s of a ring in `order`: its slowest edge, or a host's NICs
+        shared by the ring edges leaving it; the number of its edges between hosts)."""
+        n = len(order)
+        out = [0] * self.H
+        b = INF
+        for i in range(n):
+            r, p = order[i], order[(i + 1) % n]
+            b = min(b, self.link(r, p))
+            if self.host_of[r] != self.host_of[p]:
+                out[self.hidx[self.host_of[r]]] += 1
+        b = min(b, min((self.hbw[i] / c for i, c in enumerate(out) if c), default=INF))
+        return b, sum(out)
+
+    def host_index_array(self):
+        """The host index of every rank, as a numpy array (made once)."""
+        if getattr(self, "_hi_arr", None) is None:
+            import numpy as np
+            self._hi_arr = np.array([self.hidx[h] for h in self.host_of], dtype=np.int64)
+        return self._hi_arr
+
     def rd_levels(self, members=None):
         """[(bottleneck bytes/s of one rank's message)] per recursive-doubling level over the
         largest power of two: the host whose ranks send the most over its NICs at that level."""
@@ -152,13 +173,40 @@ class Net:
                 cnt = np.bincount(hi[cross], minlength=self.H)
                 used = cnt > 0
                 b = float((hbw[used] / cnt[used]).min())
-                b = min(b, min(self.link(r, r ^ d) for r in (0, p2 - 1)))
+                b = min([b] + [x for x in (self.link(r, r ^ d) for r in (0, p2 - 1)) if x > 0])
             else:
                 b = self.intra if self.intra > 0 else INF
             out.append(b)
             d *= 2
         self._levels[n] = out
         return out
+
+
+def _ring_bw(state):
+    """The slowest working pair of the ring in rank order (a broken one is relayed). On a state
+    held per host and NIC (host_indices()) the pairs between hosts are figured on arrays from
+    their NICs, and only the pairs with an exception and one pair inside a host are asked: the
+    others answer alike."""
+    n = state.n
+    if n <= 1:
+        return INF
+    hi = state.host_indices() if hasattr(state, "host_indices") else None
+    if hi is None:
+        ask = range(n)
+    else:                           # the pairs between hosts on arrays, host pair by pair
+        import numpy as np
+        h = np.array(hi)
+        nxt = np.roll(h, -1)
+        odd = {a if b == a + 1 else b for (a, b, _k) in state.exceptions
+               if b == a + 1 or (a, b) == (0, n - 1)}          # ring pairs with an exception
+        cut = np.array([r for r in np.nonzero(h != nxt)[0].tolist() if r not in odd], dtype=int)
+        nic = np.array(state.nic, dtype=float)
+        x, y = nic[h[cut]], nic[nxt[cut]]
+        bws = np.where((x > 0) & (y > 0), np.minimum(x, y), 0.0).sum(axis=1).tolist()
+        ask = sorted(odd) + np.nonzero(h == nxt)[0][:1].tolist()
+        return min((v for v in bws + [state.pair_bw(r, (r + 1) % n) for r in ask] if v > 0),
+                   default=0.0)
+    return min((v for v in (state.pair_bw(r, (r + 1) % n) for r in ask) if v > 0), default=0.0)
 
 
 def chain(hops, m, b, alpha, c):
@@ -175,37 +223,44 @@ def volume(v, b, hops, alpha):
 
 
 # -- the candidates' prices ---------------------------------------------------------------------
-def ring(net, nbytes):
+def ring(net, nbytes, order=None):
     """2(n-1) dependent steps of N/n bytes: max(chain, volume), the volume with every step's
     latency (a later step's chunks go ahead of an earlier step's tail), except where the
-    steps hide them (ring_hides_latency()): the chain and the last acknowledgement."""
+    steps hide them (ring_hides_latency()): the chain and the last acknowledgement.
+    order: the ring's order of the ranks (ring_rerouted; default rank order)."""
     n = net.n
     if n <= 1:
         return 0.0
-    b = min(net.ring_bw, net.ring_host_bw())
     h = 2 * (n - 1)
     m = nbytes / n
-    cross = min(h, 2 * (n - 1) * net.H // n) if 1 < net.H < n else h   # hops between hosts
+    if order is None:
+        b = min(net.ring_bw, net.ring_host_bw())
+        cross = min(h, 2 * (n - 1) * net.H // n) if 1 < net.H < n else h   # hops between hosts
+    else:
+        b, edges = net.ring_figures(order)
+        cross = h if net.H == n else min(h, 2 * (n - 1) * edges // n)
     ch = chain(cross, m, b, net.alpha, net.chunk)
     if h > cross and net.intra > 0:
         ch += (h - cross) * (net.alpha + min(net.chunk, m) / net.intra)
-    if ring_hides_latency(net, nbytes):
+    if ring_hides_latency(net, nbytes, b):
         return max(ch, 2 * (n - 1) / n * nbytes / b) + net.alpha
     return max(ch, volume(2 * (n - 1) / n * nbytes, b, h, net.alpha))
 
 
-def ring_hides_latency(net, nbytes):
+def ring_hides_latency(net, nbytes, b=None):
     """Whether ring()'s steps hide their latencies: a ring between hosts (no step inside a
     host, whose links the closed form does not time per step) whose steps are more than a
     chunk long (one chunk: chain and volume are equal) and short enough for hides_latency() on
-    the slowest link, fed by the fastest host's NICs (a slow host's link lags its neighbours').
-    The replay then takes the chain plus the last acknowledgement, exactly (3 hosts x 2 NICs,
-    a NIC at 7/8, 2-8 MiB: 174.0 µs at 8 MiB against 224.0 with every latency; bench/SIM.md)."""
+    the slowest link (b: its bytes/s, default the rank-order ring's), fed by the fastest host's
+    NICs (a slow host's link lags its neighbours'). The replay then takes the chain plus the
+    last acknowledgement, exactly (3 hosts x 2 NICs, a NIC at 7/8, 2-8 MiB: 174.0 µs at 8 MiB
+    against 224.0 with every latency; bench/SIM.md)."""
     n = net.n
     if n <= 1 or net.H != n or not net.hbw:
         return False
     m = nbytes / n
-    b = min(net.ring_bw, net.ring_host_bw())
+    if b is None:
+        b = min(net.ring_bw, net.ring_host_bw())
     return m > net.chunk and hides_latency(m, b, net.alpha, net.chunk, max(net.hbw))
 
 
@@ -220,7 +275,7 @@ def recursive_doubling(net, nbytes):
     p2 = 1 << (n.bit_length() - 1)
     rem = n - p2
     bs = list(lv)
-    if rem:
+    if rem and net.link(n - 1, n - 1 - p2) > 0:          # (a broken pair: relayed)
         bs.append(net.link(n - 1, n - 1 - p2))
     bmin = min(bs) if bs else INF
     c, a = net.chunk, net.alpha
@@ -473,29 +528,73 @@ def cheapest(costs):
 
 
 # -- the other collectives, flat (static) plan against the hierarchical one --------------------
+RS_OVERLAP = 0.75           # reduce_scatter_block, hierarchical: the shorter phase's share not
+                            # hidden behind the longer one, times 1/sqrt(ranks per host) (fitted
+                            # to the replay of 2-16 hosts x 2-8 ranks, bench/SIM.md)
+
+
 def collective(coll, name, net, nbytes, root=0):
     """Closed-form seconds of `coll`'s static flat plan ("flat") or hierarchical plan; nbytes
-    is the per-rank size (a block for allgather / reduce_scatter_block)."""
+    is the per-rank size (a block for allgather / reduce_scatter_block / alltoall)."""
     n, H, S, a, c = net.n, net.H, net.S, net.alpha, net.chunk
+    if n <= 1:
+        return 0.0
     intra = net.intra if net.intra > 0 else INF
     bmin = min(net.hbw) if net.hbw else INF
     if coll in ("allgather", "reduce_scatter_block"):
         if name != "hierarchical":
             b = min(net.ring_bw, net.ring_host_bw())
             return max(chain(n - 1, nbytes, b, a, c), volume((n - 1) * nbytes, b, n - 1, a))
-        t_inter = volume(S * (H - 1) * nbytes, bmin, H - 1, a)
-        return t_inter + volume((S - 1) * H * nbytes, intra, S - 1, a)
-    if coll == "bcast":
-        if name != "hierarchical":
-            out = [0] * H                         # binary tree edges leaving each host
-            for v in range(1, n):
-                p = (v - 1) // 2                  # algorithms.binary_tree
-                ha, hb = net.host_of[(p + root) % n], net.host_of[(v + root) % n]
-                if ha != hb:
-                    out[net.hidx[ha]] += 1
-            depth = max(1, n.bit_length() - 1)
-            b = min((net.hbw[i] / k for i, k in enumerate(out) if k), default=intra)
-            return chain(depth, nbytes, min(b, intra), a, c)
-        depth = (H - 1).bit_length() + (S - 1).bit_length()
-        return chain(depth, nbytes, min(bmin / max(1, (H - 1).bit_length()), intra), a, c)
+        # the ring between hosts (S rings share each host's NICs) and the ring inside each
+        # host run pipelined region by region: the longer phase plus the fill (allgather),
+        # plus part of the shorter one for reduce_scatter (its rings between hosts wait for
+        # the last step inside the host)
+        t_inter = S * (H - 1) * nbytes / bmin if bmin > 0 else INF
+        t_intra = (S - 1) * H * nbytes / intra
+        m = min(c, nbytes)
+        t = max(t_inter, t_intra) + (H + S - 2) * a + m / bmin + m / intra
+        if coll == "reduce_scatter_block":
+            t += RS_OVERLAP / math.sqrt(S) * min(t_inter, t_intra)
+        return t
+    if coll in ("bcast", "reduce"):                  # a tree, down (bcast) or up (reduce)
+        out, inn, local, depth = _tree_loads(net, name, root)
+        per_byte = max(max((max(out[i], inn[i]) / b if b > 0 else INF)
+                           for i, b in enumerate(net.hbw) if out[i] or inn[i]) if H > 1 else 0.0,
+                       local / intra)             # seconds per byte of the busiest NIC or link
+        return chain(depth, nbytes, 1 / per_byte if per_byte > 0 else INF, a, c)
+    if coll == "alltoall":                        # every pair one block, all at once
+        t = max((len(rs) * (n - len(rs)) * nbytes / net.hbw[i] if net.hbw[i] > 0 else INF)
+                for i, rs in enumerate(net.hosts)) if H > 1 else 0.0
+        t = max(t, (S - 1) * nbytes / intra if S > 1 else 0.0)
+        return max(chain(1, nbytes, min(bmin, intra) if H > 1 else intra, a, c), t + a)
+    if coll == "barrier":                         # recursive doubling of nothing
+        p2 = 1 << (n.bit_length() - 1)
+        return ((p2.bit_length() - 1) + (2 if n > p2 else 0)) * a
     return 0.0
+
+
+def _tree_loads(net, name, root):
+    """(messages out of each host, into each host, the most one rank sends to ranks of its own
+    host, depth) of bcast's tree: the binary tree over the ranks (flat: algorithms.binary_tree)
+    or binomial trees among the hosts and inside each (hierarchical.bcast)."""
+    n, H = net.n, net.H
+    if name != "hierarchical":
+        import numpy as np
+        hi = net.host_index_array()
+        v = np.arange(1, n)
+        ha, hb = hi[((v - 1) // 2 + root) % n], hi[(v + root) % n]
+        cross = ha != hb
+        out = np.bincount(ha[cross], minlength=H).tolist()
+        inn = np.bincount(hb[cross], minlength=H).tolist()
+        ps = (v[~cross] - 1) // 2                 # tree positions sending on their host
+        local = int(np.bincount(ps).max()) if len(ps) else 0
+        return out, inn, local, max(1, n.bit_length() - 1)
+    from .algorithms import binomial_tree
+    hr = net.hidx[net.host_of[root]]
+    out, inn = [0] * H, [0] * H
+    for k in range(H):
+        kids = binomial_tree(k, H)[1]
+        out[(hr + k) % H] = len(kids)
+        inn[(hr + k) % H] = 1 if k else 0
+    S = net.S
+    return out, inn, (S - 1).bit_length(), (H - 1).bit_length() + (S - 1).bit_length()

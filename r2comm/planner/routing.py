@@ -14,7 +14,7 @@ Two tools, both deterministic functions of the RailState (every rank computes th
 Both fail with PartitionedError only when the working pairs do not connect every rank."""
 from .algorithms import blocks
 from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_SEND
-from .state import PartitionedError
+from .state import HostHops, PartitionedError
 
 RELAY_STEP0 = 1 << 23          # relayed messages use steps above every algorithm's own steps
 MAX_STEP = 1 << 24             # the engine's limit (steps share a 64-bit key with the sequence)
@@ -203,7 +203,10 @@ def broken_neighbours(state, order):
 
 # -- relaying -----------------------------------------------------------------------------------
 def _hops(state, src):
-    """Hop distance from src over working pairs."""
+    """Hop distance from src over working pairs: {rank: hops} (a dict), or for a state held per
+    host and NIC (host_indices()) a HostHops answering the same per rank, made in O(H·K)."""
+    if hasattr(state, "host_indices"):
+        return HostHops(state, src)
     dist, frontier = {src: 0}, [src]
     while frontier:
         nxt = []
@@ -218,7 +221,8 @@ def _hops(state, src):
 
 def route(state, a, b, nbytes=1, load=None, _dist=None):
     """A shortest (in hops) path a -> ... -> b over working pairs; among equal-length next hops
-    the one that would finish its relayed bytes soonest (load: bytes already relayed per rank)."""
+    the one that would finish its relayed bytes soonest (load: bytes already relayed per rank).
+    On a state held per host and NIC, O(H·K) per hop (HostHops), not O(n)."""
     if state.working(a, b):
         return [a, b]
     dist = _dist if _dist is not None else _hops(state, b)
@@ -229,6 +233,9 @@ def route(state, a, b, nbytes=1, load=None, _dist=None):
     path = [a]
     while path[-1] != b:
         u = path[-1]
+        if isinstance(dist, HostHops):
+            path.append(dist.next_hop(u, nbytes, load))
+            continue
         cands = [c for c in state.neighbours(u) if dist.get(c, -1) == dist[u] - 1]
 
         def score(c):
@@ -242,8 +249,14 @@ def route(state, a, b, nbytes=1, load=None, _dist=None):
 
 
 def uses_broken_pair(schedules, state):
-    return any(m[0] == "send" and not state.working(r, m[1])
-               for r, s in enumerate(schedules) for m in s.msgs)
+    """Whether a send of `schedules` (a list indexed by rank, or {rank: Schedule}) crosses a
+    broken pair."""
+    items = schedules.items() if isinstance(schedules, dict) else enumerate(schedules)
+    for r, s in items:
+        bad = state.broken_peers(r)
+        if bad and any(m[0] == "send" and m[1] in bad for m in s.msgs):
+            return True
+    return False
 
 
 def relay(schedules, state, suffix="+relay"):
@@ -254,18 +267,52 @@ def relay(schedules, state, suffix="+relay"):
     if not uses_broken_pair(schedules, state):
         return schedules
     state.check_connected()
-    out = [s.copy(algo=s.algo + suffix) for s in schedules]
+    out = {r: s.copy(algo=s.algo + suffix) for r, s in enumerate(schedules)}
     recv_at = [{(m[1], m[2]): i for i, m in enumerate(s.msgs) if m[0] == "recv"}
                for s in schedules]
+    _check_steps(schedules)
+    for a, i, m, path, S in _relayed(dict(enumerate(schedules)), range(n), state):
+        _rewrite(out, recv_at, a, i, m, path, S)
+    return [out[r] for r in range(n)]
+
+
+def relay_rank(rank, build, senders, state, suffix="+relay"):
+    """relay()'s schedule of one rank, made from the schedules of `senders` alone: build(r) ->
+    rank r's schedule (unrelayed); senders: every rank with a broken pair, the only ones whose
+    messages relay() rewrites. Equal to relay([build(r) for r in range(n)], state)[rank], in
+    time proportional to the senders' schedules, not every rank's."""
+    scheds = {a: build(a) for a in senders}
+    mine = scheds[rank] if rank in scheds else build(rank)
+    if not uses_broken_pair(scheds, state):
+        return mine
+    state.check_connected()
+    out = {rank: mine.copy(algo=mine.algo + suffix)}
+    recv_at = {rank: {(m[1], m[2]): i for i, m in enumerate(mine.msgs) if m[0] == "recv"}}
+    _check_steps(list(scheds.values()) + [mine])
+    for a, i, m, path, S in _relayed(scheds, sorted(scheds), state):
+        if rank in path:
+            _rewrite(out, recv_at, a, i, m, path, S)
+    return out[rank]
+
+
+def _check_steps(schedules):
     top = max((m[2] for s in schedules for m in s.msgs), default=0)
     if top >= RELAY_STEP0:
         raise ValueError(f"cannot relay: the schedule already uses step {top}")
+
+
+def _relayed(schedules, senders, state):
+    """(sender, message index, message, path, relay step) of every message of `schedules`
+    ({rank: Schedule}) over a broken pair, senders in the order given, messages in schedule
+    order: the route of each (route(), the relays' load so far weighing the choice) and its
+    own step above every algorithm's."""
     load, dists = {}, {}
     nrelayed = 0
-    for a in range(n):
+    for a in senders:
+        bad = state.broken_peers(a)
         for i, m in enumerate(schedules[a].msgs):
-            kind, b, step, buf, off, nbytes, mode, owned = m
-            if kind != "send" or state.working(a, b):
+            b, nbytes = m[1], m[5]
+            if m[0] != "send" or b not in bad:
                 continue
             if b not in dists:
                 dists[b] = _hops(state, b)
@@ -274,18 +321,30 @@ def relay(schedules, state, suffix="+relay"):
             nrelayed += 1                       # every link of its path
             if S >= MAX_STEP:
                 raise ValueError("schedule too large to relay (step numbers overflow)")
-            out[a].msgs[i] = ("send", path[1], S, buf, off, nbytes, COPY, owned)
-            j = recv_at[b].get((a, step))
-            if j is None:
-                raise ValueError(f"send {a}->{b} step {step} has no receive to relay to")
-            rm = out[b].msgs[j]
-            out[b].msgs[j] = ("recv", path[-2], S, rm[3], rm[4], rm[5], rm[6], rm[7])
-            for k in range(1, len(path) - 1):
-                c, s = path[k], out[path[k]]
-                so = s.scratch
-                s.scratch += nbytes
-                ri = s.recv(path[k - 1], S, SCRATCH, so, nbytes, COPY)
-                si = s.send(path[k + 1], S, SCRATCH, so, nbytes, owned=owned)
-                s.dep(ri, si)
+            for c in path[1:-1]:
                 load[c] = load.get(c, 0) + nbytes
-    return out
+            yield a, i, m, path, S
+
+
+def _rewrite(out, recv_at, a, i, m, path, S):
+    """Apply one relayed message to the schedules in `out` ({rank: Schedule}, those present):
+    the sender's send and the receiver's receive move to the path's first and last hop, each
+    relay receives into its scratch and sends on, chunk by chunk."""
+    _, b, step, buf, off, nbytes, _mode, owned = m
+    if a in out:
+        out[a].msgs[i] = ("send", path[1], S, buf, off, nbytes, COPY, owned)
+    if b in out:
+        j = recv_at[b].get((a, step))
+        if j is None:
+            raise ValueError(f"send {a}->{b} step {step} has no receive to relay to")
+        rm = out[b].msgs[j]
+        out[b].msgs[j] = ("recv", path[-2], S, rm[3], rm[4], rm[5], rm[6], rm[7])
+    for k in range(1, len(path) - 1):
+        c = path[k]
+        if c in out:
+            s = out[c]
+            so = s.scratch
+            s.scratch += nbytes
+            ri = s.recv(path[k - 1], S, SCRATCH, so, nbytes, COPY)
+            si = s.send(path[k + 1], S, SCRATCH, so, nbytes, owned=owned)
+            s.dep(ri, si)

@@ -64,14 +64,15 @@ class Schedule:
 
     def validate(self):
         """Structural checks (used by tests and on every new plan)."""
-        seen = set()
-        for m in self.msgs:
-            key = (m[0], m[1], m[2])
-            if key in seen:
-                raise ValueError(f"{self.algo}: two {m[0]}s to/from {m[1]} with step {m[2]}")
-            seen.add(key)
+        msgs = self.msgs
+        if len({m[:3] for m in msgs}) != len(msgs):
+            seen = set()
+            for m in msgs:
+                if m[:3] in seen:
+                    raise ValueError(f"{self.algo}: two {m[0]}s to/from {m[1]} with step {m[2]}")
+                seen.add(m[:3])
         for a, b in self.deps:
-            if self.msgs[a][5] != self.msgs[b][5]:
+            if msgs[a][5] != msgs[b][5]:
                 raise ValueError(f"{self.algo}: dependency {a}->{b} between different sizes")
         for peer, w in self.rail_weights.items():
             if not w or any(not x >= 0 for x in w) or not abs(sum(w) - 1.0) < 1e-6:

@@ -172,6 +172,17 @@ def own_rows(rank, members, rail_stats):
             for g, rows in rail_stats.items() if g in g2c and g != me}
 
 
+class Fingerprint(tuple):
+    """A state's fingerprint: a tuple that hashes once (8,192 ranks: 0.1 ms a hash, and the
+    planner looks its caches up by it on every plan)."""
+
+    def __hash__(self):
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+
 class PartitionedError(ValueError):
     """The working rails do not connect every rank: no schedule can reach them all."""
 
@@ -362,9 +373,16 @@ class RailState:
                 if self.pair_bw(a, b) <= 0]
 
     def has_broken_pairs(self):
-        """Some pair has no common working rail (then the planner relays, over every rank's
-        schedule)."""
+        """Some pair has no common working rail (then the planner relays)."""
         return bool(self.broken_pairs())
+
+    def broken_ranks(self):
+        """The ranks with a broken pair, ascending (the only ones whose messages get relayed)."""
+        return sorted({r for p in self.broken_pairs() for r in p})
+
+    def broken_peers(self, a):
+        """The ranks rank a has no working rail with (a set)."""
+        return {b for b in range(self.n) if b != a and not self.working(a, b)}
 
     def working(self, a, b):
         return a != b and self.pair_bw(a, b) > 0
@@ -457,19 +475,18 @@ class NicRailState(RailState):
         self.nic = [list(map(float, row)) for row in nic]
         self.intra_bw = float(intra_bw)
         self.exceptions = dict(exceptions or {})
-        hl = []
-        self._hidx = {}
-        for h in self.hosts:
-            if h not in self._hidx:
-                self._hidx[h] = len(hl)
+        hl, hidx, hr, hi = [], {}, {}, []        # (one pass over the ranks)
+        for r, h in enumerate(self.hosts):
+            i = hidx.get(h)
+            if i is None:
+                i = hidx[h] = len(hl)
                 hl.append(h)
+                hr[h] = []
+            hr[h].append(r)
+            hi.append(i)
         if len(self.nic) != len(hl):
             raise ValueError(f"{len(self.nic)} NIC rows for {len(hl)} hosts")
-        self._hl = hl
-        self._hr = {h: [] for h in hl}
-        for r, h in enumerate(self.hosts):
-            self._hr[h].append(r)
-        self._hi = [self._hidx[h] for h in self.hosts]
+        self._hl, self._hidx, self._hr, self._hi = hl, hidx, hr, hi
         self._pbw = {}
         self._top2 = []                       # per rail: the best two NIC figures (value, host)
         for k in range(self.nrails):
@@ -478,6 +495,7 @@ class NicRailState(RailState):
         self._hbw = None
         self._fp = None
         self._broken = None
+        self._graph = None
 
     def copy(self):
         return type(self)(self.hosts, self.nic, self.intra_bw, self.alpha, self.chunk,
@@ -486,9 +504,10 @@ class NicRailState(RailState):
     def fingerprint(self):
         """Made once (set_link() makes it again): equal fingerprints plan identically."""
         if self._fp is None:
-            self._fp = ("nic", tuple(self.hosts), self.nrails, self.alpha, self.chunk,
-                        self.degraded_tol, self.intra_bw, tuple(tuple(r) for r in self.nic),
-                        tuple(sorted(self.exceptions.items())))
+            self._fp = Fingerprint(("nic", tuple(self.hosts), self.nrails, self.alpha,
+                                    self.chunk, self.degraded_tol, self.intra_bw,
+                                    tuple(tuple(r) for r in self.nic),
+                                    tuple(sorted(self.exceptions.items()))))
         return self._fp
 
     def set_link(self, a, b, rail, up=None, bw=None):
@@ -499,7 +518,7 @@ class NicRailState(RailState):
         self.exceptions[key] = (old_up if up is None else bool(up),
                                 old_bw if bw is None else float(bw))
         self._pbw.clear()
-        self._fp = self._broken = None
+        self._fp = self._broken = self._graph = None
         return self
 
     def _base_rail(self, a, b, k):
@@ -586,11 +605,17 @@ class NicRailState(RailState):
         return self.host_bw(h) / len(self._hr[h])
 
     def degraded_ranks(self):
-        bad = set(self.degraded_hosts())
-        return [r for r in range(self.n) if self.hosts[r] in bad] if bad else []
+        return sorted(r for h in self.degraded_hosts() for r in self._hr[h])
 
     def _masks(self):
         return [sum(1 << k for k, v in enumerate(row) if v > 0) for row in self.nic]
+
+    def host_graph(self):
+        """What HostHops needs of this state, made once (set_link() makes it again): a
+        HostGraph."""
+        if self._graph is None:
+            self._graph = HostGraph(self)
+        return self._graph
 
     def has_broken_pairs(self):
         if self._broken is None:
@@ -634,6 +659,60 @@ class NicRailState(RailState):
     def neighbours(self, a):
         return [b for b in range(self.n) if b != a and self.pair_bw(a, b) > 0]
 
+    def broken_ranks(self):
+        """As RailState.broken_ranks, per host: the ranks of hosts that share no NIC with some
+        other host (or, with no local bandwidth, share a host), and the ranks of the pairs an
+        exception breaks; O(H + distinct NIC sets² + exceptions) unless some are broken."""
+        masks = self._masks()
+        by_mask = {}
+        for i, m in enumerate(masks):
+            by_mask.setdefault(m, []).append(i)
+        bad = set()
+        for m1, hs in by_mask.items():
+            if not m1 and len(self._hl) > 1 or \
+                    any(not m1 & m2 for m2 in by_mask if m2 != m1) or \
+                    (len(hs) > 1 and not m1):
+                bad.update(hs)
+        out = {r for i in bad for r in self._hr[self._hl[i]]}
+        if self.intra_bw <= 0:
+            out.update(r for rs in self._hr.values() if len(rs) > 1 for r in rs)
+        named = {x for (a, b, k) in self.exceptions for x in (a, b)}
+        for r in named & out:                     # an exception may mend its broken pairs
+            if not any(self.pair_bw(r, p) <= 0 for p in self._unlinked(r)):
+                out.discard(r)
+        for (a, b, k) in self.exceptions:
+            if self.pair_bw(a, b) <= 0:
+                out.update((a, b))
+        return sorted(out)
+
+    def broken_peers(self, a):
+        """As RailState.broken_peers: the ranks of the hosts a shares no NIC with (its own
+        host's with no local bandwidth), as exceptions leave them, and those an exception
+        breaks; O(those ranks + exceptions)."""
+        out = {p for p in self._unlinked(a) if self.pair_bw(a, p) <= 0}
+        for (x, y, k) in self.exceptions:
+            if a in (x, y) and self.pair_bw(x, y) <= 0:
+                out.add(y if x == a else x)
+        return out
+
+    def _unlinked(self, r):
+        """The ranks rank r shares no NIC with (its own host's with no local bandwidth)."""
+        masks = self._masks()
+        i = self._hi[r]
+        return [p for j, m in enumerate(masks)
+                if (j == i and self.intra_bw <= 0) or (j != i and not m & masks[i])
+                for p in self._hr[self._hl[j]] if p != r]
+
+    def components(self):
+        """As RailState.components, from breadth-first searches per host (HostHops):
+        O(H·K + exceptions) each, not O(n²)."""
+        left, comps = list(range(self.n)), []
+        while left:
+            hops = HostHops(self, left[0])
+            comps.append([r for r in left if r in hops])
+            left = [r for r in left if r not in hops]
+        return comps
+
     def to_dense(self):
         """The same state as a plain RailState (every (rank, peer, rail)): small n only."""
         st = RailState(list(self.hosts), self.nrails, {}, self.alpha, self.chunk,
@@ -645,3 +724,178 @@ class NicRailState(RailState):
                         v = self.rail_bw(a, b, k)
                         st.link[(a, b, k)] = (v > 0, v)
         return st
+
+
+class HostGraph:
+    """A NicRailState's hosts as a graph: the ranks of each host, its NICs up (a bit mask),
+    the hosts on each rail, the ranks exceptions name, each host's ranks less those (its
+    *group*), and base_row(h): the bandwidth between a rank of host h and one of every host
+    when no exception names them, as an array (the same sums, in the same order, as
+    pair_bw)."""
+
+    def __init__(self, state):
+        import numpy as np
+        self.state = state
+        self.hi = state.host_indices()
+        self.ranks = [state.host_ranks(h) for h in state.host_list()]
+        self.masks = [sum(1 << k for k, v in enumerate(row) if v > 0) for row in state.nic]
+        H = len(self.ranks)
+        self.on_rail = [[i for i in range(H) if self.masks[i] >> k & 1]
+                        for k in range(state.nrails)]
+        self.named = {x for (p, q, _k) in state.exceptions for x in (p, q)}
+        self.group = [[r for r in rs if r not in self.named] for rs in self.ranks] \
+            if self.named else self.ranks
+        self.nic = np.array(state.nic, dtype=float).reshape(H, state.nrails)
+        self._rows = {}
+
+    def base_row(self, h):
+        import numpy as np
+        row = self._rows.get(h)
+        if row is None:
+            mine = self.nic[h]
+            row = np.zeros(len(self.ranks))
+            for k in range(len(mine)):              # left to right, as pair_bw's sum
+                col = self.nic[:, k]
+                row = row + np.where((col > 0) & (mine[k] > 0), np.minimum(col, mine[k]), 0.0)
+            row[h] = self.state.intra_bw
+            row = self._rows[h] = row
+        return row
+
+
+class HostHops:
+    """Hop distances to one rank (src) over the working pairs of a NicRailState, found per host:
+    the ranks of a host that no exception names (a *group*) all have the same neighbours, so a
+    breadth-first search over the groups and the few ranks that exceptions name (plus src)
+    answers for every rank, in O(H·K + T·(H + T)) for T named ranks. Reads like {rank: hops}
+    (`in`, [], get) and picks a rank's next hop towards src (next_hop)."""
+
+    def __init__(self, state, src):
+        self.state, self.src = state, src
+        graph = self.graph = state.host_graph()
+        self.hi, self.ranks, self.masks = graph.hi, graph.ranks, graph.masks
+        self.intra = state.intra_bw > 0
+        named = graph.named | {src}
+        self.named = sorted(named)
+        hs = self.hi[src]
+        self.group = list(graph.group)            # src's host's group without src
+        self.group[hs] = [r for r in self.group[hs] if r != src]
+        H, K = len(self.ranks), state.nrails
+        on_rail = graph.on_rail
+        gd = [None] * H                           # hops of each host's group
+        nd = {src: 0}                             # hops of each named rank
+        skipped = [None] * K                      # rail expanded: None no, -1 every host on
+        frontier = [("r", src)]                   # it reached, h all but host h's group
+        d = 0
+        while frontier:
+            nxt = []
+
+            def reach(g):
+                if gd[g] is None and self.group[g]:
+                    gd[g] = d + 1
+                    nxt.append(("g", g))
+            for kind, x in frontier:
+                h = self.hi[x] if kind == "r" else x
+                for k in range(K):                # groups on a rail this node's host has
+                    if not self.masks[h] >> k & 1 or skipped[k] == -1:
+                        continue
+                    if skipped[k] is None:
+                        for g in on_rail[k]:
+                            if g != h:
+                                reach(g)
+                        skipped[k] = h if gd[h] is None and self.group[h] else -1
+                    elif skipped[k] != h:
+                        reach(skipped[k])
+                        skipped[k] = -1
+                if kind == "r" and self.intra:
+                    reach(h)                      # the rest of its own host
+                for v in self.named:
+                    if v not in nd and self._works(kind, x, v):
+                        nd[v] = d + 1
+                        nxt.append(("r", v))
+            frontier = nxt
+            d += 1
+        self.gd, self.nd = gd, nd
+        self.named_set = named
+        self._rows = {}                          # _towards() per host of the hop's rank
+        self._gd_arr = None
+        self._first = None
+
+    def _arrays(self):
+        import numpy as np
+        if self._gd_arr is None:
+            self._gd_arr = np.array([-1 if v is None else v for v in self.gd])
+            self._first = np.array([rs[0] if rs else -1 for rs in self.group])
+
+    def _base(self, ha, hb):
+        """Whether two ranks of hosts ha and hb that no exception pairs work together."""
+        return self.intra if ha == hb else bool(self.masks[ha] & self.masks[hb])
+
+    def _works(self, kind, x, v):
+        if kind == "r":
+            return x != v and self.state.working(x, v)
+        return self._base(x, self.hi[v])
+
+    def get(self, r, default=None):
+        if r in self.named_set:
+            return self.nd.get(r, default)
+        v = self.gd[self.hi[r]]
+        return default if v is None else v
+
+    def __getitem__(self, r):
+        v = self.get(r)
+        if v is None:
+            raise KeyError(r)
+        return v
+
+    def __contains__(self, r):
+        return self.get(r) is not None
+
+    def next_hop(self, u, nbytes, load):
+        """routing.route()'s next hop from u towards src: of u's working neighbours one hop
+        nearer, the one that would finish its relayed bytes soonest ((load + nbytes) / the
+        slower of its links to u and to src, load: {rank: bytes relayed}), ties to the lowest
+        rank; src itself first. Per group on arrays: a group's candidate is its rank of least
+        load (all of a group share their links), O(H + loaded ranks) a hop."""
+        import numpy as np
+        want = self.get(u) - 1
+        if want == 0:
+            return self.src                         # (the only rank at 0 hops)
+        self._arrays()
+        st = self.state
+        bott, adj = self._towards(u)
+        bl = np.zeros(len(self.group))
+        first = self._first.copy()
+        touched = {}
+        for r, v in load.items():
+            if r not in self.named_set:
+                touched.setdefault(self.hi[r], []).append(r)
+        for g in touched:
+            bl[g], first[g] = min(((load.get(c, 0), c) for c in self.group[g] if c != u),
+                                  default=(0, -1))
+        score = np.where(adj & (self._gd_arr == want), (bl + nbytes) / bott, np.inf)
+        best = (np.inf, None)
+        m = score.min()
+        if m < np.inf:
+            best = (float(m), int(first[score == m].min()))
+        for v in self.named:
+            if self.nd.get(v) == want and u != v and st.working(u, v):
+                bv = min(st.pair_bw(u, v), st.pair_bw(v, self.src)
+                         if st.working(v, self.src) else st.pair_bw(u, v))
+                best = min(best, ((load.get(v, 0) + nbytes) / bv, v))
+        return best[1]
+
+    def _towards(self, u):
+        """(the slower of each group's links to u and to src, whether it works with u and holds
+        a rank but u), as arrays over the groups, made once per host of u. Ranks of a group
+        have no exception, with u or src: their links are their hosts' (HostGraph.base_row)."""
+        import numpy as np
+        hu = self.hi[u]
+        hit = self._rows.get(hu)
+        if hit is None:
+            to_u = self.graph.base_row(hu)
+            to_src = self.graph.base_row(self.hi[self.src])
+            bott = np.where(to_src > 0, np.minimum(to_u, to_src), to_u)
+            size = np.array([len(rs) for rs in self.group])
+            adj = (to_u > 0) & (size > 0)
+            hit = self._rows[hu] = (np.where(adj, bott, 1.0), adj)
+        return hit

@@ -115,6 +115,30 @@ def _fits(m, pos):
     return not _pairs(m, list(range(m))) & _pairs(m, pos)
 
 
+def _parents(m):
+    """tree_parent(p, m) of every position p as an array (-1 for the root), in O(m) numpy."""
+    import numpy as np
+    p = np.arange(m, dtype=np.int64)
+    low = p & -p
+    low[0] = 1
+    left = ((p // low) % 4 == 1) & (p + low < m)
+    par = np.where(left, p + low, p - low)
+    par[0] = -1
+    return par
+
+
+def _fits_fast(m, pos, par, kids):
+    """_fits(m, pos) on arrays: pos (numpy), par = _parents(m), kids = children per position."""
+    import numpy as np
+    if (kids + kids[pos] > 2).any():
+        return False
+    inv = np.empty(m, dtype=np.int64)
+    inv[pos] = np.arange(m)
+    i1 = np.nonzero(pos)[0]                     # tree 1's pairs (i1, j1); tree 0's: (p, par[p])
+    j1 = inv[par[pos[i1]]]
+    return not ((par[i1] == j1) | (par[j1] == i1)).any()
+
+
 @functools.lru_cache(maxsize=64)
 def second_tree(m):
     """Positions in tree 1 of the indices 0..m-1 (m even): i -> (a·i + 1) mod m for the
@@ -124,12 +148,16 @@ def second_tree(m):
         for pos in itertools.permutations(range(m)):
             if pos[0] and _fits(m, pos):
                 return tuple(pos)
-    else:
+    else:                           # the same test as _fits, on arrays: O(m) numpy per a
+        import numpy as np
+        par = _parents(m)
+        kids = np.bincount(par[1:], minlength=m)
+        idx = np.arange(m, dtype=np.int64)
         for a in range(3, m, 2):
             if math.gcd(a, m) == 1:
-                pos = tuple((a * i + 1) % m for i in range(m))
-                if _fits(m, pos):
-                    return pos
+                pos = (a * idx + 1) % m
+                if _fits_fast(m, pos, par, kids):
+                    return tuple(pos.tolist())
     return tuple((i + 1) % m for i in range(m))
 
 
@@ -180,6 +208,14 @@ def tree_root(t, m):
 
 def degrees(m, k=1):
     """Messages each way of every healthy index (both trees), k degraded ranks at the roots."""
+    me = m - 1 if m % 2 else m
+    if me >= 8:                     # on arrays (the index inserted for odd m: 2 each tree)
+        import numpy as np
+        par = _parents(me)
+        kids = np.bincount(par[1:], minlength=me)
+        pos = np.array(second_tree(me), dtype=np.int64)
+        ups = np.where(np.arange(me) == 0, k, 1) + np.where(pos == 0, k, 1)
+        return (kids + kids[pos] + ups).tolist() + ([4] if me < m else [])
     out = []
     for i in range(m):
         d = 0

@@ -103,16 +103,57 @@ def crosscheck(H, K, G, loss, nbytes, rate=1.25e9, alpha=25e-6, segments=None):
     return out
 
 
+COLL_GRID = ((2, 3, 4, 8, 16), (2, 4, 8), (2, 8), (0.0, 0.5, 1.0), (1.25e9, 50e9),
+             ("allgather", "reduce_scatter_block", "bcast"), (64 << 10, 4 * MiB))
+
+
+def collective_grid(max_ranks=64):
+    """Every point of COLL_GRID (hosts, ranks per host, NICs, loss, NIC rate, collective,
+    bytes per rank) of at most max_ranks ranks: 1,008 points."""
+    return [c for c in itertools.product(*COLL_GRID) if c[0] * c[1] <= max_ranks]
+
+
+def collective_case(H, G, K, loss, rate, coll, nbytes, alpha=25e-6, intra_bw=8e9):
+    """The flat and the hierarchical plan of `coll` on H hosts x G ranks (K NICs at `rate`,
+    NIC 0 of the last host losing `loss`), every rank planned (a flat fabric): both replayed
+    exactly, the closed-form choice (planner.choose) and cost.py's over every rank's
+    schedules. {"chosen", "cost_py", "replay": {algo: s}, "ratio", "cost_py_ratio"}."""
+    from .. import planner
+    from ..planner import cost
+    from .cluster import Cluster
+    from .fabric import Fabric
+    from .predict import EFFICIENCY
+    fab = Fabric(H, K, rate, G, EFFICIENCY, alpha, intra_bw=intra_bw)
+    if loss:
+        fab.degrade(H - 1, 0, 1.0 - loss)
+    st = fab.state(flat=True)
+    n, replay, old = st.n, {}, {}
+    for a in ("flat", "hierarchical"):
+        sc = planner.build_all(coll, n, nbytes, 4, 0, 64 << 10, a, st)
+        old[a] = cost.predict(sc, st)
+        replay[a] = Cluster(fab, flat=True).run_schedules(sc)["time_s"]
+    chosen = planner.choose(coll, n, nbytes, 4, st, 0, 64 << 10)
+    chosen = chosen if chosen in replay else "flat"
+    by_cost = planner.price.cheapest(old)
+    best = min(replay.values())
+    return {"hosts": H, "ranks_per_host": G, "nics": K, "loss": loss, "rate": rate,
+            "coll": coll, "bytes": nbytes, "chosen": chosen, "cost_py": by_cost,
+            "replay": replay, "ratio": replay[chosen] / best,
+            "cost_py_ratio": replay[by_cost] / best}
+
+
 BOUND_HOSTS = (3, 4, 8, 16, 32, 64, 128, 256, 512)
 BOUND_RATES = (0.0, 0.25, 0.5, 0.875)      # the slow NIC's rate: 0 down, else that fraction
 
 
-def bound_case(H, nic_rate, nbytes=256 * MiB, nics=2, rate=50e9):
+def bound_case(H, nic_rate, nbytes=256 * MiB, nics=2, rate=50e9, ranks_per_host=1):
     """replay/T* of the planner's own choice (issue 32 item 3's target: <= 1.05 at every host
     count): H hosts x `nics` NICs, the last host's last NIC down (nic_rate 0) or at nic_rate of
     its rate; every rank's schedule from planner.build() (closed-form choice, this rank's
     schedule only), replayed exactly with no per-message latency in the fabric (T* has none;
-    the planner still prices with its α), as bench/SIM.md."""
+    the planner still prices with its α), as bench/SIM.md. ranks_per_host > 1: every rank of
+    H x ranks_per_host planned (the hosts' local links at the fabric's intra_bw, which T*, a
+    bound between hosts, does not count)."""
     import time
     from .. import planner
     from ..config import Config
@@ -120,18 +161,19 @@ def bound_case(H, nic_rate, nbytes=256 * MiB, nics=2, rate=50e9):
     from .cluster import Cluster
     from .fabric import Fabric
     from .predict import EFFICIENCY
-    fab = Fabric(H, nics, rate, 1, EFFICIENCY, 0.0)
+    G = ranks_per_host
+    fab = Fabric(H, nics, rate, G, EFFICIENCY, 0.0)
     if nic_rate == 0:
         fab.down(H - 1, nics - 1)
     else:
         fab.degrade(H - 1, nics - 1, nic_rate)
-    st = fab.state()
-    eager = Config().eager
+    st = fab.state(flat=G > 1)
+    n, eager = st.n, Config().eager
     t0 = time.process_time()
-    sc = [planner.build("allreduce", r, H, nbytes, 4, 0, eager, state=st) for r in range(H)]
+    sc = [planner.build("allreduce", r, n, nbytes, 4, 0, eager, state=st) for r in range(n)]
     plan_s = time.process_time() - t0
-    res = Cluster(fab).run_schedules(sc)
+    res = Cluster(fab, flat=G > 1).run_schedules(sc)
     tstar = cost.lower_bound_state(nbytes, st)
     return {"hosts": H, "nic_rate": nic_rate, "bytes": nbytes, "nics": nics,
-            "chosen": sc[0].algo, "ratio": res["time_s"] / tstar, "messages": res["messages"],
-            "plan_s": plan_s, "cpu_s": time.process_time() - t0}
+            "ranks_per_host": G, "chosen": sc[0].algo, "ratio": res["time_s"] / tstar,
+            "messages": res["messages"], "plan_s": plan_s, "cpu_s": time.process_time() - t0}
