@@ -40,6 +40,7 @@ class Channel:
         self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
         self._state = None                    # RailState the plans are made for (None: static)
         self._relay = False                   # it has broken pairs: peers are relayed around
+        self._reach = None                    # then: the members this rank posts to
         self._epoch = 0                       # agreed rail-state epoch: +1 at every switch
         self._is_ctl = twin                   # a twin: no epoch checks of its own
         self.rank = members.index(world.boot.rank)
@@ -113,6 +114,10 @@ class Channel:
     def _adopt(self, state):
         self._state = state
         self._relay = state is not None and state.has_broken_pairs()
+        self._reach = None                # (the members this rank posts to, when relaying)
+        if self._relay:
+            cut = state.broken_peers(self.rank)
+            self._reach = [g for i, g in enumerate(self._members) if i not in cut]
         self._plans.clear()
 
     def _switch(self, state, force=False):
@@ -241,10 +246,8 @@ class Channel:
                 memcopy(ptr[db] + do, ptr[sb] + so, n)
         seq = self._seq
         self._seq = (seq + 1) & SEQ_MASK
-        members = self._members
-        if self._relay:                   # peers this rank cannot reach are relayed around
-            members = [g for i, g in enumerate(self._members)
-                       if i == self.rank or self._state.working(self.rank, i)]
+        # (peers this rank cannot reach are relayed around: the members it posts to, once)
+        members = self._reach if self._relay else self._members
         # (the engine's `count` is the element count, its `tag` a collective's call descriptor)
         oid = self._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, redop, self._id, seq, count,
                                 self.timeout, members, 0, desc if blocking else desc | _NONBLOCKING)
