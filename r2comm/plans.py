@@ -69,8 +69,10 @@ def agreement(rank, n, base):
 
 
 def _agreement_reachable(state, size):
-    """The agreement's tree pairs (r, (r - 1) // 2) all work under `state` (None: static plans)."""
-    return state is None or all(state.working(r, (r - 1) // 2) for r in range(1, size))
+    """The agreement's tree pairs (r, (r - 1) // 2) all work under `state` (None: static plans;
+    a state with no broken pair: at once)."""
+    return state is None or not state.has_broken_pairs() or \
+        all(state.working(r, (r - 1) // 2) for r in range(1, size))
 
 
 def descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size):
@@ -101,7 +103,9 @@ def compile_call(Plan, coll, rank, members, nbytes, itemsize, root, dtc, redop, 
         deps += mdeps
         algo += "+agree"
     weights = send_rail_weights(sched, msgs)
-    msgs = [(k, members[p], st, b, off, n, mode, own) for (k, p, st, b, off, n, mode, own) in msgs]
+    if members[0] != 0 or members[-1] != size - 1 or members != list(range(size)):
+        msgs = [(k, members[p], st, b, off, n, mode, own)      # (the world's ranks are its own)
+                for (k, p, st, b, off, n, mode, own) in msgs]
     count, desc = descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size)
     return Plan(msgs, deps, algo, None, weights), sched, count, desc, {m[1] for m in msgs}
 

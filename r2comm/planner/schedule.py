@@ -38,6 +38,8 @@ class Schedule:
     fills_work: bool = False      # every byte of WORK is written from SEND and received data,
                                   # so the caller skips copying the input into WORK
     rail_weights: dict = field(default_factory=dict)   # peer -> per-rail shares of my sends
+    checked: tuple = field(default=(), compare=False, repr=False)   # the lengths validate()
+                                  # passed at (a schedule built once is checked once)
 
     @property
     def hierarchical(self):
@@ -63,8 +65,12 @@ class Schedule:
         return sum(m[5] for m in self.msgs if m[0] == "recv")
 
     def validate(self):
-        """Structural checks (used by tests and on every new plan)."""
+        """Structural checks (used by tests and on every new plan; a schedule that passed and
+        has not grown since is not looked at again)."""
         msgs = self.msgs
+        shape = (len(msgs), len(self.deps), len(self.rail_weights))
+        if self.checked == shape:
+            return self
         if len({m[:3] for m in msgs}) != len(msgs):
             seen = set()
             for m in msgs:
@@ -78,6 +84,7 @@ class Schedule:
             if not w or any(not x >= 0 for x in w) or not abs(sum(w) - 1.0) < 1e-6:
                 raise ValueError(f"{self.algo}: rail weights {w!r} for peer {peer}: shares >= 0 "
                                  "summing to 1")
+        self.checked = shape
         return self
 
     def copy(self, algo=None, msgs=None):
