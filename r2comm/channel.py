@@ -12,11 +12,14 @@ import time
 import numpy as np
 
 from . import control, railview
-from .errors import R2commClosedError, R2commTimeout, PEER_ARGUMENT_CODE, claim_telling
+from .errors import (R2commArgumentError, R2commClosedError, R2commResourceError,
+                     R2commTimeout, PEER_ARGUMENT_CODE, claim_telling)
 from .plans import NONBLOCKING as _NONBLOCKING, SEQ_MASK, call_name, compile_call
 from .replan import seq_before, same_rows
 from .request import Request
 from .world import agree_max, engine_module as _engine
+
+_CELL_SWITCH = 1           # engine.CELL_SWITCH (r2_capi.h R2_CELL_SWITCH)
 
 AGREE_POLL_S = 0.02        # replan()/rail_state(): a retry while the ranks' facts still differ
 
@@ -35,9 +38,12 @@ class Channel:
         self._rank_of = {g: i for i, g in enumerate(members)}   # global rank -> rank here
         self._id = comm_id
         self._owner = owner
-        self._seq = 0
+        # the id, sequence number, timeout, plans' generation and Python-call flags, where
+        # C-level callers (engine.run, the torch backend's C++) read them (engine.ChannelCell)
+        cell = self._cell = _engine().ChannelCell(comm_id, world.cfg.timeout)
+        cell.set_flag(_engine().CELL_EPOCH, bool(world.cfg.replan_every))
+        cell.set_flag(_engine().CELL_REGMEM, world.regcache is not None)
         self._plans = {}
-        self.timeout = world.cfg.timeout      # seconds; every blocking wait of this communicator
         self._state = None                    # RailState the plans are made for (None: static)
         self._relay = False                   # it has broken pairs: peers are relayed around
         self._reach = None                    # then: the members this rank posts to
@@ -61,6 +67,33 @@ class Channel:
             self._adopt(state)
         if not twin and self.size > 1 and world.replans is not None:
             world.replans.register(self)
+
+    # -- what the cell holds (ChannelCell), as attributes -----------------------------------------
+    @property
+    def _seq(self):
+        return self._cell.seq
+
+    @_seq.setter
+    def _seq(self, seq):
+        self._cell.seq = seq & SEQ_MASK
+
+    @property
+    def timeout(self):
+        """Seconds: the bound of every blocking wait of this communicator."""
+        return self._cell.timeout
+
+    @timeout.setter
+    def timeout(self, seconds):
+        self._cell.timeout = seconds
+
+    @property
+    def _pending(self):
+        """True while a plan switch is being agreed or is due (_cross), else None."""
+        return True if self._cell.flags & _CELL_SWITCH else None
+
+    @_pending.setter
+    def _pending(self, value):
+        self._cell.set_flag(_CELL_SWITCH, value is not None)
 
     @classmethod
     def _child(cls, world, mpi_comm, members, comm_id, twin=False):
@@ -119,6 +152,7 @@ class Channel:
             cut = state.broken_peers(self.rank)
             self._reach = [g for i, g in enumerate(self._members) if i not in cut]
         self._plans.clear()
+        self._cell.bump_gen()             # (C-level callers' plans too)
 
     def _switch(self, state, force=False):
         """Plans for `state` from the call about to start on (every rank switches at the same
@@ -244,8 +278,7 @@ class Channel:
         for (db, do, sb, so, n) in (*extra_pre, *sched.pre):
             if n:
                 memcopy(ptr[db] + do, ptr[sb] + so, n)
-        seq = self._seq
-        self._seq = (seq + 1) & SEQ_MASK
+        seq = self._cell.take()
         # (peers this rank cannot reach are relayed around: the members it posts to, once)
         members = self._reach if self._relay else self._members
         # (the engine's `count` is the element count, its `tag` a collective's call descriptor)
@@ -287,7 +320,8 @@ class Channel:
 
     def next_seq(self):
         """Take this communicator's next sequence number (after a due plan switch or epoch
-        check)."""
+        check); R2commClosedError once it was freed."""
+        self._check()
         if self._pending is not None:
             self._cross()
         if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
@@ -295,6 +329,40 @@ class Channel:
         seq = self._seq
         self._seq = (seq + 1) & SEQ_MASK
         return seq
+
+    def native_plan(self, coll, nbytes, itemsize, root, dtc, redop, separate):
+        """A collective's plan for a C-level caller (the torch backend's C++), which caches it
+        until the cell's generation moves: (Plan, element count, call descriptor, scratch
+        bytes, local copies before and after as (dst buffer, offset, src buffer, offset,
+        bytes) tuples, whether the plan reads its input from SEND itself, the members to post
+        to, the generation it is for). Its peers are connected here."""
+        self._check()
+        gen = self._cell.gen
+        try:
+            plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop,
+                                                      separate)
+        except (R2commArgumentError, R2commResourceError) as exc:
+            self._tell_peers(exc, coll, False)     # (the peers' call fails too)
+            raise
+        members = self._reach if self._relay else self._members
+        return (plan, count, desc, sched.scratch, [tuple(c) for c in sched.pre if c[4]],
+                [tuple(c) for c in sched.post if c[4]], bool(sched.fills_work),
+                list(members), gen)
+
+    @property
+    def cell(self):
+        """This communicator's ChannelCell (what C-level callers read at each call)."""
+        return self._cell
+
+    def native_cross(self):
+        """What a C-level caller runs before a call while the cell has flags: a due plan
+        switch crossed, an epoch check (R2COMM_REPLAN=K); R2commClosedError once freed. The
+        sequence number is then taken from the cell."""
+        self._check()
+        if self._pending is not None:
+            self._cross()
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            self._maybe_replan()
 
     def seek_seq(self, seq):
         """Make `seq` this communicator's next sequence number (a staging twin's steps)."""

@@ -147,6 +147,7 @@ class Communicator(Channel):
             except Exception:
                 pass
         self._engine = None
+        self._cell.set_flag(_engine().CELL_CLOSED, True)   # (C-level callers: through Python)
 
     def __enter__(self):
         return self
@@ -343,10 +344,8 @@ class Communicator(Channel):
         """The fast path's engine call, for buffers already checked (the engine checks their
         sizes and kinds), its plan kept under `key`; False, having done nothing, where the
         fast path does not apply."""
-        if self._engine is None or self._world.closed or self._relay or \
-                self._pending is not None or self._cfg.replan_every or \
-                self._world.regcache is not None:
-            return False
+        if self._cell.flags or self._relay or self._world.closed:
+            return False     # (flags: a switch due, epoch checks, registered memory, freed)
         hit = self._plans.get(key)
         if hit is None:
             try:
@@ -359,14 +358,11 @@ class Communicator(Channel):
             hit = self._plans[key] = (plan, count, desc) if ok else False
         if not hit:
             return False
-        seq = self._seq
-        self._seq = (seq + 1) & 0xFFFFFFFF      # SEQ_MASK (a literal: the fast path)
-        try:
-            oid = self._engine.run(hit[0], recvbuf, send, nbytes, dtc, op.code, self._id, seq,
-                                   hit[1], self.timeout, self._members,
+        try:        # (the cell gives the sequence number, communicator id and timeout)
+            oid = self._engine.run(hit[0], recvbuf, send, nbytes, dtc, op.code, self._cell,
+                                   hit[1], self._members,
                                    hit[2] if blocking else hit[2] | _NONBLOCKING)
         except (ValueError, BufferError, TypeError) as exc:    # raised before anything posted
-            self._seq = seq
             err = R2commBufferError(f"Allreduce: {exc}")
             self._tell_peers(err, "allreduce", blocking)
             raise err from exc

@@ -449,19 +449,55 @@ cdef class Plan:
     cdef public str algo
     cdef public object info
 
+cdef extern from "r2_capi.h" nogil:
+    # the engine's C-level interface (engine.c_api(); the torch backend's C++ uses it)
+    cdef struct r2_cell:
+        uint32_t comm, seq, flags, gen
+        double timeout
+    cdef struct r2_capi:
+        int version, size
+    int R2_CAPI_VERSION, R2_CELL_SWITCH, R2_CELL_EPOCH, R2_CELL_REGMEM, R2_CELL_CLOSED
+    const char* R2_CAPI_NAME
+    uint32_t r2_cell_take(r2_cell* c)
+    uint32_t r2_cell_load(const uint32_t* p)
+    void r2_cell_store(uint32_t* p, uint32_t v)
+    void r2_cell_or(uint32_t* p, uint32_t v)
+    void r2_cell_and(uint32_t* p, uint32_t v)
+    double r2_cell_timeout(r2_cell* c)
+    void r2_cell_set_timeout(r2_cell* c, double t)
+    int r2_atomic_add(int* p, int v)
+    int r2_atomic_get(int* p)
+    void r2_atomic_set(int* p, int v)
+
+cdef struct SpinState:
+    # a waiter's busy-polling policy and its counters (Engine's spin* attributes; wait_op_c)
+    double spin              # seconds a waiter busy-polls before blocking in epoll
+    int spin_short_left      # waits left that spin only SPIN_CONTENDED (see wait())
+    bint spin_adapt          # shorten the spin after preempted ones (default on)
+    bint spin_extend         # keep spinning while the sockets are busy (default on)
+    int spin_yield           # empty polls between sched_yield() calls in a spin; 0 never
+    uint64_t spin_yields     # sched_yield() calls made by spinning waiters
+    uint64_t spin_extended   # waits that spun past their spin because sockets were busy
+    int spin_strikes         # judged spins in a row that were preempted
+    uint64_t spin_preempted  # waits whose spin was preempted (contended)
+
+cdef struct EngineRef:
+    # the engine as the C-level interface holds it (counted: the Engine and each C user);
+    # close() sets closing, waits until no C call is inside (users), then frees the state
+    State* e
+    SpinState sp
+    int refs
+    int users
+    int closing
+
+cdef class ChannelCell:
+    cdef r2_cell c
+
 cdef class Engine:
     cdef State* e
+    cdef EngineRef* h                # e and the spin policy, as the C-level interface holds them
     cdef int started
     cdef object thread
-    cdef public double spin          # seconds a waiter busy-polls before blocking in epoll
-    cdef public int spin_short_left  # waits left that spin only SPIN_CONTENDED (see wait())
-    cdef public bint spin_adapt      # shorten the spin after preempted ones (default on)
-    cdef public bint spin_extend     # keep spinning while the sockets are busy (default on)
-    cdef public int spin_yield       # empty polls between sched_yield() calls in a spin; 0 never
-    cdef public uint64_t spin_yields     # sched_yield() calls made by spinning waiters
-    cdef public uint64_t spin_extended   # waits that spun past their spin because sockets were busy
-    cdef int spin_strikes            # judged spins in a row that were preempted
-    cdef public uint64_t spin_preempted   # waits whose spin was preempted (contended)
     cdef _attach(self, int peer, int rail, Transport* tp, intptr_t handle, uint32_t conn_id,
                  bytes tx_key, bytes rx_key)
     cdef int _injected(self, int rail, int peer)
@@ -469,6 +505,6 @@ cdef class Engine:
                          uint32_t seq, uint32_t count, double timeout, members, int p2p,
                          int64_t key, uint64_t cap, int rail) except 0
     cdef int wait_op(self, State* e, uint64_t oid, double timeout, int* perr, string* pmsg,
-                     uint64_t* pnrecv)
+                     uint64_t* pnrecv) noexcept nogil
     cdef State* _live(self) except NULL
     cdef void _wake(self)

@@ -268,6 +268,118 @@ def memcopy(uint64_t dst, uint64_t src, uint64_t n):
         memcpy(<void*>dst, <const void*>src, n)
 
 
+cdef int wait_op_c(State* e, SpinState* sp, uint64_t oid, double timeout, int* perr,
+                   string* pmsg, uint64_t* pnrecv) noexcept nogil:
+    """wait()'s loop: the operation's state once it ended or `timeout` passed (ST_ACTIVE),
+    -1 if the engine stopped or the operation is unknown."""
+    cdef Op* op
+    cdef timespec ts
+    cdef double until = mono() + timeout, t
+    cdef int state = -1, err = 0
+    cdef string msg
+    cdef uint64_t nrecv = 0
+    cdef double w0 = mono(), spin, b0 = 0, c0 = 0
+    cdef long pre0 = 0
+    cdef int idle, judged = 0
+    # Busy-polling pays only while this thread has a CPU to itself. Another runnable
+    # thread on the same CPU (a CPU hog, more threads than cores) takes turns with the
+    # spin, and the spinning then delays the very work it waits for (measured on 2
+    # cores with one hog: 1 MiB allreduce 1152 us spinning 1 ms, 627 us not spinning;
+    # unloaded it is the other way round, 184 against 222 us). So two spins in a row
+    # that the scheduler preempted (an involuntary context switch) and that got under
+    # SPIN_SHARE of a CPU make the next SPIN_BACKOFF waits spin only SPIN_CONTENDED; then
+    # the full spin is tried again. Either signal alone misleads: at 4 MiB unloaded the
+    # kernel's softirq thread (doing this rank's own TCP work) preempts most spins
+    # briefly, and the softirq time is not charged to the thread, so its share reads low.
+    # The baseline is taken SPIN_BASE into the wait, so the short waits of small messages
+    # never make the two system calls.
+    spin = sp.spin
+    if sp.spin_short_left > 0:
+        sp.spin_short_left -= 1
+        if spin > SPIN_CONTENDED:
+            spin = SPIN_CONTENDED
+    # A wait keeps spinning while its sockets are busy: past `spin` of no socket events it
+    # sleeps in epoll. A fixed 1 ms spin handed the rest of a 4 MiB allreduce to
+    # interrupt-driven wake-ups, and a CPU shared with another process (a 1 ms hog every
+    # 4 ms, or 5 every 20) made that 4-11% slower than spinning on (same-job A/B).
+    # Spins cut short for contention are not extended. While spinning, every SPIN_YIELD
+    # empty polls give the CPU to any other runnable thread (MPICH yields likewise): the
+    # waiter stays runnable, so it needs no wake-up, and a peer rank or the kernel's TCP
+    # work sharing its CPU runs in the meantime. Next to one CPU hog this took a 1 MiB
+    # allreduce from 1010-1094 us to 374-396 us (MPI 542-721 us); unloaded, sched_yield
+    # returns at once and the times were unchanged (8 B, 1 and 4 MiB).
+    cdef double spin_until = w0 + spin, judge_at = w0 + spin
+    cdef bint extend = sp.spin_extend and spin >= sp.spin and spin > 0
+    cdef int nev, empty = 0, extended = 0
+    cdef double paused0, moved = 0      # this process's own pauses extend the wait too
+    pthread_mutex_lock(&e.mu)
+    e.waiters += 1
+    paused0 = e.self_paused
+    pthread_mutex_unlock(&e.mu)
+    while True:
+        pthread_mutex_lock(&e.mu)
+        moved = e.self_paused - paused0
+        it = e.ops.find(oid)
+        if it == e.ops.end():
+            state = -1
+            pthread_mutex_unlock(&e.mu)
+            break
+        op = deref(it).second
+        if op.state != ST_ACTIVE and not verdict_pending(e, op):
+            state = op.state
+            err = op.err
+            msg = op.msg
+            nrecv = op.nbytes_recv
+            if err == E_MISMATCH and not op.p2p:
+                clear_mismatch(e, op)
+            pthread_mutex_unlock(&e.mu)
+            break
+        pthread_mutex_unlock(&e.mu)
+        t = mono()
+        if b0 == 0 and t - w0 >= SPIN_BASE and t < judge_at and sp.spin_adapt:
+            b0 = t
+            c0 = thread_cpu()
+            pre0 = preemptions()
+        if not judged and b0 > 0 and t >= judge_at:
+            judged = 1
+            if t - b0 >= SPIN_JUDGE:
+                if preemptions() != pre0 and (thread_cpu() - c0) < SPIN_SHARE * (t - b0):
+                    sp.spin_preempted += 1
+                    sp.spin_strikes += 1
+                    if sp.spin_strikes >= 2:
+                        sp.spin_strikes = 0
+                        sp.spin_short_left = SPIN_BACKOFF
+                else:
+                    sp.spin_strikes = 0
+        if t >= until + moved:
+            state = ST_ACTIVE
+            break
+        # drive progress here: poll briefly, then block in epoll for at most 1 ms
+        idle = 0 if t < spin_until else (1 if until + moved - t > 0.001 else 0)
+        nev = progress_once(e, idle)
+        if nev < 0:
+            state = -1
+            break
+        if nev > 0 and extend and sp.spin_short_left == 0:
+            if t + spin > judge_at and not extended:
+                extended = 1
+                sp.spin_extended += 1
+            spin_until = t + spin
+        if nev == 0 and idle == 0 and sp.spin_yield > 0:
+            empty += 1
+            if empty >= sp.spin_yield:
+                empty = 0
+                sp.spin_yields += 1
+                sched_yield()
+    pthread_mutex_lock(&e.mu)
+    e.waiters -= 1
+    pthread_mutex_unlock(&e.mu)
+    perr[0] = err
+    pmsg[0] = msg
+    pnrecv[0] = nrecv
+    return state
+
+
 cdef class Engine:
     """The engine of one rank: peers, rails, the progress thread's state (C fields: engine.pxd)."""
 
@@ -287,6 +399,9 @@ cdef class Engine:
             _env_uint("R2COMM_UNEXPECTED_MSGS", UNEXP_MAX_MSGS), 0xFFFFFFFF)
         self.e = new_state()
         e = self.e
+        self.h = <EngineRef*>calloc(1, sizeof(EngineRef))
+        self.h.e = e
+        self.h.refs = 1
         e.me = me
         e.nranks = nranks
         e.cs = chunk_size
@@ -333,10 +448,71 @@ cdef class Engine:
             e.inj_mode.push_back(INJ_NONE)
             e.inj_peer.push_back(-1)
         # C fields of a cdef class start at zero (started, the spin counters and strikes)
-        self.spin = 50e-6
-        self.spin_adapt = 1
-        self.spin_extend = 1
-        self.spin_yield = SPIN_YIELD
+        self.h.sp.spin = 50e-6
+        self.h.sp.spin_adapt = 1
+        self.h.sp.spin_extend = 1
+        self.h.sp.spin_yield = SPIN_YIELD
+
+    # the waiters' spin policy and counters (SpinState; wait_op_c reads them without the GIL)
+    @property
+    def spin(self):
+        """Seconds a waiter busy-polls before blocking in epoll."""
+        return self.h.sp.spin
+
+    @spin.setter
+    def spin(self, double v):
+        self.h.sp.spin = v
+
+    @property
+    def spin_short_left(self):
+        """Waits left that spin only SPIN_CONTENDED (see wait_op_c)."""
+        return self.h.sp.spin_short_left
+
+    @spin_short_left.setter
+    def spin_short_left(self, int v):
+        self.h.sp.spin_short_left = v
+
+    @property
+    def spin_adapt(self):
+        """Shorten the spin after preempted ones (default on)."""
+        return self.h.sp.spin_adapt
+
+    @spin_adapt.setter
+    def spin_adapt(self, bint v):
+        self.h.sp.spin_adapt = v
+
+    @property
+    def spin_extend(self):
+        """Keep spinning while the sockets are busy (default on)."""
+        return self.h.sp.spin_extend
+
+    @spin_extend.setter
+    def spin_extend(self, bint v):
+        self.h.sp.spin_extend = v
+
+    @property
+    def spin_yield(self):
+        """Empty polls between sched_yield() calls in a spin; 0 never."""
+        return self.h.sp.spin_yield
+
+    @spin_yield.setter
+    def spin_yield(self, int v):
+        self.h.sp.spin_yield = v
+
+    @property
+    def spin_yields(self):
+        """sched_yield() calls made by spinning waiters."""
+        return self.h.sp.spin_yields
+
+    @property
+    def spin_extended(self):
+        """Waits that spun past their spin because sockets were busy."""
+        return self.h.sp.spin_extended
+
+    @property
+    def spin_preempted(self):
+        """Waits whose spin was preempted (contended)."""
+        return self.h.sp.spin_preempted
 
     def start(self):
         import threading
@@ -356,12 +532,16 @@ cdef class Engine:
         cdef int i, k
         if e == NULL:
             return
+        r2_atomic_set(&self.h.closing, 1)      # no new C-level call gets in (capi_enter)
         with nogil:
             pthread_mutex_lock(&e.mu)
             e.stop = 1
             pthread_cond_broadcast(&e.pcv)
             pthread_mutex_unlock(&e.mu)
             write(e.evfd, &one, 8)
+            # the C-level calls inside end soon: a stopping engine ends every wait
+            while r2_atomic_get(&self.h.users) > 0:
+                usleep(1000)
         if self.started:
             self.thread.join(5.0)
         with nogil:
@@ -409,10 +589,16 @@ cdef class Engine:
             pthread_mutex_destroy(&e.mu)
         del self.e
         self.e = NULL
+        self.h.e = NULL
 
     def __dealloc__(self):
         if self.e != NULL and not self.started:
             self.close()
+        if self.h != NULL:
+            if self.e != NULL:
+                r2_atomic_set(&self.h.closing, 1)   # a state never freed: not reachable either
+            engine_unref(self.h)
+            self.h = NULL
 
     def drain(self, double timeout):
         """Wait until every send was acknowledged and every queued frame written (or timeout);
@@ -863,18 +1049,23 @@ cdef class Engine:
         cdef int err = 0, state
         cdef string msg
         cdef uint64_t nrecv = 0
-        state = self.wait_op(e, oid, timeout, &err, &msg, &nrecv)
+        with nogil:
+            state = self.wait_op(e, oid, timeout, &err, &msg, &nrecv)
         cdef bytes bmsg = msg
         return state, err, bmsg.decode("utf-8", "replace"), nrecv
 
     def run(self, Plan plan, object work, object send, Py_ssize_t nbytes, int dtype, int redop,
-            uint32_t comm, uint32_t seq, uint32_t count, double timeout, members, int64_t desc):
+            ChannelCell cell, uint32_t count, members, int64_t desc):
         """A blocking collective in one call, for plans that need no scratch and no local
         copies (small allreduces: the front end's fast path): export `work` (writable) and
-        `send` (None: in place), post, wait, release. Returns 0 when it ended well (the
+        `send` (None: in place), take the cell's next sequence number, post (its communicator
+        and timeout are the cell's), wait, release. Returns 0 when it ended well (the
         operation is forgotten), else its id: it failed or timed out and is still registered,
-        and the caller finishes it through a Request (which raises its error)."""
+        and the caller finishes it through a Request (which raises its error). Buffers it
+        refuses raise before a sequence number is taken."""
         cdef State* e = self._live()
+        cdef uint32_t comm = cell.c.comm, seq
+        cdef double timeout = r2_cell_timeout(&cell.c)
         cdef Py_buffer wv, sv
         cdef uint64_t bufs[3]
         cdef uint64_t oid, nrecv = 0
@@ -898,9 +1089,13 @@ cdef class Engine:
             bufs[0] = <uint64_t>wv.buf
             bufs[1] = <uint64_t>(sv.buf if send is not None else wv.buf)
             bufs[2] = 0
+            if itemsize(dtype) == 0:
+                raise ValueError("unknown dtype code")
+            seq = r2_cell_take(&cell.c)
             oid = self.post_c(plan, bufs, dtype, redop, comm, seq, count, timeout, members, 0, desc,
                               0, -1)
-            state = self.wait_op(e, oid, timeout, &err, &msg, &nrecv)
+            with nogil:
+                state = self.wait_op(e, oid, timeout, &err, &msg, &nrecv)
             if state != ST_DONE:
                 return oid
             with nogil:
@@ -912,116 +1107,9 @@ cdef class Engine:
             PyBuffer_Release(&wv)
 
     cdef int wait_op(self, State* e, uint64_t oid, double timeout, int* perr, string* pmsg,
-                     uint64_t* pnrecv):
-        """wait()'s loop: the operation's state once it ended or `timeout` passed (ST_ACTIVE),
-        -1 if the engine stopped or the operation is unknown."""
-        cdef Op* op
-        cdef timespec ts
-        cdef double until = mono() + timeout, t
-        cdef int state = -1, err = 0
-        cdef string msg
-        cdef uint64_t nrecv = 0
-        cdef double w0 = mono(), spin, b0 = 0, c0 = 0
-        cdef long pre0 = 0
-        cdef int idle, judged = 0
-        # Busy-polling pays only while this thread has a CPU to itself. Another runnable
-        # thread on the same CPU (a CPU hog, more threads than cores) takes turns with the
-        # spin, and the spinning then delays the very work it waits for (measured on 2
-        # cores with one hog: 1 MiB allreduce 1152 us spinning 1 ms, 627 us not spinning;
-        # unloaded it is the other way round, 184 against 222 us). So two spins in a row
-        # that the scheduler preempted (an involuntary context switch) and that got under
-        # SPIN_SHARE of a CPU make the next SPIN_BACKOFF waits spin only SPIN_CONTENDED; then
-        # the full spin is tried again. Either signal alone misleads: at 4 MiB unloaded the
-        # kernel's softirq thread (doing this rank's own TCP work) preempts most spins
-        # briefly, and the softirq time is not charged to the thread, so its share reads low.
-        # The baseline is taken SPIN_BASE into the wait, so the short waits of small messages
-        # never make the two system calls.
-        spin = self.spin
-        if self.spin_short_left > 0:
-            self.spin_short_left -= 1
-            if spin > SPIN_CONTENDED:
-                spin = SPIN_CONTENDED
-        # A wait keeps spinning while its sockets are busy: past `spin` of no socket events it
-        # sleeps in epoll. A fixed 1 ms spin handed the rest of a 4 MiB allreduce to
-        # interrupt-driven wake-ups, and a CPU shared with another process (a 1 ms hog every
-        # 4 ms, or 5 every 20) made that 4-11% slower than spinning on (same-job A/B).
-        # Spins cut short for contention are not extended. While spinning, every SPIN_YIELD
-        # empty polls give the CPU to any other runnable thread (MPICH yields likewise): the
-        # waiter stays runnable, so it needs no wake-up, and a peer rank or the kernel's TCP
-        # work sharing its CPU runs in the meantime. Next to one CPU hog this took a 1 MiB
-        # allreduce from 1010-1094 us to 374-396 us (MPI 542-721 us); unloaded, sched_yield
-        # returns at once and the times were unchanged (8 B, 1 and 4 MiB).
-        cdef double spin_until = w0 + spin, judge_at = w0 + spin
-        cdef bint extend = self.spin_extend and spin >= self.spin and spin > 0
-        cdef int nev, empty = 0, extended = 0
-        cdef double paused0, moved = 0      # this process's own pauses extend the wait too
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            e.waiters += 1
-            paused0 = e.self_paused
-            pthread_mutex_unlock(&e.mu)
-            while True:
-                pthread_mutex_lock(&e.mu)
-                moved = e.self_paused - paused0
-                it = e.ops.find(oid)
-                if it == e.ops.end():
-                    state = -1
-                    pthread_mutex_unlock(&e.mu)
-                    break
-                op = deref(it).second
-                if op.state != ST_ACTIVE and not verdict_pending(e, op):
-                    state = op.state
-                    err = op.err
-                    msg = op.msg
-                    nrecv = op.nbytes_recv
-                    if err == E_MISMATCH and not op.p2p:
-                        clear_mismatch(e, op)
-                    pthread_mutex_unlock(&e.mu)
-                    break
-                pthread_mutex_unlock(&e.mu)
-                t = mono()
-                if b0 == 0 and t - w0 >= SPIN_BASE and t < judge_at and self.spin_adapt:
-                    b0 = t
-                    c0 = thread_cpu()
-                    pre0 = preemptions()
-                if not judged and b0 > 0 and t >= judge_at:
-                    judged = 1
-                    if t - b0 >= SPIN_JUDGE:
-                        if preemptions() != pre0 and (thread_cpu() - c0) < SPIN_SHARE * (t - b0):
-                            self.spin_preempted += 1
-                            self.spin_strikes += 1
-                            if self.spin_strikes >= 2:
-                                self.spin_strikes = 0
-                                self.spin_short_left = SPIN_BACKOFF
-                        else:
-                            self.spin_strikes = 0
-                if t >= until + moved:
-                    state = ST_ACTIVE
-                    break
-                # drive progress here: poll briefly, then block in epoll for at most 1 ms
-                idle = 0 if t < spin_until else (1 if until + moved - t > 0.001 else 0)
-                nev = progress_once(e, idle)
-                if nev < 0:
-                    state = -1
-                    break
-                if nev > 0 and extend and self.spin_short_left == 0:
-                    if t + spin > judge_at and not extended:
-                        extended = 1
-                        self.spin_extended += 1
-                    spin_until = t + spin
-                if nev == 0 and idle == 0 and self.spin_yield > 0:
-                    empty += 1
-                    if empty >= self.spin_yield:
-                        empty = 0
-                        self.spin_yields += 1
-                        sched_yield()
-            pthread_mutex_lock(&e.mu)
-            e.waiters -= 1
-            pthread_mutex_unlock(&e.mu)
-        perr[0] = err
-        pmsg[0] = msg
-        pnrecv[0] = nrecv
-        return state
+                     uint64_t* pnrecv) noexcept nogil:
+        """wait()'s loop (wait_op_c with this engine's spin policy)."""
+        return wait_op_c(e, &self.h.sp, oid, timeout, perr, pmsg, pnrecv)
 
     def test(self, uint64_t oid):
         return self.wait(oid, 0.0)
@@ -1314,3 +1402,6 @@ cdef class Engine:
     cdef void _wake(self):
         cdef uint64_t one = 1
         write(self.e.evfd, &one, 8)
+
+
+include "capi.pxi"
