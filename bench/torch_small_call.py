@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--json", help="write the per-round medians here (rank 0)")
     args = ap.parse_args()
     dist.init_process_group("r2comm")
-    comm = dist.group.WORLD.comm
+    comm = r2comm.torch.communicator()
     arr = np.ones(2, dtype=np.float32)
     out = np.empty_like(arr)
     t = torch.ones(2, dtype=torch.float32)

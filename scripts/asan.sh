@@ -39,7 +39,7 @@ export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:abort_on_error=1
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:${UBSAN_OPTIONS:-}"
 export PYTHONPATH="$DIR"
 export R2COMM_ASAN_BUILD=1
-export R2COMM_SANITIZE="$SAN"    # the torch backend's helper (r2comm/torch/lean.py) too
+export R2COMM_SANITIZE="$SAN"    # the torch backend's C++ (r2comm/torch/native.py) too
 "$PY" -c "import r2comm._core.engine as e, r2comm._core.testing as t
 for m in (e, t):
     assert m.__file__.startswith('$DIR'), m.__file__"
@@ -49,7 +49,7 @@ if [ $# -eq 0 ]; then
     set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_integrity.py tests/test_shm.py \
         tests/test_units.py tests/test_failover.py tests/test_engine_limits.py tests/test_seq_wrap.py \
         tests/test_any_source.py tests/test_self_pause.py tests/test_test_hooks.py \
-        tests/test_torch_lean.py tests/test_torch_backend.py::test_lean_all_reduce_on_changing_memory \
+        tests/test_torch_backend.py::test_small_all_reduce_on_changing_memory \
         tests/test_torch_backend.py::test_dropped_async_works \
         -k "not test_random_faults_many_seeds and not atheris"
 fi

@@ -24,11 +24,11 @@ if ! R2COMM_TEST_HOOKS=1 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" >
     exit 1
 fi
 "$VENV/bin/python" -c "import r2comm._core.engine" || { echo "r2comm did not build" >&2; exit 1; }
-# the torch backend's lean-call helper (r2comm/torch/lean.py), built once per torch version
+# the torch backend's C++ c10d::Backend (r2comm/torch/native.py), built once per torch version
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    if ! "$VENV/bin/python" -m r2comm.torch build-lean >>"$LOG" 2>&1; then
+    if ! MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" -m r2comm.torch build >>"$LOG" 2>&1; then
         cat "$LOG" >&2
-        echo "r2comm: the torch backend's helper did not build (log: $LOG)" >&2
+        echo "r2comm: the torch backend did not build (log: $LOG)" >&2
         exit 1
     fi
 fi

@@ -60,7 +60,7 @@ for dtype in (torch.float32, torch.float16, torch.int32, torch.bfloat16):
     assert torch.equal(a2a.cpu(), torch.cat([inputs(k, n * 64, dtype)[rank * 64:(rank + 1) * 64]
                                              for k in range(n)]))
     checks += 4
-info = r2comm.torch.backend._world["comm"].gpu_info()
+info = r2comm.torch.communicator().gpu_info()
 assert info["backend"] == "cupy" and info["calls"] >= checks, info
 tot = torch.tensor([checks])
 dist.all_reduce(tot)

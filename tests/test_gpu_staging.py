@@ -188,5 +188,5 @@ def test_device_buffers_are_told_apart_from_host_buffers():
 
 def test_torch_cpu_tensors_keep_the_host_path():
     torch = pytest.importorskip("torch")
-    from r2comm.torch.backend import _device
+    from r2comm.torch.pyops import _device
     assert _device(torch.ones(4)) is None and _device(torch.ones(4), reduce=True) is None

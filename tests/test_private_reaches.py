@@ -17,9 +17,6 @@ ALLOWED = {
     ("r2comm.errors", "exc._r2comm_told"): "errors.py's mark on an exception of any class "
                                            "(exceptions take no weak references)",
     ("r2comm.errors", "exc._r2comm_remote"): "the same, for errors that came from the engine",
-    ("r2comm.torch.backend", "dist._Work"): "torch's c10d Work class has no public name",
-    ("r2comm.torch.backend", "_c10d.FakeProcessGroup._create_internal"):
-        "torch's own constructor of its fake process group (no public one)",
     ("r2comm.bench.failover", "os._exit"): "the standard library's exit without clean-up",
 }
 

@@ -135,16 +135,32 @@ def test_dropped_async_works():
     assert count == 30, out[-3000:]
 
 
-@pytest.mark.parametrize("path", ["helper", "python"])
-def test_lean_all_reduce_on_changing_memory(path):
+def test_small_all_reduce_on_changing_memory():
     """Synchronous small all_reduces stay right where the memory under an address changes
-    (reallocation, views, set_, more tensors than the view cache holds), give every dtype and
-    op exactly, match a peer's asynchronous call, and leave what they do not cover to the
-    general path: through the C++ helper (lean.py) and, with R2COMM_TORCH_LEAN=0, without;
-    tensors past their storage raise R2commBufferError on both (4 cases)."""
-    env = {"R2T_LEAN": path} if path == "helper" else {"R2T_LEAN": path, "R2COMM_TORCH_LEAN": "0"}
-    count, out = run_torchrun(2, "lean", env=env)
-    assert count == 48 + 35 + 1 + 4 + 4, out[-3000:]
+    (reallocation, views, set_, 300 tensors), give every dtype and op exactly, match a peer's
+    asynchronous call, and take tensors of other shapes; tensors past their storage raise
+    R2commBufferError (4 cases)."""
+    count, out = run_torchrun(2, "lean")
+    assert count == 48 + 35 + 2 + 4 + 4, out[-3000:]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_comm_debug_counts_equal_gloos(n):
+    """CommDebugMode's counts (c10d.allreduce_, c10d._allgather_base_,
+    c10d._reduce_scatter_base_, ...) and the profiler's c10d ops of one step on the r2comm
+    group equal those of the same step on a Gloo group, results too (reduce_scatter_tensor
+    with BAND, BOR, BXOR included), and an FSDP2 step with gradient accumulation counts the
+    same collectives on both (issue 42: was {} on the Python group)."""
+    count, out = run_torchrun(n, "debug_counts")
+    assert count == 14, out[-3000:]
+
+
+def test_shrink_and_abort():
+    """dist.shrink_group on an r2comm group (3 ranks, the last excluded: the others' group of
+    2 reduces their tensors) and a group's abort() ending a Work in flight with torch's error
+    type at once; later calls raise."""
+    count, out = run_torchrun(3, "shrink_abort")
+    assert count == 4, out[-3000:]
 
 
 def test_group_timeout_is_the_groups_own():

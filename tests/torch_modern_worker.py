@@ -247,7 +247,7 @@ def train_failover(mesh, steps, fail_at=-1, restore_at=-1, width=256, gate=None)
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
-    comm = dist.distributed_c10d._get_default_group().comm
+    comm = r2comm.torch.communicator()
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
     model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -292,7 +292,7 @@ def wait_gate(step):
 def check_testbed_run(ctx):
     """FSDP x TP (check_failover's model) for R2T_STEPS steps with the gates of R2T_GATE (the
     test takes a NIC down and up there); rank 0 prints the losses and the failover events."""
-    comm = dist.distributed_c10d._get_default_group().comm
+    comm = r2comm.torch.communicator()
     steps = int(os.environ.get("R2T_STEPS", "14"))
     losses = train_failover(ctx["mesh"], steps, gate=wait_gate)
     events = torch.tensor([len([e for e in comm.events if e["kind"] != "up"])])
@@ -306,7 +306,7 @@ def check_testbed_run(ctx):
 def check_failover(ctx):
     """Two rails (R2COMM_RAILS): FSDP x TP training with rank 1's rail 0 failed at step 4 and
     restored at step 10 has the fault-free run's losses, bitwise; the failure happened."""
-    comm = dist.distributed_c10d._get_default_group().comm
+    comm = r2comm.torch.communicator()
     before = len([e for e in comm.events if e["kind"] != "up"])
     clean = train_failover(ctx["mesh"], 14)
     faulty = train_failover(ctx["mesh"], 14, fail_at=4, restore_at=10)

@@ -313,8 +313,8 @@ def scenario_errors(rank, size, ck):
             raise AssertionError(f"{what}: no R2commArgumentError")
     dist.barrier()
     # a receive nobody answers: R2commTimeout from wait(), within the communicator's timeout
-    pg = dist.distributed_c10d._get_default_group()
-    pg.comm.timeout = 2.0
+    comm = r2comm.torch.communicator()
+    comm.timeout = 2.0
     if rank == 0:
         w = dist.irecv(torch.empty(4), src=size - 1, tag=99)
         t0 = time.monotonic()
@@ -329,7 +329,7 @@ def scenario_errors(rank, size, ck):
             assert time.monotonic() - t0 < 30
         else:
             raise AssertionError("irecv without a sender: no R2commTimeout")
-    pg.comm.timeout = 30.0
+    comm.timeout = 30.0
     dist.barrier()
     # ranks that disagree on the size: R2commMismatchError (or a timeout) from wait()
     t = torch.ones(100 if rank == 0 else 200)
@@ -345,7 +345,7 @@ def scenario_errors(rank, size, ck):
     dist.barrier()
     # a group whose communicator was freed: an error raised at the call is torch's type too
     sub = dist.new_group(list(range(size)))
-    sub.comm.Free()
+    r2comm.torch.communicator(sub).Free()
     for call, what in ((lambda: dist.all_reduce(torch.ones(3), group=sub), "all_reduce"),
                        (lambda: dist.all_reduce(torch.ones(3), group=sub, async_op=True).wait(),
                         "async all_reduce"),
@@ -373,9 +373,12 @@ def scenario_modern(rank, size, ck):
     world = dist.group.WORLD
     assert world.group_name and isinstance(world.group_name, str)
     assert dist.get_backend(world) == "r2comm"
-    before = world._get_sequence_number_for_group()
+    # (torch's ProcessGroup answers sequence numbers for its own backends only: the
+    # backend's own count, as Gloo's)
+    backend = r2comm.torch.native_backend()
+    before = backend._get_sequence_number_for_group()
     dist.barrier()
-    assert world._get_sequence_number_for_group() == before + 1
+    assert backend._get_sequence_number_for_group() == before + 1
     ck.count += 1
     t = data(rank, torch.float32, 1, n=8)
     want = t.clone()
@@ -409,6 +412,137 @@ def scenario_modern(rank, size, ck):
         ck.equal(x, want, f"sub-group {sub.group_name} all_reduce")
         dist.destroy_process_group(sub)
     assert world.group_name in dist.distributed_c10d._world.pg_names.values()
+
+
+def _counted_step(rank, size, group):
+    """One step of collectives on `group` under CommDebugMode and torch's profiler: (the
+    counts by op, the c10d ops the profiler saw, the results)."""
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.profiler import ProfilerActivity, profile
+    mode = CommDebugMode()
+    res = {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof, mode:
+        t = data(rank, torch.float32, 41, n=4 * size)
+        dist.all_reduce(t, group=group)
+        res["all_reduce"] = t.clone()
+        out = torch.empty(4 * size * size)
+        dist.all_gather_into_tensor(out, t, group=group)
+        res["all_gather_into_tensor"] = out
+        rs = torch.empty(4)
+        dist.reduce_scatter_tensor(rs, t.clone(), group=group)
+        res["reduce_scatter_tensor"] = rs
+        for op in (R.BAND, R.BOR, R.BXOR):
+            ints = data(rank, torch.int32, 42, n=3 * size, hi=16)
+            got = torch.empty(3, dtype=torch.int32)
+            dist.reduce_scatter_tensor(got, ints, op=op, group=group)
+            res[f"reduce_scatter_tensor {op}"] = got
+        b = t.clone() if rank == 0 else torch.zeros_like(t)
+        dist.broadcast(b, 0, group=group)
+        res["broadcast"] = b
+        lst = [torch.empty(4 * size) for _ in range(size)]
+        dist.all_gather(lst, t, group=group)
+        res["all_gather"] = torch.cat(lst)
+        a2a = torch.empty(4 * size)
+        dist.all_to_all_single(a2a, t, group=group)
+        res["all_to_all_single"] = a2a
+        res["funcol all_reduce"] = fc.all_reduce(t, "sum", group).wait()
+        dist.barrier(group=group)
+    counts = {str(k): v for k, v in mode.get_comm_counts().items()}
+    seen = {}
+    for e in prof.events():
+        if e.name.startswith("c10d::"):
+            seen[e.name] = seen.get(e.name, 0) + 1
+    return counts, seen, res
+
+
+def scenario_debug_counts(rank, size, ck):
+    """CommDebugMode's counts and the profiler's c10d ops of one step (all_reduce,
+    all_gather(_into_tensor), reduce_scatter_tensor with SUM and BAND/BOR/BXOR, broadcast,
+    all_to_all_single, a functional all_reduce, barrier) equal Gloo's for the same step, and so
+    do the results; then an FSDP2 step (two micro-batches, gradient accumulation) counts as
+    many all_gathers and reduce_scatters on both."""
+    ours, gloo = _counted_step(rank, size, dist.group.WORLD), _counted_step(rank, size, ck.gloo)
+    print(f"COUNTS rank {rank} r2comm {ours[0]} gloo {gloo[0]}", flush=True)
+    assert ours[0] == gloo[0], (ours[0], gloo[0])
+    assert ours[0].get("c10d.allreduce_") == 1 and ours[0].get("c10d._allgather_base_") == 1 \
+        and ours[0].get("c10d._reduce_scatter_base_") == 4, ours[0]
+    assert ours[1] == gloo[1] and ours[1].get("c10d::allreduce_"), (ours[1], gloo[1])
+    ck.count += 2
+    for what, want in gloo[2].items():
+        ck.equal(ours[2][what], want, f"counted step: {what}")
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def fsdp_counts(group):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 8))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        g = torch.Generator().manual_seed(7 + rank)
+        counts = {}
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            mode = CommDebugMode()          # (one per forward: its module tracker's state)
+            with mode:
+                model(torch.randn(4, 16, generator=g)).sum().backward()
+            for k, v in mode.get_comm_counts().items():
+                counts[f"{micro}:{k}"] = v
+        grads = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+        return counts, grads
+    (c_ours, g_ours), (c_gloo, g_gloo) = fsdp_counts(dist.group.WORLD), fsdp_counts(ck.gloo)
+    print(f"FSDP2 COUNTS rank {rank} r2comm {c_ours} gloo {c_gloo}", flush=True)
+    assert c_ours == c_gloo and sum(c_ours.values()) > 0, (c_ours, c_gloo)
+    ck.count += 1
+    ck.equal(g_ours, g_gloo, "FSDP2 accumulated gradients", exact=False)
+
+
+def scenario_shrink_abort(rank, size, ck):
+    """dist.shrink_group: the backend says supports_shrinking; the ranks that stay (all but
+    the last) make a group without it, whose all_reduce sums their tensors only and whose
+    calls run on r2comm; the excluded rank takes no part. Then a group's abort(): a Work in
+    flight (its peer never joins) ends at once with torch's error type (DistBackendError,
+    R2commClosedError) instead of waiting for the timeout, and a later call on the group
+    raises at the call."""
+    parent = dist.new_group(list(range(size)))
+    assert r2comm.torch.native_backend(parent).supports_shrinking
+    ck.count += 1
+    if rank < size - 1:
+        small = dist.shrink_group([size - 1], group=parent)
+        assert small.size() == size - 1 and small.rank() == rank, (small.size(), small.rank())
+        assert dist.get_backend(small) == "r2comm", dist.get_backend(small)
+        t = torch.full((5,), float(rank + 1))
+        dist.all_reduce(t, group=small)
+        ck.equal(t, torch.full((5,), float(sum(range(1, size)))), "all_reduce on the shrunk group")
+        dist.destroy_process_group(small)
+    else:
+        ck.count += 1                  # (the excluded rank: nothing to check)
+    dist.barrier(group=ck.gloo)
+    sub = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=60))
+    if rank == 0:
+        w = dist.all_reduce(torch.ones(3), group=sub, async_op=True)   # nobody joins it
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        sub.abort()
+        try:
+            w.wait()
+        except dist.DistBackendError as exc:
+            assert isinstance(exc, R2commClosedError), type(exc).__mro__
+        else:
+            raise AssertionError("a Work of an aborted group ended without an error")
+        assert time.monotonic() - t0 < 10, time.monotonic() - t0
+        try:
+            dist.all_reduce(torch.ones(3), group=sub)
+        except dist.DistBackendError as exc:
+            assert isinstance(exc, R2commClosedError), type(exc).__mro__
+        else:
+            raise AssertionError("a call on an aborted group did not raise")
+    ck.count += 2
+    dist.barrier(group=ck.gloo)
 
 
 def scenario_newcolls(rank, size, ck):
@@ -577,18 +711,19 @@ def scenario_dropped(rank, size, ck):
             gc.collect()
     dist.barrier()
     pg = dist.distributed_c10d._get_default_group()
-    assert pg.pending_works > 0                          # some still in flight here
+    backend = r2comm.torch.native_backend()
+    assert backend.pending_works > 0                     # some still in flight here
     pg._wait_for_pending_works()                         # torch's name for "complete them all"
     for i, n, t in keep:
         ck.equal(t, torch.full((n,), float(sum(r + i for r in range(size)))), f"dropped {i}")
-    assert pg.pending_works == 0, pg.pending_works
+    assert backend.pending_works == 0, backend.pending_works
 
 
 def scenario_lean(rank, size, ck):
-    """Synchronous small all_reduces (the lean path, which reuses numpy views by address)
-    on memory that changes under the same address: tensors freed and reallocated in other
-    dtypes and sizes, views at an offset, a storage swapped by set_(), more tensors than the
-    view cache holds; a negative view still raises as t.numpy() does."""
+    """Synchronous small all_reduces (the native backend's copy-and-reduce path) on memory
+    that changes under the same address: tensors freed and reallocated in other dtypes and
+    sizes, views at an offset, a storage swapped by set_(), 300 tensors; a negative view is
+    reduced as its values (the negation resolved), as Gloo does."""
     want = sum(r + 1 for r in range(size))
     for i in range(40):
         dt = (torch.float32, torch.int32, torch.float64, torch.uint8)[i % 4]
@@ -612,15 +747,10 @@ def scenario_lean(rank, size, ck):
         for m in many:
             dist.all_reduce(m)
     ck.equal(many[7], torch.full((2,), float(want * size)), "300 tensors twice")
-    neg = torch._neg_view(torch.full((2,), 1.0))
     for _ in range(2):
-        try:
-            dist.all_reduce(neg)
-        except RuntimeError as exc:
-            assert "negative bit" in str(exc), exc
-        else:
-            raise AssertionError("a negative view was reduced")
-    ck.count += 1
+        neg = torch._neg_view(torch.full((2,), float(rank + 1)))
+        dist.all_reduce(neg)
+        ck.equal(neg.resolve_neg(), torch.full((2,), -float(want)), "a negative view")
     t = torch.full((2,), float(rank + 1))
     dist.all_reduce(t)
     ck.equal(t, torch.full((2,), float(want)), "after the refused negative view")
@@ -662,13 +792,9 @@ class _Sub(torch.Tensor):
 
 
 def _lean_ops_and_paths(rank, size, ck):
-    """Every dtype and op of the lean path against a local reference, with rank 1's calls
-    asynchronous (the lean call matches them), tensors it must leave to the general path (a
-    tensor subclass, autograd, not contiguous, too large), and the path the group took:
-    R2T_LEAN=helper expects the C++ helper (lean.py), python the Python path."""
-    pg = dist.group.WORLD
-    want_helper = os.environ.get("R2T_LEAN", "helper") == "helper"
-    assert (pg._probe is not None) == want_helper, (pg._probe, want_helper)
+    """Every dtype and op of the synchronous path against a local reference, with rank 1's
+    calls asynchronous (the synchronous call matches them), and tensors of other shapes (a
+    tensor subclass, autograd, not contiguous, large: in place, no copy)."""
     dtypes = [torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
               torch.int32, torch.int64, torch.uint8]
     for case, dt in enumerate(dtypes):
@@ -681,7 +807,6 @@ def _lean_ops_and_paths(rank, size, ck):
                 dist.all_reduce(t, op=op)
             ck.equal(t, ref, f"lean {dt} {op}", exact=op != R.AVG)
     ck.count += 1
-    assert any(pg._lean_calls.values()) == want_helper, pg._lean_calls
     cases = {"subclass": torch.full((3,), float(rank + 1)).as_subclass(_Sub),
              "autograd": torch.full((3,), float(rank + 1), requires_grad=True),
              "strided": torch.full((6,), float(rank + 1))[::2],
@@ -730,7 +855,7 @@ def train(group, steps, rank, size):
     losses = []
     # R2T_FAIL="a:b": rank 1 fails its rail 0 for real (hard) before step a, restores it before b
     fail = [int(v) for v in os.environ.get("R2T_FAIL", "-1:-1").split(":")]
-    comm = dist.distributed_c10d._get_default_group().comm if group is None else None
+    comm = r2comm.torch.communicator() if group is None else None
     # R2T_GATE="DIR:a,b": before steps a and b rank 0 prints "GATE a" and waits (bounded) for
     # DIR/go.a, so that a test acting on the testbed between steps is never overtaken by output lag
     gate_dir, _, gate_steps = os.environ.get("R2T_GATE", "").partition(":")
@@ -769,7 +894,7 @@ def scenario_ddp(rank, size, ck):
         m_gl, _ = train(ck.gloo, steps, rank, size)
         for (n, p), q in zip(m_r2.named_parameters(), m_gl.parameters()):
             ck.equal(p.detach(), q.detach(), f"DDP parameter {n}", exact=False)
-    events = [e for e in dist.distributed_c10d._get_default_group().comm.events
+    events = [e for e in r2comm.torch.communicator().events
               if e["kind"] != "up"]
     total = torch.tensor([len(events)])
     dist.all_reduce(total)                    # failover events of every rank

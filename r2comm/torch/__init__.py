@@ -6,9 +6,11 @@
 
 The ranks bootstrap through the process group's store (torchrun's TCPStore, or any Store given
 to init_process_group): Communicator.from_store, no MPI. Everything after that runs on r2comm's
-own connections (every rail to every peer, failover included). See backend.py for what each
-collective does; contiguous CUDA tensors take r2comm's device-buffer pipeline when cupy is
-installed (r2comm/gpu), else a host copy."""
-from .backend import ProcessGroupR2comm, register, BACKEND_NAME  # noqa: F401
+own connections (every rail to every peer, failover included). The group is a c10d Backend in
+C++ (_backend.cpp, built against the installed torch: native.py); backend.py makes it, pyops.py
+holds the collectives it hands to Python. communicator(group) is a group's Communicator."""
+from .backend import BACKEND_NAME, communicator, native_backend, register
+
+__all__ = ["BACKEND_NAME", "communicator", "native_backend", "register"]
 
 register()

@@ -1,9 +1,9 @@
-"""python -m r2comm.torch build-lean: build the backend's lean-call helper now (lean.py)."""
+"""python -m r2comm.torch build: build the backend's native part now (native.py)."""
 import sys
 
-from . import lean
+from . import native
 
-if sys.argv[1:] != ["build-lean"]:
-    sys.exit("usage: python -m r2comm.torch build-lean")
-lean.build()
-print(f"r2comm.torch: lean-call helper ready in {lean.cache_dir()}")
+if sys.argv[1:] != ["build"]:
+    sys.exit("usage: python -m r2comm.torch build")
+native.build()
+print(f"r2comm.torch: the backend is built in {native.cache_dir()}")

@@ -1,4 +1,4 @@
-"""A build cache that only this user can write: the torch backend's lean-call helper (lean.py)
+"""A build cache that only this user can write: the torch backend's C++ part (native.py)
 keeps its builds in one, and a shared object found there is loaded into the process, so
 whoever can write to it can run code in every rank that loads it (issue 40, item 4).
 

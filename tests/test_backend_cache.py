@@ -1,8 +1,9 @@
-"""The torch helper's build cache is this user's only (issue 40, item 4; r2comm/torch/cache.py,
-lean.py): a shared object planted in it, by another uid or in a folder another uid may write,
+"""The torch backend's build cache is this user's only (issue 40, item 4; r2comm/torch/cache.py,
+native.py): a shared object planted in it, by another uid or in a folder another uid may write,
 is never loaded (its constructor never runs), nor is a library whose sha256 is not the one
 recorded at its build; a build killed half-way leaves nothing that blocks the next
-(lean.helper() returns, bounded); new cache folders are 0700. Each scenario runs lean in a
+(native.module() returns, bounded); new cache folders are 0700; R2COMM_CACHE_DIR places the
+build; no compiler: an error naming what to install. Each scenario loads the backend in a
 subprocess; a planted library's constructor creates the file named by R2COMM_TEST_MARKER.
 Where the tests run as root, the other user is uid 65534 (setpriv)."""
 import hashlib
@@ -21,21 +22,21 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from r2comm.errors import R2commBuildError  # noqa: E402
-from r2comm.torch import cache, lean  # noqa: E402
+from r2comm.torch import cache, native  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOBODY = 65534
 AS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not AS_ROOT or not shutil.which("setpriv"),
                                 reason="needs root (another uid: setpriv, chown)")
-LIB = "r2comm_torch_lean.so"
+LIB = "r2comm_torch_backend.so"
 
 
 @pytest.fixture(scope="module")
 def genuine():
-    """The folder of a real build of the helper (the default cache; built if missing)."""
-    lean.build()
-    return lean.cache_dir()
+    """The folder of a real build of the backend (the default cache; built if missing)."""
+    native.build()
+    return native.cache_dir()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def planted(tmp_path_factory):
 @pytest.fixture
 def scratch():
     """A folder under /tmp that other uids can traverse (pytest's tmp_path is 0700)."""
-    d = tempfile.mkdtemp(prefix="r2comm-lean-cache-", dir="/tmp")
+    d = tempfile.mkdtemp(prefix="r2comm-backend-cache-", dir="/tmp")
     os.chmod(d, 0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
@@ -70,7 +71,7 @@ def scratch():
 def _folder(root, monkeypatch):
     """cache_dir() for cache root `root`."""
     monkeypatch.setenv("R2COMM_CACHE_DIR", root)
-    folder = lean.cache_dir()
+    folder = native.cache_dir()
     monkeypatch.delenv("R2COMM_CACHE_DIR")
     return folder
 
@@ -89,17 +90,13 @@ def _plant(folder, planted):
     _record(folder, os.path.join(folder, LIB))
 
 
-HELPER = ("import torch.distributed as dist; from r2comm.torch import lean; m = lean.helper(); "
-          "import torch, numpy as np; s = np.zeros(16, np.uint8); o = dist.AllreduceOptions(); "
-          "o.asyncOp = False; "
-          "print('HELPER', m is not None and m.probe([torch.ones(2)], o, s.ctypes.data, 16) "
-          "is not None, flush=True)")
+HELPER = ("from r2comm.torch import native; m = native.module(); "
+          "print('HELPER', hasattr(m, 'R2commBackend'), flush=True)")
 
 
-def _helper(root, marker, want="1", timeout=120, wait=True):
-    """lean.helper() in a subprocess with cache root `root`: (returncode, output)."""
-    env = dict(os.environ, R2COMM_CACHE_DIR=root, R2COMM_TORCH_LEAN=want,
-               R2COMM_TEST_MARKER=marker, PYTHONPATH=ROOT)
+def _helper(root, marker, timeout=120, wait=True):
+    """native.module() in a subprocess with cache root `root`: (returncode, output)."""
+    env = dict(os.environ, R2COMM_CACHE_DIR=root, R2COMM_TEST_MARKER=marker, PYTHONPATH=ROOT)
     p = subprocess.Popen([sys.executable, "-c", HELPER], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:
@@ -109,17 +106,15 @@ def _helper(root, marker, want="1", timeout=120, wait=True):
     except subprocess.TimeoutExpired:
         p.kill()
         out, _ = p.communicate()
-        pytest.fail(f"lean.helper() did not return in {timeout} s: {out[-2000:]}")
+        pytest.fail(f"native.module() did not return in {timeout} s: {out[-2000:]}")
     return p.returncode, out
 
 
 def _refused(root, marker, why):
-    """R2COMM_TORCH_LEAN=1: the helper raises, naming `why`; auto: the Python path, warned;
-    the planted constructor never ran."""
+    """Loading the backend raises UnsafeCache naming `why`; the planted constructor never
+    ran."""
     rc, out = _helper(root, marker)
     assert rc != 0 and "UnsafeCache" in out and why in out, out[-3000:]
-    rc, out = _helper(root, marker, want="auto")
-    assert rc == 0 and "HELPER False" in out and why in out, out[-3000:]
     assert not os.path.exists(marker), "the planted library was loaded"
 
 
@@ -188,7 +183,7 @@ def test_a_library_whose_sha256_is_not_the_recorded_one_is_not_loaded(tmp_path, 
 
 
 def test_a_copy_of_a_real_build_loads(tmp_path, genuine, monkeypatch):
-    """The checks pass on what the helper published (and its folders stay 0700)."""
+    """The checks pass on what the build published (and its folders stay 0700)."""
     root = str(tmp_path / "cache")
     folder = _folder(root, monkeypatch)
     os.makedirs(os.path.dirname(folder), 0o700)
@@ -199,12 +194,12 @@ def test_a_copy_of_a_real_build_loads(tmp_path, genuine, monkeypatch):
 
 def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
     """A build killed (SIGKILL, with its compiler) half-way through, then two processes that
-    want the helper at once: both get it within the bound, from one build, and the cache's
+    want the backend at once: both get it within the bound, from one build, and the cache's
     new folders are 0700 with nothing left of the killed build. Old code: the killed build's
-    `lock` made every later lean.helper() wait for ever."""
+    `lock` made every later build wait for ever."""
     root = str(tmp_path / "xdg" / "r2comm")
     env = dict(os.environ, R2COMM_CACHE_DIR=root, PYTHONPATH=ROOT)
-    victim = subprocess.Popen([sys.executable, "-c", "from r2comm.torch import lean; lean.build()"],
+    victim = subprocess.Popen([sys.executable, "-c", "from r2comm.torch import native; native.build()"],
                               cwd=ROOT, env=env, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -227,7 +222,7 @@ def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail("lean.helper() after a killed build did not return in 400 s")
+            pytest.fail("native.module() after a killed build did not return in 400 s")
     assert all(p.returncode == 0 and "HELPER True" in o for p, o in zip(procs, outs)), outs
     folder = _folder(root, monkeypatch)
     parent = os.path.dirname(folder)
@@ -260,3 +255,20 @@ def test_the_build_lock_ends_with_its_holder(tmp_path):
     t0 = time.monotonic()
     with cache.lock(path, 10.0):
         assert time.monotonic() - t0 < 2
+
+
+def test_no_compiler_is_an_error_naming_what_to_install(tmp_path):
+    """A machine without a C++ compiler (CXX names none) and an empty cache: loading the
+    backend raises R2commBuildError naming the compiler to install, and leaves no build
+    folder behind; R2COMM_CACHE_DIR places the cache."""
+    root = str(tmp_path / "cache")
+    code = ("import sys; from r2comm.torch import native\n"
+            "assert native.cache_dir().startswith(sys.argv[1]), native.cache_dir()\n"
+            "native.module()")
+    env = dict(os.environ, R2COMM_CACHE_DIR=root, CXX="/nonexistent/c++", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", code, root], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0, p.stdout
+    assert "R2commBuildError" in p.stderr and "apt install g++" in p.stderr, p.stderr[-3000:]
+    built = [f for _, _, files in os.walk(root) for f in files if f.endswith(".so")]
+    assert not built, built
