@@ -94,7 +94,7 @@ def main():
     model = DDP(LM(vocab, d, heads, layers, ff, seq), bucket_cap_mb=args.bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     nparams = sum(p.numel() for p in model.parameters())
-    comm = dist.distributed_c10d._get_default_group().comm if args.backend == "r2comm" else None
+    comm = r2comm.torch.communicator() if args.backend == "r2comm" else None
     if rank == 0:
         rails = f", {len(comm.rails)} rail(s) per rank" if comm is not None else ""
         print(f"[lm] {args.backend}: {size} ranks{rails}, {nparams / 1e6:.2f} M parameters "

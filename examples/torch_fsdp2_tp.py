@@ -70,7 +70,7 @@ def main():
     mesh = init_device_mesh("cpu", (size // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     model, opt = build(mesh, args.width, args.depth)
     nparams = args.depth * (4 * args.width ** 2 + 3 * args.width)    # the unsharded model's
-    comm = dist.distributed_c10d._get_default_group().comm if args.backend == "r2comm" else None
+    comm = r2comm.torch.communicator() if args.backend == "r2comm" else None
     if rank == 0:
         print(f"[fsdp] {args.backend}: {size} ranks, mesh dp {size // args.tp} x tp {args.tp}, "
               f"{nparams / 1e6:.2f} M parameters, batch {args.batch} per dp rank", flush=True)

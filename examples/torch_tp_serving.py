@@ -49,7 +49,7 @@ def main():
         import r2comm.torch  # noqa: F401
     dist.init_process_group(args.backend)
     rank, size = dist.get_rank(), dist.get_world_size()
-    comm = dist.distributed_c10d._get_default_group().comm if args.backend == "r2comm" else None
+    comm = r2comm.torch.communicator() if args.backend == "r2comm" else None
     torch.manual_seed(rank)
     shard = args.hidden // size
     weights = [torch.randn(shard, args.hidden) / args.hidden ** 0.5 for _ in range(args.layers)]
