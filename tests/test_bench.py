@@ -1032,3 +1032,32 @@ def test_results_torchdist_section_from_fake_json(tmp_path):
     text = results.render(str(tmp_path))
     assert ("| torch backend vs Gloo | Not run (no `torch_small_call.json` in the results "
             "folder); no target evaluated | – not evaluated |") in text
+
+
+def test_results_failure_section_from_fake_json(tmp_path):
+    """Issue 39's targets rendered from failure_scale.json: met, not met, an error row."""
+    from r2comm.bench.results_failure import failure_section
+    from r2comm.bench.results_format import Results
+
+    def row(n, case, total, heap, rss):
+        return {"ranks": n, "case": case, "learn_ms": 0.1, "agree_ms": 1.0, "state_ms": 1.0,
+                "plans_ms": total - 2.1, "total_ms": total, "heap_peak_mib": heap,
+                "rss_added_mib": rss, "algos": {"allreduce": "hierarchical_tree"}}
+    doc = {"rows": [row(1024, "nic_down", 27.0, 1.4, 2.8), row(1024, "nic_half", 16.0, 1.4, 2.9),
+                    row(8192, "nic_down", 98.0, 10.9, 10.5), row(512, "start_rail", 15.0, 2, 3),
+                    {"ranks": 4096, "case": "nic_down", "error": "boom"}],
+           "command": "python bench/failure_scale.py --json x"}
+    (tmp_path / "failure_scale.json").write_text(json.dumps(doc))
+    lines, targets = failure_section(Results(str(tmp_path)))
+    text = "\n".join(lines)
+    assert "| 4096 | nic_down | error |" in text and "python bench/failure_scale.py" in text
+    assert [ok for _, ok in targets] == [True, True, True], targets
+    assert "(27 ms, 2.9 MiB)" in targets[0][0]
+    doc["rows"][2]["total_ms"] = 250.0                    # over 200 ms at 8,192
+    doc["rows"][0]["rss_added_mib"] = 25.0                # over 20 MB at 1,024
+    (tmp_path / "failure_scale.json").write_text(json.dumps(doc))
+    _, targets = failure_section(Results(str(tmp_path)))
+    assert [ok for _, ok in targets] == [False, False, True], targets
+    os.remove(tmp_path / "failure_scale.json")
+    lines, targets = failure_section(Results(str(tmp_path)))
+    assert not targets and "not run" in "\n".join(lines).lower()
