@@ -52,7 +52,7 @@ class _Outcome(unittest.TestResult):
         exc = err[1]
         text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         if kind == "error" and OUT_OF_SCOPE in str(exc) and \
-                type(exc).__name__ == "R2commArgumentError":
+                "R2commArgumentError" in [c.__name__ for c in type(exc).__mro__]:
             kind = "oos"
         self.outcome, self.detail = kind, text
 
