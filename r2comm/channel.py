@@ -332,6 +332,15 @@ class Channel:
         self._world.links.connect_for(sorted(ring - {self._members[self.rank]}))
         self._engine.post_error(self._id, seq, self._members, code, message)
 
+    def plans_for_next_call(self):
+        """Apply a plan switch or epoch check due at the next call (what _start does first), so
+        the caller sees the plan state that call runs under; returns it (vcoll.py)."""
+        if self._pending is not None:
+            self._cross()
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            self._maybe_replan()
+        return self._state
+
     @property
     def plan_state(self):
         """The RailState the plans follow (None: static plans)."""

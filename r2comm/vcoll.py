@@ -22,7 +22,25 @@ def _byte_layout(counts, displs, itemsize):
 
 
 class VectorCollectives:
-    """Communicator's rooted, vector and prefix collectives (see the module doc)."""
+    """Communicator's rooted, vector and prefix collectives (see the module doc). Where the
+    plans relay around a pair of ranks with no working rail, a Gatherv, Scatterv or Alltoallv
+    first tells every rank the sizes (a Bcast of the root's counts, or an Allgather of every
+    rank's send counts: O(n) per rank, O(n^2) for Alltoallv), which relaying ranks need."""
+
+    def _relays(self):
+        """Whether this call's plans relay around a pair with no working rail (the state it
+        runs under: a switch due at it applied first, the same on every rank)."""
+        state = self.plans_for_next_call()
+        return state is not None and state.has_broken_pairs()
+
+    def _learn_sizes(self, counts, root):
+        """Every rank's count (elements) of a Gatherv/Scatterv whose root holds `counts`, where
+        the plans relay (None elsewhere: nobody needs them)."""
+        if not self._relays():
+            return None
+        box = np.array(counts if counts is not None else [0] * self.size, np.int64)
+        self.Bcast(box, root)
+        return [int(c) for c in box]
 
     def _vcall(self, kind, blocking, start, *args):
         """Communicator._call for these kinds: host buffers only."""
@@ -137,6 +155,9 @@ class VectorCollectives:
                 raise R2commArgumentError("Gatherv: IN_PLACE is for the root's sendbuf only")
             send = as_array(sendbuf, False, "Gatherv sendbuf")
             work, dt, layout = None, send.dtype, (send.nbytes,)
+        every = self._learn_sizes(counts if self.rank == root else None, root)
+        if every is not None and self.rank != root:
+            layout += (tuple(c * dt.itemsize for c in every),)
         return self._start("gatherv", 0, dt.itemsize, dtype_code(dt), 0, work, send, root=root,
                            layout=layout, blocking=_blocking)
 
@@ -169,6 +190,9 @@ class VectorCollectives:
                 raise R2commArgumentError("Scatterv: IN_PLACE is for the root's recvbuf only")
             work = as_array(recvbuf, True, "Scatterv recvbuf")
             send, dt, layout = None, work.dtype, (work.nbytes,)
+        every = self._learn_sizes(counts if self.rank == root else None, root)
+        if every is not None and self.rank != root:
+            layout += (tuple(c * dt.itemsize for c in every),)
         return self._start("scatterv", 0, dt.itemsize, dtype_code(dt), 0, work, send, root=root,
                            layout=layout, blocking=_blocking)
 
@@ -220,6 +244,11 @@ class VectorCollectives:
             check_apart(send, work, "Alltoallv")
         isz = work.itemsize
         layout = _byte_layout(sc, sd, isz) + _byte_layout(rc, rd, isz)
+        if self._relays():                  # relaying ranks need every pair's size
+            rows = np.empty(self.size * self.size, np.int64)
+            self.Allgather(np.array(sc, np.int64) * isz, rows)
+            layout += (tuple(tuple(int(v) for v in rows[i * self.size:(i + 1) * self.size])
+                             for i in range(self.size)),)
         return self._start("alltoallv", 0, isz, dtype_code(work.dtype), 0, work, send,
                            layout=layout, blocking=_blocking)
 

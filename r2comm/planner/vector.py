@@ -5,8 +5,10 @@ Exscan): one rank's schedule from its layout, in bytes.
 A layout is a tuple that holds what this rank knows of the call (MPI's arguments):
   gather, scatter           (block,)                         every rank's share, equal
   gatherv, scatterv         root: (sizes, displs); others: (size,)   the root alone knows all
+                            (others: (size, sizes) where the caller learnt them: a relay)
   allgatherv                (sizes, displs)                  sizes alike on every rank
   alltoallv                 (ssizes, sdispls, rsizes, rdispls)       this rank's own
+                            (+ every rank's ssizes, row by row, where learnt: a relay)
   reduce_scatter            (sizes,)                         alike on every rank
   scan, exscan              (nbytes,)
 Algorithms (O(n) messages at most on a rank, as the counts themselves): gather/scatter and
@@ -95,7 +97,7 @@ def allgatherv_ring(rank, n, sizes, displs, eager):
 
 def alltoallv_direct(rank, n, layout, eager, separate):
     """Every peer's block straight from SEND to its WORK; this rank's own block copied."""
-    ssz, sdp, rsz, rdp = layout
+    ssz, sdp, rsz, rdp = layout[:4]
     s = Schedule("direct")
     for k in range(1, n):
         peer = (rank + k) % n
@@ -207,19 +209,56 @@ def price(coll, net, nbytes, root=0):
     return chain(n - 1, nbytes * (2 if coll == "exscan" else 1), bmin, a, c)
 
 
+def _contiguous(sizes):
+    out, at = [], 0
+    for c in sizes:
+        out.append(at)
+        at += c
+    return tuple(out)
+
+
+def _layouts(coll, rank, n, layout, root):
+    """Every rank's layout (as far as a relay needs: the sizes; others' offsets made up), or
+    None where this rank's layout does not hold every size (a Gatherv, Scatterv or Alltoallv
+    whose caller did not learn them)."""
+    if coll in SHARED:
+        return [layout] * n
+    if coll in ("gatherv", "scatterv"):
+        sizes = layout[0] if rank == root else (layout[1] if len(layout) > 1 else None)
+        if sizes is None:
+            return None
+        return [(tuple(sizes), _contiguous(sizes)) if r == root else (sizes[r],)
+                for r in range(n)]
+    if len(layout) < 5:
+        return None
+    rows = layout[4]
+    out = []
+    for j in range(n):
+        col = tuple(rows[i][j] for i in range(n))
+        out.append((tuple(rows[j]), _contiguous(rows[j]), col, _contiguous(col)))
+    return out
+
+
+def needs_sizes(coll):
+    """Whether a relayed `coll` needs sizes its caller may not hold (vcoll.py learns them)."""
+    return coll not in SHARED
+
+
 def build(coll, rank, n, layout, root, eager, separate, state=None, topo=None):
     """This rank's schedule of `coll` (one of KINDS) for its `layout`, priced (.cost) where a
-    RailState or a Topology is given. Under a state with a pair that has no working rail, the
-    kinds whose sizes every rank knows are relayed around it (routing.relay over every rank's
-    schedule); Gatherv, Scatterv and Alltoallv, whose sizes no rank knows in full, raise
-    R2commNetworkError on every rank (the state is the same on every rank)."""
+    RailState or a Topology is given. Under a state with a pair that has no working rail, it is
+    relayed around that pair (routing.relay over every rank's schedule): for Gatherv, Scatterv
+    and Alltoallv the layout must then hold every rank's sizes (vcoll.py gathers them first
+    under such a state), else R2commNetworkError (on every rank alike: the state is the same)."""
     if state is not None and state.has_broken_pairs():
-        if coll not in SHARED:
+        every = _layouts(coll, rank, n, layout, root)
+        if every is None:
             raise R2commNetworkError(
-                f"{NAMES[coll]}: some ranks share no working rail, and a {NAMES[coll]}'s sizes "
-                "are not known to every rank, so it cannot be relayed around them; use the "
-                "equal-block form or Allgatherv")
-        s = relay([_one(coll, r, n, layout, root, eager, separate) for r in range(n)],
+                f"{NAMES[coll]}: some ranks share no working rail, and this rank does not know "
+                f"every size of the {NAMES[coll]} to relay it (the rail state changed at this "
+                "call); call it again")
+        every[rank] = layout
+        s = relay([_one(coll, r, n, every[r], root, eager, separate) for r in range(n)],
                   state)[rank]
     else:
         s = _one(coll, rank, n, layout, root, eager, separate)
