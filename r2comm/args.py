@@ -7,11 +7,10 @@ MPI.PROC_NULL, MPI.ANY_TAG, MPI.BOTTOM; None as a send buffer means IN_PLACE, as
 r2comm's ANY_SOURCE and PROC_NULL are values of their own, so they never collide with each
 other nor with MPICH's (PROC_NULL -1, ANY_SOURCE -2, ROOT -3) or Open MPI's (ANY_SOURCE -1,
 PROC_NULL -2, ROOT -4)."""
-import sys
-
 import numpy as np
 
 from . import buffers
+from .marks import mpi_marks
 from .errors import R2commArgumentError, R2commBufferError
 
 
@@ -26,32 +25,12 @@ ANY_SOURCE = -21      # a receive's source: the first matching message from any 
 PROC_NULL = -22       # a peer that is no rank: the call completes at once and moves nothing
 UNDEFINED = -32766    # Waitany/Testany with no active request (MPICH's and Open MPI's value)
 
-_MPI_MARKS = None     # mpi4py's (IN_PLACE, BOTTOM, ANY_SOURCE, PROC_NULL), once it is imported
-
-
-def mpi_marks():
-    """(IN_PLACE, BOTTOM, ANY_SOURCE, PROC_NULL) of mpi4py, or None where mpi4py.MPI was never
-    imported (r2comm never imports it for this: a store-bootstrapped job may run without MPI)."""
-    global _MPI_MARKS
-    if _MPI_MARKS is None:
-        mod = sys.modules.get("mpi4py.MPI")
-        if mod is not None:
-            _MPI_MARKS = (mod.IN_PLACE, mod.BOTTOM, int(mod.ANY_SOURCE), int(mod.PROC_NULL))
-    return _MPI_MARKS
-
-
 def is_in_place(obj):
     """IN_PLACE, mpi4py's MPI.IN_PLACE or None (mpi4py's reading of a missing send buffer)."""
     if obj is IN_PLACE or obj is None:
         return True
     marks = mpi_marks()
     return marks is not None and obj is marks[0]
-
-
-def is_bottom(obj):
-    """mpi4py's MPI.BOTTOM (absolute addresses: derived datatypes only)."""
-    marks = mpi_marks()
-    return marks is not None and obj is marks[1]
 
 
 def _is_int(v):

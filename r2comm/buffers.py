@@ -8,6 +8,7 @@ block, one rank's share."""
 import numpy as np
 
 from .errors import R2commBufferError, unsupported
+from .marks import is_bottom
 
 
 def to_dtype(spec, what):
@@ -98,7 +99,6 @@ def _parse_spec(obj, what):
 def _bottom(obj, count, what):
     """mpi4py's MPI.BOTTOM: an empty buffer with no count (absolute addresses need derived
     datatypes, outside r2comm's scope)."""
-    from .args import is_bottom
     if not is_bottom(obj):
         return obj
     if count:
