@@ -14,7 +14,6 @@ Ssend/Issend to another rank complete when the receiver holds the whole message 
 receive buffer or stored for a later receive), not only once a receive matched it: r2comm's
 engine acknowledges what arrives. Buffered sends (Bsend, Ibsend, Bsend_init) are outside
 r2comm's scope: they raise R2commArgumentError (the engine already copies small messages)."""
-import time
 from collections import deque
 
 import numpy as np
@@ -22,13 +21,10 @@ import numpy as np
 from . import p2p
 from .args import ANY_TAG, ANY_SOURCE, is_any_source, is_proc_null
 from .buffers import as_array
-from .errors import R2commArgumentError, R2commMismatchError, R2commTimeout, \
-    R2commTruncateError, unsupported
+from .errors import R2commArgumentError, R2commMismatchError, R2commTruncateError, unsupported
 from .ops import CODE_DTYPES, dtype_code
-from .request import GroupRequest, LocalRequest, Prequest, Request, Status, fill_status
+from .request import GroupRequest, LocalRequest, Prequest, Request, Status, fill_status, poll
 from .world import engine_module as _engine
-
-POLL_MAX_S = 0.002           # longest sleep between two looks of a blocking Probe
 
 
 def _refuse_buffered(name):
@@ -326,16 +322,8 @@ class PointToPoint:
         return hit is not None
 
     def _wait_look(self, source, tag):
-        deadline, pause = time.monotonic() + self.timeout, 1e-5
-        while True:
-            hit = self._look(source, tag)
-            if hit is not None:
-                return hit
-            if time.monotonic() > deadline:
-                raise R2commTimeout(f"Probe: no message from {source} with tag {tag} within "
-                                    f"{self.timeout:g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX_S)
+        return poll(lambda: self._look(source, tag), self.timeout,
+                    f"Probe: no message from {source} with tag {tag}")
 
     def Probe(self, source=ANY_SOURCE, tag=ANY_TAG, status=None):
         """Wait (at most the communicator's timeout) until a message from `source` with `tag` is

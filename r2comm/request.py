@@ -27,6 +27,20 @@ def fill_status(status, source, tag, nbytes):
             status.Set_elements(mpi.BYTE, nbytes)
 
 
+def poll(ready, limit, what):
+    """Call ready() until it returns something other than None, sleeping 10 us growing to
+    POLL_MAX_S between calls; R2commTimeout naming `what` after `limit` seconds."""
+    deadline, pause = time.monotonic() + limit, 1e-5
+    while True:
+        got = ready()
+        if got is not None:
+            return got
+        if time.monotonic() > deadline:
+            raise R2commTimeout(f"{what}: nothing within {limit:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_MAX_S)
+
+
 def _is_null(obj):
     if obj is REQUEST_NULL:
         return True
@@ -138,19 +152,15 @@ class BaseRequest:
         live = [i for i, r in enumerate(requests) if r._active()]
         if not live:
             return UNDEFINED
-        deadline = time.monotonic() + requests[live[0]].timeout_s()
-        pause = 1e-5
-        while True:
+
+        def first_done():
             for i in live:
                 if requests[i].Test():
                     if status is not None:
                         requests[i]._status_into(status)
                     return i
-            if time.monotonic() > deadline:
-                raise R2commTimeout(f"Waitany: no request completed within "
-                                    f"{requests[live[0]].timeout_s():g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX_S)
+            return None
+        return poll(first_done, requests[live[0]].timeout_s(), "Waitany: no request completed")
 
     @staticmethod
     def Testany(requests, status=None):
@@ -361,13 +371,9 @@ class LocalRequest(BaseRequest):
         if timeout is not None and not isinstance(timeout, (int, float)):
             timeout, status = None, timeout
         limit = self._timeout if timeout is None else timeout
-        deadline, pause = time.monotonic() + limit, 1e-5
-        while not self._done:                 # (only another thread can complete it)
-            if time.monotonic() > deadline:
-                raise R2commTimeout(f"operation timed out after {limit:g} s (a message to "
-                                    "this rank that no receive matched)")
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX_S)
+        if not self._done:                    # (only another thread can complete it)
+            poll(lambda: True if self._done else None, limit,
+                 "a message to this rank that no receive matched")
         return self.Test(status)
 
 

@@ -90,7 +90,7 @@ def test_vector_specifications():
 def _replay(scheds, work, send):
     """Deliver every message of `scheds` (one per rank) between numpy byte buffers, in an
     order the dependencies allow, with SUM reductions: the data the engine would produce."""
-    from r2comm.planner.schedule import WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV
+    from r2comm.planner.schedule import WORK, SEND, SCRATCH, COPY
     n = len(scheds)
     bufs = [{WORK: work[r], SEND: send[r], SCRATCH: np.zeros(scheds[r].scratch, np.uint8)}
             for r in range(n)]
