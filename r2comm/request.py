@@ -222,6 +222,7 @@ class Request(BaseRequest):
         return not self._done
 
     def timeout_s(self):
+        """Seconds a wait on it may take (its communicator's timeout)."""
         return self._timeout
 
     def _status_into(self, status):
@@ -356,9 +357,11 @@ class LocalRequest(BaseRequest):
             fill_status(status, self._source, self._tag, self._nbytes)
 
     def timeout_s(self):
+        """Seconds a wait on it may take (its communicator's timeout)."""
         return self._timeout
 
     def Test(self, status=None):
+        """True once it completed (then it is no longer active); raises its error."""
         if self._done:
             self._consumed = True
             if status is not None:
@@ -368,6 +371,7 @@ class LocalRequest(BaseRequest):
         return self._done
 
     def Wait(self, timeout=None, status=None):
+        """Block until it completes (at most `timeout` s); raises its error."""
         if timeout is not None and not isinstance(timeout, (int, float)):
             timeout, status = None, timeout
         limit = self._timeout if timeout is None else timeout
@@ -390,6 +394,7 @@ class GroupRequest(BaseRequest):
         return not self._done
 
     def timeout_s(self):
+        """Seconds a wait on it may take (its communicator's timeout)."""
         return max(p.timeout_s() for p in self._parts)
 
     def _status_into(self, status):
@@ -402,6 +407,7 @@ class GroupRequest(BaseRequest):
             self._then()
 
     def Test(self, status=None):
+        """True once it completed (then it is no longer active); raises its error."""
         if not self._done and all([p.Test() for p in self._parts]):
             self._end()
         if self._done and status is not None:
@@ -409,6 +415,7 @@ class GroupRequest(BaseRequest):
         return self._done
 
     def Wait(self, timeout=None, status=None):
+        """Block until it completes (at most `timeout` s); raises its error."""
         if timeout is not None and not isinstance(timeout, (int, float)):
             timeout, status = None, timeout
         if not self._done:
@@ -448,6 +455,7 @@ class Prequest(BaseRequest):
 
     @classmethod
     def fromhandle(cls, handle):
+        """The persistent request whose `handle` this is (a copy equal to it)."""
         st = _HANDLES.get(handle)
         if st is None:
             raise ValueError(f"no persistent request has handle {handle}")
@@ -465,6 +473,7 @@ class Prequest(BaseRequest):
         return self._state.inner is not None
 
     def timeout_s(self):
+        """Seconds a wait on it may take (its communicator's timeout)."""
         return self._state.timeout
 
     def _ready(self):
@@ -491,6 +500,7 @@ class Prequest(BaseRequest):
             r.Start()
 
     def Test(self, status=None):
+        """True once it completed (then it is no longer active); raises its error."""
         inner = self._state.inner
         if inner is None:
             return True
@@ -500,6 +510,7 @@ class Prequest(BaseRequest):
         return done
 
     def Wait(self, timeout=None, status=None):
+        """Block until it completes (at most `timeout` s); raises its error."""
         if timeout is not None and not isinstance(timeout, (int, float)):
             timeout, status = None, timeout
         inner = self._state.inner
@@ -510,5 +521,6 @@ class Prequest(BaseRequest):
                 self._state.inner = None
 
     def Free(self):
+        """Forget it: it equals REQUEST_NULL from now on (a run in flight still ends)."""
         self._state.freed = True
         _HANDLES.pop(id(self._state), None)

@@ -164,8 +164,9 @@ def test_vector_schedules_move_the_right_data(n):
 
 
 def test_vector_schedules_are_priced_and_relayed():
-    """With a rail state the schedules carry a price; a broken pair is relayed for the kinds
-    whose sizes every rank knows and refused (on every rank) for Gatherv/Scatterv/Alltoallv."""
+    """With a rail state the schedules carry a price; a broken pair is relayed, Gatherv's too
+    once a non-root rank's layout holds every size (vcoll.py learns them first), and refused
+    (on every rank alike) where it does not."""
     n = 4
     st = RailState.uniform(n, 2, 1e9)
     s = vector.build("allgatherv", 1, n, ((800,) * n, tuple(800 * k for k in range(n))), 0,
@@ -177,8 +178,10 @@ def test_vector_schedules_are_priced_and_relayed():
     s = vector.build("scan", 1, n, (64,), 0, 0, True, state=broken)
     assert all(broken.working(1, m[1]) for m in s.msgs), "a message crosses the broken pair"
     from r2comm.errors import R2commNetworkError
-    with pytest.raises(R2commNetworkError, match="cannot be relayed"):
+    with pytest.raises(R2commNetworkError, match="does not know every size"):
         vector.build("gatherv", 3, n, (64,), 0, 0, True, state=broken)
+    s = vector.build("gatherv", 1, n, (64, (8, 64, 16, 24)), 2, 0, True, state=broken)
+    assert all(broken.working(1, m[1]) for m in s.msgs) and s.algo.endswith("+relay")
     scheds = vector.build_all("alltoallv", n, [((8,) * n, tuple(8 * k for k in range(n)),
                                                 (8,) * n, tuple(8 * k for k in range(n)))] * n)
     assert cost.predict(scheds, st) > 0
