@@ -121,8 +121,20 @@ def _simulate(kind, cases, op):
         for s in sends[1:]:
             total = ufunc(total, s)
         return [total] * n
-    if kind == "allgather":
+    if kind in ("allgather", "allgatherv"):
         return [np.concatenate(sends)] * n
+    if kind == "gather":
+        root = cases[0].root
+        return [np.concatenate(sends) if r == root else sends[r][:0] for r in range(n)]
+    if kind == "scatter":
+        c, root = cases[0].count, cases[0].root
+        return [sends[root][r * c:(r + 1) * c] for r in range(n)]
+    if kind == "scan":
+        out, acc = [], None
+        for s in sends:
+            acc = s if acc is None else ufunc(acc, s)
+            out.append(acc)
+        return out
     if kind == "reduce_scatter":
         c = cases[0].count
         full = sends[0]
@@ -131,7 +143,7 @@ def _simulate(kind, cases, op):
         return [full[r * c:(r + 1) * c] for r in range(n)]
     if kind == "bcast":
         return [sends[cases[0].root]] * n
-    if kind == "alltoall":
+    if kind in ("alltoall", "alltoallv"):
         c = cases[0].count
         return [np.concatenate([sends[j][r * c:(r + 1) * c] for j in range(n)]) for r in range(n)]
     raise AssertionError(kind)
@@ -144,9 +156,12 @@ def test_references_match_a_simulated_collective(kind, op):
     cases = [data.make_case(kind, nbytes, r, n, "float32", op, root=1) for r in range(n)]
     for case, want in zip(cases, _simulate(kind, cases, op)):
         np.testing.assert_array_equal(case.expected, want)
-        assert case.nbytes == max(case.send.nbytes, case.recv.nbytes)
+        if kind in ("gather", "scatter"):       # n blocks at the root, one elsewhere
+            assert case.nbytes == case.count * n * 4
+        else:
+            assert case.nbytes == max(case.send.nbytes, case.recv.nbytes)
         case.reset()
-        assert not case.check() or (kind == "bcast" and case.is_root)
+        assert not case.check() or (kind == "bcast" and case.is_root) or not case.expected.size
         case.recv[...] = case.expected
         assert case.check()
 
@@ -158,7 +173,8 @@ def test_small_sizes_round_up_to_one_element_per_rank():
 
 def test_busbw_factors_are_nccl_tests():
     f = {k: osu.BUSBW_FACTOR[k](4) for k in osu.BUSBW_FACTOR}
-    assert f == {"allreduce": 1.5, "allgather": 0.75, "reduce_scatter": 0.75, "bcast": 1.0, "alltoall": 0.75}
+    assert f == {"allreduce": 1.5, "allgather": 0.75, "reduce_scatter": 0.75, "bcast": 1.0, "alltoall": 0.75,
+                 "gather": 0.75, "scatter": 0.75, "allgatherv": 0.75, "alltoallv": 0.75, "scan": 1.0}
 
 
 def test_settings_plan_respects_budget_and_bounds():
