@@ -13,8 +13,9 @@ Each (n, case) runs in a fresh process (nothing cached from another point). The 
                neighbours on the hosts before and after it): the start-up exchange's reports
                (n of them, two with failures) validated, the facts derived, the first state
 
-Phases, each timed in CPU seconds (time.process_time) with the Python heap's peak
-(tracemalloc) and the RSS the process holds afterwards:
+Phases, each timed in CPU seconds (time.process_time), with the RSS the process holds
+afterwards; the Python heap's peak per phase (tracemalloc) comes from a second fresh process of
+the same point (tracing slows allocation several times over, so it is not on while timing):
 
   learn    the facts frame as the failure detector receives it (FactBook.decode, merge) and
            its application to a real Engine of n peers (NicWatch.apply: the rail marked
@@ -98,17 +99,22 @@ class _Plane:
 
 
 def _phase(out, name, fn):
-    tracemalloc.reset_peak()
+    """Run one phase: its CPU ms, or (while tracemalloc traces: the memory pass) its heap peak."""
+    if tracemalloc.is_tracing():
+        tracemalloc.reset_peak()
+        res = fn()
+        out[name + "_peak_kib"] = round(tracemalloc.get_traced_memory()[1] / 1024, 1)
+        return res
     t0 = time.process_time()
     res = fn()
     out[name + "_ms"] = round((time.process_time() - t0) * 1e3, 3)
-    out[name + "_peak_kib"] = round(tracemalloc.get_traced_memory()[1] / 1024, 1)
     return res
 
 
-def point(n, case, colls=None):
+def point(n, case, colls=None, memory=False):
     """One (n, case) in this process (colls: the collectives whose first plans are timed, all of
-    PLANS by default): {"ranks", "case", "<phase>_ms", ..., "total_ms",
+    PLANS by default; memory: the pass that traces the Python heap instead of timing, since
+    tracing slows allocation several times over): {"ranks", "case", "<phase>_ms", ..., "total_ms",
     "peak_mib", "rss_added_mib", "algo", "facts", "exceptions"}."""
     from r2comm import control, facts, plans, replan
     from r2comm._core import engine as eng_mod
@@ -131,7 +137,8 @@ def point(n, case, colls=None):
     clear_caches()
     out = {"ranks": n, "hosts": H, "case": case}
     rss0 = _rss_mib()
-    tracemalloc.start()
+    if memory:
+        tracemalloc.start()
 
     if case == "start_rail":
         from r2comm import startup
@@ -193,21 +200,24 @@ def point(n, case, colls=None):
             algos[coll] = sched.algo
         return algos
     out["algos"] = _phase(out, "plans", first_plans)
-    out["plan_ms"] = {}                           # (each collective's alone: the same again,
-    for coll, nbytes, itemsize in PLANS:          # cold, one at a time)
-        if colls is not None and coll not in colls:
-            continue
-        clear_caches()
-        t0 = time.process_time()
-        plans.compile_call(eng_mod.Plan, coll, me, members, nbytes, itemsize, 0, 0, 0, True,
-                           cfg, state, topo)
-        out["plan_ms"][coll] = round((time.process_time() - t0) * 1e3, 2)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    out["total_ms"] = round(sum(out[p + "_ms"] for p in ("learn", "agree", "state", "plans")), 3)
-    out["heap_peak_mib"] = round(peak / 2**20, 2)
-    out["rss_added_mib"] = round(_rss_mib() - rss0, 1)
-    out["maxrss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    if memory:
+        out["heap_peak_mib"] = round(max(out[p + "_peak_kib"] for p in ("learn", "agree",
+                                                                      "state", "plans")) / 1024, 2)
+        tracemalloc.stop()
+    else:
+        out["rss_added_mib"] = round(_rss_mib() - rss0, 1)
+        out["maxrss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+        out["total_ms"] = round(sum(out[p + "_ms"] for p in ("learn", "agree", "state",
+                                                               "plans")), 3)
+        out["plan_ms"] = {}                       # (each collective's alone: the same again,
+        for coll, nbytes, itemsize in PLANS:      # cold, one at a time)
+            if colls is not None and coll not in colls:
+                continue
+            clear_caches()
+            t0 = time.process_time()
+            plans.compile_call(eng_mod.Plan, coll, me, members, nbytes, itemsize, 0, 0, 0, True,
+                               cfg, state, topo)
+            out["plan_ms"][coll] = round((time.process_time() - t0) * 1e3, 2)
     out["facts"] = len(entries)
     out["exceptions"] = 0 if state is None else len(state.exceptions)
     out["degraded_hosts"] = [] if state is None else state.degraded_hosts()
@@ -216,14 +226,18 @@ def point(n, case, colls=None):
 
 
 def run_point(n, case, timeout, colls=None):
-    cmd = [sys.executable, __file__, "--point", f"{n}:{case}"] + \
-        (["--colls", ",".join(colls)] if colls else [])
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                       timeout=timeout, cwd=str(ROOT))
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        return {"ranks": n, "case": case, "error": (p.stderr or p.stdout)[-2000:]}
-    return json.loads(lines[-1])
+    """The point timed in one fresh process and its heap traced in another, merged."""
+    out = {}
+    for memory in (False, True):
+        cmd = [sys.executable, __file__, "--point", f"{n}:{case}"] + \
+            (["--colls", ",".join(colls)] if colls else []) + (["--memory"] if memory else [])
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=timeout, cwd=str(ROOT))
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode != 0 or not lines:
+            return {"ranks": n, "case": case, "error": (p.stderr or p.stdout)[-2000:]}
+        out = {**json.loads(lines[-1]), **out}
+    return out
 
 
 def table(rows):
@@ -281,11 +295,12 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--colls", default="", help="only these collectives' first plans")
     p.add_argument("--point", help=argparse.SUPPRESS)
+    p.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.point:
         n, case = a.point.split(":")
-        print(json.dumps(point(int(n), case, a.colls.split(",") if a.colls else None)),
-              flush=True)
+        print(json.dumps(point(int(n), case, a.colls.split(",") if a.colls else None,
+                               a.memory)), flush=True)
         return 0
     rows = []
     for n in (int(x) for x in a.ns.split(",")):

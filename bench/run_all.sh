@@ -42,6 +42,8 @@
 # and always:
 #   sim_validate     the simulator's replay of the testbed scenarios (python -m r2comm.sim validate)
 #   planner_scale    one rank's plan time, 64-8,192 ranks, and the choice against the replay
+#   failure_scale    one rank's cost of a NIC failure, 64-8,192 ranks (bench/failure_scale.py);
+#                    failure_scale.png
 #   scale            start-up, fds, RSS and first op per rank at 8-48 ranks (bench/scale.py);
 #                    scale.png
 #
@@ -190,6 +192,11 @@ run sim_validate 120 TERM "$PY" -m r2comm.sim validate --json "$OUT/sim_validate
 # ranks, and the choice against the simulator's replay
 run planner_scale 600 TERM "$PY" -m r2comm.bench.planner_scale --old --sweep 12 --colls 128,1024 \
     --json "$OUT/planner_scale.json"
+
+# a NIC failure at scale (issue 39; about 2 min, no root needed): one rank's CPU and memory from
+# the announcement to the first plan of every collective, 64-8,192 ranks x 8 NICs
+run failure_scale 900 TERM "$PY" bench/failure_scale.py --json "$OUT/failure_scale.json" \
+    --plot "$OUT/failure_scale.png"
 
 # connections at scale (issue 31; about 1-2 min, no root needed): start-up, fds and memory per
 # rank at 8-48 ranks on loopback, the ring forced as the issue's mix asks

@@ -11,8 +11,9 @@ from .ops import SUM, PROD, MIN, MAX, Op
 __version__ = "0.1.0"
 
 _LAZY = {"Communicator": "communicator", "IN_PLACE": "communicator", "ANY_TAG": "communicator",
-         "ANY_SOURCE": "communicator",
-         "Request": "request", "Status": "request", "Rail": "transport.rails"}
+         "ANY_SOURCE": "communicator", "PROC_NULL": "args", "UNDEFINED": "args",
+         "Request": "request", "Status": "request", "Prequest": "request",
+         "REQUEST_NULL": "request", "Message": "pt2pt", "Rail": "transport.rails"}
 
 
 def __getattr__(name):
@@ -22,7 +23,8 @@ def __getattr__(name):
     raise AttributeError(f"module 'r2comm' has no attribute {name!r}")
 
 
-__all__ = ["Communicator", "Request", "Status", "Rail", "IN_PLACE", "ANY_TAG", "ANY_SOURCE", "SUM", "PROD",
+__all__ = ["Communicator", "Request", "Status", "Rail", "IN_PLACE", "ANY_TAG", "ANY_SOURCE",
+           "PROC_NULL", "UNDEFINED", "Prequest", "REQUEST_NULL", "Message", "SUM", "PROD",
            "MIN", "MAX", "Op", "R2commError", "R2commArgumentError", "R2commBufferError",
            "R2commClosedError", "R2commTimeout", "R2commNetworkError", "R2commMismatchError",
            "R2commTruncateError", "R2commProtocolError", "R2commBuildError", "R2commPeerError",

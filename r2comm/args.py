@@ -1,9 +1,16 @@
 """Argument markers and checks shared by the host-buffer calls (communicator.py) and the
-device-buffer pipeline (gpu/pipeline.py): IN_PLACE, ANY_TAG, ANY_SOURCE, root/rank checks, a
-(sendbuf, recvbuf) pair, and telling device buffers from host ones."""
+device-buffer pipeline (gpu/pipeline.py): IN_PLACE, ANY_TAG, ANY_SOURCE, PROC_NULL, root/rank
+checks, a (sendbuf, recvbuf) pair, and telling device buffers from host ones.
+
+mpi4py's own markers are accepted wherever r2comm's are (MPI.IN_PLACE, MPI.ANY_SOURCE,
+MPI.PROC_NULL, MPI.ANY_TAG, MPI.BOTTOM; None as a send buffer means IN_PLACE, as in mpi4py).
+r2comm's ANY_SOURCE and PROC_NULL are values of their own, so they never collide with each
+other nor with MPICH's (PROC_NULL -1, ANY_SOURCE -2, ROOT -3) or Open MPI's (ANY_SOURCE -1,
+PROC_NULL -2, ROOT -4)."""
 import numpy as np
 
 from . import buffers
+from .marks import mpi_marks
 from .errors import R2commArgumentError, R2commBufferError
 
 
@@ -13,8 +20,37 @@ class _InPlace:
 
 
 IN_PLACE = _InPlace()
-ANY_TAG = -1
-ANY_SOURCE = -1       # a receive's source: the first matching message from any rank
+ANY_TAG = -1          # a receive's tag: any tag (MPICH's and Open MPI's value too)
+ANY_SOURCE = -21      # a receive's source: the first matching message from any rank
+PROC_NULL = -22       # a peer that is no rank: the call completes at once and moves nothing
+UNDEFINED = -32766    # Waitany/Testany with no active request (MPICH's and Open MPI's value)
+
+def is_in_place(obj):
+    """IN_PLACE, mpi4py's MPI.IN_PLACE or None (mpi4py's reading of a missing send buffer)."""
+    if obj is IN_PLACE or obj is None:
+        return True
+    marks = mpi_marks()
+    return marks is not None and obj is marks[0]
+
+
+def _is_int(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def is_any_source(peer):
+    """r2comm.ANY_SOURCE or mpi4py's MPI.ANY_SOURCE."""
+    if not _is_int(peer):
+        return False
+    marks = mpi_marks()
+    return peer == ANY_SOURCE or (marks is not None and peer == marks[2])
+
+
+def is_proc_null(peer):
+    """r2comm.PROC_NULL or mpi4py's MPI.PROC_NULL."""
+    if not _is_int(peer):
+        return False
+    marks = mpi_marks()
+    return peer == PROC_NULL or (marks is not None and peer == marks[3])
 
 
 def check_root(root, size):
@@ -33,7 +69,7 @@ def pair(sendbuf, recvbuf, what, apart=True):
     """Validate (sendbuf, recvbuf); IN_PLACE means the receive buffer holds the input.
     apart=False leaves the overlap check (check_apart) to the caller."""
     r = buffers.as_array(recvbuf, True, f"{what} recvbuf")
-    if sendbuf is IN_PLACE:
+    if is_in_place(sendbuf):
         return r, r
     s = buffers.as_array(sendbuf, False, f"{what} sendbuf")
     if s.dtype != r.dtype:

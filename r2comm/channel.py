@@ -105,16 +105,18 @@ class Channel:
         if self._engine is None or self._world.closed:
             raise R2commClosedError("communicator has been freed")
 
-    def _schedule(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0, separate=False):
+    def _schedule(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0, separate=False,
+                  layout=None):
         """(compiled Plan, Schedule, element count, descriptor), cached per operation shape; the
         plan's peers are connected when it is compiled.
         The count and descriptor travel in every frame header so that ranks with other
-        arguments are detected (plans.py)."""
-        key = (coll, nbytes, itemsize, root, dtc, redop, separate)
+        arguments are detected (plans.py). layout: a vector collective's (planner/vector.py)."""
+        key = (coll, nbytes, itemsize, root, dtc, redop, separate, layout)
         hit = self._plans.get(key)
         if hit is None:
             *hit, peers = compile_call(_engine().Plan, coll, self.rank, self._members, nbytes, itemsize,
-                               root, dtc, redop, separate, self._cfg, self._state, self._topo)
+                               root, dtc, redop, separate, self._cfg, self._state, self._topo,
+                               layout)
             self._world.links.connect_for(peers)     # connections on first use (links.py)
             if len(self._plans) > 256:
                 self._plans.clear()
@@ -249,8 +251,9 @@ class Channel:
         return self._id
 
     def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
-               result=None, extra_pre=(), blocking=False):
-        """Build/fetch the schedule, do the local pre-copies, post it to the engine."""
+               result=None, extra_pre=(), blocking=False, layout=None):
+        """Build/fetch the schedule, do the local pre-copies, post it to the engine (layout: a
+        vector collective's, planner/vector.py)."""
         self._check()
         if self._pending is not None:
             self._cross()
@@ -258,7 +261,7 @@ class Channel:
             self._maybe_replan()
         separate = send is not None and send is not work
         plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop,
-                                                  separate)
+                                                  separate, layout)
         if sched.fills_work:
             extra_pre = ()      # the schedule reads the input from SEND itself
         scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
@@ -399,6 +402,15 @@ class Channel:
         ring = {self._members[(self.rank + step) % n] for step in (-1, 1)}
         self._world.links.connect_for(sorted(ring - {self._members[self.rank]}))
         self._engine.post_error(self._id, seq, self._members, code, message)
+
+    def plans_for_next_call(self):
+        """Apply a plan switch or epoch check due at the next call (what _start does first), so
+        the caller sees the plan state that call runs under; returns it (vcoll.py)."""
+        if self._pending is not None:
+            self._cross()
+        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
+            self._maybe_replan()
+        return self._state
 
     @property
     def plan_state(self):

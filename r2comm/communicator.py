@@ -8,29 +8,32 @@ import functools
 
 import numpy as np
 
-from . import control, p2p, railview
-from .args import (ANY_SOURCE, ANY_TAG, IN_PLACE, as_array as _as_array, check_root,
-                   block_of as _block_of, check_apart as _check_apart,
+from . import control, railview
+from .args import (ANY_SOURCE, ANY_TAG, IN_PLACE, PROC_NULL, as_array as _as_array, check_root,
+                   block_of as _block_of, check_apart as _check_apart, is_in_place,
                    device_args as _device_args, pair as _pair)
+from .buffers import as_array as _as_blocks
 from .channel import Channel
 from .config import Config
-from .errors import R2commArgumentError, R2commBufferError, R2commResourceError
+from .errors import R2commArgumentError, R2commBufferError, R2commResourceError, unsupported
 
 # errors a call finds on this rank before it posts anything (a bad argument, too few fds for the
 # connections its plan needs): the caller raises them and tells the peers (Channel._tell_peers)
 _TOLD_ERRORS = (R2commArgumentError, R2commResourceError)
 from .faults import MODES as _FAULT_MODES
-from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op
+from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op, reduce_code
 from .plans import NONBLOCKING as _NONBLOCKING, call_name
 from .planner.schedule import WORK, SEND
+from .pt2pt import PointToPoint
 from .request import Request
 from .startup import quiet_barrier
+from .vcoll import VectorCollectives
 from .world import World, bootstrap_consts, agree_max, engine_module as _engine
 
-__all__ = ["Communicator", "IN_PLACE", "ANY_TAG", "ANY_SOURCE"]
+__all__ = ["Communicator", "IN_PLACE", "ANY_TAG", "ANY_SOURCE", "PROC_NULL"]
 
 
-class Communicator(Channel):
+class Communicator(Channel, VectorCollectives, PointToPoint):
     """A group of ranks that run collectives over every rail between each pair.
 
     Communicator(mpi_comm=MPI.COMM_WORLD, *, rails=None, timeout=None, chunk_size=None, ...)
@@ -41,7 +44,8 @@ class Communicator(Channel):
     does not connect by then starts down for that pair (event rail_never_up, comm.rails) and
     is probed for fail-back like a rail that failed later; the first plans route around it.
     Only a control connection that does not come up, or rails that leave the ranks in
-    disconnected groups, raise R2commNetworkError (on every rank)."""
+    disconnected groups, raise R2commNetworkError (on every rank). Point-to-point calls are
+    pt2pt.py's, Gather/Scatter, the vector collectives and the scans vcoll.py's."""
 
     def __init__(self, mpi_comm=None, *, rails=None, timeout=None, chunk_size=None,
                  rail_timeout_ms=None, peer_timeout_ms=None, ctrl_addr=None, on_event=None,
@@ -56,6 +60,9 @@ class Communicator(Channel):
         if mpi_comm is None:
             from mpi4py import MPI
             mpi_comm = MPI.COMM_WORLD
+        if callable(getattr(mpi_comm, "Is_inter", None)) and mpi_comm.Is_inter():
+            raise unsupported("an intercommunicator", "build the Communicator on an "
+                              "intracommunicator (intercomm.Merge() joins both groups)")
         world = World.open(mpi_comm, cfg, rails, on_event)
         self._init(world, mpi_comm, list(range(world.boot.size)), 0, owner=True)
         nbytes = world.probe_size(mpi_comm)    # every rank probes alike (message sizes), or none
@@ -288,8 +295,8 @@ class Communicator(Channel):
         each rank prepares its own."""
         self._check()
         dt = np.dtype(dtype)
-        dtc = dtype_code(dt)
         op = as_op(op)
+        dtc = reduce_code(dt, op)
         if type(nbytes) is not int or nbytes <= 0 or nbytes % dt.itemsize:
             raise R2commArgumentError(f"prepare_allreduce: {nbytes!r} bytes is not a positive "
                                       f"multiple of {dt}'s {dt.itemsize}")
@@ -426,7 +433,7 @@ class Communicator(Channel):
         s, r = _pair(sendbuf, recvbuf, "Allreduce")
         if s.nbytes != r.nbytes:
             raise R2commBufferError(f"Allreduce: sendbuf has {s.nbytes} bytes, recvbuf {r.nbytes}")
-        dtc = dtype_code(r.dtype)
+        dtc = reduce_code(r.dtype, op)
         pre = [] if s is r else [(WORK, 0, SEND, 0, r.nbytes)]
         return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre,
                            blocking=_blocking)
@@ -453,7 +460,7 @@ class Communicator(Channel):
         else:
             s = _as_array(sendbuf, False, "Reduce sendbuf")
             r, pre = None, []
-        return self._start("reduce", s.nbytes, s.itemsize, dtype_code(s.dtype), op.code, r, s,
+        return self._start("reduce", s.nbytes, s.itemsize, reduce_code(s.dtype, op), op.code, r, s,
                            root=root, extra_pre=pre, blocking=_blocking)
 
     def Ibcast(self, buf, root=0, stream=None):
@@ -478,19 +485,19 @@ class Communicator(Channel):
 
     def Allgather(self, sendbuf, recvbuf, stream=None):
         """Gather every rank's `sendbuf` into `recvbuf` on every rank, in rank order:
-        recvbuf holds size x sendbuf. With IN_PLACE, each rank's block is already in its slot of
-        recvbuf."""
+        recvbuf holds size x sendbuf (a count in its specification is one rank's share). With
+        IN_PLACE (or None), each rank's block is already in its slot of recvbuf."""
         self._call("allgather", True, self._iallgather, sendbuf, recvbuf, stream=stream)
 
     def _iallgather(self, sendbuf, recvbuf, _blocking=False):
         self._check()
-        r = _as_array(recvbuf, True, "Allgather recvbuf")
+        r = _as_blocks(recvbuf, True, "Allgather recvbuf", self.size)
         if r.nbytes % self.size:
             raise R2commBufferError(f"Allgather: recvbuf of {r.nbytes} bytes is not {self.size} "
                                     "equal blocks")
         block = r.nbytes // self.size
-        if sendbuf is IN_PLACE:
-            pre = []
+        if is_in_place(sendbuf):
+            sendbuf, pre = IN_PLACE, []
         else:
             s = _as_array(sendbuf, False, "Allgather sendbuf")
             if s.dtype != r.dtype or s.nbytes != block:
@@ -512,15 +519,23 @@ class Communicator(Channel):
                           recvbuf, op, stream=stream)
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
-        """Reduce `sendbuf` (size equal blocks) over all ranks with `op`; rank i receives
-        block i of the result in `recvbuf` (IN_PLACE: in the first block of recvbuf)."""
+        """Reduce `sendbuf` (size equal blocks; a count in its specification is one block's)
+        over all ranks with `op`; rank i receives block i of the result in `recvbuf` (IN_PLACE
+        or None: recvbuf holds the input, the result lands in its first block)."""
         self._call("reduce_scatter_block", True, self._ireduce_scatter_block, sendbuf, recvbuf, op,
                    stream=stream)
 
     def _ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, _blocking=False):
         self._check()
         op = as_op(op)
-        s, r = _pair(sendbuf, recvbuf, "Reduce_scatter_block", apart=False)
+        if is_in_place(sendbuf):            # recvbuf holds every block: a count is one block's
+            s = r = _as_blocks(recvbuf, True, "Reduce_scatter_block recvbuf", self.size)
+        else:
+            s = _as_blocks(sendbuf, False, "Reduce_scatter_block sendbuf", self.size)
+            r = _as_array(recvbuf, True, "Reduce_scatter_block recvbuf")
+            if s.dtype != r.dtype:
+                raise R2commArgumentError(f"Reduce_scatter_block: sendbuf dtype {s.dtype} != "
+                                          f"recvbuf dtype {r.dtype}")
         if s.nbytes % self.size:
             raise R2commBufferError(f"Reduce_scatter_block: sendbuf of {s.nbytes} bytes is not "
                                     f"{self.size} equal blocks")
@@ -538,7 +553,7 @@ class Communicator(Channel):
             post = functools.partial(np.copyto, out, r)
         elif s is not r:
             _check_apart(s, r, "Reduce_scatter_block")
-        return self._start("reduce_scatter_block", block, s.itemsize, dtype_code(s.dtype),
+        return self._start("reduce_scatter_block", block, s.itemsize, reduce_code(s.dtype, op),
                            op.code, r, s, post=post, blocking=_blocking)
 
     def Ialltoall(self, sendbuf, recvbuf, stream=None):
@@ -546,15 +561,22 @@ class Communicator(Channel):
         return self._call("alltoall", False, self._ialltoall, sendbuf, recvbuf, stream=stream)
 
     def Alltoall(self, sendbuf, recvbuf, stream=None):
-        """Block j of `sendbuf` (size equal blocks) goes to rank j, where it lands in block
-        i (the sender's rank) of `recvbuf`. The buffers must not overlap."""
+        """Block j of `sendbuf` (size equal blocks; a count in a specification is one block's)
+        goes to rank j, where it lands in block i (the sender's rank) of `recvbuf`. The buffers
+        must not overlap; IN_PLACE (or None): recvbuf is the input too (sent from a copy)."""
         self._call("alltoall", True, self._ialltoall, sendbuf, recvbuf, stream=stream)
 
     def _ialltoall(self, sendbuf, recvbuf, _blocking=False):
         self._check()
-        if sendbuf is IN_PLACE:
-            raise R2commArgumentError("Alltoall: IN_PLACE is not supported")
-        s, r = _pair(sendbuf, recvbuf, "Alltoall")
+        r = _as_blocks(recvbuf, True, "Alltoall recvbuf", self.size)
+        if is_in_place(sendbuf):
+            s = r.copy()
+        else:
+            s = _as_blocks(sendbuf, False, "Alltoall sendbuf", self.size)
+            if s.dtype != r.dtype:
+                raise R2commArgumentError(f"Alltoall: sendbuf dtype {s.dtype} != recvbuf "
+                                          f"dtype {r.dtype}")
+            _check_apart(s, r, "Alltoall")
         if s.nbytes != r.nbytes or s.nbytes % self.size:
             raise R2commBufferError(f"Alltoall: sendbuf ({s.nbytes} bytes) and recvbuf "
                                     f"({r.nbytes} bytes) must be equal and hold {self.size} blocks")
@@ -570,57 +592,6 @@ class Communicator(Channel):
         """Return once every rank of the communicator has called Barrier."""
         self._check()
         self._start("barrier", 0, 1, U8, 0, None, None, blocking=True).Wait()
-
-    # -- point to point ----------------------------------------------------------------------------
-    def _p2p(self, kind, arr, peer, tag, status=None, rail=None):
-        self._check()
-        any_source = p2p.check(kind, peer, tag, rail, self.rank, self.size,
-                               len(self._world.boot.rail_addrs))
-        eng = _engine()
-        gpeer = -1 if any_source else self._members[peer]
-        if not any_source:                 # on first use (ANY_SOURCE: the sender connects)
-            self._world.links.connect_for((gpeer,))
-        nbytes = arr.nbytes
-        plan, owned = p2p.message_plan(eng.Plan, kind, gpeer, nbytes, self._cfg.eager)
-        b = eng.Buffer(arr, kind == "recv")
-        if kind == "send" and not owned and self._world.regcache is not None:
-            self._world.regcache.note(arr)
-        oid = self._engine.post(plan, b.ptr, 0, 0, dtype_code(arr.dtype), 0, self._id, 0, 0,
-                                self.timeout, [] if any_source else [gpeer], 1, int(tag), nbytes,
-                                -1 if rail is None else int(rail))
-        if status is not None:
-            status.source, status.tag = peer, tag
-        return Request(self, oid, [b], None, None, status)
-
-    def Isend(self, buf, dest, tag=0, rail=None):
-        """rail: pin the message to one rail while it is up (probes, experiments); if that
-        rail fails, its chunks move to the others like any others."""
-        return self._p2p("send", _as_array(buf, False, "Send buf"), dest, tag, rail=rail)
-
-    def Send(self, buf, dest, tag=0, rail=None):
-        """Send `buf` to rank `dest` with `tag` (>= 0); returns once the buffer may be
-        reused. Messages between a pair with the same tag arrive in order. `rail` pins the
-        message to one rail while it is up (see Isend)."""
-        self.Isend(buf, dest, tag, rail).Wait()
-
-    def Irecv(self, buf, source, tag=ANY_TAG, status=None):
-        """Start receiving from rank `source` (ANY_SOURCE: any rank) into `buf` (ANY_TAG
-        matches any tag); returns a Request. A `status` (r2comm.Status) receives the source,
-        tag and byte count of the message matched."""
-        return self._p2p("recv", _as_array(buf, True, "Recv buf"), source, tag, status)
-
-    def Recv(self, buf, source, tag=ANY_TAG, status=None):
-        """Receive a message from rank `source` into `buf`; R2commTruncateError when the
-        message is larger than the buffer."""
-        self.Irecv(buf, source, tag, status).Wait()
-
-    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=None, recvtag=ANY_TAG,
-                 status=None):
-        """Send `sendbuf` to `dest` and receive into `recvbuf` from `source` (default:
-        `dest`) at the same time, without deadlock."""
-        rr = self.Irecv(recvbuf, dest if source is None else source, recvtag, status)
-        sr = self.Isend(sendbuf, dest, sendtag)
-        Request.Waitall([sr, rr])
 
     # -- lowercase (objects) ----------------------------------------------------------------------
     def allreduce(self, x, op=SUM):

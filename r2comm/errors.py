@@ -58,6 +58,15 @@ class R2commBuildError(R2commError, ImportError):
     """The compiled engine (r2comm/_core/engine.pyx) is not built for this Python."""
 
 
+OUT_OF_SCOPE = "outside r2comm's scope"
+
+
+def unsupported(what, instead):
+    """The R2commArgumentError of an MPI feature r2comm leaves out on purpose (derived datatypes,
+    long double, buffered sends, intercommunicators), naming what to use instead."""
+    return R2commArgumentError(f"{what} is {OUT_OF_SCOPE}: {instead}")
+
+
 # engine error codes (r2comm/_core/engine_state.pxi, E_*)
 CODE_CLASSES = {
     1: R2commTimeout,

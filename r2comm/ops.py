@@ -1,7 +1,7 @@
 """Reduction ops and element types (their codes match r2comm/_core/r2_reduce.h)."""
 import numpy as np
 
-from .errors import R2commArgumentError
+from .errors import R2commArgumentError, unsupported
 
 
 class Op:
@@ -21,10 +21,19 @@ class Op:
 SUM, PROD, MIN, MAX = Op("SUM", 0), Op("PROD", 1), Op("MIN", 2), Op("MAX", 3)
 OPS = {o.name: o for o in (SUM, PROD, MIN, MAX)}
 
+# the element types every op reduces (the Allreduce fast path takes these alone)
 DTYPES = {np.dtype(t): i for i, t in enumerate(
     ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
      "float16", "float32", "float64"])}
 U8 = DTYPES[np.dtype("uint8")]
+# every element type r2comm moves: complex numbers reduce with SUM and PROD only, bool with no op
+# (MPI defines no MIN/MAX on complex numbers, and only logical ops on C_BOOL)
+ALL_DTYPES = {**DTYPES, np.dtype("complex64"): 11, np.dtype("complex128"): 12,
+              np.dtype("bool"): 13}
+CODE_DTYPES = {code: dt for dt, code in ALL_DTYPES.items()}
+COMPLEX = (11, 12)
+BOOL = 13
+_WIDE = {"float128": "float64", "complex256": "complex128"}
 
 
 def as_op(op):
@@ -65,9 +74,28 @@ def mpi_op(op):
 
 
 def dtype_code(dt):
-    code = DTYPES.get(np.dtype(dt))
+    """The engine's code of element type `dt` (any r2comm moves); R2commArgumentError else."""
+    dt = np.dtype(dt)
+    code = ALL_DTYPES.get(dt)
     if code is None:
+        if dt.name in _WIDE:
+            raise unsupported(f"{dt.name} (long double)", f"convert to {_WIDE[dt.name]} "
+                              f"(arr.astype(np.{_WIDE[dt.name]}))")
         raise R2commArgumentError(
-            f"unsupported dtype {np.dtype(dt)}; r2comm reduces int8..int64, uint8..uint64, "
-            "float16, float32 and float64")
+            f"unsupported dtype {dt}; r2comm moves int8..int64, uint8..uint64, float16, "
+            "float32, float64, complex64, complex128 and bool")
+    return code
+
+
+def reduce_code(dt, op):
+    """dtype_code(dt) where MPI defines `op` (an Op) on it: every op on integers and reals,
+    SUM and PROD on complex numbers, none on bool; R2commArgumentError otherwise."""
+    code = dtype_code(dt)
+    if code == BOOL:
+        raise R2commArgumentError(
+            f"{op.name} of bool: MPI defines only logical ops on booleans; reduce them as "
+            "uint8 (MAX: logical or, MIN: logical and)")
+    if code in COMPLEX and op.code > PROD.code:
+        raise R2commArgumentError(f"{op.name} of {np.dtype(dt)}: MPI defines MIN and MAX for "
+                                  "real numbers only (SUM and PROD for complex ones)")
     return code

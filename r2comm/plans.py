@@ -3,8 +3,9 @@
 Every DATA frame of a collective carries, besides the comm id and the sequence number, what its
 sender called, so that the first frame that disagrees is caught by an integer compare in the
 engine (check_match) and both sides can be named in the error:
-  header.aux = kind (bits 0-2) | non-blocking (bit 3) | root (bits 4-19, 0xFFFF: >= 65535)
-               | 12-bit hash of the rest of the plan (bits 20-31: algorithm, size, sizes)
+  header.aux = kind & 7 (bits 0-2) | non-blocking (bit 3) | root (bits 4-19, 0xFFFF: >= 65535)
+               | kind >> 3 (bits 20-21) | 10-bit hash of the rest of the plan (bits 22-31:
+               algorithm, size, sizes; a vector collective's counts where every rank knows them)
   header.count = element count (low 32 bits)     header.dtype, header.redop as before
 
 Rooted collectives (Bcast, Reduce) leave ranks that hear from nobody (a Bcast root, a Reduce
@@ -21,12 +22,16 @@ a frame from every rank."""
 import zlib
 
 from . import planner
+from .planner import vector
 from .planner.schedule import WORK, COPY
 
 KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "reduce_scatter_block": 5,
-         "alltoall": 6, "barrier": 7}
+         "alltoall": 6, "barrier": 7, "gather": 8, "scatter": 9, "gatherv": 10, "scatterv": 11,
+         "allgatherv": 12, "alltoallv": 13, "reduce_scatter": 14, "scan": 15, "exscan": 16}
 KIND_NAMES = {1: "Allreduce", 2: "Reduce", 3: "Bcast", 4: "Allgather",
-              5: "Reduce_scatter_block", 6: "Alltoall", 7: "Barrier"}
+              5: "Reduce_scatter_block", 6: "Alltoall", 7: "Barrier", 8: "Gather", 9: "Scatter",
+              10: "Gatherv", 11: "Scatterv", 12: "Allgatherv", 13: "Alltoallv",
+              14: "Reduce_scatter", 15: "Scan", 16: "Exscan"}
 NONBLOCKING = 8
 # A communicator's sequence numbers are uint32 on the wire and wrap: the engine compares them
 # modulo 2**32 (engine_state.pxi: seq_before), so call 2**32 follows call 2**32 - 1 as any other.
@@ -75,26 +80,36 @@ def _agreement_reachable(state, size):
         all(state.working(r, (r - 1) // 2) for r in range(1, size))
 
 
-def descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size):
-    """(element count for header.count, header.aux without the non-blocking bit)."""
+def descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size, layout=None):
+    """(element count for header.count, header.aux without the non-blocking bit). A vector
+    collective's `layout` (planner/vector.py) gives the count and the part every rank shares."""
+    if layout is not None:
+        nbytes, shared = vector.shared_shape(coll, layout)
+        h = zlib.crc32(f"{coll}|{itemsize}|{dtc}|{redop}|{root}|{algo}|{size}|{shared}".encode())
     count = nbytes // itemsize if itemsize else nbytes
-    h = zlib.crc32(f"{coll}|{nbytes}|{itemsize}|{dtc}|{redop}|{root}|{algo}|{size}|"
-                   f"{count >> 32}".encode())
-    desc = (KINDS[coll] | (min(root, 0xFFFF) << 4) | ((h & 0xFFF) << 20)) if coll in KINDS else 0
+    if layout is None:
+        h = zlib.crc32(f"{coll}|{nbytes}|{itemsize}|{dtc}|{redop}|{root}|{algo}|{size}|"
+                       f"{count >> 32}".encode())
+    kind = KINDS.get(coll, 0)
+    desc = ((kind & 7) | (min(root, 0xFFFF) << 4) | ((kind >> 3) << 20) |
+            ((h & 0x3FF) << 22)) if kind else 0
     return count & 0xFFFFFFFF, desc
 
 
 def compile_call(Plan, coll, rank, members, nbytes, itemsize, root, dtc, redop, separate, cfg,
-                 state, topo):
+                 state, topo, layout=None):
     """(compiled Plan, Schedule, element count, descriptor, the global ranks it exchanges with)
     of one call shape on this rank (members: the communicator's global ranks; Plan: the
-    engine's plan class)."""
+    engine's plan class; layout: a vector collective's, planner/vector.py)."""
     size = len(members)
     algo = cfg.algo
     if coll != "allreduce" and algo not in planner.GENERIC_ALGOS:
         algo = ""
-    sched = planner.build(coll, rank, size, nbytes, itemsize, root, cfg.eager, algo,
-                          state=state, separate_send=separate, topo=topo)
+    if coll in vector.KINDS:
+        sched = vector.build(coll, rank, size, layout, root, cfg.eager, separate, state, topo)
+    else:
+        sched = planner.build(coll, rank, size, nbytes, itemsize, root, cfg.eager, algo,
+                              state=state, separate_send=separate, topo=topo)
     sched.validate()
     msgs, deps, algo = list(sched.msgs), list(sched.deps), sched.algo
     if coll in AGREED and cfg.agree and size > 1 and _agreement_reachable(state, size):
@@ -106,7 +121,7 @@ def compile_call(Plan, coll, rank, members, nbytes, itemsize, root, dtc, redop, 
     if members[0] != 0 or members[-1] != size - 1 or members != list(range(size)):
         msgs = [(k, members[p], st, b, off, n, mode, own)      # (the world's ranks are its own)
                 for (k, p, st, b, off, n, mode, own) in msgs]
-    count, desc = descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size)
+    count, desc = descriptor(coll, nbytes, itemsize, dtc, redop, root, algo, size, layout)
     return Plan(msgs, deps, algo, None, weights), sched, count, desc, {m[1] for m in msgs}
 
 

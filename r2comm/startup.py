@@ -148,7 +148,8 @@ class StartOutcome:
         self.failed = failed
         self.kernel_down = kernel_down or {}  # rank -> its rails whose NIC the kernel said down
         self.endpoints = endpoints
-        self.rail_addrs = rail_addrs          # per rank: its local rail addresses
+        self.rail_addrs = rail_addrs          # per rank: its local rail addresses (None: the
+                                              # endpoints' own, read where a message names one)
 
     def rail_up(self, a, b, k):
         lo, hi = min(a, b), max(a, b)
@@ -170,7 +171,9 @@ class StartOutcome:
             addr, port = self.endpoints[b]["ctrl"]
             return f"shared-memory link (set up through {addr}:{port})"
         addr, port = self.endpoints[b]["rails"][k]
-        return f"rail {k} ({self.rail_addrs[a][k]} -> {addr}:{port})"
+        mine = self.rail_addrs[a][k] if self.rail_addrs is not None else \
+            self.endpoints[a]["rails"][k][0]
+        return f"rail {k} ({mine} -> {addr}:{port})"
 
     def _lines(self, keys):
         return "; ".join(f"rank {a} - rank {b}: {self.describe(a, b, k)}: {self.failed[(a, b, k)]}"
@@ -264,13 +267,14 @@ def agree(mpi_comm, boot, outcome, timeout, probe_bytes=0, nic_down=()):
     eps = boot.endpoints
     if most is None or most[0] != 0:
         for a, rep in enumerate(mpi_comm.allgather(mine)):
+            if type(rep) is dict and not rep:
+                continue                          # (most ranks: nothing failed)
             for (b, k), why in _checked_report(a, rep, eps):
                 if b == KERNEL:
                     kernel.setdefault(a, []).append(k)
                 else:
                     failed[(a, b, k)] = why
-    start = StartOutcome(len(eps), None, failed, eps, [[a for a, _ in ep["rails"]] for ep in eps],
-                         kernel)
+    start = StartOutcome(len(eps), None, failed, eps, None, kernel)
     start.probe_bytes = None if most is None else most[1]
     return start
 

@@ -163,9 +163,9 @@ class World:
                 reconnect=links.reconnect_idle,
                 measure_rates=not loopback_only(boot.endpoints))
             world.nicwatch.start()
-            if cfg.replan_auto and boot.size > 1:
-                world.replans = Replans(world)
-                world.replans.start()
+            if cfg.replan_auto and boot.size > 1 and world.liveness is not None:
+                world.replans = Replans(world)       # (the facts spread with the detector:
+                world.replans.start()                # without it no other rank would join)
         except BaseException:
             world.close()
             raise

@@ -49,6 +49,7 @@ if [ $# -eq 0 ]; then
     set -- -m "not netns" tests/test_memsafe.py tests/test_fuzz.py tests/test_integrity.py tests/test_shm.py \
         tests/test_units.py tests/test_failover.py tests/test_engine_limits.py tests/test_seq_wrap.py \
         tests/test_any_source.py tests/test_self_pause.py tests/test_test_hooks.py \
+        tests/test_mismatch_verdict.py tests/test_links_auth.py tests/test_mpi_conformance.py \
         tests/test_torch_backend.py::test_small_all_reduce_on_changing_memory \
         tests/test_torch_backend.py::test_dropped_async_works \
         -k "not test_random_faults_many_seeds and not atheris"

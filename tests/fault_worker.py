@@ -24,13 +24,86 @@ from r2comm._core import testing
 from mpi_worker import WORLD, wait_rails_up, data, reduce_ref, check, expect, same_everywhere
 
 COLLS = ["allreduce", "allreduce", "bcast", "allgather", "reduce_scatter", "alltoall",
-         "sendrecv", "nonblocking", "reduce"]
+         "sendrecv", "nonblocking", "reduce", "gather", "gatherv", "scatterv", "allgatherv",
+         "alltoallv", "reduce_scatter_v", "scan", "exscan"]
+
+
+def _uneven(cnt, n):
+    """Counts of their own per rank and displacements in reverse rank order (issue 41)."""
+    counts = [max(cnt // n, 1) + 3 * k for k in range(n)]
+    displs, at = [0] * n, 0
+    for k in reversed(range(n)):
+        displs[k] = at
+        at += counts[k]
+    return counts, displs, at
+
+
+def run_vector(comm, coll, cnt, case, rng):
+    """One vector or prefix collective (issue 41) on inputs seeded by `case`, checked."""
+    n, r = comm.size, comm.rank
+    counts, displs, total = _uneven(cnt, n)
+    root = int(rng.integers(n))
+    if coll == "gather":
+        out = np.empty(counts[0] * n, "int32") if r == root else None
+        comm.Gather(data(case, r, counts[0], "int32", SUM), out, root)
+        if r == root:
+            check(np.array_equal(out, np.concatenate([data(case, k, counts[0], "int32", SUM)
+                                                      for k in range(n)])), case)
+    elif coll == "gatherv":
+        out = np.full(total, -1, "int32")
+        comm.Gatherv(data(case, r, counts[r], "int32", SUM),
+                     [out, counts, displs, None] if r == root else None, root)
+        if r == root:
+            for k in range(n):
+                check(np.array_equal(out[displs[k]:displs[k] + counts[k]],
+                                     data(case, k, counts[k], "int32", SUM)), case)
+    elif coll == "scatterv":
+        src = np.concatenate([data(case, k, counts[k], "float64", SUM) for k in range(n)])
+        sd = [sum(counts[:k]) for k in range(n)]
+        out = np.empty(counts[r], "float64")
+        comm.Scatterv([src, counts, sd, None] if r == root else None, out, root)
+        check(np.array_equal(out, data(case, r, counts[r], "float64", SUM)), case)
+    elif coll == "allgatherv":
+        out = np.full(total, -1, "int32")
+        comm.Allgatherv(data(case, r, counts[r], "int32", SUM), [out, counts, displs, None])
+        for k in range(n):
+            check(np.array_equal(out[displs[k]:displs[k] + counts[k]],
+                                 data(case, k, counts[k], "int32", SUM)), case)
+    elif coll == "alltoallv":
+        sc = [counts[(r + j) % n] for j in range(n)]            # r sends counts[r+j] to j
+        rc = [counts[(j + r) % n] for j in range(n)]
+        x = data(case, r, sum(sc), "int32", SUM)
+        out = np.empty(sum(rc), "int32")
+        comm.Alltoallv([x, sc, None, None], [out, rc, None, None])
+        for j in range(n):
+            theirs = data(case, j, sum(counts[(j + k) % n] for k in range(n)), "int32", SUM)
+            lo = sum(counts[(j + k) % n] for k in range(r))
+            got = out[sum(rc[:j]):sum(rc[:j]) + rc[j]]
+            check(np.array_equal(got, theirs[lo:lo + rc[j]]), case)
+    elif coll == "reduce_scatter_v":
+        out = np.empty(counts[r], "float64")
+        comm.Reduce_scatter(data(case, r, total, "float64", SUM), out, counts, SUM)
+        lo = sum(counts[:r])
+        check(np.array_equal(out, reduce_ref(case, n, total, "float64", SUM)[lo:lo + counts[r]]),
+              case)
+    else:                                                  # scan, exscan
+        x = data(case, r, cnt, "int64", SUM)
+        out = np.full(cnt, 7, "int64")
+        (comm.Scan if coll == "scan" else comm.Exscan)(x, out, SUM)
+        upto = r + 1 if coll == "scan" else r
+        if upto:
+            check(np.array_equal(out, sum(data(case, k, cnt, "int64", SUM)
+                                          for k in range(upto))), case)
+    return 1
 
 
 def run_collective(comm, coll, nbytes, case, rng):
     """Run one collective on inputs seeded by `case`, check it, return checks done."""
     n, r = comm.size, comm.rank
     cnt = max(nbytes // 4, 1)
+    if coll in ("gather", "gatherv", "scatterv", "allgatherv", "alltoallv", "reduce_scatter_v",
+                "scan", "exscan"):
+        return run_vector(comm, coll, cnt, case, rng)
     if coll == "allreduce":
         x = data(case, r, cnt, "float32", SUM)
         y = np.empty_like(x)

@@ -103,7 +103,8 @@ def sc_pause(comm, args):
 
 
 def sc_selfpause(comm, args):
-    """Loopback, 2 ranks, a short operation timeout (`timeout`, 2 s): rank 0 waits in an
+    """Loopback, 2 ranks, a short operation timeout (`op_timeout`, 2 s, set after start-up so
+    that a slow start, as under a sanitizer, is not judged by it): rank 0 waits in an
     allreduce that rank 1 joins late; meanwhile rank 0 is stopped for `stop` s (longer than the
     timeout) and continued, by rank 1 (`who`=peer) or, with every rank stopped at once, by a
     helper process (`who`=both). Rank 0 ran for well under the timeout before rank 1 joined, so
@@ -116,6 +117,7 @@ def sc_selfpause(comm, args):
     ref = reduce_ref(f"self-{who}", n, 1 << 16, "float32", SUM)
     y = np.empty_like(x)
     comm.Allreduce(x, y)                            # warm-up
+    comm.timeout = float(args.get("op_timeout", comm.timeout))
     pids = WORLD.allgather(os.getpid())
     WORLD.Barrier()
     t0 = time.time()

@@ -114,9 +114,12 @@ def test_every_public_method_has_a_docstring():
     """help() shows a description for every public name users call (not a source comment)."""
     import inspect
     from r2comm.communicator import Communicator
-    from r2comm.request import Request, Status
+    from r2comm.pt2pt import Message, PointToPoint
+    from r2comm.request import BaseRequest, GroupRequest, LocalRequest, Prequest, Request, Status
+    from r2comm.vcoll import VectorCollectives
     missing = []
-    for cls in (Communicator, Request, Status):
+    for cls in (Communicator, VectorCollectives, PointToPoint, Message, BaseRequest, Request,
+                Prequest, LocalRequest, GroupRequest, Status):
         for name, obj in vars(cls).items():
             if name.startswith("_"):
                 continue

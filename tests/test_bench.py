@@ -121,8 +121,20 @@ def _simulate(kind, cases, op):
         for s in sends[1:]:
             total = ufunc(total, s)
         return [total] * n
-    if kind == "allgather":
+    if kind in ("allgather", "allgatherv"):
         return [np.concatenate(sends)] * n
+    if kind == "gather":
+        root = cases[0].root
+        return [np.concatenate(sends) if r == root else sends[r][:0] for r in range(n)]
+    if kind == "scatter":
+        c, root = cases[0].count, cases[0].root
+        return [sends[root][r * c:(r + 1) * c] for r in range(n)]
+    if kind == "scan":
+        out, acc = [], None
+        for s in sends:
+            acc = s if acc is None else ufunc(acc, s)
+            out.append(acc)
+        return out
     if kind == "reduce_scatter":
         c = cases[0].count
         full = sends[0]
@@ -131,7 +143,7 @@ def _simulate(kind, cases, op):
         return [full[r * c:(r + 1) * c] for r in range(n)]
     if kind == "bcast":
         return [sends[cases[0].root]] * n
-    if kind == "alltoall":
+    if kind in ("alltoall", "alltoallv"):
         c = cases[0].count
         return [np.concatenate([sends[j][r * c:(r + 1) * c] for j in range(n)]) for r in range(n)]
     raise AssertionError(kind)
@@ -144,9 +156,12 @@ def test_references_match_a_simulated_collective(kind, op):
     cases = [data.make_case(kind, nbytes, r, n, "float32", op, root=1) for r in range(n)]
     for case, want in zip(cases, _simulate(kind, cases, op)):
         np.testing.assert_array_equal(case.expected, want)
-        assert case.nbytes == max(case.send.nbytes, case.recv.nbytes)
+        if kind in ("gather", "scatter"):       # n blocks at the root, one elsewhere
+            assert case.nbytes == case.count * n * 4
+        else:
+            assert case.nbytes == max(case.send.nbytes, case.recv.nbytes)
         case.reset()
-        assert not case.check() or (kind == "bcast" and case.is_root)
+        assert not case.check() or (kind == "bcast" and case.is_root) or not case.expected.size
         case.recv[...] = case.expected
         assert case.check()
 
@@ -158,7 +173,8 @@ def test_small_sizes_round_up_to_one_element_per_rank():
 
 def test_busbw_factors_are_nccl_tests():
     f = {k: osu.BUSBW_FACTOR[k](4) for k in osu.BUSBW_FACTOR}
-    assert f == {"allreduce": 1.5, "allgather": 0.75, "reduce_scatter": 0.75, "bcast": 1.0, "alltoall": 0.75}
+    assert f == {"allreduce": 1.5, "allgather": 0.75, "reduce_scatter": 0.75, "bcast": 1.0, "alltoall": 0.75,
+                 "gather": 0.75, "scatter": 0.75, "allgatherv": 0.75, "alltoallv": 0.75, "scan": 1.0}
 
 
 def test_settings_plan_respects_budget_and_bounds():
@@ -1032,3 +1048,32 @@ def test_results_torchdist_section_from_fake_json(tmp_path):
     text = results.render(str(tmp_path))
     assert ("| torch backend vs Gloo | Not run (no `torch_small_call.json` in the results "
             "folder); no target evaluated | – not evaluated |") in text
+
+
+def test_results_failure_section_from_fake_json(tmp_path):
+    """Issue 39's targets rendered from failure_scale.json: met, not met, an error row."""
+    from r2comm.bench.results_failure import failure_section
+    from r2comm.bench.results_format import Results
+
+    def row(n, case, total, heap, rss):
+        return {"ranks": n, "case": case, "learn_ms": 0.1, "agree_ms": 1.0, "state_ms": 1.0,
+                "plans_ms": total - 2.1, "total_ms": total, "heap_peak_mib": heap,
+                "rss_added_mib": rss, "algos": {"allreduce": "hierarchical_tree"}}
+    doc = {"rows": [row(1024, "nic_down", 27.0, 1.4, 2.8), row(1024, "nic_half", 16.0, 1.4, 2.9),
+                    row(8192, "nic_down", 98.0, 10.9, 10.5), row(512, "start_rail", 15.0, 2, 3),
+                    {"ranks": 4096, "case": "nic_down", "error": "boom"}],
+           "command": "python bench/failure_scale.py --json x"}
+    (tmp_path / "failure_scale.json").write_text(json.dumps(doc))
+    lines, targets = failure_section(Results(str(tmp_path)))
+    text = "\n".join(lines)
+    assert "| 4096 | nic_down | error |" in text and "python bench/failure_scale.py" in text
+    assert [ok for _, ok in targets] == [True, True, True], targets
+    assert "(27 ms, 2.9 MiB)" in targets[0][0]
+    doc["rows"][2]["total_ms"] = 250.0                    # over 200 ms at 8,192
+    doc["rows"][0]["rss_added_mib"] = 25.0                # over 20 MB at 1,024
+    (tmp_path / "failure_scale.json").write_text(json.dumps(doc))
+    _, targets = failure_section(Results(str(tmp_path)))
+    assert [ok for _, ok in targets] == [False, False, True], targets
+    os.remove(tmp_path / "failure_scale.json")
+    lines, targets = failure_section(Results(str(tmp_path)))
+    assert not targets and "not run" in "\n".join(lines).lower()

@@ -20,7 +20,7 @@ WORKER = str(__import__("pathlib").Path(__file__).parent / "pause_worker.py")
 
 @pytest.mark.parametrize("who", ["peer", "both"])
 def test_own_pause_does_not_time_out_the_operation(who):
-    _, out = run_mpi(2, [WORKER, "selfpause", f"who={who}", "stop=3", "timeout=2",
+    _, out = run_mpi(2, [WORKER, "selfpause", f"who={who}", "stop=3", "op_timeout=2",
                          "rails=127.0.0.1,127.0.0.2"], timeout=60)
     rows = re.findall(r"SELFPAUSE who=\w+ rank=(\d) took=([\d.]+)", out)
     assert sorted(r for r, _ in rows) == ["0", "1"], out[-3000:]

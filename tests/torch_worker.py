@@ -792,7 +792,7 @@ def _past_storage(rank, size, ck):
 
 
 class _Sub(torch.Tensor):
-    """A tensor subclass (not the plain class the lean helper takes)."""
+    """A tensor subclass (not a plain tensor class)."""
 
 
 def _lean_ops_and_paths(rank, size, ck):

@@ -1131,6 +1131,32 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
         return peer, tag
 
+    def p2p_probe(self, uint32_t comm, int peer, int64_t tag):
+        """(peer, tag, bytes, dtype code) of the message that a receive from global rank `peer`
+        (-1: any) with `tag` (-1: any) on communicator `comm` would match now, among those
+        here and not matched yet (MPI's probe); None if there is none. Nothing is taken."""
+        cdef State* e = self._live()
+        cdef Unexp* u
+        cdef int fpeer = -1, dt = 0
+        cdef int64_t ftag = -1
+        cdef uint64_t total = 0
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            it = e.any_unexp.lower_bound(CA(comm, 0))
+            while it != e.any_unexp.end() and deref(it).first.first == comm:
+                u = deref(it).second
+                if (peer < 0 or u.peer == peer) and (tag < 0 or <int64_t>u.aux == tag):
+                    fpeer = u.peer
+                    ftag = <int64_t>u.aux
+                    total = u.total
+                    dt = u.dtype
+                    break
+                inc(it)
+            pthread_mutex_unlock(&e.mu)
+        if fpeer < 0:
+            return None
+        return fpeer, ftag, total, dt
+
     def cancel(self, uint64_t oid, int code, str message):
         """Fail a still-running operation (used when a wait gives up)."""
         cdef State* e = self._live()

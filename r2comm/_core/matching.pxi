@@ -4,7 +4,8 @@
 # wants yet wait as unexpected and are bound when one is posted.
 
 # -- naming a collective call from its descriptor (the header's count, aux, dtype, redop; the
-# encoding is communicator.py's: aux = kind | non-blocking << 3 | root << 4 | plan hash << 20,
+# encoding is plans.py's: aux = kind & 7 | non-blocking << 3 | root << 4 | (kind >> 3) << 20
+# | plan hash << 22,
 # count = element count) -------------------------------------------------------------------------
 cdef extern from "<string.h>" nogil:
     int strcmp(const char*, const char*)
@@ -25,6 +26,9 @@ cdef const char* dtype_name(uint8_t d) noexcept nogil:
     if d == 8: return "float16"
     if d == 9: return "float32"
     if d == 10: return "float64"
+    if d == 11: return "complex64"
+    if d == 12: return "complex128"
+    if d == 13: return "bool"
     return "unknown dtype"
 
 cdef const char* op_name(uint8_t o) noexcept nogil:
@@ -42,12 +46,22 @@ cdef const char* kind_name(uint32_t k, uint32_t nb) noexcept nogil:
     if k == 5: return "Ireduce_scatter_block" if nb else "Reduce_scatter_block"
     if k == 6: return "Ialltoall" if nb else "Alltoall"
     if k == 7: return "Ibarrier" if nb else "Barrier"
+    if k == 8: return "Igather" if nb else "Gather"
+    if k == 9: return "Iscatter" if nb else "Scatter"
+    if k == 10: return "Igatherv" if nb else "Gatherv"
+    if k == 11: return "Iscatterv" if nb else "Scatterv"
+    if k == 12: return "Iallgatherv" if nb else "Allgatherv"
+    if k == 13: return "Ialltoallv" if nb else "Alltoallv"
+    if k == 14: return "Ireduce_scatter" if nb else "Reduce_scatter"
+    if k == 15: return "Iscan" if nb else "Scan"
+    if k == 16: return "Iexscan" if nb else "Exscan"
     return "a collective"
 
 cdef void describe_call(char* out, size_t n, uint32_t desc, uint32_t count, uint8_t dtype,
                         uint8_t redop) noexcept nogil:
     """e.g. "Allreduce(float32 x 2, SUM)", "Ibcast(int32 x 100, root=1)"."""
-    cdef uint32_t k = desc & 7, nb = (desc >> 3) & 1, root = (desc >> 4) & 0xFFFF
+    cdef uint32_t k = (desc & 7) | (((desc >> 20) & 3) << 3), nb = (desc >> 3) & 1
+    cdef uint32_t root = (desc >> 4) & 0xFFFF
     cdef char rs[24]
     if root == 0xFFFF:
         snprintf(rs, 24, ">=65535")
@@ -68,6 +82,16 @@ cdef void describe_call(char* out, size_t n, uint32_t desc, uint32_t count, uint
                  op_name(redop))
     elif k == 4 or k == 6:
         snprintf(out, n, "%s(%s x %u per rank)", kind_name(k, nb), dtype_name(dtype), count)
+    elif k == 8 or k == 9:
+        snprintf(out, n, "%s(%s x %u per rank, root=%s)", kind_name(k, nb), dtype_name(dtype),
+                 count, rs)
+    elif k == 10 or k == 11:
+        snprintf(out, n, "%s(%s, root=%s)", kind_name(k, nb), dtype_name(dtype), rs)
+    elif k == 12 or k == 13:
+        snprintf(out, n, "%s(%s)", kind_name(k, nb), dtype_name(dtype))
+    elif k >= 14 and k <= 16:
+        snprintf(out, n, "%s(%s x %u, %s)", kind_name(k, nb), dtype_name(dtype), count,
+                 op_name(redop))
     else:
         snprintf(out, n, "a collective (%s, signature %08x/%08x)", dtype_name(dtype), desc, count)
 

@@ -1,6 +1,8 @@
 // Reduction kernels for r2comm's engine: dst[i] = a[i] op b[i] (dst may be a or b).
 // Plain loops over typed pointers so the compiler vectorises them at -O3; called without the GIL.
 // float16 is computed in float32 and rounded back (to nearest even), as numpy does.
+// complex64/complex128 reduce with SUM and PROD only, bool with none (MPI defines no MIN/MAX for
+// complex numbers, nor SUM/PROD/MIN/MAX for C_BOOL): those only move data; ops.py refuses the rest.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -8,7 +10,7 @@
 
 namespace r2 {
 
-enum Dtype { I8 = 0, I16, I32, I64, U8, U16, U32, U64, F16, F32, F64, NDTYPES };
+enum Dtype { I8 = 0, I16, I32, I64, U8, U16, U32, U64, F16, F32, F64, C64, C128, BOOL, NDTYPES };
 enum Redop { SUM = 0, PROD, MIN, MAX, NOPS };
 
 static inline float half_to_float(uint16_t h) {
@@ -96,8 +98,25 @@ template <typename T> static void dispatch_flt(int op, void* d, const void* a, c
     }
 }
 
+// complex: (re, im) pairs of T; SUM adds them, PROD multiplies as complex numbers
+template <typename T> static int dispatch_cplx(int op, void* d, const void* a, const void* b, size_t n) {
+    T* x = (T*)d; const T* p = (const T*)a; const T* q = (const T*)b;
+    if (op == SUM) {
+        for (size_t i = 0; i < 2 * n; i++) x[i] = p[i] + q[i];
+    } else if (op == PROD) {
+        for (size_t i = 0; i < n; i++) {
+            T re = p[2 * i] * q[2 * i] - p[2 * i + 1] * q[2 * i + 1];
+            T im = p[2 * i] * q[2 * i + 1] + p[2 * i + 1] * q[2 * i];
+            x[2 * i] = re; x[2 * i + 1] = im;
+        }
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
 static inline int itemsize(int dt) {
-    static const int sz[NDTYPES] = {1, 2, 4, 8, 1, 2, 4, 8, 2, 4, 8};
+    static const int sz[NDTYPES] = {1, 2, 4, 8, 1, 2, 4, 8, 2, 4, 8, 8, 16, 1};
     return (dt >= 0 && dt < NDTYPES) ? sz[dt] : 0;
 }
 
@@ -128,6 +147,8 @@ static inline int reduce3(void* d, const void* a, const void* b, size_t nbytes, 
             break;
         case F32: dispatch_flt<float>(op, d, a, b, n); break;
         case F64: dispatch_flt<double>(op, d, a, b, n); break;
+        case C64: return dispatch_cplx<float>(op, d, a, b, n);
+        case C128: return dispatch_cplx<double>(op, d, a, b, n);
         default: return -1;
     }
     return 0;

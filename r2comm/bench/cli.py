@@ -23,6 +23,11 @@ HELP = {
     "reduce_scatter": "Reduce_scatter_block latency / algbw / busbw",
     "bcast": "Bcast latency / algbw / busbw",
     "alltoall": "Alltoall latency / algbw / busbw",
+    "gather": "Gather latency / algbw / busbw",
+    "scatter": "Scatter latency / algbw / busbw",
+    "allgatherv": "Allgatherv (equal counts) latency / algbw / busbw",
+    "alltoallv": "Alltoallv (equal counts) latency / algbw / busbw",
+    "scan": "Scan latency / algbw",
     "latency": "ping-pong latency between ranks 0 and 1 (Send/Recv)",
     "bw": "streaming bandwidth from rank 0 to rank 1 (window of messages)",
 }
@@ -60,9 +65,9 @@ def build_parser():
     for kind in COLLECTIVES + ("latency", "bw"):
         p = sub.add_parser(kind, help=HELP[kind])
         _common(p, kind)
-        if kind in ("allreduce", "reduce_scatter"):
+        if kind in ("allreduce", "reduce_scatter", "scan"):
             p.add_argument("--op", choices=sorted(OPS), default="sum")
-        if kind == "bcast":
+        if kind in ("bcast", "gather", "scatter"):
             p.add_argument("--root", type=int, default=0)
         if kind == "bw":
             p.add_argument("--window", type=int, default=64, help="messages in flight (default 64)")

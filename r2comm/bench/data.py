@@ -10,8 +10,11 @@ from functools import reduce
 
 import numpy as np
 
-COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "bcast", "alltoall")
-REDUCING = ("allreduce", "reduce_scatter")
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "bcast", "alltoall", "gather",
+               "scatter", "allgatherv", "alltoallv", "scan")
+REDUCING = ("allreduce", "reduce_scatter", "scan")
+BLOCKED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter", "allgatherv",
+           "alltoallv")                 # nbytes is n blocks of the per-rank count
 OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 DTYPES = ("float32", "float64", "int32", "int64")  # collectives
 P2P_DTYPES = DTYPES + ("uint8",)  # uint8 only for Send/Recv: sums of it would wrap
@@ -46,6 +49,8 @@ class Case:
     expected: np.ndarray
     root: int = 0
     is_root: bool = False
+    counts: list = None   # the vector collectives' counts and displacements (elements)
+    displs: list = None
 
     def __post_init__(self):
         # One more than the largest expected value: an element the call failed
@@ -70,7 +75,7 @@ class Case:
 
 def block_count(kind, nbytes, nranks, itemsize):
     """Per-rank element count for a requested nccl-tests size (at least 1)."""
-    per = nranks if kind in ("allgather", "reduce_scatter", "alltoall") else 1
+    per = nranks if kind in BLOCKED else 1
     return max(1, nbytes // (itemsize * per))
 
 
@@ -83,6 +88,11 @@ def make_case(kind, nbytes, rank, nranks, dtype="float32", op="sum", root=0):
       reduce_scatter  send n*c, recv c      nbytes = n*c
       bcast           buf c (send is recv)  nbytes = c
       alltoall        send n*c, recv n*c    nbytes = n*c
+      gather          send c,   recv n*c (root; others none)          nbytes = n*c
+      scatter         send n*c (root; others none), recv c          nbytes = n*c
+      allgatherv      allgather through counts [c]*n, displs i*c
+      alltoallv       alltoall through counts [c]*n, displs i*c
+      scan            send c,   recv c      nbytes = c
     """
     dtype = np.dtype(dtype)
     c = block_count(kind, nbytes, nranks, dtype.itemsize)
@@ -109,9 +119,34 @@ def make_case(kind, nbytes, rank, nranks, dtype="float32", op="sum", root=0):
         mine = np.arange(rank * c, (rank + 1) * c)
         expected = np.concatenate([pattern(r, mine, dtype, op) for r in everyone])
         recv, total = np.empty_like(send), nranks * c
+    elif kind in ("gather", "allgatherv"):
+        idx = np.arange(c)
+        send = pattern(rank, idx, dtype, op)
+        if kind == "gather" and rank != root:
+            expected = np.empty(0, dtype)
+        else:
+            expected = np.concatenate([pattern(r, idx, dtype, op) for r in everyone])
+        recv, total = np.empty_like(expected), nranks * c
+    elif kind == "scatter":
+        send = pattern(rank, np.arange(nranks * c), dtype, op) if rank == root else \
+            np.empty(0, dtype)
+        expected = pattern(root, np.arange(rank * c, (rank + 1) * c), dtype, op)
+        recv, total = np.empty_like(expected), nranks * c
+    elif kind == "alltoallv":
+        send = pattern(rank, np.arange(nranks * c), dtype, op)
+        mine = np.arange(rank * c, (rank + 1) * c)
+        expected = np.concatenate([pattern(r, mine, dtype, op) for r in everyone])
+        recv, total = np.empty_like(send), nranks * c
+    elif kind == "scan":
+        idx = np.arange(c)
+        send, expected = pattern(rank, idx, dtype, op), reference(range(rank + 1), idx, dtype, op)
+        recv, total = np.empty_like(send), c
     else:
         raise ValueError(f"unknown collective {kind!r}")
-    return Case(kind, total * dtype.itemsize, c, send, recv, expected, root, rank == root)
+    counts = [c] * nranks if kind in ("allgatherv", "alltoallv") else None
+    displs = [i * c for i in range(nranks)] if counts else None
+    return Case(kind, total * dtype.itemsize, c, send, recv, expected, root, rank == root,
+                counts, displs)
 
 
 def make_p2p(nbytes, rank, dtype="uint8"):

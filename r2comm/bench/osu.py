@@ -35,6 +35,11 @@ BUSBW_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "bcast": lambda n: 1.0,
     "alltoall": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "allgatherv": lambda n: (n - 1) / n,
+    "alltoallv": lambda n: (n - 1) / n,
+    "scan": lambda n: 1.0,
 }
 
 

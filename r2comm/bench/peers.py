@@ -89,6 +89,12 @@ class _MpiStyle:
             "reduce_scatter": lambda: c.Reduce_scatter_block(s, r, op=o),
             "bcast": lambda: c.Bcast(r, root=case.root),
             "alltoall": lambda: c.Alltoall(s, r),
+            "gather": lambda: c.Gather(s, r, root=case.root),
+            "scatter": lambda: c.Scatter(s, r, root=case.root),
+            "allgatherv": lambda: c.Allgatherv(s, [r, case.counts, case.displs, None]),
+            "alltoallv": lambda: c.Alltoallv([s, case.counts, case.displs, None],
+                                             [r, case.counts, case.displs, None]),
+            "scan": lambda: c.Scan(s, r, op=o),
         }
         return calls[case.kind], None
 

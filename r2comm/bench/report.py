@@ -20,6 +20,11 @@ TITLES = {
     "reduce_scatter": "# OSU MPI Reduce_scatter Latency Test",
     "bcast": "# OSU MPI Broadcast Latency Test",
     "alltoall": "# OSU MPI All-to-All Personalized Exchange Latency Test",
+    "gather": "# OSU MPI Gather Latency Test",
+    "scatter": "# OSU MPI Scatter Latency Test",
+    "allgatherv": "# OSU MPI Allgatherv Latency Test",
+    "alltoallv": "# OSU MPI All-to-Allv Personalized Exchange Latency Test",
+    "scan": "# OSU MPI Scan Latency Test",
     "latency": "# OSU MPI Latency Test",
     "bw": "# OSU MPI Bandwidth Test",
 }

@@ -25,6 +25,7 @@ import shutil
 from typing import Callable, NamedTuple, Optional
 
 from .results_failover import failover_section
+from .results_failure import failure_section
 from .results_format import Results, glance_rows, not_run_note
 from .results_hier import hier_section
 from .results_planner import planner_section
@@ -37,7 +38,7 @@ from .results_torchdist import torchdist_section
 from .results_verbs import verbs_section
 
 FIGURES = ("allreduce.png", "failover_hard.png", "failover_silent.png", "testbed_timeline.png",
-           "scale.png", "testbed_fsdp2.png",
+           "scale.png", "failure_scale.png", "testbed_fsdp2.png",
            "testbed_torch.png")
 
 
@@ -64,6 +65,7 @@ SECTIONS = (
     Section(shm_section, "Shared memory"),
     Section(hier_section, "Hierarchical"),
     Section(planner_section, "Planner at scale"),
+    Section(failure_section, "NIC failure at scale"),
     Section(scale_section, "Connections at scale"),
     Section(verbs_section, "Verbs rails"),
     Section(slow_rail_section),
