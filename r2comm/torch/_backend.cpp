@@ -873,6 +873,10 @@ class R2commBackend : public c10d::Backend {
       at::Tensor& t = tensors[0];
       auto [op, avg] = redop_of(opts.reduceOp, t.scalar_type());
       if (op >= 0 && chan_->cross()) {
+        if (!opts.asyncOp && !at::hasCallbacks()) {
+          auto quick = small_sync_allreduce(tensors, op, avg);
+          if (quick) return quick;
+        }
         auto w = make_native(c10d::OpType::ALLREDUCE, "r2comm:all_reduce", tensors, tensors);
         Host h = host_of(t, true, true);
         if (h.nbytes()) {
@@ -1311,6 +1315,32 @@ class R2commBackend : public c10d::Backend {
       };
     }
     return issue(w, opts.asyncOp);
+  }
+
+  // A synchronous all_reduce of a small, contiguous tensor the engine reduces as it is (no
+  // staging, no copy back): posted and waited for here, with a copy of the input as the send
+  // buffer; nullptr where the tensor is not such a one (the general path takes it)
+  c10::intrusive_ptr<c10d::Work> small_sync_allreduce(std::vector<at::Tensor>& tensors, int op,
+                                                      bool avg) {
+    at::Tensor& t = tensors[0];
+    if (!t.is_contiguous() || t.is_neg() || t.is_conj() || t.is_complex()) return {};
+    int dtc = dtype_code(t.scalar_type());
+    uint64_t nb = t.nbytes();
+    if (dtc < 0 || nb == 0 || nb > static_cast<uint64_t>(kSmall)) return {};
+    auto w = c10::make_intrusive<NativeWork>(getRank(), c10d::OpType::ALLREDUCE, nullptr,
+                                             tensors, std::nullopt);
+    w->chan = chan_;
+    w->keep.push_back(t);
+    auto* p = static_cast<uint8_t*>(t.data_ptr());
+    w->scratch.emplace_back(p, p + nb);        // the send buffer: the input as it was
+    const uint8_t* send = w->scratch.back().data();
+    w->ops.push_back(chan_->post(ALLREDUCE, p, send, nb, static_cast<int>(t.element_size()), 0,
+                                 dtc, op, true, {}, &scratch_tmp(w)));
+    if (avg) {
+      int n = getSize();
+      w->finish_fn = [t, n] { t.div_(n); };
+    }
+    return issue(w, false);
   }
 
   // A posted work: counted, held until it ended, completed now where torch waits at once
