@@ -144,7 +144,7 @@ def test_small_all_reduce_on_changing_memory():
     assert count == 48 + 35 + 2 + 4 + 4, out[-3000:]
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_comm_debug_counts_equal_gloos(n):
     """CommDebugMode's counts (c10d.allreduce_, c10d._allgather_base_,
     c10d._reduce_scatter_base_, ...) and the profiler's c10d ops of one step on the r2comm
