@@ -7,6 +7,7 @@ torch's `test/` folder (a pytorch checkout's, of the installed torch's version),
 least the files below; without it these tests skip saying so. Slow-marked (minutes each)."""
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -26,6 +27,7 @@ SUITES = {
                        os.environ.get("R2T_FSDP2_K") or None, 2400),
 }
 _LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+?)(?:\s+-\s.*)?$")
+_VERBOSE = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
 def run_suite(path, select, backend, timeout):
@@ -33,23 +35,32 @@ def run_suite(path, select, backend, timeout):
     `backend`, and the output's tail."""
     env = _env({"R2T_SUITE_BACKEND": backend, "R2COMM_WARN_NO_SECRET": "0"})
     env["PYTHONPATH"] = os.pathsep.join([SITE, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA",
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rA",
            "--override-ini", "addopts=", os.path.basename(path)]
     if select:
         cmd += ["-k", select]
+    # its own session: on a timeout the whole run (torch's spawned ranks too, which hold the
+    # output pipe) is killed, and the rest of the output is read with a bound
+    p = subprocess.Popen(cmd, cwd=os.path.dirname(path), env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=os.path.dirname(path), env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        out = p.stdout
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.output or "") if isinstance(exc.output, str) else \
-            (exc.output or b"").decode(errors="replace")
-        out += f"\n(the run did not finish in {timeout} s)"
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            out = ""
+        out = (out or "") + f"\n(the run did not finish in {timeout} s)"
     got = {}
     for line in out.splitlines():
         m = _LINE.match(line.strip())
         if m:
             got[m.group(2).split("::", 1)[-1]] = m.group(1)
+            continue
+        m = _VERBOSE.match(line.strip())      # (-v's line per test: a run cut short counts too)
+        if m:
+            got.setdefault(m.group(1).split("::", 1)[-1], m.group(2))
     return got, out[-6000:]
 
 
