@@ -37,8 +37,8 @@ def test_random_faults_many_seeds(n, seed):
     assert count == 100 * n
 
 
-@pytest.mark.parametrize("mode", ["hard", "silent"])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n,mode", [(3, "hard"), (2, "silent"), pytest.param(2, "hard", marks=pytest.mark.slow),
+                                    pytest.param(3, "silent", marks=pytest.mark.slow)])
 def test_pair_losing_every_rail_raises_everywhere(n, mode):
     _, out = run_scenario(n, "partition", timeout=60, mode=mode)
     line = [ln for ln in out.splitlines() if ln.startswith("PARTITION")][0]

@@ -21,7 +21,7 @@ SMALL = {"R2COMM_GPU_SEGMENT": "4096", "R2COMM_GPU_STAGING": "20000"}   # 2 slot
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,mode", [(2, "device"), (3, "device"), (2, "host")])
+@pytest.mark.parametrize("n,mode", [(2, "device"), pytest.param(3, "device", marks=pytest.mark.slow), (2, "host")])
 def test_every_collective_exact_on_standin(n, mode):
     """Every collective (in place too), dtypes, ops, sizes with tails, 4 KiB segments through a
     pool of 2 slots: exact against numpy, identical on every rank, the pool's memory reused."""
@@ -44,7 +44,7 @@ def test_stream_ordering_and_completion_means_in_place():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_failure_mid_pipeline_raises_everywhere_and_stops_copies(n):
     """A device error on one rank, a mismatch in a late segment, a bad argument and a timeout:
     Wait raises on every rank, no copy runs afterwards, the slots are back, the next call works."""

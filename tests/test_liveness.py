@@ -117,7 +117,7 @@ def _signal_and_wait(j, n, victim, sig):
     return got, _latencies(got, t0)
 
 
-@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("n", [pytest.param(8, marks=pytest.mark.slow), 16])
 def test_killed_rank_reaches_every_survivor(job, n):
     """SIGKILL of one rank: every survivor learns it (cause: process gone, suspected and
     confirmed by two ranks) within 5 s, from the detector alone; latency printed."""
@@ -154,7 +154,7 @@ def test_two_failures_in_turn(job):
     assert max(_latencies(got, t0)) < BOUND
 
 
-@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("n", [pytest.param(8, marks=pytest.mark.slow), 16])
 def test_stopped_rank_detected_confirmed_spread(job, n):
     """SIGSTOP of one rank with R2COMM_LIVENESS_FROZEN_MS=0: every survivor learns within
     5 s that its process is frozen (silent, its kernel still accepts), confirmed by a second

@@ -32,7 +32,7 @@ def test_degraded_allreduce_on_the_engine(n):
         assert len(live) == CASES and "chose degraded -> degraded" in live[-1]
 
 
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_rerouted_and_relayed_rings_on_the_engine_and_a_real_broken_pair(n):
     count, out = scenario(n, "rerouted")
     assert count == (3 * CASES + CASES) * n

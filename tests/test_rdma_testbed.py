@@ -152,6 +152,7 @@ def test_rdma_run_ctrl_c_during_boot_tears_everything_down(rdma_ok):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # a guest boot of its own (about 100 s under QEMU without KVM)
 def test_rdma_run_timeout_kills_the_ranks_and_tears_down(rdma_ok):
     tag = f"o{TAG}"
     started = time.monotonic()
