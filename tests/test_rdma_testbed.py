@@ -127,6 +127,7 @@ def _guest_qemus(tag):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_rdma_run_ctrl_c_during_boot_tears_everything_down(rdma_ok):
     tag = f"c{TAG}"
     proc = subprocess.Popen([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "2",
@@ -262,6 +263,7 @@ def test_devices_and_gids_seen_by_ibv_devinfo_and_pyverbs(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_pingpong_on_each_rail_then_nic_down_and_up(rfab):
     for nic in range(2):
         ok, speed, out = _pingpong(rfab, nic, 18600 + nic)
@@ -301,6 +303,7 @@ def _tcp_mbit(fab, port, seconds=6.0):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_degrade_shapes_a_rail_and_unlimited_restores_it(rfab):
     """degrade = a tbf qdisc on the guest's NIC (its sending side).  Measured with TCP, which
     backs off: rxe has no congestion control, and through a slow bucket its retransmit timer
@@ -323,6 +326,7 @@ def test_degrade_shapes_a_rail_and_unlimited_restores_it(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_cli_faults_reach_a_running_rdma_fabric(rfab):
     env = {**os.environ, "PYTHONPATH": REPO}
     cli = [sys.executable, "-m", "r2comm.testbed"]
@@ -342,6 +346,7 @@ def test_cli_faults_reach_a_running_rdma_fabric(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_rdma_run_pingpong_between_ranks_on_both_rails(rfab):
     """rdma-run's job part on the module's fabric (--keep: boot and teardown are the other
     rdma-run tests'), so CI boots guests three times, not four."""
