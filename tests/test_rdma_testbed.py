@@ -383,7 +383,16 @@ def test_three_guests_share_a_rail_through_the_hub(rdma_ok):
 @pytest.mark.rdma
 def test_verbs_layer_on_soft_roce(rfab):
     """r2comm's own verbs layer (r2comm/_core/verbs.pyx) between the guests: the checks live in
-    tests/test_verbs.py, run here so that both files share one boot."""
+    tests/test_verbs.py, run here so that both files share one boot. Functional phases only,
+    with 64 messages per bandwidth run (the comparison with perftest is the slow test below)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_verbs
+    test_verbs.verbs_pair_checks(rfab, test_verbs.FUNCTIONAL, bw_count=64)
+
+
+@pytest.mark.rdma
+@pytest.mark.slow   # a speed comparison (perftest's ib_send_bw/ib_write_bw per rail) under TCG
+def test_verbs_layer_bandwidth_against_perftest_on_soft_roce(rfab):
     sys.path.insert(0, str(Path(__file__).parent))
     import test_verbs
     test_verbs.verbs_pair_checks(rfab)
@@ -416,6 +425,7 @@ def test_engine_zero_copy_sends_and_registration_cache_on_verbs(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # CI time: a QP error's failover; the real link-down failover below stays in CI
 def test_engine_qp_error_failover_and_failback_on_verbs(rfab):
     _verbs_rails().qp_error_checks(rfab)
 
@@ -426,10 +436,12 @@ def test_engine_real_link_down_failover_and_failback_on_verbs(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # CI time: the partition semantics are in CI over TCP rails (test_failover, test_control_mpi)
 def test_engine_raises_on_a_partition_of_verbs_rails(rfab):
     _verbs_rails().partition_checks(rfab)
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # CI time: pools of a few slots through a QP failure: an edge of the pool logic
 def test_engine_tiny_verbs_pools_through_a_qp_failure(rfab):
     _verbs_rails().pool_checks(rfab)
