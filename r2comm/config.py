@@ -112,7 +112,7 @@ class Config:
                                                    #   or host (the engine reduces the pinned
                                                    #   copies); the same on every rank
     shm: bool = True                               # R2COMM_SHM=0: local peers over TCP too; else
-                                                   #   ranks on one host (r2comm.hostid) talk
+                                                   #   ranks on one host (r2comm.control.hostid) talk
                                                    #   through shared memory (r2comm/shm.py)
     shm_ring: int = 4 << 20                        # R2COMM_SHM_RING: bytes per direction of a
                                                    #   shared-memory link (a power of two)
@@ -122,7 +122,7 @@ class Config:
     warn_no_secret: bool = True                    # R2COMM_WARN_NO_SECRET=0: no warning when a
                                                    #   store bootstrap runs without job_secret
     liveness: bool = True                          # R2COMM_LIVENESS=0: no failure detector
-                                                   #   (r2comm/transport/liveness.py)
+                                                   #   (r2comm/control/liveness.py)
     liveness_period_ms: float = 200.0              # R2COMM_LIVENESS_PERIOD_MS: heartbeat period
     liveness_suspect_ms: float = 2000.0            # R2COMM_LIVENESS_SUSPECT_MS: a ring neighbour
                                                    #   silent this long is suspected and probed

@@ -8,17 +8,19 @@ import os
 import threading
 import weakref
 
-from . import bootstrap, events, facts, faults, fdlimit, startup
-from .comm_ids import CommIds
+from .control import bootstrap, facts, fdlimit, startup
+from . import events, faults
+from .control.comm_ids import CommIds
 from .errors import R2commBuildError
-from .nicwatch import NicWatch
+from .control.nicwatch import NicWatch
 from .planner.state import DEFAULT_BW
 from .planner.topology import INTRA_BW
-from .railview import loopback_only, topology
-from .replan import Replans
-from .transport import liveness, select
+from .front.railview import loopback_only, topology
+from .control.replan import Replans
+from .control import liveness
+from .transport import select
 from .transport.rails import rail_stats
-from .transport.links import Links
+from .control.links import Links
 
 log = logging.getLogger("r2comm")
 _live_worlds = weakref.WeakSet()
@@ -45,7 +47,7 @@ def engine_module():
 def bootstrap_consts(comm, mpi=True):
     """(MAX op, UNDEFINED color) of the bootstrap comm: a StoreComm's own, else mpi4py's
     (None when mpi is False)."""
-    from .bootstrap_store import StoreComm, MAX, UNDEFINED
+    from .control.bootstrap_store import StoreComm, MAX, UNDEFINED
     if isinstance(comm, StoreComm):
         return MAX, UNDEFINED
     if not mpi:
@@ -99,7 +101,7 @@ class World:
         self.timers = []
         self.probe = None            # the start-up bandwidth probe's ProbeResult
         self.start_probe_bytes = None   # the probe size agreed at start-up (None: not agreed)
-        self.liveness = None         # the failure detector (transport/liveness.py), or None
+        self.liveness = None         # the failure detector (control/liveness.py), or None
         self.regcache = transports.registration_cache()   # zero-copy sends from user memory
         # NIC facts (facts.py): per host and NIC, plus pair exceptions; the start-up table's,
         # then what is announced (nicwatch.py); plans follow them (replan.py)
@@ -193,7 +195,7 @@ class World:
         """Time every rail to the ring neighbours over control plane `ctl` (bandwidth_probe.py;
         state: the plans' RailState or None), exchange each NIC's rate over `mpi_comm` and seed the engine's
         measured rates of every peer (a pair not timed: the slower of its two NICs)."""
-        from . import bandwidth_probe as probe
+        from .control import bandwidth as probe
         eng, g, rank = self.engine, ctl.global_ranks(), ctl.rank
         stats = eng.rail_stats()
         hedge = getattr(eng, "set_hedge", None)   # tail copies on another rail would time that one

@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from r2comm.transport import liveness  # noqa: E402
+from r2comm.control import liveness  # noqa: E402
 
 
 def main():

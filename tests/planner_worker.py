@@ -47,7 +47,7 @@ def run_schedule(comm, sched, recvbuf, sendbuf=None, op=SUM, coll="allreduce", m
     comm._check()
     op = as_op(op)
     gm = comm._members
-    from r2comm.plans import send_rail_weights
+    from r2comm.front.plans import send_rail_weights
     msgs = [(k, gm[p], st, b, off, n, mode, own) for (k, p, st, b, off, n, mode, own) in sched.msgs]
     plan = Plan(msgs, sched.deps, sched.algo, None, send_rail_weights(sched, sched.msgs))
     comm._world.links.connect_for({m[1] for m in msgs})   # as the communicator (issue 31)

@@ -21,9 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CYCLE_FREE = ("r2comm.bench", "r2comm.gpu")
 LEAVES = {"r2comm.planner": ("r2comm.errors",)}
 KNOWN_CIRCLES = ()
-TRANSPORT_BLIND = ("r2comm.communicator", "r2comm.channel", "r2comm.world", "r2comm.plans",
-                   "r2comm.railview", "r2comm.facts", "r2comm.replan", "r2comm.args", "r2comm.p2p", "r2comm.events",
-                   "r2comm.comm_ids")
+TRANSPORT_BLIND = ("r2comm.communicator", "r2comm.channel", "r2comm.world", "r2comm.front.plans",
+                   "r2comm.front.railview", "r2comm.control.facts", "r2comm.control.replan", "r2comm.front.args", "r2comm.front.p2p", "r2comm.events",
+                   "r2comm.control.comm_ids")
 TRANSPORT_WORDS = ("shm", "verbs")
 PUBLIC_NAMES = {("r2comm.communicator", "shm_peers")}     # the public API's own name
 
@@ -179,8 +179,8 @@ def test_front_end_names_no_transport():
         assert module in files, f"{module}: not found"
         assert transport_words(files[module], module) == [], f"{module} names a transport"
         bad = sorted(t for t in graph[module] if inside(t, "r2comm.transport")
-                     and t not in ("r2comm.transport.select", "r2comm.transport.links",
-                                   "r2comm.transport.rails", "r2comm.transport.liveness"))
+                     and t not in ("r2comm.transport.select", "r2comm.control.links",
+                                   "r2comm.transport.rails", "r2comm.control.liveness"))
         assert bad == [], f"{module} imports transport modules past select"
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import run_mpi
-from r2comm.transport import links as links_mod
+from r2comm.control import links as links_mod
 from r2comm.transport import tcp
 
 WORKER = os.path.join(os.path.dirname(__file__), "lazy_worker.py")

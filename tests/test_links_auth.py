@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from r2comm.transport import links as links_mod
+from r2comm.control import links as links_mod
 from r2comm.transport import verbs as verbs_rails
 from r2comm.transport import tcp
 from r2comm.errors import R2commProtocolError
@@ -565,7 +565,7 @@ def test_admission_policy_keeps_valid_hellos_and_the_newest():
     oldest anonymous one; a connection whose hello checked is never closed for an anonymous
     newcomer, whatever its address, and the newcomer is refused only when every slot holds
     one; a pair keeps its newest `per_pair`."""
-    from r2comm.transport.admission import Policy
+    from r2comm.control.admission import Policy
 
     class Hs:
         def __init__(self, src, since, pair=None):

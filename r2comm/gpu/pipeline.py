@@ -46,8 +46,8 @@ import weakref
 
 import numpy as np
 
-from ..args import IN_PLACE, check_root
-from ..comm_ids import GPU_GEN_SHIFT as _GEN_SHIFT
+from ..front.args import IN_PLACE, check_root
+from ..control.comm_ids import GPU_GEN_SHIFT as _GEN_SHIFT
 from ..errors import (R2commArgumentError, R2commBufferError, R2commError, R2commTimeout,
                       claim_telling, is_remote, mark_remote)
 from ..ops import as_op, dtype_code

@@ -1,7 +1,7 @@
 """Shared-memory links between ranks on one host (issue 20): which pairs use them, set-up,
 segment names and clean-up. The hot path is r2comm/_core/shm.pxd and r2_shm.h.
 
-Which pairs. Ranks a and b are local when their host keys (r2comm.hostid: boot id and network
+Which pairs. Ranks a and b are local when their host keys (r2comm.control.hostid: boot id and network
 namespace, R2COMM_HOST in tests) are equal and both have R2COMM_SHM on (the default). A local
 pair has exactly one data link, the shared-memory one, at data-rail index 0 of that pair
 (Engine nrails_per_peer = 1), plus the TCP control connection as every pair. NIC rails and
@@ -93,7 +93,7 @@ def shm_key():
 
 
 def is_local(endpoints, a, b):
-    """Ranks a and b talk through shared memory: the same host key (r2comm.hostid), R2COMM_SHM
+    """Ranks a and b talk through shared memory: the same host key (r2comm.control.hostid), R2COMM_SHM
     on both (the endpoint's "shm" is their shm_key(), or None/False when off), equal keys."""
     ea, eb = endpoints[a], endpoints[b]
     ka, kb = ea.get("shm"), eb.get("shm")

@@ -62,7 +62,8 @@ import threading
 import time
 import zlib
 
-from . import admission, shm, tcp
+from . import admission
+from ..transport import shm, tcp
 
 log = logging.getLogger("r2comm")
 
@@ -79,7 +80,7 @@ END = struct.Struct("!I")                # the exclusive end (rank) of a spread 
 NOBODY = 0xFFFFFFFF
 
 T_HB, T_DEADS, T_SUSPECT, T_VERDICT, T_PING, T_PONG, T_SPREAD, T_BYE = range(1, 9)
-T_FACTS, T_SPREAD_FACTS = 9, 10          # the NIC facts (r2comm/facts.py), whole
+T_FACTS, T_SPREAD_FACTS = 9, 10          # the NIC facts (r2comm/control/facts.py), whole
 ALIVE, GONE, UNREACHABLE, FROZEN = 0, 1, 2, 3
 CAUSE_TEXT = {GONE: "its process is gone (connections refused or reset)",
               UNREACHABLE: "its host answers nothing (no TCP reply)",

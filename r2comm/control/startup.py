@@ -23,8 +23,8 @@ here is a non-blocking barrier tested between short sleeps (quiet_barrier)."""
 import json
 import time
 
-from .errors import R2commArgumentError, R2commNetworkError, R2commProtocolError, R2commTimeout
-from .transport import shm
+from ..errors import R2commArgumentError, R2commNetworkError, R2commProtocolError, R2commTimeout
+from ..transport import shm
 
 CTRL = "ctrl"          # the control connection's key in a report (tcp.CTRL_RAIL on the wire)
 
@@ -181,7 +181,7 @@ class StartOutcome:
 
     def connected_groups(self):
         """Groups of ranks connected by working pairs (a pair works with one common rail)."""
-        from .planner.state import connected_components
+        from ..planner.state import connected_components
         return connected_components(self.size, self.pair_ok)
 
     def pair_ok(self, a, b):
@@ -256,7 +256,7 @@ def agree(mpi_comm, boot, outcome, timeout, probe_bytes=0, nic_down=()):
     StartOutcome.probe_bytes, the largest any rank asked for; None where unknown, a store
     bootstrap); the reports themselves travel only when something failed somewhere, and are
     validated on arrival."""
-    from .transport import tcp
+    from ..transport import tcp
     mine = {(p, CTRL if k == tcp.CTRL_RAIL else k): why
             for (p, k), why in outcome.items() if why is not None}
     for k in nic_down:

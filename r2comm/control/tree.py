@@ -50,8 +50,8 @@ from collections import deque
 
 import numpy as np
 
-from .errors import R2commError, R2commNetworkError
-from .request import Status
+from ..errors import R2commError, R2commNetworkError
+from ..request import Status
 
 TAG_BASE = 0x60000000       # tags of the allgather (the probe uses 0x51......)
 CALL_BITS = 24              # a tag: TAG_BASE | phase << CALL_BITS | call number mod 2**24

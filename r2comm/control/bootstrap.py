@@ -19,11 +19,12 @@ import warnings
 from dataclasses import dataclass
 
 from . import fdlimit, hostid
-from .transport import liveness, shm
-from .transport import rails as _rails
-from .transport import verbs as verbs_transport
-from .config import CHUNK_MAX, CHUNK_MIN, INTEGRITY_MODES
-from .errors import R2commArgumentError, R2commProtocolError, R2commSecurityWarning
+from . import liveness
+from ..transport import shm
+from ..transport import rails as _rails
+from ..transport import verbs as verbs_transport
+from ..config import CHUNK_MAX, CHUNK_MIN, INTEGRITY_MODES
+from ..errors import R2commArgumentError, R2commProtocolError, R2commSecurityWarning
 from .startup import quiet_allgather, quiet_bcast
 
 log = logging.getLogger("r2comm")
@@ -42,7 +43,7 @@ class Bootstrap:
     transport: str           # the job's rail transport: "tcp" or "verbs" (verbs_transport.decide)
     rail_devices: list       # verbs: this rank's RailDevice per rail; tcp: None
     endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
-                             #  "host_key": str (r2comm.hostid: same key = same host),
+                             #  "host_key": str (r2comm.control.hostid: same key = same host),
                              #  "shm": shm.shm_key() or None (R2COMM_SHM=0),
                              #  "pid": int (names its shm segments),
                              #  "detector": (addr, port) of its failure detector or None}
@@ -79,7 +80,7 @@ def run(mpi_comm, cfg, rails=None):
             listeners.append(_rails.listen_on(a, where, k))
         listeners.append(_rails.listen_on(_rails.resolve(cfg.ctrl_addr, "R2COMM_CTRL_ADDR"),
                                           "R2COMM_CTRL_ADDR"))
-        if cfg.liveness and size > 1:         # the failure detector's (transport/liveness.py)
+        if cfg.liveness and size > 1:         # the failure detector's (control/liveness.py)
             detector = liveness.listener(listeners[-1].getsockname()[0])
         kind, devices, why = verbs_transport.local_offer(
             cfg.transport, addrs, (cfg.verbs_recv_slots, cfg.verbs_send_slots,

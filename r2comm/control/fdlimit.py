@@ -17,13 +17,14 @@ figure, not a bound for the whole run: each first use checks its own room (Links
 import logging
 import resource
 
-from .transport import liveness, shm
-from .transport.links import VERBS_RAIL_FDS, open_fds, start_peers
-from .errors import R2commResourceError
+from . import liveness
+from ..transport import shm
+from .links import VERBS_RAIL_FDS, open_fds, start_peers
+from ..errors import R2commResourceError
 
 log = logging.getLogger("r2comm")
 WARN_FRACTION = 0.8      # warn when a rank would hold more than this share of its fd limit
-DETECTOR_FDS = liveness.STEADY_FDS   # the failure detector (transport/liveness.py)
+DETECTOR_FDS = liveness.STEADY_FDS   # the failure detector (control/liveness.py)
 NR_OPEN_FALLBACK = 1 << 20
 
 _limits = None           # (soft before, soft now, hard) once raise_soft_limit ran

@@ -19,7 +19,7 @@ A failed rail is re-connected once the engine says a probe is due, by either end
 prober thread, never blocking the accepting one), so a rail whose link came back is
 re-admitted without user action, also where only one end ever needed it. At start-up the
 eager connections are tried in parallel until a short deadline; one that does not come up
-starts down and is probed the same way (r2comm/startup.py).
+starts down and is probed the same way (r2comm/control/startup.py).
 
 One thread accepts incoming connections for the whole life of the engine and authenticates
 them without blocking (tcp.ServerHandshake, driven by a selector): a connection that never
@@ -43,7 +43,8 @@ import selectors
 import threading
 import time
 
-from . import admission, shm, tcp, verbs
+from . import admission
+from ..transport import shm, tcp, verbs
 from ..errors import R2commResourceError
 
 
@@ -57,7 +58,7 @@ CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a sile
 CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
 CONNECT_THREADS = 32     # start-up connection attempts in flight at once
 BUSY = object()           # _attempt: another attempt at that connection is under way
-OFF = "its NIC is announced down (r2comm.facts)"   # _first_use: not attempted
+OFF = "its NIC is announced down (r2comm.control.facts)"   # _first_use: not attempted
 VERBS_RAIL_FDS = 3       # a verbs rail connection: TCP side socket, completion channel, epoll fd
 FD_RESERVE_SHARE = 64    # a first use leaves 1/64 of the fd limit free (own files, fail-back)
 FD_WARN_FRACTION = 0.8   # a first use that takes a rank past this share of its limit warns
