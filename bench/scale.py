@@ -47,7 +47,7 @@ VERBS_POOL = (64 + 32) * 64 * 1024   # a verbs device's registered slot pool (th
                                      # shared by all its QPs: pinned per rank = nics x VERBS_POOL
 QP_SLAB = (16 + 32) * 64 * 1024      # before the pools: a registered slab per QP (16 send +
                                      # 32 receive slots of 64 KiB)
-VERBS_RAIL_FDS = 3                   # side socket, completion channel, epoll fd (r2comm/fdlimit)
+VERBS_RAIL_FDS = 3                   # side socket, completion channel, epoll fd (VerbsTransport.rail_fds)
 ENGINE_FDS = 3                       # the engine's own (epoll and wake-up fds; measured)
 DETECTOR_FDS = 6   # the failure detector: r2comm.control.liveness.STEADY_FDS (test_scale_bench)
 

@@ -166,7 +166,7 @@ def _endpoints(n, per_host, rails=2, shm_on=True):
              "shm": f"k{r // per_host}" if shm_on else None} for r in range(n)]
 
 
-@pytest.mark.parametrize("transport,per_rail", [("tcp", 1), ("verbs", fdlimit.VERBS_RAIL_FDS)])
+@pytest.mark.parametrize("transport,per_rail", [("tcp", 1), ("verbs", 3)])
 def test_start_up_model_is_ring_neighbours_local_peers_and_detector(transport, per_rail):
     """What a rank holds after start-up does not grow with n (issue 31: plans connect the rest
     on first use): 2 ring neighbours x (2 rails + control) + the detector, at 8 ranks as at

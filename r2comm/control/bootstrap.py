@@ -20,9 +20,8 @@ from dataclasses import dataclass
 
 from . import fdlimit, hostid
 from . import liveness
-from ..transport import shm
+from .. import transport as _transport
 from ..transport import rails as _rails
-from ..transport import verbs as verbs_transport
 from ..config import CHUNK_MAX, CHUNK_MIN, INTEGRITY_MODES
 from ..errors import R2commArgumentError, R2commProtocolError, R2commSecurityWarning
 from .startup import quiet_allgather, quiet_bcast
@@ -40,7 +39,7 @@ class Bootstrap:
     params: dict
     rail_addrs: list
     listeners: list          # one per rail, then the control listener
-    transport: str           # the job's rail transport: "tcp" or "verbs" (verbs_transport.decide)
+    transport: str           # the job's NIC rails' kind: "tcp" or "verbs" (transport.decide)
     rail_devices: list       # verbs: this rank's RailDevice per rail; tcp: None
     endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
                              #  "host_key": str (r2comm.control.hostid: same key = same host),
@@ -82,14 +81,14 @@ def run(mpi_comm, cfg, rails=None):
                                           "R2COMM_CTRL_ADDR"))
         if cfg.liveness and size > 1:         # the failure detector's (control/liveness.py)
             detector = liveness.listener(listeners[-1].getsockname()[0])
-        kind, devices, why = verbs_transport.local_offer(
+        kind, devices, why = _transport.offer(
             cfg.transport, addrs, (cfg.verbs_recv_slots, cfg.verbs_send_slots,
                                    cfg.verbs_conn_send_slots))
         record = {"rails": [s.getsockname() for s in listeners[:-1]],
                   "transport": (cfg.transport, kind, why),
                   "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
                   "host_key": hostid.host_key(), "pid": os.getpid(),
-                  "shm": shm.shm_key() if cfg.shm else None,
+                  "shm": _transport.LOCAL.record(cfg),
                   "params": params, "check": secret_check(secret, rank, params),
                   "detector": detector.getsockname() if detector else None,
                   "fds": fdlimit.own_record()}
@@ -109,14 +108,14 @@ def run(mpi_comm, cfg, rails=None):
                 _warn_store_mac(rank)
         endpoints = validate_endpoints(endpoints, size)
         _same_secret(endpoints, secret, rank, params)
-        transport = verbs_transport.decide([ep["transport"] for ep in endpoints])
+        transport = _transport.decide([ep["transport"] for ep in endpoints])
     except BaseException:
         for s in sockets:
             s.close()
         raise
     job = hashlib.sha256(secret).digest()[:8]
     return Bootstrap(rank, size, secret, job, params, addrs, listeners, transport,
-                     devices if transport == "verbs" else None, endpoints, detector)
+                     devices if transport == kind else None, endpoints, detector)
 
 
 def _raise_errors(endpoints):

@@ -457,11 +457,6 @@ def device_calls(comm):
     return _of(comm).calls
 
 
-def set_device_calls(comm, d):
-    """Tests: make `d` the next device call's number (with comm.seek_seq, to cross wraps)."""
-    _of(comm).calls = d & _CALLS_MASK
-
-
 def _twin(comm, gen):
     """Staging twin `gen` of `comm` and its queue of calls (made on first use; the twin two
     generations back is dropped)."""
