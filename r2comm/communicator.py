@@ -93,7 +93,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
 
     @property
     def probe_result(self):
-        """What the start-up bandwidth probe measured on this rank (bandwidth_probe.ProbeResult:
+        """What the start-up bandwidth probe measured on this rank (control/bandwidth.ProbeResult:
         .rates {(peer, rail): bytes/s}, .seconds), or None when it did not run (R2COMM_PROBE=0)."""
         return self._world.probe
 

@@ -113,7 +113,7 @@ class Config:
                                                    #   copies); the same on every rank
     shm: bool = True                               # R2COMM_SHM=0: local peers over TCP too; else
                                                    #   ranks on one host (r2comm.control.hostid) talk
-                                                   #   through shared memory (r2comm/shm.py)
+                                                   #   through shared memory (r2comm/transport/shm.py)
     shm_ring: int = 4 << 20                        # R2COMM_SHM_RING: bytes per direction of a
                                                    #   shared-memory link (a power of two)
     job_secret: bytes = field(default=b"", repr=False)  # R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET:

@@ -82,7 +82,7 @@ class Pair:
 class Rail:
     def __init__(self, pair, k, dev, ip):
         from r2comm._core import verbs as V
-        from r2comm._core.verbs_common import RegCache
+        from mr_cache import RegCache
         self.V, self.pair, self.k, self.dev, self.ip = V, pair, k, dev, ip
         self.ctx = V.Context(dev)
         self.pd = V.PD(self.ctx)

@@ -6,7 +6,7 @@ parallel, each retried until R2COMM_CONNECT_TIMEOUT; a data rail that does not c
 starts down (rail_never_up) and is probed for fail-back like a rail that failed later. So a
 rank holds connections to the peers its schedules use: O(1) for ring plans, O(log n) for
 halving, tree and dissemination ones, not n - 1 (issue 31). Only the start-up set
-(eager_peers: the ring neighbours, whose connections the start-up bandwidth probe times and
+(eager_peers: the ring neighbours, whose connections the start-up bandwidth measurement (bandwidth.py) times and
 whose outcome the ranks agree on, and the local peers' shared-memory links) is connected
 before the Communicator returns.
 
@@ -16,7 +16,7 @@ has up, and accepts the lower rank's always; its own attempt waits while an inco
 the same (peer, rail) is being set up (_claim). So a pair ends with exactly one connection per
 rail, and a one-sided need (the other rank never asks) is accepted by the other's links thread.
 A failed rail is re-connected once the engine says a probe is due, by either end (on the
-prober thread, never blocking the accepting one), so a rail whose link came back is
+fail-back thread, never blocking the accepting one), so a rail whose link came back is
 re-admitted without user action, also where only one end ever needed it. At start-up the
 eager connections are tried in parallel until a short deadline; one that does not come up
 starts down and is probed the same way (r2comm/control/startup.py).
@@ -119,9 +119,9 @@ class Links:
         self._accepting = collections.Counter()   # (peer, rail) of incoming handshakes admitted
         self._ready = set()           # peers connected (or tried) for use: connect_for skips them
         self._want = threading.Lock()  # one connect_for at a time makes the connections
-        self._probe_q = collections.deque()   # (peer, rail) fail-back probes for the prober
-        self._probing = set()         # of which queued or running
-        self._prober = None
+        self._failback_q = collections.deque()   # (peer, rail) fail-back probes for its thread
+        self._failing_back = set()         # of which queued or running
+        self._failback_thread = None
         self.nconnect_for = 0         # first uses that made connections (tests, bench)
         self.fd_warned = False        # the fd limit's warning was given (_check_fd_room)
         self._accept_rest = []        # (listener, index, until): resting after EMFILE (_accept)
@@ -234,14 +234,14 @@ class Links:
     def reconnect_idle(self, peers, rail):
         """Data rail `rail` to each of `peers` (global ranks) that a first use already
         connected for and that is idle (skipped while its NIC was announced down): tried on
-        the prober thread, as a fail-back probe is. Peers never needed stay for first use."""
+        the fail-back thread, as a fail-back probe is. Peers never needed stay for first use."""
         for peer in peers:
             if peer == self.me or peer not in self._ready or peer in self.local_peers or \
                     rail >= self.nrails[peer]:
                 continue
             if self._state(peer, rail) != "idle":
                 continue
-            self._queue_probe(peer, rail)
+            self._queue_failback(peer, rail)
 
     def _check_fd_room(self, peers, missing):
         """Before a first use opens the connections `missing` ((peer, rail) of `peers`): raise
@@ -423,7 +423,7 @@ class Links:
             for i, lst in enumerate(listeners):
                 lst.setblocking(False)
                 sel.register(lst, selectors.EVENT_READ, i)
-            next_probe = 0.0
+            next_failback = 0.0
             while not self._stop.is_set():
                 try:
                     ready = sel.select(0.02)
@@ -443,9 +443,9 @@ class Links:
                     sel.register(item[0], selectors.EVENT_READ, item[1])
                 for fd in [fd for fd, v in self._pending.items() if now >= v.hs.deadline]:
                     self._step(sel, fd, now)
-                if now >= next_probe:
-                    next_probe = now + 0.02
-                    self._probe()
+                if now >= next_failback:
+                    next_failback = now + 0.02
+                    self._failback_due()
                     if self.on_tick is not None:
                         try:
                             self.on_tick()
@@ -623,10 +623,10 @@ class Links:
         else:
             self._log_quiet += 1
 
-    def _probe(self):
+    def _failback_due(self):
         """Fail-back probes that are due: a shared-memory link's on this thread, by the lower
         rank (as it was set up); a NIC rail's by either end (the other may never have needed
-        the pair), on the prober thread: a probe waits for the peer's links thread, and two
+        the pair), on the fail-back thread: a probe waits for the peer's links thread, and two
         ends probing each other from their accepting threads would each wait for the other."""
         try:
             due = self.engine.reconnect_due()
@@ -639,33 +639,33 @@ class Links:
                             not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
                         self.engine.probe_failed(peer, rail)   # the lower rank re-connects
                 else:
-                    self._queue_probe(peer, rail)
+                    self._queue_failback(peer, rail)
             except RuntimeError:
                 return                                     # the engine was closed
             except Exception as exc:                       # noqa: BLE001
                 self._link_error("fail-back probe", peer, rail, exc)
 
-    def _queue_probe(self, peer, rail):
-        """Have the prober thread try (peer, rail) once (not twice at a time)."""
+    def _queue_failback(self, peer, rail):
+        """Have the fail-back thread try (peer, rail) once (not twice at a time)."""
         with self._cv:
-            if (peer, rail) in self._probing:
+            if (peer, rail) in self._failing_back:
                 return
-            self._probing.add((peer, rail))
-            self._probe_q.append((peer, rail))
+            self._failing_back.add((peer, rail))
+            self._failback_q.append((peer, rail))
             self._cv.notify_all()
-            if self._prober is None:
-                self._prober = threading.Thread(target=self._probe_loop, daemon=True,
-                                                name="r2comm-prober")
-                self._prober.start()
+            if self._failback_thread is None:
+                self._failback_thread = threading.Thread(target=self._failback_loop, daemon=True,
+                                                name="r2comm-failback")
+                self._failback_thread.start()
 
-    def _probe_loop(self):
-        """The prober thread: one fail-back attempt at a time, from _probe's queue."""
+    def _failback_loop(self):
+        """The fail-back thread: one attempt at a time, from _failback_due's queue."""
         while not self._stop.is_set():
             with self._cv:
-                if not self._probe_q:
+                if not self._failback_q:
                     self._cv.wait(0.1)
                     continue
-                peer, rail = self._probe_q.popleft()
+                peer, rail = self._failback_q.popleft()
             try:
                 idle = self._state(peer, rail) == "idle"     # (reconnect_idle)
                 err = self._attempt(peer, rail, self.engine.probe_timeout(peer, rail))
@@ -682,7 +682,7 @@ class Links:
                 self._link_error("fail-back probe", peer, rail, exc)
             finally:
                 with self._cv:
-                    self._probing.discard((peer, rail))
+                    self._failing_back.discard((peer, rail))
 
     @property
     def alive(self):
@@ -695,8 +695,8 @@ class Links:
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(2.0)
-        if self._prober is not None:
-            self._prober.join(2.0)
+        if self._failback_thread is not None:
+            self._failback_thread.join(2.0)
         for s in self.boot.listeners:
             s.close()
 
