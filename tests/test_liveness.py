@@ -265,10 +265,11 @@ def test_frames_and_lists_validated():
     of range, are refused; the halving tree reaches every member once in ceil(log2) rounds."""
     import socket as _socket
     from r2comm.control import liveness as lv
+    from r2comm.transport import tcp
     a, b = _socket.socketpair()
     key1, key2 = os.urandom(32), os.urandom(32)
-    lv.tcp._keys[a.fileno()] = (key1, key2)
-    lv.tcp._keys[b.fileno()] = (key2, key1)
+    tcp._keys[a.fileno()] = (key1, key2)         # as a handshake leaves them (tcp.take_keys)
+    tcp._keys[b.fileno()] = (key2, key1)
     ca, cb = lv.Conn(a.detach(), 1, "ring"), lv.Conn(b.detach(), 0, "ring")
     try:
         ca.post(lv.T_HB, lv.HB.pack(0, 0, 0))
