@@ -1,5 +1,7 @@
 """One object per transport kind (issue 43): r2comm.transport.KINDS, the choice of the NIC
 kind at bootstrap (offer / decide), and an accepted connection's kind from its HELLO."""
+from types import SimpleNamespace
+
 import pytest
 
 from r2comm import transport
@@ -38,9 +40,16 @@ def test_offer_asks_the_kinds_in_order(monkeypatch):
     assert transport.offer("tcp", ["127.0.0.1"]) == ("tcp", None, "R2COMM_TRANSPORT=tcp")
     monkeypatch.setattr(verbs, "find_devices", lambda addrs, pool=None: [(None, "no device")])
     assert transport.offer("auto", ["127.0.0.1"]) == ("tcp", None, "no device")
-    dev = object()
-    monkeypatch.setattr(verbs, "find_devices", lambda addrs, pool=None: [(dev, None)] * 2)
+    dev, pools = object(), []
+
+    def find(addrs, pool=None):
+        pools.append(pool)
+        return [(dev, None)] * len(addrs)
+    monkeypatch.setattr(verbs, "find_devices", find)
     assert transport.offer("verbs", ["a", "b"]) == ("verbs", [dev, dev], None)
+    cfg = SimpleNamespace(verbs_recv_slots=64, verbs_send_slots=32, verbs_conn_send_slots=8)
+    assert transport.offer("auto", ["a"], cfg) == ("verbs", [dev], None)
+    assert pools == [None, (64, 32, 8)]          # the kind reads its own settings
 
 
 def test_decide_names_the_kind_and_the_ranks_that_cannot():

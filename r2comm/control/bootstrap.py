@@ -40,7 +40,7 @@ class Bootstrap:
     rail_addrs: list
     listeners: list          # one per rail, then the control listener
     transport: str           # the job's NIC rails' kind: "tcp" or "verbs" (transport.decide)
-    rail_devices: list       # verbs: this rank's RailDevice per rail; tcp: None
+    rail_devices: list       # the NIC kind's devices per rail (its offer; verbs), or None
     endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
                              #  "host_key": str (r2comm.control.hostid: same key = same host),
                              #  "shm": shm.shm_key() or None (R2COMM_SHM=0),
@@ -81,9 +81,7 @@ def run(mpi_comm, cfg, rails=None):
                                           "R2COMM_CTRL_ADDR"))
         if cfg.liveness and size > 1:         # the failure detector's (control/liveness.py)
             detector = liveness.listener(listeners[-1].getsockname()[0])
-        kind, devices, why = _transport.offer(
-            cfg.transport, addrs, (cfg.verbs_recv_slots, cfg.verbs_send_slots,
-                                   cfg.verbs_conn_send_slots))
+        kind, devices, why = _transport.offer(cfg.transport, addrs, cfg)
         record = {"rails": [s.getsockname() for s in listeners[:-1]],
                   "transport": (cfg.transport, kind, why),
                   "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),

@@ -34,14 +34,15 @@ def for_hello(rail, nic):
     return nic
 
 
-def offer(want, rail_addrs, pool=None):
+def offer(want, rail_addrs, cfg=None):
     """What this rank brings to bootstrap for its NIC rails, R2COMM_TRANSPORT=want (tcp, verbs
-    or auto): (the kind it can run, that kind's devices or None, why not a preferred one)."""
+    or auto): (the kind it can run, that kind's devices or None, why not a preferred one).
+    cfg: the settings each kind reads for itself (None: its defaults)."""
     if want == "tcp":
         return "tcp", None, "R2COMM_TRANSPORT=tcp"
     whys = []
     for name in NIC_ORDER:
-        devices, why = KINDS[name].offer(rail_addrs, pool)
+        devices, why = KINDS[name].offer(rail_addrs, cfg)
         if why is None:
             return name, devices, "; ".join(whys) or None
         whys.append(why)

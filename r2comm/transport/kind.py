@@ -34,9 +34,9 @@ class Transport:
     hello_rails = ()         # HELLO rail codes of this kind's own connections
     missing = "cannot run it"   # "rank r {missing}: why" when a job asks for this kind
 
-    def offer(self, rail_addrs, pool=None):
-        """What this rank brings for its NIC rails: (devices or None, None), or (None, why
-        this rank cannot run the kind)."""
+    def offer(self, rail_addrs, cfg=None):
+        """What this rank brings for its NIC rails (cfg: the settings, None for the kind's
+        defaults): (devices or None, None), or (None, why this rank cannot run the kind)."""
         return None, None
 
     def min_rail_timeout_ms(self):

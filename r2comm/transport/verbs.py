@@ -192,7 +192,10 @@ class VerbsTransport(TcpTransport):
     attach_blocks = True     # the exchange waits for the peer
     missing = "has no usable RDMA device"
 
-    def offer(self, rail_addrs, pool=None):
+    def offer(self, rail_addrs, cfg=None):
+        # a device opened now gets its slot pool from the settings (R2COMM_VERBS_*_SLOTS)
+        pool = None if cfg is None else (cfg.verbs_recv_slots, cfg.verbs_send_slots,
+                                         cfg.verbs_conn_send_slots)
         found = find_devices(rail_addrs, pool)
         missing = [why for dev, why in found if dev is None]
         if missing:
