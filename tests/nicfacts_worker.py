@@ -220,7 +220,7 @@ def sc_noreplan(comm, args):
     checks, _, _ = stream_until(comm, "warm", lambda: True, 0, rng)
     if r in mine:
         comm.fail_rail(rail, "hard")
-    from r2comm import facts
+    from r2comm.control import facts
     key = facts.nic_key(victim, rail)
     c, _, _ = stream_until(comm, "held", lambda: comm._world.facts.level(key) == 0, 10.0, rng)
     checks += c

@@ -175,7 +175,7 @@ def test_cuda_array_without_cupy_says_what_to_install(monkeypatch):
 
 
 def test_device_buffers_are_told_apart_from_host_buffers():
-    from r2comm.args import device_args as _device_args, IN_PLACE
+    from r2comm.front.args import device_args as _device_args, IN_PLACE
     from r2comm.gpu import bfloat16
     from r2comm.gpu.standin import HostBackend
     be = HostBackend()

@@ -8,7 +8,7 @@ import pytest
 
 from r2comm import planner
 from r2comm.planner.state import RailState, snap_rates, measured_figures, MEASURE_NOISE
-from r2comm.bandwidth_probe import pair_rate, partners, ring_rounds, rounds, slots
+from r2comm.control.bandwidth import pair_rate, partners, ring_rounds, rounds, slots
 
 GBIT = 125e6          # bytes/s of 1 Gbit/s
 

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from r2comm.errors import R2commArgumentError, R2commError, R2commProtocolError
-from r2comm._core.verbs_common import (QpAddress, RegCache, RegionDesc, buffer_address,
-                                       declared_gbps)
+from r2comm._core.verbs_common import QpAddress, RegionDesc, buffer_address, declared_gbps
+from mr_cache import RegCache
 
 REPO = str(Path(__file__).resolve().parents[1])
 HERE = Path(__file__).parent

@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch._C._distributed_c10d as _c10d
 
 from .. import IN_PLACE
-from ..bootstrap_store import StoreComm
+from ..control.bootstrap_store import StoreComm
 from ..communicator import ANY_SOURCE, Communicator
 from ..errors import (R2commArgumentError, R2commBufferError, R2commError, R2commNetworkError,
                       R2commTimeout)

@@ -8,8 +8,8 @@ import numpy as np
 
 from .args import check_root, check_apart, is_in_place, IN_PLACE, device_args
 from .buffers import as_array, as_vector
-from .errors import R2commArgumentError, R2commBufferError
-from .ops import SUM, as_op, dtype_code, reduce_code
+from ..errors import R2commArgumentError, R2commBufferError
+from ..ops import SUM, as_op, dtype_code, reduce_code
 
 
 def _same_type(a, b, what):
