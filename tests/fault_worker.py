@@ -215,7 +215,7 @@ def sc_random(comm, args):
 
 def sc_partition(comm, args):
     """Rank 1 loses every rail mid-collective; every rank raises within the bound."""
-    n, r = comm.size, comm.rank
+    r = comm.rank
     mode = args.get("mode", "hard")
     x = np.ones(2_000_000, "float32")
     y = np.empty_like(x)
@@ -291,7 +291,7 @@ def sc_peerdeath(comm, args):
     since MPI itself cannot finalize with a dead rank."""
     import os
     import sys
-    n, r = comm.size, comm.rank
+    r = comm.rank
     x = np.ones(1_000_000, "float32")
     y = np.empty_like(x)
     for _ in range(3):

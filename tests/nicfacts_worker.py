@@ -161,11 +161,11 @@ def _switched_at(comm, epoch):
 
 
 def sc_realdown(comm, args):
-    n, r = comm.size, comm.rank
+    r = comm.rank
     marker = args["marker"]
     nrails = len(comm.rails)
     hosts = comm.topology()["nhosts"]
-    victim, rail = int(args.get("victim", hosts - 1)), int(args.get("rail", 1))
+    victim = int(args.get("victim", hosts - 1))
     rng = np.random.default_rng(r)
     checks, _, _ = stream_until(comm, "warm", lambda: True, 0, rng)
     check(comm.epoch == 0, "healthy start")

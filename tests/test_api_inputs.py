@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import r2comm
 from r2comm.front.buffers import as_array
 from r2comm.config import Config
-from r2comm.errors import R2commArgumentError, R2commBufferError, R2commError
+from r2comm.errors import R2commArgumentError, R2commBufferError
 
 from conftest import ROOT, run_mpi
 

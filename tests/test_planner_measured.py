@@ -151,7 +151,6 @@ def test_gathered_measured_state_is_identical_on_every_rank():
     members = [4, 7, 9]
     views = []
     for r in range(n):
-        g = members[r]
         rows = {members[p]: [(st, 0, 0, 0, 0, w, 0, rate) for (st, w, rate) in rs]
                 for p, rs in stats[r].items()}
         seen = []

@@ -2,7 +2,6 @@
 schedule executor of tests/test_planner.py under adversarial interleavings, bit-identical
 results, the replay against T* and the closed form, the planner offering and choosing it, and
 a multi-rank run on the real engine (tests/treefold_worker.py)."""
-import math
 import os
 
 import numpy as np

@@ -284,7 +284,7 @@ def phase_perftest(pair, rail, tool, events=False):
     tool = tool + (" -e" if events else "")
     ctrl = pair.exchange(f"ctrl.{tool}.r{rail.k}", os.environ["R2COMM_CTRL_ADDR"].encode())
     if pair.rank == 0:
-        out = subprocess.run(["timeout", "120", *argv], capture_output=True, text=True)
+        subprocess.run(["timeout", "120", *argv], capture_output=True, text=True)
         pair.barrier(f"{tool}.r{rail.k}.done")
         return
     text, rc = "", 1
