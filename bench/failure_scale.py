@@ -116,10 +116,11 @@ def point(n, case, colls=None, memory=False):
     PLANS by default; memory: the pass that traces the Python heap instead of timing, since
     tracing slows allocation several times over): {"ranks", "case", "<phase>_ms", ..., "total_ms",
     "peak_mib", "rss_added_mib", "algo", "facts", "exceptions"}."""
-    from r2comm import control, facts, plans, replan
+    from r2comm.control import tree as control, facts, replan
+    from r2comm.front import plans
     from r2comm._core import engine as eng_mod
     from r2comm.config import Config
-    from r2comm.nicwatch import NicWatch
+    from r2comm.control.nicwatch import NicWatch
     from r2comm.planner import clear_caches
     from r2comm.planner.state import DEFAULT_BW
     from r2comm.planner.topology import INTRA_BW, Topology
@@ -141,7 +142,7 @@ def point(n, case, colls=None, memory=False):
         tracemalloc.start()
 
     if case == "start_rail":
-        from r2comm import startup
+        from r2comm.control import startup
         first, last = victim * G, victim * G + G - 1
         reports = [{} for _ in range(n)]
         reports[first - 1][(first, RAIL)] = "timed out"      # the opener is the lower rank

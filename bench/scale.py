@@ -47,9 +47,9 @@ VERBS_POOL = (64 + 32) * 64 * 1024   # a verbs device's registered slot pool (th
                                      # shared by all its QPs: pinned per rank = nics x VERBS_POOL
 QP_SLAB = (16 + 32) * 64 * 1024      # before the pools: a registered slab per QP (16 send +
                                      # 32 receive slots of 64 KiB)
-VERBS_RAIL_FDS = 3                   # side socket, completion channel, epoll fd (r2comm/fdlimit)
+VERBS_RAIL_FDS = 3                   # side socket, completion channel, epoll fd (VerbsTransport.rail_fds)
 ENGINE_FDS = 3                       # the engine's own (epoll and wake-up fds; measured)
-DETECTOR_FDS = 6   # the failure detector: r2comm.transport.liveness.STEADY_FDS (test_scale_bench)
+DETECTOR_FDS = 6   # the failure detector: r2comm.control.liveness.STEADY_FDS (test_scale_bench)
 
 
 # -- the full-mesh model -----------------------------------------------------------------------
@@ -129,8 +129,10 @@ def records_cost(ns=(1024, 8192), nics=8, per_host=8, me=5):
     n; the three collectives take log2 n rounds): decoded, validated, the fd budgets judged,
     its local peers, the communicator's topology and the peers' addresses. -> rows of n, ms,
     us per rank, record bytes per rank. Measured here, in one process."""
-    from r2comm import bootstrap, fdlimit, railview
-    from r2comm.transport import links, shm
+    from r2comm.control import bootstrap, fdlimit
+    from r2comm.front import railview
+    from r2comm.control import links
+    from r2comm.transport import shm
     rows = []
     for n in ns:
         raw = synthetic_records(n, nics, per_host)
@@ -189,7 +191,7 @@ def rank_main(a):
     import importlib
     import r2comm
     importlib.import_module("r2comm._core.engine")    # loaded now: not start-up's cost
-    for mod in ("r2comm.communicator", "r2comm.control", "r2comm.bandwidth_probe"):
+    for mod in ("r2comm.communicator", "r2comm.control.tree", "r2comm.control.bandwidth"):
         importlib.import_module(mod)                  # nor compiling r2comm's sources (no .pyc
                                                       # under PYTHONDONTWRITEBYTECODE: ~60 ms
                                                       # of CPU per rank, n ranks on few cores)

@@ -78,7 +78,7 @@ class Job:
     TRIGGERS[text] runs (in its own thread) when a line starting with text appears."""
 
     def __init__(self, fab, argv, env, workdir, name, timeout, nproc=2):
-        from r2comm.ports import free_port
+        from r2comm.control.ports import free_port
         from r2comm.testbed.launch import torchrun_commands
         self.name, self.timeout = name, timeout
         self.logs = [workdir / f"{name}-host{h}.log" for h in range(fab.hosts)]

@@ -135,7 +135,7 @@ def main():
     if args.worker:
         return worker(args)
     import torch
-    from r2comm.ports import free_port
+    from r2comm.control.ports import free_port
     load0, start = os.getloadavg()[0], time.monotonic()
     got = run_job(args, free_port())
     s = summary(got)

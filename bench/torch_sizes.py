@@ -158,7 +158,7 @@ def main():
         ap.error(f"--ops: unknown {bad}; choose from {', '.join(OPS)}")
     if args.worker:
         return worker(args.worker, args.ops, args.max_mib, args.budget_s)
-    from r2comm.ports import free_port
+    from r2comm.control.ports import free_port
     runs, orders, loads = {b: [] for b in BACKENDS}, [], [os.getloadavg()[0]]
     start = time.monotonic()
     for i in range(args.rounds):

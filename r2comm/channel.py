@@ -11,11 +11,12 @@ import time
 
 import numpy as np
 
-from . import control, railview
+from .control import tree as control
+from .front import railview
 from .errors import (R2commArgumentError, R2commClosedError, R2commResourceError,
                      R2commTimeout, PEER_ARGUMENT_CODE, claim_telling)
-from .plans import NONBLOCKING as _NONBLOCKING, SEQ_MASK, call_name, compile_call
-from .replan import seq_before, same_rows
+from .front.plans import NONBLOCKING as _NONBLOCKING, SEQ_MASK, call_name, compile_call
+from .control.replan import seq_before, same_rows
 from .request import Request
 from .world import agree_max, engine_module as _engine
 

@@ -8,11 +8,12 @@ import functools
 
 import numpy as np
 
-from . import control, railview
-from .args import (ANY_SOURCE, ANY_TAG, IN_PLACE, PROC_NULL, as_array as _as_array, check_root,
-                   block_of as _block_of, check_apart as _check_apart, is_in_place,
-                   device_args as _device_args, pair as _pair)
-from .buffers import as_array as _as_blocks
+from .control import tree as control
+from .front import railview
+from .front.args import (ANY_SOURCE, ANY_TAG, IN_PLACE, PROC_NULL, as_array as _as_array,
+                         check_root, block_of as _block_of, check_apart as _check_apart,
+                         is_in_place, device_args as _device_args, pair as _pair)
+from .front.buffers import as_array as _as_blocks
 from .channel import Channel
 from .config import Config
 from .errors import R2commArgumentError, R2commBufferError, R2commResourceError, unsupported
@@ -22,12 +23,12 @@ from .errors import R2commArgumentError, R2commBufferError, R2commResourceError,
 _TOLD_ERRORS = (R2commArgumentError, R2commResourceError)
 from .faults import MODES as _FAULT_MODES
 from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op, reduce_code
-from .plans import NONBLOCKING as _NONBLOCKING, call_name
+from .front.plans import NONBLOCKING as _NONBLOCKING, call_name
 from .planner.schedule import WORK, SEND
-from .pt2pt import PointToPoint
+from .front.pt2pt import PointToPoint
 from .request import Request
-from .startup import quiet_barrier
-from .vcoll import VectorCollectives
+from .control.startup import quiet_barrier
+from .front.vcoll import VectorCollectives
 from .world import World, bootstrap_consts, agree_max, engine_module as _engine
 
 __all__ = ["Communicator", "IN_PLACE", "ANY_TAG", "ANY_SOURCE", "PROC_NULL"]
@@ -79,20 +80,20 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
     @classmethod
     def from_store(cls, store, rank, size, *, prefix="r2comm", store_timeout=300.0, **kwargs):
         """Bootstrap through a key-value store instead of MPI (torchrun's TCPStore, torch's
-        FileStore, or r2comm.bootstrap_store.DirStore without torch): every rank calls it with
+        FileStore, or r2comm.control.bootstrap_store.DirStore without torch): every rank calls it with
         the same store, size and prefix and its own rank; the other keyword arguments are the
         constructor's. store_timeout (s) bounds each wait for the other ranks' keys. The salt of
         the job secret and the endpoints travel through the store, never pickled (the lowercase
         object calls then take None, bool, int, float, str, bytes, list, tuple and dict); set
         R2COMM_JOB_SECRET_FILE on every rank where others can read the store (README,
         Security); no MPI."""
-        from .bootstrap_store import StoreComm, instance_prefix
+        from .control.bootstrap_store import StoreComm, instance_prefix
         comm = StoreComm(store, rank, size, instance_prefix(store, prefix), store_timeout)
         return cls(comm, **kwargs)
 
     @property
     def probe_result(self):
-        """What the start-up bandwidth probe measured on this rank (bandwidth_probe.ProbeResult:
+        """What the start-up bandwidth probe measured on this rank (control/bandwidth.ProbeResult:
         .rates {(peer, rail): bytes/s}, .seconds), or None when it did not run (R2COMM_PROBE=0)."""
         return self._world.probe
 
@@ -226,7 +227,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
     plan = schedule     # the older name, kept for existing scripts
 
     def topology(self):
-        """Which ranks share a host (host keys from bootstrap, r2comm.hostid; R2COMM_HOST
+        """Which ranks share a host (host keys from bootstrap, r2comm.control.hostid; R2COMM_HOST
         overrides a rank's key): a dict with nhosts, hosts (the ranks of each host, in rank
         order), rails_per_host (rails listed by the host's ranks), regular (every host runs
         as many ranks), hierarchical (several hosts, some with several ranks: the planner then

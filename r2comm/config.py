@@ -112,8 +112,8 @@ class Config:
                                                    #   or host (the engine reduces the pinned
                                                    #   copies); the same on every rank
     shm: bool = True                               # R2COMM_SHM=0: local peers over TCP too; else
-                                                   #   ranks on one host (r2comm.hostid) talk
-                                                   #   through shared memory (r2comm/shm.py)
+                                                   #   ranks on one host (r2comm.control.hostid) talk
+                                                   #   through shared memory (r2comm/transport/shm.py)
     shm_ring: int = 4 << 20                        # R2COMM_SHM_RING: bytes per direction of a
                                                    #   shared-memory link (a power of two)
     job_secret: bytes = field(default=b"", repr=False)  # R2COMM_JOB_SECRET_FILE / R2COMM_JOB_SECRET:
@@ -122,7 +122,7 @@ class Config:
     warn_no_secret: bool = True                    # R2COMM_WARN_NO_SECRET=0: no warning when a
                                                    #   store bootstrap runs without job_secret
     liveness: bool = True                          # R2COMM_LIVENESS=0: no failure detector
-                                                   #   (r2comm/transport/liveness.py)
+                                                   #   (r2comm/control/liveness.py)
     liveness_period_ms: float = 200.0              # R2COMM_LIVENESS_PERIOD_MS: heartbeat period
     liveness_suspect_ms: float = 2000.0            # R2COMM_LIVENESS_SUSPECT_MS: a ring neighbour
                                                    #   silent this long is suspected and probed
@@ -130,10 +130,6 @@ class Config:
                                                    #   kernel answers but that stays silent
                                                    #   (stopped) is declared dead after this;
                                                    #   0: as soon as the suspicion is confirmed
-    test_transport: dict = field(default_factory=dict)  # R2COMM_TEST_TRANSPORT (tests only):
-                                                   #   "fake:seed=1,block=0.1,short=0.3,..."
-                                                   #   runs the rails on the fake transport
-                                                   #   (testing.use_fake_transport's arguments)
 
     @classmethod
     def from_env(cls):
@@ -211,9 +207,7 @@ class Config:
             raise R2commArgumentError(f"R2COMM_GPU_REDUCE={c.gpu_reduce!r}: must be device or host")
         c.job_secret = job_secret_from_env()
         c.warn_no_secret = os.environ.get("R2COMM_WARN_NO_SECRET", "1").strip() != "0"
-        c.test_transport = _test_transport(os.environ.get("R2COMM_TEST_TRANSPORT", ""))
-        # the fake transport exercises the TCP path: with it, local peers use TCP as well
-        c.shm = os.environ.get("R2COMM_SHM", "1").strip() != "0" and not c.test_transport
+        c.shm = os.environ.get("R2COMM_SHM", "1").strip() != "0"
         c.shm_ring = _bytes("R2COMM_SHM_RING", c.shm_ring)
         if c.shm_ring < 4096 or c.shm_ring & (c.shm_ring - 1) or c.shm_ring > 1 << 30:
             from .errors import R2commArgumentError
@@ -269,31 +263,3 @@ def job_secret_from_env():
         raise R2commArgumentError(f"{what}: the job secret has {len(secret)} bytes; at least "
                                   f"{JOB_SECRET_MIN} are needed (e.g. 32 random bytes, hex)")
     return secret
-
-
-_FAKE_KEYS = {"seed": int, "block": float, "short": float, "delay": float, "lose": float,
-              "fail": float, "fail_bytes": _size, "max_fails": int}
-
-
-def _test_transport(text):
-    """R2COMM_TEST_TRANSPORT=fake:key=value,...: r2comm._core.testing.use_fake_transport's
-    keyword arguments (the test extension: setup.py)."""
-    text = text.strip()
-    if not text:
-        return {}
-    kind, _, rest = text.partition(":")
-    from .errors import R2commArgumentError
-    if kind != "fake":
-        raise R2commArgumentError(f"R2COMM_TEST_TRANSPORT={text!r}: only 'fake:...' exists")
-    import importlib.util
-    if importlib.util.find_spec("r2comm._core.testing") is None:
-        raise R2commArgumentError("R2COMM_TEST_TRANSPORT needs r2comm's test extension, which "
-                                  "this install lacks (build with R2COMM_TEST_HOOKS=1)")
-    out = {"seed": 0}
-    for item in filter(None, (x.strip() for x in rest.split(","))):
-        key, _, val = item.partition("=")
-        if key not in _FAKE_KEYS:
-            raise R2commArgumentError(f"R2COMM_TEST_TRANSPORT: unknown key {key!r} "
-                                      f"(known: {', '.join(_FAKE_KEYS)})")
-        out[key] = _FAKE_KEYS[key](val)
-    return out

@@ -46,7 +46,7 @@ class R2commProtocolError(R2commError):
 
 class R2commResourceError(R2commError):
     """A resource limit of this machine is too small for the job (file descriptors at start-up,
-    r2comm/fdlimit.py, or for a first use's connections, transport/links.py)."""
+    r2comm/control/fdlimit.py, or for a first use's connections, control/links.py)."""
 
 
 class R2commSecurityWarning(UserWarning):

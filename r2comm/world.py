@@ -8,19 +8,25 @@ import os
 import threading
 import weakref
 
-from . import bootstrap, events, facts, faults, fdlimit, startup
-from .comm_ids import CommIds
+from .control import bootstrap, facts, fdlimit, startup
+from . import events, faults
+from .control.comm_ids import CommIds
 from .errors import R2commBuildError
-from .nicwatch import NicWatch
+from .control.nicwatch import NicWatch
 from .planner.state import DEFAULT_BW
 from .planner.topology import INTRA_BW
-from .railview import loopback_only, topology
-from .replan import Replans
-from .transport import liveness, select
+from .front.railview import loopback_only, topology
+from .control.replan import Replans
+from .control import liveness
+from .transport import select
 from .transport.rails import rail_stats
-from .transport.links import Links
+from .control.links import Links
 
 log = logging.getLogger("r2comm")
+# callables hook(engine, boot) run on every new engine before it starts: where tests inject
+# what production never runs (tests/fake_transport.py: the fake transport of the test
+# extension); empty in production
+ENGINE_HOOKS = []
 _live_worlds = weakref.WeakSet()
 _ENGINE = None
 
@@ -45,7 +51,7 @@ def engine_module():
 def bootstrap_consts(comm, mpi=True):
     """(MAX op, UNDEFINED color) of the bootstrap comm: a StoreComm's own, else mpi4py's
     (None when mpi is False)."""
-    from .bootstrap_store import StoreComm, MAX, UNDEFINED
+    from .control.bootstrap_store import StoreComm, MAX, UNDEFINED
     if isinstance(comm, StoreComm):
         return MAX, UNDEFINED
     if not mpi:
@@ -99,7 +105,7 @@ class World:
         self.timers = []
         self.probe = None            # the start-up bandwidth probe's ProbeResult
         self.start_probe_bytes = None   # the probe size agreed at start-up (None: not agreed)
-        self.liveness = None         # the failure detector (transport/liveness.py), or None
+        self.liveness = None         # the failure detector (control/liveness.py), or None
         self.regcache = transports.registration_cache()   # zero-copy sends from user memory
         # NIC facts (facts.py): per host and NIC, plus pair exceptions; the start-up table's,
         # then what is announced (nicwatch.py); plans follow them (replan.py)
@@ -190,15 +196,13 @@ class World:
         return nbytes if self.boot.params["acks"] and self.boot.size > 1 else 0
 
     def probe_bandwidth(self, ctl, mpi_comm, nbytes, state, timeout):
-        """Time every rail to the ring neighbours over control plane `ctl` (bandwidth_probe.py;
+        """Time every rail to the ring neighbours over control plane `ctl` (control/bandwidth.py;
         state: the plans' RailState or None), exchange each NIC's rate over `mpi_comm` and seed the engine's
         measured rates of every peer (a pair not timed: the slower of its two NICs)."""
-        from . import bandwidth_probe as probe
+        from .control import bandwidth as probe
         eng, g, rank = self.engine, ctl.global_ranks(), ctl.rank
         stats = eng.rail_stats()
-        hedge = getattr(eng, "set_hedge", None)   # tail copies on another rail would time that one
-        if hedge is not None:
-            hedge(False)
+        eng.set_hedge(False)         # tail copies on another rail would time that one
         try:
             eps = self.boot.endpoints
             res = probe.run(ctl, nbytes, lambda p, k: rail_stats(eng)[g[p]][k].state == "up",
@@ -208,8 +212,7 @@ class World:
                             reachable=None if state is None else
                             (lambda p: state.working(rank, p)))
         finally:
-            if hedge is not None:
-                hedge(self.cfg.hedge)
+            eng.set_hedge(self.cfg.hedge)
         nics = mpi_comm.allgather(probe.nic_rates(res, len(self.boot.rail_addrs)))
         res.nic_rates = nics[rank]
         if g == list(range(self.boot.size)) and not loopback_only(eps):
@@ -291,10 +294,8 @@ def _connect(engine, boot, cfg, mpi_comm):
     (and links) are closed again when anything fails."""
     links = None
     try:
-        if cfg.test_transport:          # tests only: the fake transport (per-rank seed)
-            from ._core import testing      # the test extension (setup.py)
-            fake = dict(cfg.test_transport)
-            testing.use_fake_transport(engine, fake.pop("seed") * 1009 + boot.rank, **fake)
+        for hook in ENGINE_HOOKS:      # what tests inject (none in production)
+            hook(engine, boot)
         engine.set_integrity(cfg.integrity == "mac")
         engine.start()
         for spec in faults.parse(cfg.fault):   # NICs dark from the start (R2COMM_FAULT start=1)

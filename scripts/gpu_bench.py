@@ -98,7 +98,7 @@ class _Cupy:
 def rank_main(rank, size, store_dir, args):
     import numpy as np
     import r2comm
-    from r2comm.bootstrap_store import DirStore
+    from r2comm.control.bootstrap_store import DirStore
     from r2comm.gpu import pipeline
     dev = _StandinCupy() if args.standin else _Cupy()
     comm = r2comm.Communicator.from_store(DirStore(store_dir), rank, size, timeout=120)

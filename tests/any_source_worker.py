@@ -121,7 +121,7 @@ def posted_before_arrival(comm):
 def tag_skips_and_cancel(comm):
     """An any-source receive with a tag passes over stored messages of other tags; one that
     timed out takes nothing afterwards; a send to ANY_SOURCE is refused."""
-    n, r = comm.size, comm.rank
+    r = comm.rank
     expect(r2comm.R2commArgumentError,
            lambda: comm.Send(np.zeros(1, "int32"), ANY), "Send to ANY_SOURCE")
     if r == 0:

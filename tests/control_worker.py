@@ -19,7 +19,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
-from r2comm import control  # noqa: E402
+from r2comm.control import tree as control  # noqa: E402
 from mpi_worker import WORLD, check, main  # noqa: E402
 
 

@@ -162,7 +162,7 @@ def sc_random(comm, args):
     n, r = comm.size, comm.rank
     seed, trials = int(args.get("seed", 1)), int(args.get("trials", 30))
     nrails = len(comm.rails)
-    struck = injected = checks = skipped = 0
+    struck = detected = missed = injected = checks = skipped = 0
     t_start = time.monotonic()
     for t in range(trials):
         rng = np.random.default_rng([seed, t])          # same plan on every rank
@@ -188,17 +188,22 @@ def sc_random(comm, args):
                 comm.fail_rail(rail, mode, after_bytes=after)
                 injected += 1
         checks += run_collective(comm, coll, nbytes, f"rt-{seed}-{t}", rng)
-        mine = [e for e in comm.events[before:] if e["kind"] == "rail_failed"
-                and e["detector"] == r]
-        struck += 1 if mine else 0
+        evs = comm.events[before:]
+        mine = [e for e in evs if e["kind"] == "rail_failed" and e["detector"] == r]
+        detected += 1 if mine else 0
+        hits = [e for e in evs if e["kind"] == "fault_struck"]
+        struck += 1 if hits else 0
+        failed = {(e["peer"], e["rail"]) for e in evs if e["kind"] == "rail_failed"}
+        # a hard fault shuts the connection down: the rank that injected it sees its rail fail
+        missed += sum(1 for e in hits if e["info"] == "hard" and (e["peer"], e["rail"]) not in failed)
         for frank, rail, mode, after in plan:
             if frank == r and healthy:
                 comm.restore_rail(rail)
         WORLD.Barrier()
-    struck = WORLD.allreduce(struck)
-    injected = WORLD.allreduce(injected)
+    struck, detected, missed, injected = (WORLD.allreduce(v) for v in (struck, detected, missed, injected))
     if r == 0:
-        print(f"FAULTS injected={injected} detected_trials={struck} trials={trials} skipped={skipped} "
+        print(f"FAULTS injected={injected} struck_trials={struck} detected_trials={detected} "
+              f"missed_hard={missed} trials={trials} skipped={skipped} "
               f"seconds={time.monotonic() - t_start:.1f}", flush=True)
     # bilateral awareness: every locally detected failure was told to the peer and acked
     evs = comm.events
@@ -210,7 +215,7 @@ def sc_random(comm, args):
 
 def sc_partition(comm, args):
     """Rank 1 loses every rail mid-collective; every rank raises within the bound."""
-    n, r = comm.size, comm.rank
+    r = comm.rank
     mode = args.get("mode", "hard")
     x = np.ones(2_000_000, "float32")
     y = np.empty_like(x)
@@ -286,7 +291,7 @@ def sc_peerdeath(comm, args):
     since MPI itself cannot finalize with a dead rank."""
     import os
     import sys
-    n, r = comm.size, comm.rank
+    r = comm.rank
     x = np.ones(1_000_000, "float32")
     y = np.empty_like(x)
     for _ in range(3):

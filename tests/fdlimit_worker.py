@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
-from r2comm import fdlimit  # noqa: E402
+from r2comm.control import fdlimit  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 

@@ -45,7 +45,6 @@ if "netns=1" not in sys.argv:        # in the testbed the namespaces tell the ho
 
 import r2comm  # noqa: E402
 from r2comm import SUM, planner  # noqa: E402
-from r2comm.planner.schedule import WORK, SEND  # noqa: E402
 from mpi_worker import WORLD, check, same_everywhere, sc_collectives, main, wait_rails_up  # noqa: E402
 
 MB = 1 << 20

@@ -15,7 +15,25 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from r2comm.transport import liveness  # noqa: E402
+from r2comm.control import liveness  # noqa: E402
+
+
+class MisbehavingDetector(liveness.Detector):
+    """A detector whose heartbeats come only every `hb_every` s (a slow rank), or never go to
+    the ranks in `mute` (a one-way silence): what tests inject, never production."""
+    hb_every = None
+    mute = frozenset()
+    _next_beat = 0.0
+
+    def heartbeat_peers(self):
+        return super().heartbeat_peers() - set(self.mute)
+
+    def _beat(self, now):
+        if self.hb_every is not None:
+            if now < self._next_beat:
+                return
+            self._next_beat = now + self.hb_every
+        super()._beat(now)
 
 
 def main():
@@ -47,11 +65,11 @@ def main():
         told[r] = (time.time(), reason, process)
     s = liveness.Settings(float(kw.get("period", 0.2)), float(kw.get("suspect", 2.0)),
                           float(kw.get("frozen", 60.0)), float(kw.get("probe", liveness.PROBE_S)))
-    det = liveness.Detector(rank, size, secret, lst, addrs, s, on_dead, pids)
+    det = MisbehavingDetector(rank, size, secret, lst, addrs, s, on_dead, pids)
     if "hb_every" in kw:
-        det.test_hb_every = float(kw["hb_every"])
+        det.hb_every = float(kw["hb_every"])
     if "mute" in kw:
-        det.test_mute = {int(kw["mute"])}
+        det.mute = {int(kw["mute"])}
     det.start()
     t0 = time.monotonic()
     end = t0 + float(kw.get("max", 60))

@@ -161,11 +161,11 @@ def _switched_at(comm, epoch):
 
 
 def sc_realdown(comm, args):
-    n, r = comm.size, comm.rank
+    r = comm.rank
     marker = args["marker"]
     nrails = len(comm.rails)
     hosts = comm.topology()["nhosts"]
-    victim, rail = int(args.get("victim", hosts - 1)), int(args.get("rail", 1))
+    victim = int(args.get("victim", hosts - 1))
     rng = np.random.default_rng(r)
     checks, _, _ = stream_until(comm, "warm", lambda: True, 0, rng)
     check(comm.epoch == 0, "healthy start")
@@ -220,7 +220,7 @@ def sc_noreplan(comm, args):
     checks, _, _ = stream_until(comm, "warm", lambda: True, 0, rng)
     if r in mine:
         comm.fail_rail(rail, "hard")
-    from r2comm import facts
+    from r2comm.control import facts
     key = facts.nic_key(victim, rail)
     c, _, _ = stream_until(comm, "held", lambda: comm._world.facts.level(key) == 0, 10.0, rng)
     checks += c

@@ -177,7 +177,7 @@ def sc_broken(comm, args):
             comm.fail_rail(k, "hard", peer=1)
     # both ends see the pair without a rail, and every rank holds the pair's facts (the lower
     # rank announces them: nicwatch.py), before the next operation
-    from r2comm import facts
+    from r2comm.control import facts
     keys = [facts.pair_key(0, 1, k) for k in range(nrails)]
     deadline = time.monotonic() + 10
     while True:

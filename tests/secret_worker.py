@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
-from r2comm.bootstrap_store import DirStore  # noqa: E402
+from r2comm.control.bootstrap_store import DirStore  # noqa: E402
 
 
 class WatchedStore(DirStore):

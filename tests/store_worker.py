@@ -1,4 +1,4 @@
-"""A rank of a job bootstrapped through a directory store (r2comm.bootstrap_store.DirStore) with
+"""A rank of a job bootstrapped through a directory store (r2comm.control.bootstrap_store.DirStore) with
 Communicator.from_store: no MPI, no torch. argv: rank size store_dir. Prints `OK store <rank>`."""
 import os
 import sys
@@ -7,7 +7,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
-from r2comm.bootstrap_store import DirStore  # noqa: E402
+from r2comm.control.bootstrap_store import DirStore  # noqa: E402
 
 
 def main():

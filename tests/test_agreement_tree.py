@@ -4,7 +4,7 @@ every send matched by the peer's receive, and every rank's call ends only after 
 every rank's frame reached it (nobody leaves before all arrived)."""
 import pytest
 
-from r2comm import plans
+from r2comm.front import plans
 from r2comm.planner.state import RailState
 
 
@@ -83,7 +83,7 @@ def test_control_allgather_exchanges_with_at_most_four_peers(n):
     """The control plane's allgather (control.py: two trees, 2 messages per tree peer; up to
     7 ranks the flood): at most 4 peers per rank from 8 ranks on, symmetric, and from 8 ranks
     on never every peer. Its messages on a run: tests/test_control_tree.py."""
-    from r2comm import control
+    from r2comm.control import tree as control
     peers = [control.tree_peers(r, n) for r in range(n)]
     for r in range(n):
         assert r not in peers[r] and len(peers[r]) <= (4 if n > control.FLOOD_MAX else 6)

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import r2comm
-from r2comm.buffers import as_array
+from r2comm.front.buffers import as_array
 from r2comm.config import Config
-from r2comm.errors import R2commArgumentError, R2commBufferError, R2commError
+from r2comm.errors import R2commArgumentError, R2commBufferError
 
 from conftest import ROOT, run_mpi
 
@@ -114,9 +113,9 @@ def test_every_public_method_has_a_docstring():
     """help() shows a description for every public name users call (not a source comment)."""
     import inspect
     from r2comm.communicator import Communicator
-    from r2comm.pt2pt import Message, PointToPoint
+    from r2comm.front.pt2pt import Message, PointToPoint
     from r2comm.request import BaseRequest, GroupRequest, LocalRequest, Prequest, Request, Status
-    from r2comm.vcoll import VectorCollectives
+    from r2comm.front.vcoll import VectorCollectives
     missing = []
     for cls in (Communicator, VectorCollectives, PointToPoint, Message, BaseRequest, Request,
                 Prequest, LocalRequest, GroupRequest, Status):

@@ -192,6 +192,7 @@ def test_a_copy_of_a_real_build_loads(tmp_path, genuine, monkeypatch):
     assert rc == 0 and "HELPER True" in out, out[-3000:]
 
 
+@pytest.mark.slow   # two real builds of the helper: 80 s (the lock itself: the test below)
 def test_a_build_killed_half_way_does_not_block_the_next(tmp_path, monkeypatch):
     """A build killed (SIGKILL, with its compiler) half-way through, then two processes that
     want the backend at once: both get it within the bound, from one build, and the cache's

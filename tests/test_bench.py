@@ -340,7 +340,8 @@ def test_gloo_peer(kind, tmp_path):
 @pytest.mark.parametrize("kind", SWEEPS)
 def test_r2comm_sweep_against_mpi(kind, tmp_path):
     out, png = tmp_path / f"{kind}.json", tmp_path / f"{kind}.png"
-    stdout = bench([kind, "--peer", "mpi", "-m", "8:256K", "-f", *QUICK, "--json", str(out), "--plot", str(png)])
+    plot = ["--plot", str(png)] if kind == "allreduce" else []     # (one plot: CI time)
+    stdout = bench([kind, "--peer", "mpi", "-m", "8:64K", "-f", *QUICK, "--json", str(out), *plot])
     header = [line for line in stdout.splitlines() if line.startswith("# Size")][0]
     assert "r2comm/mpi-shm" in header
     assert table_rows(stdout)
@@ -348,7 +349,7 @@ def test_r2comm_sweep_against_mpi(kind, tmp_path):
     assert set(doc["results"]) == {"r2comm", "mpi-shm"}
     assert doc["libraries"][0]["name"] == "r2comm" and len(doc["libraries"][0]["rails"]) >= 1
     assert all(r["time_us"] > 0 for r in doc["results"]["r2comm"])
-    assert png.stat().st_size > 0
+    assert not plot or png.stat().st_size > 0
 
 
 @needs_mpiexec

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from conftest import ROOT
-from r2comm.bootstrap_store import DirStore, StoreComm, MAX, SUM, UNDEFINED
+from r2comm.control.bootstrap_store import DirStore, StoreComm, MAX, SUM, UNDEFINED
 from r2comm.errors import R2commArgumentError, R2commTimeout
 
 SHM_OK = True           # run and passing over shared memory between local ranks (conftest)

@@ -1,11 +1,11 @@
-"""The one allocator of communicator ids (r2comm/comm_ids.py, issue 30): agreed normal ids as Dup,
+"""The one allocator of communicator ids (r2comm/control/comm_ids.py, issue 30): agreed normal ids as Dup,
 Split and the torch backend's groups take them, and the ids of control-plane and staging twins."""
 import ast
 import os
 
 import pytest
 
-from r2comm.comm_ids import CONTROL_BIT, GPU_BIT, CommIds
+from r2comm.control.comm_ids import CONTROL_BIT, GPU_BIT, CommIds
 from r2comm.errors import R2commArgumentError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +37,7 @@ def test_no_other_module_makes_twin_ids():
     for folder, _, files in os.walk(os.path.join(ROOT, "r2comm")):
         for name in files:
             path = os.path.join(folder, name)
-            if not name.endswith(".py") or path.endswith(os.path.join("r2comm", "comm_ids.py")) \
+            if not name.endswith(".py") or path.endswith(os.path.join("control", "comm_ids.py")) \
                     or path.endswith(os.path.join("testbed", "place.py")):   # CLONE_NEWNET
                 continue
             with open(path) as f:

@@ -11,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from r2comm import control
+from r2comm.control import tree as control
 from r2comm.errors import R2commNetworkError, R2commTimeout
 from r2comm.planner.state import RailState
 
@@ -172,7 +172,7 @@ def test_healthy_calls_use_the_trees_only(n):
 
 
 def test_the_trees_are_the_agreement_tree_and_share_no_pair():
-    from r2comm import plans
+    from r2comm.front import plans
     for n in list(range(8, 70)) + [255, 256, 1000, 1024]:
         a, b = control.control_trees(n)
         assert a == [plans.agreement_peers(r, n)[0] for r in range(n)]

@@ -1,4 +1,4 @@
-"""The NIC facts (r2comm/facts.py, issue 39): the table every rank holds, its wire form, and the
+"""The NIC facts (r2comm/control/facts.py, issue 39): the table every rank holds, its wire form, and the
 plan state it gives; pure functions, no sockets. The multi-rank behaviour is in
 tests/test_nic_facts.py."""
 import itertools
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from r2comm import facts as F
+from r2comm.control import facts as F
 from r2comm.planner.state import NicRailState
 
 BW = [1.25e9] * 8

@@ -15,7 +15,8 @@ FAST = {"R2COMM_RAIL_TIMEOUT_MS": "150", "R2COMM_PROBE_MS": "30", "R2COMM_PROBE_
 
 
 def _faults(out):
-    m = re.search(r"FAULTS injected=(\d+) detected_trials=(\d+) trials=(\d+) skipped=(\d+)", out)
+    m = re.search(r"FAULTS injected=(\d+) struck_trials=(\d+) detected_trials=(\d+) "
+                  r"missed_hard=(\d+) trials=(\d+) skipped=(\d+)", out)
     assert m, out[-3000:]
     return [int(g) for g in m.groups()]
 
@@ -23,10 +24,14 @@ def _faults(out):
 @pytest.mark.parametrize("n,seed,trials", [(2, 11, 80), (3, 12, 80), (4, 13, 60)])
 def test_random_faults_results_bit_identical(n, seed, trials):
     count, out = run_scenario(n, "random", timeout=150, env=FAST, seed=seed, trials=trials)
-    injected, detected, total, skipped = _faults(out)
+    injected, struck, detected, missed, total, skipped = _faults(out)
     assert count == trials * n                 # every trial's result checked on every rank
     assert injected >= trials and skipped <= trials // 10
-    assert detected >= trials // 2             # most faults struck while data was moving
+    # (rank, trial) pairs where a fault took effect; some collectives send nothing from the
+    # faulted rank, or less than the fault's offset, so not every injection strikes
+    assert struck >= trials // 3, out[-3000:]
+    assert detected >= struck // 2, out[-3000:]  # a silent fault may be hedged around unseen
+    assert missed == 0, out[-3000:]            # a hard fault that struck always failed its rail
 
 
 @pytest.mark.slow
@@ -37,8 +42,8 @@ def test_random_faults_many_seeds(n, seed):
     assert count == 100 * n
 
 
-@pytest.mark.parametrize("mode", ["hard", "silent"])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n,mode", [(3, "hard"), (2, "silent"), pytest.param(2, "hard", marks=pytest.mark.slow),
+                                    pytest.param(3, "silent", marks=pytest.mark.slow)])
 def test_pair_losing_every_rail_raises_everywhere(n, mode):
     _, out = run_scenario(n, "partition", timeout=60, mode=mode)
     line = [ln for ln in out.splitlines() if ln.startswith("PARTITION")][0]

@@ -21,7 +21,7 @@ SMALL = {"R2COMM_GPU_SEGMENT": "4096", "R2COMM_GPU_STAGING": "20000"}   # 2 slot
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,mode", [(2, "device"), (3, "device"), (2, "host")])
+@pytest.mark.parametrize("n,mode", [(2, "device"), pytest.param(3, "device", marks=pytest.mark.slow), (2, "host")])
 def test_every_collective_exact_on_standin(n, mode):
     """Every collective (in place too), dtypes, ops, sizes with tails, 4 KiB segments through a
     pool of 2 slots: exact against numpy, identical on every rank, the pool's memory reused."""
@@ -44,7 +44,7 @@ def test_stream_ordering_and_completion_means_in_place():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_failure_mid_pipeline_raises_everywhere_and_stops_copies(n):
     """A device error on one rank, a mismatch in a late segment, a bad argument and a timeout:
     Wait raises on every rank, no copy runs afterwards, the slots are back, the next call works."""
@@ -71,7 +71,7 @@ def test_rail_failure_with_replanning_every_call():
     segments' collectives follow the plans of their call's epoch."""
     count, _ = scenario(2, "standin_failover", env={"R2COMM_GPU_SEGMENT": "262144",
                                                     "R2COMM_REPLAN": "1"}, count=1 << 19)
-    assert count == 8
+    assert count == 10          # (8 + the calls that waited for the switch, on each rank)
 
 
 @pytest.mark.mpi
@@ -175,7 +175,7 @@ def test_cuda_array_without_cupy_says_what_to_install(monkeypatch):
 
 
 def test_device_buffers_are_told_apart_from_host_buffers():
-    from r2comm.args import device_args as _device_args, IN_PLACE
+    from r2comm.front.args import device_args as _device_args, IN_PLACE
     from r2comm.gpu import bfloat16
     from r2comm.gpu.standin import HostBackend
     be = HostBackend()

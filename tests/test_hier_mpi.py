@@ -23,7 +23,7 @@ def scenario(n, name, env=None, timeout=120, **kw):
     return int(lines[-1].split()[2]), out
 
 
-@pytest.mark.parametrize("n,layout,force", [(4, "0,0,1,1", False), (4, "0,0,1,1", True),
+@pytest.mark.parametrize("n,layout,force", [pytest.param(4, "0,0,1,1", False, marks=pytest.mark.slow), (4, "0,0,1,1", True),
                                             (4, "0,1,1,2", False), (3, "0,0,1", True)])
 def test_every_collective_on_emulated_hosts(n, layout, force):
     env = {"R2COMM_ALGO": "hierarchical"} if force else {"R2COMM_ALGO": ""}
@@ -55,7 +55,7 @@ def test_nic_failure_of_one_host_mid_collective_bit_identical():
     assert len(lines) == 2 and all("bit-identical" in ln for ln in lines)
 
 
-@pytest.mark.parametrize("n,layout", [(6, "0,0,1,1,2,2"), (5, "0,0,1,2,2")])
+@pytest.mark.parametrize("n,layout", [pytest.param(6, "0,0,1,1,2,2", marks=pytest.mark.slow), (5, "0,0,1,2,2")])
 def test_tree_allreduce_on_emulated_hosts(n, layout):
     """Issue 32: the double-binary-tree hierarchical allreduce (3 hosts) on the real engine,
     every collective exact (R2COMM_ALGO=hierarchical_tree forces it for the allreduces)."""

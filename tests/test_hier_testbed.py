@@ -41,7 +41,7 @@ def _job(fab, n, scenario, **kw):
     return int(lines[-1].split()[2]), out
 
 
-@pytest.mark.parametrize("hosts,n", [(2, 4), (3, 6)])
+@pytest.mark.parametrize("hosts,n", [pytest.param(2, 4, marks=pytest.mark.slow), (3, 6)])
 def test_hierarchical_collectives_in_the_testbed(netns_ok, hosts, n):
     fab = Fabric(hosts=hosts, nics=2, rate="1gbit", tag=TAG).up()
     try:

@@ -18,7 +18,7 @@ from r2comm.sim.cluster import Cluster
 from r2comm.sim.fabric import Fabric
 
 from test_planner import (execute, inputs, reference, run_allreduce, check_allreduce,
-                          consistent, ScheduleError)
+                          consistent)
 
 MB = 1 << 20
 OPS = ("SUM", "PROD", "MIN", "MAX")

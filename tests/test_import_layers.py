@@ -10,8 +10,10 @@ Circles through modules outside a package are not claimed by its contract. Over 
 KNOWN_CIRCLES lists the circles still there (none since the Communicator refactor, issue 30: the
 GPU pipeline takes IN_PLACE and the argument checks from args.py); any other circle fails.
 
-TRANSPORT_BLIND: the communicator and the modules under it name no transport (issue 30): they
-ask transport/select.py's JobTransports, by what they need, and import no transport module but it.
+TRANSPORT_BLIND: the communicator, the modules under it and the control plane name no transport
+kind (issues 30, 43): they ask transport/select.py's JobTransports or the kinds' objects
+(r2comm.transport: KINDS, CONTROL, LOCAL), by what they need, and import no kind's module.
+(tests/test_layers.py checks the layers themselves, the Cython sources too.)
 """
 import ast
 import os
@@ -21,9 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CYCLE_FREE = ("r2comm.bench", "r2comm.gpu")
 LEAVES = {"r2comm.planner": ("r2comm.errors",)}
 KNOWN_CIRCLES = ()
-TRANSPORT_BLIND = ("r2comm.communicator", "r2comm.channel", "r2comm.world", "r2comm.plans",
-                   "r2comm.railview", "r2comm.facts", "r2comm.replan", "r2comm.args", "r2comm.p2p", "r2comm.events",
-                   "r2comm.comm_ids")
+TRANSPORT_BLIND = ("r2comm.communicator", "r2comm.channel", "r2comm.world", "r2comm.events",
+                   "r2comm.front.plans", "r2comm.front.railview", "r2comm.front.args",
+                   "r2comm.front.p2p", "r2comm.front.pt2pt", "r2comm.front.vcoll",
+                   "r2comm.control.facts", "r2comm.control.replan", "r2comm.control.comm_ids",
+                   # the control plane asks the kinds' objects (issue 43), by what they offer
+                   "r2comm.control.links", "r2comm.control.startup", "r2comm.control.fdlimit",
+                   "r2comm.control.liveness", "r2comm.control.tree")
+TRANSPORT_OBJECTS = ("r2comm.transport", "r2comm.transport.select", "r2comm.transport.rails")
 TRANSPORT_WORDS = ("shm", "verbs")
 PUBLIC_NAMES = {("r2comm.communicator", "shm_peers")}     # the public API's own name
 
@@ -179,8 +186,7 @@ def test_front_end_names_no_transport():
         assert module in files, f"{module}: not found"
         assert transport_words(files[module], module) == [], f"{module} names a transport"
         bad = sorted(t for t in graph[module] if inside(t, "r2comm.transport")
-                     and t not in ("r2comm.transport.select", "r2comm.transport.links",
-                                   "r2comm.transport.rails", "r2comm.transport.liveness"))
+                     and t not in TRANSPORT_OBJECTS)
         assert bad == [], f"{module} imports transport modules past select"
 
 

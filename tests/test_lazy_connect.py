@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import run_mpi
-from r2comm.transport import links as links_mod
+from r2comm.control import links as links_mod
 from r2comm.transport import tcp
 
 WORKER = os.path.join(os.path.dirname(__file__), "lazy_worker.py")
@@ -101,6 +101,13 @@ class RecordingEngine:
     def mark_unconnected(self, peer, rail, why):
         self.unconnected.append((peer, rail, why))
 
+    def link_state(self, peer, rail):
+        with self.lock:
+            return "up" if any(a[:2] == (peer, rail) for a in self.attached) else "down"
+
+    def note_link_error(self, peer, rail, info):
+        pass
+
 
 def _pair():
     """Ranks 0 and 1 with one rail and a control connection each, links threads running."""
@@ -111,7 +118,7 @@ def _pair():
     out = []
     for r in range(2):
         boot = SimpleNamespace(rank=r, size=2, rail_addrs=["127.0.0.1"], endpoints=eps,
-                               listeners=lsts[r], secret=secret, job=job)
+                               listeners=lsts[r], secret=secret, job=job, transport="tcp")
         lk = links_mod.Links(RecordingEngine(), boot, cfg)
         lk._thread.start()
         out.append(lk)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from r2comm.transport import links as links_mod
+from r2comm.control import links as links_mod
 from r2comm.transport import verbs as verbs_rails
 from r2comm.transport import tcp
 from r2comm.errors import R2commProtocolError
@@ -62,6 +62,9 @@ class FakeEngine:
     def mark_unconnected(self, peer, rail, why):
         self.events.append(("rail_never_up", peer, rail, why))
 
+    def link_state(self, peer, rail):
+        return "up" if any(a[:2] == (peer, rail) for a in self.attached) else "down"
+
 
 def _make_links(rank=1, peer_ep=None):
     """Rank `rank` of 2 with one rail: its listeners, and a links thread (not started)."""
@@ -71,8 +74,8 @@ def _make_links(rank=1, peer_ep=None):
     other = peer_ep or {"rails": [("127.0.0.1", 1)], "ctrl": ("127.0.0.1", 1)}
     eps = [other, mine] if rank == 1 else [mine, other]
     boot = SimpleNamespace(rank=rank, size=2, rail_addrs=["127.0.0.1"], endpoints=eps,
-                           listeners=lsts, secret=secret, job=job)
-    cfg = SimpleNamespace(rail_timeout_ms=500, sockbuf=0, notsent_lowat=0)
+                           listeners=lsts, secret=secret, job=job, transport="tcp")
+    cfg = SimpleNamespace(rail_timeout_ms=500, sockbuf=0, notsent_lowat=0, connect_timeout=5.0)
     lk = links_mod.Links(FakeEngine(), boot, cfg)
     lk.ticks = 0
 
@@ -336,7 +339,7 @@ def test_verbs_handover_released_when_attach_transport_raises(links, monkeypatch
     monkeypatch.setattr(verbs_rails, "discard", discarded.append)
     monkeypatch.setattr(verbs_rails, "load",
                         lambda: (SimpleNamespace(transport_address=lambda: 1), None))
-    links.verbs = True
+    links.nic = verbs_rails.TRANSPORT
     links.boot.rail_devices = [None]
     links.engine.fail = [MemoryError("no memory for a connection's transport state")]
     fd, _ = _connect(links)
@@ -445,7 +448,7 @@ def _make_pair(addr="127.0.0.1"):
     out = []
     for r in range(2):
         boot = SimpleNamespace(rank=r, size=2, rail_addrs=[addr], endpoints=eps,
-                               listeners=lsts[r], secret=secret, job=job)
+                               listeners=lsts[r], secret=secret, job=job, transport="tcp")
         out.append(links_mod.Links(FakeEngine(), boot, cfg))
     return out
 
@@ -565,7 +568,7 @@ def test_admission_policy_keeps_valid_hellos_and_the_newest():
     oldest anonymous one; a connection whose hello checked is never closed for an anonymous
     newcomer, whatever its address, and the newcomer is refused only when every slot holds
     one; a pair keeps its newest `per_pair`."""
-    from r2comm.transport.admission import Policy
+    from r2comm.control.admission import Policy
 
     class Hs:
         def __init__(self, src, since, pair=None):

@@ -14,8 +14,8 @@ import pytest
 from mpi4py import MPI
 
 import r2comm
-from r2comm import args
-from r2comm.buffers import as_vector
+from r2comm.front import args
+from r2comm.front.buffers import as_vector
 from r2comm.errors import R2commArgumentError, R2commBufferError
 from r2comm.planner import cost, vector
 from r2comm.planner.state import RailState

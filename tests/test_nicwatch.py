@@ -1,11 +1,11 @@
 """What a rank announces about NICs and pairs, and how it applies the facts to its engine
-(r2comm/nicwatch.py, issue 39), against a stand-in engine: who speaks for a host, which
+(r2comm/control/nicwatch.py, issue 39), against a stand-in engine: who speaks for a host, which
 evidence makes a NIC fact and which a pair exception, the hysteresis of a flapping NIC, and
 that a fact reaches every pair through the NIC, connected or not."""
 import pytest
 
-from r2comm import facts as F
-from r2comm import nicwatch
+from r2comm.control import facts as F
+from r2comm.control import nicwatch
 
 
 class FakeEngine:

@@ -14,7 +14,7 @@ import pytest
 
 from r2comm import planner
 from r2comm.planner import algorithms, cost, degraded, routing
-from r2comm.planner.schedule import (WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV,
+from r2comm.planner.schedule import (WORK, SEND, SCRATCH, COPY, REDUCE,
                                      REDUCE_SEND, REDUCE_SEND_REV)
 from r2comm.planner.state import RailState, PartitionedError
 
@@ -39,7 +39,6 @@ def execute(schedules, bufs, dtype, op="SUM", chunk=64, seed=0, policy="random")
     isz = dt.itemsize
     cs = max(isz, chunk - chunk % isz)
     rng = np.random.default_rng(seed)
-    n = len(schedules)
     for r, s in enumerate(schedules):
         bufs[r][SCRATCH] = np.zeros(s.scratch, np.uint8)
         for (db, do, sb, so, ln) in s.pre:

@@ -8,7 +8,7 @@ import pytest
 
 from r2comm import planner
 from r2comm.planner.state import RailState, snap_rates, measured_figures, MEASURE_NOISE
-from r2comm.bandwidth_probe import pair_rate, partners, ring_rounds, rounds, slots
+from r2comm.control.bandwidth import pair_rate, partners, ring_rounds, rounds, slots
 
 GBIT = 125e6          # bytes/s of 1 Gbit/s
 
@@ -151,7 +151,6 @@ def test_gathered_measured_state_is_identical_on_every_rank():
     members = [4, 7, 9]
     views = []
     for r in range(n):
-        g = members[r]
         rows = {members[p]: [(st, 0, 0, 0, 0, w, 0, rate) for (st, w, rate) in rs]
                 for p, rs in stats[r].items()}
         seen = []

@@ -79,14 +79,17 @@ def _sweep(points):
 
 
 def _heavy(c):
-    """A 24-host, 1 GiB point other than the tree fold's case: 4-30 s of CPU each to replay."""
-    return c[0] >= 24 and c[3] >= 1024 * MB and c != (24, 2, 1.0, 1024 * MB)
+    """A point whose exact replay takes seconds of CPU (1 GiB, or 256 MiB over 24 hosts: 2-30 s
+    each), other than the two the test below names: the slow tier's full grids keep them."""
+    named = ((24, 2, 1.0, 1024 * MB), (16, 8, 1.0, 256 * MB))
+    return c not in named and (c[3] >= 1024 * MB or (c[0] >= 24 and c[3] >= 256 * MB))
 
 
 def test_choice_within_3_percent_of_the_best_replay():
     """Issue 32 item 4, over a sample of hosts 3-24, NICs 2-8, loss 1/8-1 of one NIC, sizes
-    1 MiB-1 GiB (the issue's two cases, the grid's corners and 12 random points, less the three
-    heaviest 24-host 1 GiB replays, which the slow full grid below keeps), judged by the exact
+    1 MiB-1 GiB (the issue's two cases, the grid's corners and 12 random points, less the
+    heaviest replays, _heavy: 1 GiB but the 24-host case, 256 MiB over 24 hosts; the slow
+    full grids below keep them), judged by the exact
     replay: the chosen plan's replay is within 3% of the best candidate's at every point of this
     sample (1.000 at each since the per-pair rail weights of the direct schedule). At 24 hosts x
     2 NICs, 1 GiB, a NIC down, the tree fold (22.707 ms) was chosen before the direct schedule

@@ -73,7 +73,7 @@ def test_epoch_agreed_over_r2comm_changes_with_a_rail(n):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_epoch_check_survives_a_pair_without_rails(n):
     count, out = scenario(n, "broken", timeout=90, env=dict(FAST, R2COMM_REPLAN="1"))
     assert count == 4 * n

@@ -127,6 +127,7 @@ def _guest_qemus(tag):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_rdma_run_ctrl_c_during_boot_tears_everything_down(rdma_ok):
     tag = f"c{TAG}"
     proc = subprocess.Popen([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--hosts", "2",
@@ -152,6 +153,7 @@ def test_rdma_run_ctrl_c_during_boot_tears_everything_down(rdma_ok):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # a guest boot of its own (about 100 s under QEMU without KVM)
 def test_rdma_run_timeout_kills_the_ranks_and_tears_down(rdma_ok):
     tag = f"o{TAG}"
     started = time.monotonic()
@@ -261,6 +263,7 @@ def test_devices_and_gids_seen_by_ibv_devinfo_and_pyverbs(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_pingpong_on_each_rail_then_nic_down_and_up(rfab):
     for nic in range(2):
         ok, speed, out = _pingpong(rfab, nic, 18600 + nic)
@@ -300,6 +303,7 @@ def _tcp_mbit(fab, port, seconds=6.0):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_degrade_shapes_a_rail_and_unlimited_restores_it(rfab):
     """degrade = a tbf qdisc on the guest's NIC (its sending side).  Measured with TCP, which
     backs off: rxe has no congestion control, and through a slow bucket its retransmit timer
@@ -322,6 +326,7 @@ def test_degrade_shapes_a_rail_and_unlimited_restores_it(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_cli_faults_reach_a_running_rdma_fabric(rfab):
     env = {**os.environ, "PYTHONPATH": REPO}
     cli = [sys.executable, "-m", "r2comm.testbed"]
@@ -341,6 +346,7 @@ def test_cli_faults_reach_a_running_rdma_fabric(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # the testbed tool's own behaviour; the engine's verbs tests below stay in CI
 def test_rdma_run_pingpong_between_ranks_on_both_rails(rfab):
     """rdma-run's job part on the module's fabric (--keep: boot and teardown are the other
     rdma-run tests'), so CI boots guests three times, not four."""
@@ -377,7 +383,16 @@ def test_three_guests_share_a_rail_through_the_hub(rdma_ok):
 @pytest.mark.rdma
 def test_verbs_layer_on_soft_roce(rfab):
     """r2comm's own verbs layer (r2comm/_core/verbs.pyx) between the guests: the checks live in
-    tests/test_verbs.py, run here so that both files share one boot."""
+    tests/test_verbs.py, run here so that both files share one boot. Functional phases only,
+    with 64 messages per bandwidth run (the comparison with perftest is the slow test below)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_verbs
+    test_verbs.verbs_pair_checks(rfab, test_verbs.FUNCTIONAL, bw_count=64)
+
+
+@pytest.mark.rdma
+@pytest.mark.slow   # a speed comparison (perftest's ib_send_bw/ib_write_bw per rail) under TCG
+def test_verbs_layer_bandwidth_against_perftest_on_soft_roce(rfab):
     sys.path.insert(0, str(Path(__file__).parent))
     import test_verbs
     test_verbs.verbs_pair_checks(rfab)
@@ -410,6 +425,7 @@ def test_engine_zero_copy_sends_and_registration_cache_on_verbs(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # CI time: a QP error's failover; the real link-down failover below stays in CI
 def test_engine_qp_error_failover_and_failback_on_verbs(rfab):
     _verbs_rails().qp_error_checks(rfab)
 
@@ -420,10 +436,12 @@ def test_engine_real_link_down_failover_and_failback_on_verbs(rfab):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # CI time: the partition semantics are in CI over TCP rails (test_failover, test_control_mpi)
 def test_engine_raises_on_a_partition_of_verbs_rails(rfab):
     _verbs_rails().partition_checks(rfab)
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # CI time: pools of a few slots through a QP failure: an edge of the pool logic
 def test_engine_tiny_verbs_pools_through_a_qp_failure(rfab):
     _verbs_rails().pool_checks(rfab)

@@ -1,4 +1,4 @@
-"""The verbs registration cache (r2comm/regcache.py) against a stand-in device: what gets
+"""The verbs registration cache (r2comm/transport/regcache.py) against a stand-in device: what gets
 registered, for how long, and when it is dropped. The real devices run the same cache in the
 soft-RoCE guests (test_rdma_testbed.py: zero-copy sends with freed and reused buffers)."""
 import gc

@@ -25,7 +25,7 @@ def test_model_full_mesh():
     cfg = Config()                      # the model's pool is the settings' defaults
     assert scale.VERBS_POOL == (cfg.verbs_recv_slots + cfg.verbs_send_slots) * 64 * 1024
     assert verbs["fds"] == 1023 * (8 * 3 + 1) + 9 + scale.ENGINE_FDS + scale.DETECTOR_FDS
-    from r2comm.transport import liveness
+    from r2comm.control import liveness
     assert scale.DETECTOR_FDS == liveness.STEADY_FDS
     assert scale.model(64, 8, "verbs")["qps"] == 504
 
@@ -44,7 +44,7 @@ def test_model_on_demand_is_logarithmic():
 def test_records_cost_runs_start_ups_own_checks_on_valid_records():
     """records_cost's synthetic records pass the bootstrap's validation (so the figure is of
     the real checks), the records' bytes grow as n and every row is filled."""
-    from r2comm import bootstrap
+    from r2comm.control import bootstrap
     eps = bootstrap.validate_endpoints([json.loads(b) for b in scale.synthetic_records(64)], 64)
     assert len({ep["host_key"] for ep in eps}) == 8 and len(eps[0]["rails"]) == 8
     rows = scale.records_cost((64, 256))

@@ -16,12 +16,18 @@ from conftest import run_mpi
 pytestmark = pytest.mark.mpi
 
 WORKER = str(__import__("pathlib").Path(__file__).parent / "pause_worker.py")
+STOP, TIMEOUT = 3, 2        # s: the pause, the operation timeout
 
 
 @pytest.mark.parametrize("who", ["peer", "both"])
 def test_own_pause_does_not_time_out_the_operation(who):
-    _, out = run_mpi(2, [WORKER, "selfpause", f"who={who}", "stop=3", "op_timeout=2",
+    _, out = run_mpi(2, [WORKER, "selfpause", f"who={who}", f"stop={STOP}", f"op_timeout={TIMEOUT}",
                          "rails=127.0.0.1,127.0.0.2"], timeout=60)
     rows = re.findall(r"SELFPAUSE who=\w+ rank=(\d) took=([\d.]+)", out)
     assert sorted(r for r, _ in rows) == ["0", "1"], out[-3000:]
+    for rank, took in rows:
+        # the 3 s pause struck inside the allreduce, whose wall time then passed the 2 s
+        # operation timeout without a timeout (running time counts); and nothing hung
+        assert STOP <= float(took) < STOP + 15, (rank, took)
+        assert float(took) > TIMEOUT, (rank, took)
     assert "OK selfpause 2" in out, out[-3000:]

@@ -334,7 +334,6 @@ def _pair_mapped(conn_id):
 
 
 def _ends(a, b):
-    E = _segments()
     s1, s2 = socket.socketpair()
     s1.setblocking(False)
     s2.setblocking(False)

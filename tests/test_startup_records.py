@@ -1,4 +1,4 @@
-"""The start-up exchange's records (r2comm/startup.py quiet_bcast / quiet_allgather): JSON in a
+"""The start-up exchange's records (r2comm/control/startup.py quiet_bcast / quiet_allgather): JSON in a
 length-prefixed slot, never unpickled; a slot whose length or JSON is wrong is a clear
 R2commProtocolError, whatever its bytes (a fuzz loop over random and mutated slots)."""
 import json
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from r2comm import startup
+from r2comm.control import startup
 from r2comm.errors import R2commArgumentError, R2commProtocolError
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from r2comm import bootstrap
+from r2comm.control import bootstrap
 from r2comm.errors import R2commProtocolError, R2commSecurityWarning
 
 OOB = "5f0c2a9e8d7b6a5f4e3d2c1b0a998877"

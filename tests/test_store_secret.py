@@ -16,9 +16,9 @@ import time
 import pytest
 
 from conftest import ROOT
-from r2comm import bootstrap
+from r2comm.control import bootstrap
 from r2comm.transport import tcp
-from r2comm.bootstrap_store import DirStore, StoreComm, decode, encode, MAX_VALUE_BYTES
+from r2comm.control.bootstrap_store import DirStore, StoreComm, decode, encode, MAX_VALUE_BYTES
 from r2comm.errors import R2commArgumentError, R2commProtocolError
 
 OOB = "5f0c2a9e8d7b6a5f4e3d2c1b0a998877"

@@ -124,10 +124,11 @@ def test_corrupt_next_flips_one_byte_of_the_next_data_frame_only():
 
 
 def test_fake_transport_setting_without_the_test_extension_is_refused(monkeypatch):
-    """R2COMM_TEST_TRANSPORT on an install without the test extension (a wheel) is a clear
-    argument error when the settings are read, not an ImportError in the middle of set-up."""
+    """R2COMM_TEST_TRANSPORT (read by the tests' fake_transport.py, never by r2comm) on an
+    install without the test extension (a wheel) is a clear argument error when the spec is
+    read, not an ImportError in the middle of set-up."""
     import importlib.util
-    from r2comm.config import _test_transport
+    from fake_transport import parse as _test_transport
     from r2comm.errors import R2commArgumentError
     assert _test_transport("fake:seed=2")["seed"] == 2
     real = importlib.util.find_spec

@@ -9,7 +9,7 @@ import pytest
 
 
 from conftest import ROOT, mpiexec_path
-from r2comm.ports import free_port
+from r2comm.control.ports import free_port
 from torch_helpers import TORCH as _TORCH, WHY as _WHY, gated_testbed_run, torch_env as _env
 
 pytestmark = pytest.mark.skipif(not _TORCH, reason=_WHY)

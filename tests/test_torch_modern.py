@@ -16,7 +16,7 @@ import pytest
 
 
 from conftest import ROOT
-from r2comm.ports import free_port
+from r2comm.control.ports import free_port
 from test_torch_backend import _run
 from torch_helpers import TORCH as _TORCH, WHY as _WHY, gated_testbed_run, torch_env as _env
 

@@ -15,7 +15,7 @@ FAST = {"R2COMM_RAIL_TIMEOUT_MS": "300", "R2COMM_PROBE_MS": "30", "R2COMM_PROBE_
 
 
 def _run(n, spec, trials, seed=1, timeout=120):
-    env = dict(FAST, R2COMM_TEST_TRANSPORT=spec)
+    env = dict(FAST, R2COMM_TEST_TRANSPORT=spec, R2COMM_SHM="0")   # (tests/fake_transport.py)
     _, out = run_mpi(n, [WORKER, "fake", f"trials={trials}", f"seed={seed}"], timeout=timeout,
                      env=env)
     ok = [ln for ln in out.splitlines() if ln.startswith("OK fake ")]
@@ -25,15 +25,15 @@ def _run(n, spec, trials, seed=1, timeout=120):
 
 
 def test_spec_parsing():
-    from r2comm.config import _test_transport
+    from fake_transport import parse
     from r2comm.errors import R2commArgumentError
-    assert _test_transport("") == {}
-    assert _test_transport("fake:seed=3,short=0.5,fail_bytes=2M,max_fails=1") == {
+    assert parse("") == {}
+    assert parse("fake:seed=3,short=0.5,fail_bytes=2M,max_fails=1") == {
         "seed": 3, "short": 0.5, "fail_bytes": 2 << 20, "max_fails": 1}
     with pytest.raises(R2commArgumentError):
-        _test_transport("verbs:seed=1")
+        parse("verbs:seed=1")
     with pytest.raises(R2commArgumentError):
-        _test_transport("fake:sed=1")
+        parse("fake:sed=1")
 
 
 def test_engine_selects_its_transport():

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from r2comm.errors import R2commArgumentError, R2commError, R2commProtocolError
-from r2comm._core.verbs_common import (QpAddress, RegCache, RegionDesc, buffer_address,
-                                       declared_gbps)
+from r2comm._core.verbs_common import QpAddress, RegionDesc, buffer_address, declared_gbps
+from mr_cache import RegCache
 
 REPO = str(Path(__file__).resolve().parents[1])
 HERE = Path(__file__).parent
@@ -193,11 +193,14 @@ def _results(out):
     return rows
 
 
-def verbs_pair_checks(vfab):
+FUNCTIONAL = "devices,sendrecv,writeimm,regcache,bandwidth,fault"
+
+
+def verbs_pair_checks(vfab, phases=FUNCTIONAL + ",perftest", bw_count=1024):
     """tests/verbs_pair.py on a booted 2 x 2 soft-RoCE fabric: send/recv, write with
-    immediate, the registration cache, bandwidth against perftest, a real link cut (error
-    completions on that rail only) and fail-back with a new QP. Called by
-    test_rdma_testbed.test_verbs_layer_on_soft_roce, which owns the fabric."""
+    immediate, the registration cache, bandwidth (against perftest where `phases` names it), a
+    real link cut (error completions on that rail only) and fail-back with a new QP. Called by
+    test_rdma_testbed's verbs-layer tests, which own the fabric."""
     if NO_VERBS:
         pytest.skip(NO_VERBS)
     sys.path.insert(0, str(HERE))
@@ -211,7 +214,8 @@ def verbs_pair_checks(vfab):
     try:
         proc = subprocess.run([sys.executable, "-m", "r2comm.testbed", "rdma-run", "--keep",
                                "--fabric", vfab.tag, "-n", "2", "--timeout", "500", "--",
-                               sys.executable, str(HERE / "verbs_pair.py"), "--fault", "host"],
+                               sys.executable, str(HERE / "verbs_pair.py"), "--fault", "host",
+                               "--phases", phases, "--bw-count", str(bw_count)],
                               capture_output=True, text=True, timeout=600, cwd=REPO,
                               env={**os.environ, "PYTHONPATH": REPO})
     finally:
@@ -246,7 +250,7 @@ def verbs_pair_checks(vfab):
     bw = {(r["rail"], r["op"]): r["mbit"] for r in get("bandwidth", side="send")}
     assert len(bw) == 4 and all(r["ok"] for r in get("bandwidth")), get("bandwidth")
     perf = {(r["rail"], r["tool"]): r["mbit"] for r in get("perftest") if r["ok"]}
-    print("rail  SEND  WRITE_IMM  (r2comm verbs, Mbit/s, 64 KiB x 1024)  perftest:",
+    print(f"rail  SEND  WRITE_IMM  (r2comm verbs, Mbit/s, 64 KiB x {bw_count})  perftest:",
           {f"{k[0]} {k[1]}": round(v, 1) for k, v in perf.items()})
     for k in (0, 1):
         print(f"{k}    {bw[(k, 'send')]:.1f}  {bw[(k, 'write_imm')]:.1f}")

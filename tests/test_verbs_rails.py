@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from r2comm import transport
 from r2comm.transport import verbs as verbs_rails
 from r2comm.errors import R2commArgumentError
 
@@ -28,16 +29,16 @@ WORKER = str(HERE / "verbs_worker.py")
 def test_decide_agrees_on_one_transport_or_raises_naming_ranks():
     ok = ("verbs", "verbs", None)
     no = ("verbs", "tcp", "no RDMA device carries rail 1 (198.18.1.2)")
-    assert verbs_rails.decide([ok, ok]) == "verbs"
+    assert transport.decide([ok, ok]) == "verbs"
     with pytest.raises(R2commArgumentError, match=r"rank 1 has no usable RDMA device: no RDMA "
                                                   r"device carries rail 1"):
-        verbs_rails.decide([ok, no])
+        transport.decide([ok, no])
     auto_ok, auto_no = ("auto", "verbs", None), ("auto", "tcp", "no RDMA device")
-    assert verbs_rails.decide([auto_ok, auto_ok]) == "verbs"
-    assert verbs_rails.decide([auto_ok, auto_no]) == "tcp"       # auto: TCP unless all can
-    assert verbs_rails.decide([("tcp", "tcp", "R2COMM_TRANSPORT=tcp")] * 3) == "tcp"
+    assert transport.decide([auto_ok, auto_ok]) == "verbs"
+    assert transport.decide([auto_ok, auto_no]) == "tcp"       # auto: TCP unless all can
+    assert transport.decide([("tcp", "tcp", "R2COMM_TRANSPORT=tcp")] * 3) == "tcp"
     with pytest.raises(R2commArgumentError, match="differs between ranks"):
-        verbs_rails.decide([ok, ("tcp", "tcp", "")])
+        transport.decide([ok, ("tcp", "tcp", "")])
 
 
 def test_verbs_without_a_device_is_a_clear_error_on_every_rank():

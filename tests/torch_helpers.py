@@ -8,7 +8,7 @@ import sys
 import tempfile
 
 from conftest import ROOT
-from r2comm.ports import free_port
+from r2comm.control.ports import free_port
 
 try:
     import torch.distributed as _dist

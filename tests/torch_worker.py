@@ -5,6 +5,7 @@ Launched by torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT: env:// rendezvous
 mpiexec (PMI_RANK/PMI_SIZE from MPICH's launcher and a FileStore at $R2T_STORE; no MPI_Init).
 `python torch_worker.py SCENARIO` prints `OK SCENARIO <checks>` on rank 0 when every check
 passed on every rank, and exits non-zero otherwise."""
+import collections
 import datetime
 import os
 import sys
@@ -903,8 +904,10 @@ def scenario_ddp(rank, size, ck):
     total = torch.tensor([len(events)])
     dist.all_reduce(total)                    # failover events of every rank
     if rank == 0:                             # one write: lines of other ranks cannot split it
+        kinds = collections.Counter(e["kind"] for e in events)
         sys.stdout.write("LOSSES " + " ".join(v.hex() for v in losses) +
-                         f"\nEVENTS {int(total.item())}\n")
+                         f"\nEVENTS {int(total.item())}\nEVENT_KINDS rank 0 {dict(kinds)} "
+                         f"{[e['info'] for e in events[:4]]}\n")
         sys.stdout.flush()
 
 

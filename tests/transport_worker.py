@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+import fake_transport
 from mpi_worker import WORLD, main
 from r2comm._core import testing
 from fault_worker import run_collective, COLLS
@@ -53,5 +54,6 @@ def comm_kwargs(args):
 
 if __name__ == "__main__":
     import sys
+    fake_transport.install()            # R2COMM_TEST_TRANSPORT: every engine's rails
     main({"fake": sc_fake}, default_timeout=60,
          comm_kwargs=comm_kwargs(dict(a.split("=", 1) for a in sys.argv[2:])))

@@ -59,7 +59,7 @@ class Pair:
     """This rank's side of the job: one Rail per device, the store, the peer's rank."""
 
     def __init__(self, args):
-        from r2comm.bootstrap_store import DirStore
+        from r2comm.control.bootstrap_store import DirStore
         self.args = args
         self.rank, self.size = int(os.environ["R2COMM_RANK"]), int(os.environ["R2COMM_SIZE"])
         assert self.size == 2, "verbs_pair runs with -n 2"
@@ -82,7 +82,7 @@ class Pair:
 class Rail:
     def __init__(self, pair, k, dev, ip):
         from r2comm._core import verbs as V
-        from r2comm._core.verbs_common import RegCache
+        from mr_cache import RegCache
         self.V, self.pair, self.k, self.dev, self.ip = V, pair, k, dev, ip
         self.ctx = V.Context(dev)
         self.pd = V.PD(self.ctx)
@@ -284,7 +284,7 @@ def phase_perftest(pair, rail, tool, events=False):
     tool = tool + (" -e" if events else "")
     ctrl = pair.exchange(f"ctrl.{tool}.r{rail.k}", os.environ["R2COMM_CTRL_ADDR"].encode())
     if pair.rank == 0:
-        out = subprocess.run(["timeout", "120", *argv], capture_output=True, text=True)
+        subprocess.run(["timeout", "120", *argv], capture_output=True, text=True)
         pair.barrier(f"{tool}.r{rail.k}.done")
         return
     text, rc = "", 1

@@ -30,7 +30,7 @@ import numpy as np
 
 import r2comm
 from r2comm._core import testing
-from r2comm.bootstrap_store import DirStore
+from r2comm.control.bootstrap_store import DirStore
 
 
 def comm_from_env(**kw):

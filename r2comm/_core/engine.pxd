@@ -117,6 +117,7 @@ cdef enum:
     EV_PAIR_DOWN = 17       # a pair's rail announced down (an exception: neither NIC explains it)
     EV_PAIR_UP = 18         # that exception lifted
     EV_REPLANNED = 19       # a communicator's plans switched to a new agreed epoch (replan.py)
+    EV_FAULT_STRUCK = 20    # an injected fault (fail_rail) struck: nbytes = bytes sent on the rail
 
 cdef enum:
     # where the engine located a failure (the events' 'cause')

@@ -16,7 +16,8 @@ EVENT_NAMES = {EV_RAIL_NEVER_UP: "rail_never_up", EV_RAIL_FAILED: "rail_failed",
                EV_PEER_LOST: "peer_lost", EV_BAD_FRAME: "bad_frame", EV_NOTIFIED: "peer_notified",
                EV_ABORT: "abort", EV_PEER_STALLED: "peer_stalled", EV_PEER_RESUMED: "peer_resumed",
                EV_LINK_ERROR: "link_error", EV_NIC_DOWN: "nic_down", EV_NIC_UP: "nic_up",
-               EV_PAIR_DOWN: "pair_down", EV_PAIR_UP: "pair_up", EV_REPLANNED: "replanned"}
+               EV_PAIR_DOWN: "pair_down", EV_PAIR_UP: "pair_up", EV_REPLANNED: "replanned",
+               EV_FAULT_STRUCK: "fault_struck"}
 NOTED_EVENTS = {"nic_down": EV_NIC_DOWN, "nic_up": EV_NIC_UP, "pair_down": EV_PAIR_DOWN,
                 "pair_up": EV_PAIR_UP, "replanned": EV_REPLANNED}
 ERR_TIMEOUT, ERR_NETWORK, ERR_MISMATCH, ERR_TRUNCATE, ERR_PROTOCOL, ERR_CLOSED = (

@@ -1,5 +1,5 @@
 # The fake transport (part of the test extension, testing.pyx; testing.use_fake_transport,
-# R2COMM_TEST_TRANSPORT): transport.pxd's interface over real TCP sockets with seeded faults, so
+# R2COMM_TEST_TRANSPORT, read by tests/fake_transport.py): transport.pxd's interface over real TCP sockets with seeded faults, so
 # multi-rank collectives run on it under mpiexec: posts refused (would block) or accepted in
 # part, short reads, send completions held back and handed over late and shuffled, some lost,
 # and connections that fail at a random byte (the socket is shut down there: both ends lose it

@@ -26,7 +26,7 @@ cdef inline int fast_probing(State* e, PairRail* r, double now) noexcept nogil:
 
 cdef inline int rail_idle(PairRail* r) noexcept nogil:
     """Never connected and never failed: a connection made on first use that no schedule
-    needed yet (issue 31, r2comm/transport/links.py); not judged, not probed, counted usable."""
+    needed yet (issue 31, r2comm/control/links.py); not judged, not probed, counted usable."""
     return r.state != R_UP and r.gen == 0 and r.fail_count == 0
 
 cdef inline int peer_idle(Peer* p) noexcept nogil:

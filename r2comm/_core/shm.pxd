@@ -1,5 +1,5 @@
 # Shared-memory rail transport, the hot-path half (transport.pxd's interface): the rings and
-# the doorbell live in r2_shm.h; set-up (segment names, handshake, clean-up) in r2comm/shm.py.
+# the doorbell live in r2_shm.h; set-up (segment names, handshake, clean-up) in r2comm/transport/shm.py.
 # A stream like TCP: isend copies a prefix of the gather list into the ring (completes inside
 # the call), irecv copies out. TPF_POLLED: the engine polls it every progress round and arms the
 # doorbell before it sleeps. TPF_NO_NIC: injected NIC faults do not apply; a dead peer shows as

@@ -8,8 +8,9 @@
 # finished with; it never sees a failure policy. The calls, and why each exists:
 #
 #   adopt(handle) -> conn     Wrap an established, authenticated connection (set-up is cold
-#                             path, in Python: listen/connect/accept and the handshake live in
-#                             r2comm/_core/tcp.py; a verbs set-up would hand over a connected QP).
+#                             path, in Python: each kind's object, r2comm/transport/kind.py,
+#                             dials and attaches; listen/connect/accept and the handshake live in
+#                             r2comm/transport/tcp.py; a verbs set-up hands over a connected QP).
 #                             NULL on failure. conn is opaque to the engine.
 #   event_fd(conn)            The fd the progress loop's epoll waits on: readable when irecv may
 #                             return bytes or test may return completions, writable after a
@@ -36,7 +37,10 @@
 #                             read, 0 if none yet, -errno on failure, T_EOF when the peer closed.
 #   reg_mr / dereg_mr         Register a region the engine sends from / receives into (an
 #                             operation's buffers); the handle goes with the post. TCP: no-op.
-#                             (The engine does not call them yet: only TCP-like transports run.)
+#                             (The engine does not call them: every table here leaves them
+#                             tp_reg_none; a verbs connection registers its own slots, and user
+#                             memory goes through the verbs kind's cache, r2comm/transport/
+#                             regcache.py.)
 #   flags                     TPF_SIDE_SOCKET, TPF_WAKE_OUT, TPF_POLLED, TPF_NO_NIC (below); 0
 #                             for a socket transport.
 #   os_fd(conn)               The OS socket under the connection (-1: none). Only for the health
@@ -84,7 +88,7 @@
 # completion channel, the companion socket and the device's async fd (TPF_WAKE_OUT); os_fd is
 # the companion socket, the rail's authenticated TCP connection kept open on the same NIC
 # (TPF_SIDE_SOCKET): failure notice, health probe, NIC checks. A payload inside user memory
-# that r2comm/regcache.py registered goes zero-copy (SENDs from the user's pages). Such a post
+# that r2comm/transport/regcache.py registered goes zero-copy (SENDs from the user's pages). Such a post
 # also completes inside isend, before the NIC has read the pages: the one exception to the
 # memory contract above, safe because the engine writes a chunk's region again only after the
 # peer acknowledged the chunk (verbs_transport.pxi's header has the argument), and because the
@@ -97,6 +101,10 @@
 # ranks, and a connected socket used as doorbell and liveness (TPF_POLLED | TPF_WAKE_OUT |
 # TPF_NO_NIC). A stream, like TCP: isend copies a prefix into the ring and completes inside the
 # call; irecv copies out. os_fd is -1 (no TCP_INFO).
+#
+# Each kind's cold half (offer, dial/attach, fds per rail, deadline floor, registration cache)
+# is one Python object, r2comm/transport/<kind>.py's TRANSPORT (kind.Transport): a new
+# transport is its table here (a .pxd/.pxi) plus that one module, listed in KINDS.
 #
 # Implementations: tcp.pxd and verbs_transport.pxi (production), shm.pxd (local peers), and in
 # the test extension (testing.pyx, not in the production engine) fuzz_transport.pxi (in-memory,

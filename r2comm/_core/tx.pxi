@@ -104,6 +104,8 @@ cdef int64_t rail_send(State* e, PairRail* r, iovec* iov, int niov, uint64_t coo
 
 cdef void inject_now(State* e, PairRail* r, int mode) noexcept nogil:
     r.fault_at = -1
+    add_event_c(e, EV_FAULT_STRUCK, r.peer, r.index, e.me, r.bytes_sent, 0,
+                "silent" if mode == INJ_SILENT else "hard", CAUSE_NONE)
     if mode == INJ_SILENT:
         r.blackhole = 1
         # a dead NIC stops the kernel's acknowledgements too: drop every incoming segment

@@ -54,7 +54,7 @@
 # (TPF_WAKE_OUT) and failures.
 #
 # Zero-copy sends from registered user memory (the registration cache). The Communicator
-# registers the memory of large user buffers with every rail device (r2comm/regcache.py: an
+# registers the memory of large user buffers with every rail device (r2comm/transport/regcache.py: an
 # entry lives exactly as long as the numpy array that owns the memory, so a freed and re-used
 # address can never meet a stale registration). isend looks each large gather entry up in its
 # device's table (VReg, under the device's mutex): an entry inside a registered region is
@@ -130,7 +130,7 @@ cdef enum:
     VT_ECONNRESET = 104
 
 cdef struct VReg:
-    char* base               # a registered user region (r2comm/regcache.py)
+    char* base               # a registered user region (r2comm/transport/regcache.py)
     size_t len
     ibv_mr* mr
     int inflight             # zero-copy SENDs from it posted and not yet completed
@@ -792,7 +792,7 @@ cdef class RailDevice:
     def register(self, uint64_t addr, size_t length):
         """Register [addr, addr+length) of user memory for zero-copy sends on this device's
         connections; returns the handle for unregister(). The caller guarantees the memory
-        outlives the registration (r2comm/regcache.py ties it to the owning array)."""
+        outlives the registration (r2comm/transport/regcache.py ties it to the owning array)."""
         cdef VReg* g = <VReg*>calloc(1, sizeof(VReg))
         cdef ibv_mr* mr
         if g == NULL:

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from ..ports import free_port
+from ..control.ports import free_port
 
 # Launch-time variables that decide how MPICH moves bytes between ranks on one host.
 MPI_ENV_PREFIXES = ("MPIR_CVAR_", "FI_", "UCX_", "MPICH_")

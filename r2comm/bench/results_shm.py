@@ -13,7 +13,7 @@ LATENCY_OF_MPI = 2.0               # issue 20: 8 B allreduce within 2x of MPICH'
 def shm_section(res):
     """(lines, targets) of the shared-memory section."""
     out = ["## Shared memory on one host (issue 20)", "",
-           "Ranks on one host exchange bytes through shared-memory rings (r2comm/shm.py), MPICH "
+           "Ranks on one host exchange bytes through shared-memory rings (r2comm/transport/shm.py), MPICH "
            "through its own shared memory; each job interleaves the two size by size (median over "
            "rounds; a ratio is r2comm's speed ÷ MPICH's, taken round by round). With 4 ranks on "
            "this machine's 2 CPUs both libraries run oversubscribed.", ""]

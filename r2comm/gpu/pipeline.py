@@ -46,8 +46,8 @@ import weakref
 
 import numpy as np
 
-from ..args import IN_PLACE, check_root
-from ..comm_ids import GPU_GEN_SHIFT as _GEN_SHIFT
+from ..front.args import IN_PLACE, check_root
+from ..control.comm_ids import GPU_GEN_SHIFT as _GEN_SHIFT
 from ..errors import (R2commArgumentError, R2commBufferError, R2commError, R2commTimeout,
                       claim_telling, is_remote, mark_remote)
 from ..ops import as_op, dtype_code
@@ -455,11 +455,6 @@ def _of(comm):
 def device_calls(comm):
     """The device call count d of `comm` (the next device call's number)."""
     return _of(comm).calls
-
-
-def set_device_calls(comm, d):
-    """Tests: make `d` the next device call's number (with comm.seek_seq, to cross wraps)."""
-    _of(comm).calls = d & _CALLS_MASK
 
 
 def _twin(comm, gen):

@@ -19,7 +19,7 @@ is used; with a RailState, choose() prices them among the other candidates. algo
 forces it where the topology allows one (otherwise the flat plan is used), "flat" excludes it."""
 import math
 
-from . import algorithms, cost, degraded, hierarchical, price, routing, treefold
+from . import algorithms, cost, degraded, hierarchical, price, routing
 from .schedule import Schedule, WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, REDUCE_SEND, REDUCE_SEND_REV
 from .state import NicRailState, RailState, PartitionedError
 from .topology import Topology, INTRA_BW
@@ -82,9 +82,20 @@ _CHOICE_MAX = 4096
 _NETS = {}                  # fingerprint -> price.Net
 
 
+def allreduce_algos():
+    """The allreduce algorithms R2COMM_ALGO may force: ALLREDUCE_ALGOS (the built-in ones) and
+    every candidate registered with price.register since (so a new candidate needs nothing
+    else)."""
+    return ALLREDUCE_ALGOS + tuple(n for n in price.REGISTRY if n not in ALLREDUCE_ALGOS)
+
+
+def _check_forced(coll, algo):
+    if coll == "allreduce" and algo not in ("", *allreduce_algos()):
+        raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {allreduce_algos()}")
+
+
 def allreduce(rank, n, nbytes, itemsize, eager, algo="", state=None, separate_send=False):
-    if algo not in ("", *ALLREDUCE_ALGOS):
-        raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
+    _check_forced("allreduce", algo)
     if state is not None:
         return build("allreduce", rank, n, nbytes, itemsize, 0, eager, algo, state, separate_send)
     if algo in STATE_ALGOS:
@@ -164,8 +175,7 @@ def build(coll, rank, n, nbytes, itemsize, root, eager, algo="", state=None,
             s.cost = _topo_price(coll, name, n, nbytes, root, eager, topo)
             return s
         return _static(coll, rank, n, nbytes, itemsize, root, eager, algo, separate_send)
-    if coll == "allreduce" and algo not in ("", *ALLREDUCE_ALGOS):
-        raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
+    _check_forced(coll, algo)
     if state.n != n:
         raise ValueError(f"RailState describes {state.n} ranks, the communicator has {n}")
     broken = state.has_broken_pairs()
@@ -345,8 +355,6 @@ def _build_rank(coll, rank, name, n, nbytes, itemsize, root, eager, separate_sen
             rank, n, nbytes, itemsize, eager, state, degraded=deg,
             frac=degraded.state_fraction(state), order_all=_ring_order(state),
             order_ok=_ring_order(state, ok))
-    if coll == "allreduce" and name == "treefold":     # a state with no degraded rank
-        return treefold.allreduce_treefold(rank, n, nbytes, itemsize, eager, state)
     if coll == "allreduce" and name == "ring":
         return routing.allreduce_ring_ordered(rank, list(range(n)), nbytes, itemsize, eager,
                                               "ring")
@@ -414,9 +422,6 @@ def _candidate(coll, n, nbytes, itemsize, root, eager, algo, state, separate_sen
                   order_all=_ring_order(state),
                   order_ok=_ring_order(state, ok) if ok else None)
         sc = [degraded.allreduce_degraded(r, n, nbytes, itemsize, eager, state, **kw)
-              for r in range(n)]
-    elif coll == "allreduce" and algo == "treefold":
-        sc = [treefold.allreduce_treefold(r, n, nbytes, itemsize, eager, state)
               for r in range(n)]
     elif coll == "allreduce" and algo == "ring_rerouted":
         order = _reroute_order(state, _net(state))
@@ -519,8 +524,7 @@ def build_all(coll, n, nbytes, itemsize, root=0, eager=DEFAULT_EAGER, algo="", s
     if state is None:
         return [_static(coll, r, n, nbytes, itemsize, root, eager, algo, separate_send)
                 for r in range(n)]
-    if coll == "allreduce" and algo not in ("", *ALLREDUCE_ALGOS):
-        raise ValueError(f"R2COMM_ALGO={algo!r}: allreduce algorithms are {ALLREDUCE_ALGOS}")
+    _check_forced(coll, algo)
     if state.n != n:
         raise ValueError(f"RailState describes {state.n} ranks, the communicator has {n}")
     key = (coll, n, nbytes, itemsize, root, eager, algo, state.fingerprint(), separate_send)

@@ -17,8 +17,9 @@ bottleneck bandwidth b, with α per message and the engine's chunk c:
 Adding a candidate (as the degraded-server tree fold, below): write `price(net, nbytes)` -> seconds
 and `build(rank, net, nbytes, itemsize, eager)` -> Schedule, and register it:
     price.register(price.Candidate("tree_fold", applies, price_fn, build_fn))
-`applies(coll, net)` says when it is offered. choose() then compares it with the others, and
-planner.build() builds it for one rank when it wins (nothing else to change)."""
+`applies(coll, net)` says when it is offered. choose() then compares it with the others,
+planner.build() builds it for one rank when it wins, and R2COMM_ALGO may force it by name
+(planner.allreduce_algos() lists the registered names): nothing else to change."""
 import functools
 import math
 from dataclasses import dataclass

@@ -1,6 +1,6 @@
 """Topology: which ranks share a host, and how many rails (NICs) each host has.
 
-Built from one label per rank (the host keys gathered at bootstrap, r2comm.hostid, or a
+Built from one label per rank (the host keys gathered at bootstrap, r2comm.control.hostid, or a
 RailState's `hosts`): hosts are numbered in order of their lowest rank, and a rank's local rank
 is its index among its host's ranks (in rank order). Pure data, the same on every rank.
 

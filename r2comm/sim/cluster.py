@@ -35,14 +35,11 @@ run_schedules() replays a schedule set (one planner Schedule per rank) message b
   every stripe moves to one fixed backup NIC of the same host (the next one up), crossing to the
   peer's NIC k through the spine; stripe weights never change (no rebalancing).
 """
-import math
-
 import numpy as np
 
 from ..config import Config
 from ..planner import cost as _cost
-from ..planner.schedule import WORK, SEND, SCRATCH, COPY, REDUCE, REDUCE_REV, REDUCE_SEND, \
-    REDUCE_SEND_REV
+from ..planner.schedule import SEND, SCRATCH, COPY, REDUCE, REDUCE_SEND, REDUCE_SEND_REV
 from .flows import FlowSim, INF
 
 CFG = Config()

@@ -10,7 +10,6 @@ the failover and degraded-server rows are out of sample)."""
 import json
 import time
 
-from .. import planner
 from ..config import Config
 from ..planner import cost
 from .cluster import Cluster

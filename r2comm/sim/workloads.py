@@ -18,7 +18,6 @@ Policies:
             fault-free.
 """
 import json
-import math
 import os
 import random
 

@@ -41,7 +41,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..ports import free_ports
+from ..control.ports import free_ports
 from ._iproute import TestbedError
 from .fabric import MAX_NICS, TAG_RE, mgmt_addr, rail_addr
 from .rates import format_rate, parse_rate, tbf_args

@@ -22,7 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..bootstrap_store import StoreComm
+from ..control.bootstrap_store import StoreComm
 from ..communicator import Communicator
 from ..world import engine_module
 from . import native, pyops

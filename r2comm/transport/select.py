@@ -2,8 +2,9 @@
 (for_job), built from the bootstrap outcome, answers which peers share this host's memory
 links, how many data rails each peer has, the rail-deadline floor of the transport, the
 registration cache of zero-copy sends, and the per-rail summaries. The communicator and its
-world never name a transport; the transports' own modules (tcp, shm, verbs) stay behind this."""
-from . import rails, shm, verbs
+world never name a transport; this asks the kinds' objects (r2comm.transport: LOCAL for the
+local peers, the NIC kind bootstrap decided for the rails) and branches on no kind's name."""
+from . import LOCAL, kind_of, rails
 
 
 class JobTransports:
@@ -12,26 +13,28 @@ class JobTransports:
     def __init__(self, boot, cfg):
         self.boot = boot
         self.cfg = cfg
-        self.kind = getattr(boot, "transport", "tcp")   # the NIC rails' transport
+        self.kind = boot.transport              # the NIC rails' kind (its name)
+        self.nic = kind_of(self.kind)
+        self.local = LOCAL
 
     def prepare(self):
         """Before the engine: clean up what crashed jobs left (shared-memory segments)."""
-        if self.cfg.shm:
-            shm.cleanup_stale()
+        for k in (self.local, self.nic):
+            k.prepare(self.cfg)
 
     def min_rail_timeout_ms(self):
-        """The shortest rail deadline the NIC rails tolerate (0: no floor). A verbs queue pair
+        """The shortest rail deadline the NIC rails tolerate (0: no floor; a verbs queue pair
         retransmits a lost packet only after its local ACK timeout: a shorter deadline would
-        fail healthy rails."""
-        return verbs.min_rail_timeout_ms() if self.kind == "verbs" else 0
+        fail healthy rails)."""
+        return self.nic.min_rail_timeout_ms()
 
     def is_local(self, peer):
-        """This rank reaches global rank `peer` through a shared-memory link (no NIC)."""
-        return shm.is_local(self.boot.endpoints, self.boot.rank, peer)
+        """This rank reaches global rank `peer` through a local link (no NIC)."""
+        return self.local.is_local(self.boot.endpoints, self.boot.rank, peer)
 
     def local_peers(self):
-        """The global ranks this rank reaches through shared memory."""
-        return shm.local_peers(self.boot.endpoints, self.boot.rank)
+        """The global ranks this rank reaches through local links."""
+        return self.local.local_peers(self.boot.endpoints, self.boot.rank)
 
     def data_rails(self):
         """The number of data links to every global rank (0 for itself), for the engine."""
@@ -45,20 +48,9 @@ class JobTransports:
             engine.set_shm_peer(j)
 
     def registration_cache(self):
-        """Set the rail devices' zero-copy mode; the cache that registers user memory for
-        zero-copy sends (regcache.RegCache), or None where sends always copy."""
-        devices = self.boot.rail_devices
-        if self.kind != "verbs" or not devices:
-            return None
-        # (not without acks: there a post's completion counts as delivery, and a zero-copy
-        # post completes before the NIC has read the pages)
-        zcopy = self.cfg.verbs_zcopy and self.cfg.acks
-        for d in devices:
-            d.zcopy = zcopy
-        if not zcopy:
-            return None
-        from .regcache import RegCache
-        return RegCache(devices, self.cfg.verbs_reg_cache, self.cfg.verbs_reg_min)
+        """The NIC kind's cache that registers user memory for zero-copy sends, or None where
+        sends always copy."""
+        return self.nic.registration_cache(self.boot, self.cfg)
 
     def nic_rails(self, engine, peers):
         """This rank's rails.Rail per NIC rail, summed over global ranks `peers` (the memory

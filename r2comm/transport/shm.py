@@ -1,7 +1,7 @@
 """Shared-memory links between ranks on one host (issue 20): which pairs use them, set-up,
 segment names and clean-up. The hot path is r2comm/_core/shm.pxd and r2_shm.h.
 
-Which pairs. Ranks a and b are local when their host keys (r2comm.hostid: boot id and network
+Which pairs. Ranks a and b are local when their host keys (r2comm.control.hostid: boot id and network
 namespace, R2COMM_HOST in tests) are equal and both have R2COMM_SHM on (the default). A local
 pair has exactly one data link, the shared-memory one, at data-rail index 0 of that pair
 (Engine nrails_per_peer = 1), plus the TCP control connection as every pair. NIC rails and
@@ -44,6 +44,10 @@ Communicator start) unlinks the r2comm segments of this user, made in this pid n
 than any set-up can take (SETUP_MAX_AGE_S), whose creator process no longer exists. Another
 job's segment (another user, another pid namespace under a shared /dev/shm, one still in its
 set-up) is left alone.
+
+TRANSPORT is the kind's object (kind.Transport), the local kind (r2comm.transport.LOCAL): which
+pairs are local and their rails, the endpoint record's key, a pair's whole set-up (open), the
+accepting side by HELLO rail code (attach), and the clean-up before the engine (prepare).
 """
 import errno
 import functools
@@ -57,6 +61,7 @@ import struct
 import time
 
 from . import tcp
+from .kind import Transport
 from ..errors import R2commProtocolError
 
 log = logging.getLogger("r2comm")
@@ -93,7 +98,7 @@ def shm_key():
 
 
 def is_local(endpoints, a, b):
-    """Ranks a and b talk through shared memory: the same host key (r2comm.hostid), R2COMM_SHM
+    """Ranks a and b talk through shared memory: the same host key (r2comm.control.hostid), R2COMM_SHM
     on both (the endpoint's "shm" is their shm_key(), or None/False when off), equal keys."""
     ea, eb = endpoints[a], endpoints[b]
     ka, kb = ea.get("shm"), eb.get("shm")
@@ -341,3 +346,50 @@ def accept_link(engine, boot, peer, fd, conn_id):
         if base:
             seg.shm_unmap(base, n)
         raise
+
+
+def local_groups(endpoints):
+    """rank -> the ranks of its group of local ranks (itself included; is_local's relation,
+    built in O(n)); ranks without shared memory are absent."""
+    groups = {}
+    for r, ep in enumerate(endpoints):
+        if ep.get("shm") and ep.get("host_key") is not None:
+            groups.setdefault((ep["shm"], ep["host_key"]), []).append(r)
+    return {r: members for members in groups.values() for r in members}
+
+
+class ShmTransport(Transport):
+    """Shared-memory links between ranks of one host (a TCP link where no segment fits)."""
+    name = "shm"
+    local = True
+    hello_rails = (SHM_RAIL, TCP_RAIL)
+    title = "shared-memory link"      # how a report names a local pair's link
+
+    # which pairs, and how many data rails a pair has (the local one, or the common NIC rails)
+    is_local = staticmethod(is_local)
+    local_peers = staticmethod(local_peers)
+    local_groups = staticmethod(local_groups)
+    data_rails = staticmethod(data_rails)
+
+    def record(self, cfg):
+        """This rank's entry in its endpoint record ("shm"): None where R2COMM_SHM is off."""
+        return shm_key() if cfg.shm else None
+
+    def prepare(self, cfg):
+        if cfg.shm:
+            cleanup_stale()
+
+    def open(self, engine, boot, cfg, peer, timeout):
+        """The opener's (lower rank's) whole set-up of the pair's link (open_link)."""
+        open_link(engine, boot, cfg, peer, timeout)
+
+    def attach(self, engine, boot, peer, rail, fd, conn_id, engine_rail=0):
+        """The accepting side, by the HELLO's rail code: a segment's doorbell, or a local pair's
+        link over TCP."""
+        if rail == SHM_RAIL:
+            accept_link(engine, boot, peer, fd, conn_id)
+        else:
+            accept_tcp_link(engine, boot, peer, fd, conn_id)
+
+
+TRANSPORT = ShmTransport()

@@ -18,6 +18,11 @@ hands them to whoever attaches the connection.
 The accepting side is a non-blocking state machine (ServerHandshake) so that one thread can
 drive many handshakes at once, each under one deadline: a client that trickles bytes holds a
 slot, never the thread.
+
+TRANSPORT is the kind's object (kind.Transport): a TCP rail is the authenticated socket itself,
+handed to the engine's built-in table (_core/tcp.pxd). Every other kind's connections start with
+this handshake too, and the control connections are TCP: the control plane reaches listen,
+connect, ServerHandshake and take_keys through this object (r2comm.transport.CONTROL).
 """
 import hashlib
 import hmac
@@ -26,6 +31,8 @@ import select
 import socket
 import struct
 import time
+
+from .kind import Transport
 
 MAGIC = b"R2CH"
 VERSION = 2            # 2: a tagged HELLO (no job id) and the acceptor's admission message
@@ -269,3 +276,40 @@ def accept(listener, secret, me, timeout, rail_timeout_ms, admit=None, sockbuf=0
     except BaseException:
         hs.close()
         raise
+
+
+class TcpTransport(Transport):
+    """TCP rails: the handshake's socket is the connection (engine.attach)."""
+    name = "tcp"
+    CTRL_RAIL = CTRL_RAIL
+    HandshakeError = HandshakeError
+    Refused = Refused
+
+    # the handshake, for the control plane (links, liveness) and for other kinds' set-up
+    listen = staticmethod(listen)
+    connect = staticmethod(connect)
+    accept = staticmethod(accept)
+    ServerHandshake = ServerHandshake
+    take_keys = staticmethod(take_keys)
+
+    def dial(self, boot, cfg, peer, rail, timeout):
+        """The connection's socket, authenticated: to the peer's rail `rail` listener from this
+        rank's address of that rail, or to its control listener (rail CTRL_RAIL)."""
+        ep = boot.endpoints[peer]
+        if rail == CTRL_RAIL:
+            (addr, port), local = ep["ctrl"], None
+        else:
+            (addr, port), local = ep["rails"][rail], boot.rail_addrs[rail]
+        return connect(addr, port, local, boot.secret, boot.rank, peer, rail, timeout,
+                       cfg.rail_timeout_ms, cfg.sockbuf, cfg.notsent_lowat)
+
+    def attach(self, engine, boot, peer, rail, fd, conn_id, engine_rail):
+        keys = take_keys(fd)
+        try:
+            engine.attach(peer, engine_rail, fd, conn_id, *keys)
+        except BaseException:
+            os.close(fd)                  # the engine did not take it
+            raise
+
+
+TRANSPORT = TcpTransport()

@@ -5,7 +5,8 @@ connection into a verbs connection.
 A rail is an IPv4 address (R2COMM_RAILS). Its RDMA device is the one whose RoCE v2 GID table
 holds that address (::ffff:a.b.c.d), i.e. the RoCE device on the rail's own netdev; on
 InfiniBand (no IPv4 GIDs) the devices named in R2COMM_RDMA_DEVICES are taken in rail order.
-Every rank decides what it can do and bootstrap gathers it (decide()): `verbs` needs a device
+Every rank says what it can do (VerbsTransport.offer) and bootstrap gathers it
+(r2comm.transport.decide): `verbs` needs a device
 on every rail of every rank and is an error otherwise (never a silent fall-back to TCP); `auto`
 takes verbs where every rank can, else TCP; `tcp` never opens a device.
 
@@ -13,7 +14,11 @@ The exchange runs over the rail's TCP connection right after its handshake, both
 send QP address + tag, read the peer's, move the QP to RTS, send one ready byte, read the
 peer's. The tag is HMAC(connection key of that direction, address), so an address that was not
 sent by the authenticated peer is refused. The socket then stays open beside the QP (the
-companion socket of verbs_transport.pxi: failure notice, health probes, NIC checks)."""
+companion socket of verbs_transport.pxi: failure notice, health probes, NIC checks).
+
+TRANSPORT is the kind's object (kind.Transport): its offer, its attach (the exchange, then the
+table handed to the engine by address), three fds per rail, the rail-deadline floor of its
+queue pairs and the registration cache of zero-copy sends (regcache.py)."""
 import hashlib
 import hmac
 import os
@@ -21,8 +26,11 @@ import select
 import socket
 import time
 
-from ..errors import R2commArgumentError, R2commProtocolError
+from ..errors import R2commProtocolError
+from .tcp import TcpTransport, take_keys
 
+EXCHANGE_S = 10.0  # s: a queue-pair exchange after its handshake (creating a QP and
+                   # registering its slots takes ~1 s in an emulated guest)
 QPX_MAGIC = b"R2QX"
 TAG_LEN = 16
 READY = b"\x01"
@@ -93,36 +101,6 @@ def find_devices(rail_addrs, pool=None):
             _devices[addr] = found
             out.append((found, None))
     return out
-
-
-def local_offer(want, rail_addrs, pool=None):
-    """What this rank brings to bootstrap: ("verbs"|"tcp", devices or None, why not verbs)."""
-    if want == "tcp":
-        return "tcp", None, "R2COMM_TRANSPORT=tcp"
-    found = find_devices(rail_addrs, pool)
-    missing = [why for dev, why in found if dev is None]
-    if missing:
-        return "tcp", None, "; ".join(dict.fromkeys(missing))
-    return "verbs", [dev for dev, _ in found], None
-
-
-def decide(offers):
-    """The job's transport from every rank's (want, can, why) (the same on every rank): raises
-    R2commArgumentError when verbs was asked for and a rank cannot."""
-    wants = {w for w, _, _ in offers}
-    if len(wants) > 1:
-        raise R2commArgumentError(
-            "R2COMM_TRANSPORT differs between ranks: " +
-            ", ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(offers)))
-    want = wants.pop()
-    cannot = [(r, why) for r, (_, can, why) in enumerate(offers) if can != "verbs"]
-    if want == "verbs" and cannot:
-        raise R2commArgumentError(
-            "R2COMM_TRANSPORT=verbs, but " +
-            "; ".join(f"rank {r} has no usable RDMA device: {why}" for r, why in cannot))
-    if want == "tcp" or cannot:
-        return "tcp"
-    return "verbs"
 
 
 def _readable(sock, timeout):
@@ -204,3 +182,56 @@ def pinned_stats():
     pinned by the pools, which depends on the settings and the devices, not on the peers."""
     per = {addr: dev.pool_stats() for addr, dev in _devices.items()}
     return {"devices": per, "pinned_bytes": sum(p["pinned_bytes"] for p in per.values())}
+
+
+class VerbsTransport(TcpTransport):
+    """Verbs rails: dialled and authenticated as TCP rails, then the queue-pair exchange on
+    that socket (which stays as the companion); the control connection stays TCP."""
+    name = "verbs"
+    rail_fds = 3             # the companion socket, the completion channel, the epoll fd
+    attach_blocks = True     # the exchange waits for the peer
+    missing = "has no usable RDMA device"
+
+    def offer(self, rail_addrs, cfg=None):
+        # a device opened now gets its slot pool from the settings (R2COMM_VERBS_*_SLOTS)
+        pool = None if cfg is None else (cfg.verbs_recv_slots, cfg.verbs_send_slots,
+                                         cfg.verbs_conn_send_slots)
+        found = find_devices(rail_addrs, pool)
+        missing = [why for dev, why in found if dev is None]
+        if missing:
+            return None, "; ".join(dict.fromkeys(missing))
+        return [dev for dev, _ in found], None
+
+    def min_rail_timeout_ms(self):
+        return min_rail_timeout_ms()
+
+    def attach(self, engine, boot, peer, rail, fd, conn_id, engine_rail):
+        keys = take_keys(fd)
+        # the authenticated socket carries the queue-pair exchange, then stays beside the QP
+        # as its companion (exchange: it owns fd from here, also when it raises)
+        handle = exchange(boot.rail_devices[rail], fd, keys[0], keys[1], EXCHANGE_S)
+        try:
+            engine.attach_transport(peer, engine_rail, load()[0].transport_address(), handle,
+                                    conn_id, *keys)
+        except BaseException:
+            discard(handle)       # QP, slots, companion socket: the peer sees EOF
+            raise
+
+    def registration_cache(self, boot, cfg):
+        """Set the rail devices' zero-copy mode; the RegCache that registers user memory for
+        zero-copy sends, or None where sends always copy."""
+        devices = boot.rail_devices
+        if not devices:
+            return None
+        # (not without acks: there a post's completion counts as delivery, and a zero-copy
+        # post completes before the NIC has read the pages)
+        zcopy = cfg.verbs_zcopy and cfg.acks
+        for d in devices:
+            d.zcopy = zcopy
+        if not zcopy:
+            return None
+        from .regcache import RegCache
+        return RegCache(devices, cfg.verbs_reg_cache, cfg.verbs_reg_min)
+
+
+TRANSPORT = VerbsTransport()

@@ -21,10 +21,10 @@ import numpy as np
 from . import p2p
 from .args import ANY_TAG, ANY_SOURCE, is_any_source, is_proc_null
 from .buffers import as_array
-from .errors import R2commArgumentError, R2commMismatchError, R2commTruncateError, unsupported
-from .ops import CODE_DTYPES, dtype_code
-from .request import GroupRequest, LocalRequest, Prequest, Request, Status, fill_status, poll
-from .world import engine_module as _engine
+from ..errors import R2commArgumentError, R2commMismatchError, R2commTruncateError, unsupported
+from ..ops import CODE_DTYPES, dtype_code
+from ..request import GroupRequest, LocalRequest, Prequest, Request, Status, fill_status, poll
+from ..world import engine_module as _engine
 
 
 def _refuse_buffered(name):

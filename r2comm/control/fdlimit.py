@@ -2,8 +2,8 @@
 
 A rank connects at start-up only to its ring neighbours and its local peers (links.start_peers):
 per peer one socket per common data rail plus the control connection (a shared-memory peer: its
-doorbell and the control connection); a verbs rail adds its completion channel and its epoll fd
-to the socket kept beside the queue pair; the failure detector (liveness.py) holds
+doorbell and the control connection); a rail holds its kind's rail_fds (a verbs rail adds its
+completion channel and its epoll fd to the socket kept beside the queue pair); the failure detector (liveness.py) holds
 DETECTOR_FDS more. Plans connect more peers on first use (links.connect_for), bounded by the
 peers of the plans a rank runs (O(1) for ring plans, O(log n) for tree and halving ones; an
 alltoall or point-to-point to every peer reaches the full mesh), so fds_needed is the start-up
@@ -17,13 +17,14 @@ figure, not a bound for the whole run: each first use checks its own room (Links
 import logging
 import resource
 
-from .transport import liveness, shm
-from .transport.links import VERBS_RAIL_FDS, open_fds, start_peers
-from .errors import R2commResourceError
+from . import liveness
+from .. import transport
+from .links import open_fds, start_peers
+from ..errors import R2commResourceError
 
 log = logging.getLogger("r2comm")
 WARN_FRACTION = 0.8      # warn when a rank would hold more than this share of its fd limit
-DETECTOR_FDS = liveness.STEADY_FDS   # the failure detector (transport/liveness.py)
+DETECTOR_FDS = liveness.STEADY_FDS   # the failure detector (control/liveness.py)
 NR_OPEN_FALLBACK = 1 << 20
 
 _limits = None           # (soft before, soft now, hard) once raise_soft_limit ran
@@ -55,33 +56,25 @@ def _nr_open():
         return NR_OPEN_FALLBACK
 
 
-def _local_groups(endpoints):
-    """rank -> the ranks it reaches through shared memory (shm.is_local), built in O(n)."""
-    groups = {}
-    for r, ep in enumerate(endpoints):
-        if ep.get("shm") and ep.get("host_key") is not None:
-            groups.setdefault((ep["shm"], ep["host_key"]), []).append(r)
-    return {r: members for members in groups.values() for r in members}
-
-
-def connection_fds(endpoints, me, transport, groups=None):
+def connection_fds(endpoints, me, kind, groups=None):
     """The fds rank `me` holds for its connections once start-up is done (endpoints: the
-    bootstrap's, transport "tcp" or "verbs"): its start-up peers' and the detector's."""
-    per_rail = VERBS_RAIL_FDS if transport == "verbs" else 1
+    bootstrap's, kind: the NIC rails' kind, its name): its start-up peers' and the
+    detector's."""
+    per_rail = transport.kind_of(kind).rail_fds
     n = len(endpoints)
     if n < 2:
         return 0
-    local = (groups if groups is not None else _local_groups(endpoints)).get(me, ())
+    local = (groups if groups is not None else transport.LOCAL.local_groups(endpoints)).get(me, ())
     total = DETECTOR_FDS
     for peer in {(me - 1) % n, (me + 1) % n, *local} - {me}:    # links.start_peers
-        rails = shm.data_rails(endpoints, me, peer)
+        rails = transport.LOCAL.data_rails(endpoints, me, peer)
         total += 1 + (rails if peer in local else rails * per_rail)
     return total
 
 
-def fds_needed(endpoints, me, transport):
+def fds_needed(endpoints, me, kind):
     """What this rank will hold: the fds it has open now plus its connections."""
-    return open_fds() + connection_fds(endpoints, me, transport)
+    return open_fds() + connection_fds(endpoints, me, kind)
 
 
 def own_record():
@@ -92,16 +85,16 @@ def own_record():
     return [open_fds(), int(cap), int(hard)]
 
 
-def check(endpoints, transport, me):
+def check(endpoints, kind, me):
     """The fd budget before the start-up connections, judged alike on every rank from the
     endpoint records' "fds" (own_record): a warning (rank 0) when a rank would hold more than
     WARN_FRACTION of its limit, R2commResourceError on every rank when one would hold more than
     its limit. O(n) arithmetic per rank, no messages. Returns (ratio, need, cap, hard, rank)."""
-    groups = _local_groups(endpoints)
+    groups = transport.LOCAL.local_groups(endpoints)
     worst = (0.0, 0, 0, 0, 0)
     for r, ep in enumerate(endpoints):
         opened, cap, hard = ep["fds"]
-        need = opened + connection_fds(endpoints, r, transport, groups)
+        need = opened + connection_fds(endpoints, r, kind, groups)
         worst = max(worst, (need / max(cap, 1), need, cap, hard, r))
     ratio, need, cap, hard, rank = worst
     if ratio > 1.0:

@@ -4,7 +4,7 @@ through the engine (not through the bootstrap MPI communicator).
 Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
 CONTROL_BIT | id (comm_ids.py), so its operations have their own sequence numbers and tags and
 never match the application's. It follows its communicator's plans (the rail state of the
-agreed epoch). The start-up bandwidth probe (bandwidth_probe.py), the facts agreement of
+agreed epoch). The start-up bandwidth measurement (bandwidth.py), the facts agreement of
 rail_state() / replan() and the epoch check of R2COMM_REPLAN=K run on it; the plan-switch
 rounds of replan.py run on a second twin of their own (epoch_plane).
 
@@ -50,8 +50,8 @@ from collections import deque
 
 import numpy as np
 
-from .errors import R2commError, R2commNetworkError
-from .request import Status
+from ..errors import R2commError, R2commNetworkError
+from ..request import Status
 
 TAG_BASE = 0x60000000       # tags of the allgather (the probe uses 0x51......)
 CALL_BITS = 24              # a tag: TAG_BASE | phase << CALL_BITS | call number mod 2**24

@@ -8,8 +8,8 @@ import numpy as np
 
 from .args import check_root, check_apart, is_in_place, IN_PLACE, device_args
 from .buffers import as_array, as_vector
-from .errors import R2commArgumentError, R2commBufferError
-from .ops import SUM, as_op, dtype_code, reduce_code
+from ..errors import R2commArgumentError, R2commBufferError
+from ..ops import SUM, as_op, dtype_code, reduce_code
 
 
 def _same_type(a, b, what):
@@ -19,6 +19,23 @@ def _same_type(a, b, what):
 
 def _byte_layout(counts, displs, itemsize):
     return (tuple(c * itemsize for c in counts), tuple(d * itemsize for d in displs))
+
+
+def _root_block(what, whole, whole_name, own, own_name, size):
+    """The root's side of Gather and Scatter: `whole` holds `size` equal blocks and `own` (None
+    where IN_PLACE) is one of them, of the same type, apart in memory. Returns a block's bytes."""
+    if whole.nbytes % size:
+        raise R2commBufferError(f"{what}: {whole_name} of {whole.nbytes} bytes is not "
+                                f"{size} equal blocks")
+    block = whole.nbytes // size
+    if own is not None:
+        send, recv = (own, whole) if own_name == "sendbuf" else (whole, own)
+        _same_type(send, recv, what)
+        if own.nbytes != block:
+            raise R2commBufferError(f"{what}: {whole_name} must hold {size} x {own_name} "
+                                    f"({own.nbytes} bytes), got {whole.nbytes} bytes")
+        check_apart(send, recv, what)
+    return block
 
 
 class VectorCollectives:
@@ -68,17 +85,8 @@ class VectorCollectives:
         check_root(root, self.size)
         if self.rank == root:
             r = as_array(recvbuf, True, "Gather recvbuf", self.size)
-            if r.nbytes % self.size:
-                raise R2commBufferError(f"Gather: recvbuf of {r.nbytes} bytes is not "
-                                        f"{self.size} equal blocks")
-            block, send = r.nbytes // self.size, None
-            if not is_in_place(sendbuf):
-                send = as_array(sendbuf, False, "Gather sendbuf")
-                _same_type(send, r, "Gather")
-                if send.nbytes != block:
-                    raise R2commBufferError(f"Gather: recvbuf must hold {self.size} x sendbuf "
-                                            f"({send.nbytes} bytes), got {r.nbytes} bytes")
-                check_apart(send, r, "Gather")
+            send = None if is_in_place(sendbuf) else as_array(sendbuf, False, "Gather sendbuf")
+            block = _root_block("Gather", r, "recvbuf", send, "sendbuf", self.size)
             work, dt = r, r.dtype
         else:
             if is_in_place(sendbuf):
@@ -103,17 +111,9 @@ class VectorCollectives:
         check_root(root, self.size)
         if self.rank == root:
             s = as_array(sendbuf, False, "Scatter sendbuf", self.size)
-            if s.nbytes % self.size:
-                raise R2commBufferError(f"Scatter: sendbuf of {s.nbytes} bytes is not "
-                                        f"{self.size} equal blocks")
-            block, work, keep_own = s.nbytes // self.size, None, is_in_place(recvbuf)
-            if not keep_own:
-                work = as_array(recvbuf, True, "Scatter recvbuf")
-                _same_type(s, work, "Scatter")
-                if work.nbytes != block:
-                    raise R2commBufferError(f"Scatter: sendbuf must hold {self.size} x recvbuf "
-                                            f"({work.nbytes} bytes), got {s.nbytes} bytes")
-                check_apart(s, work, "Scatter")
+            keep_own = is_in_place(recvbuf)
+            work = None if keep_own else as_array(recvbuf, True, "Scatter recvbuf")
+            block = _root_block("Scatter", s, "sendbuf", work, "recvbuf", self.size)
             send, dt, layout = s, s.dtype, (block, keep_own)
         else:
             if is_in_place(recvbuf):

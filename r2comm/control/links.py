@@ -6,7 +6,7 @@ parallel, each retried until R2COMM_CONNECT_TIMEOUT; a data rail that does not c
 starts down (rail_never_up) and is probed for fail-back like a rail that failed later. So a
 rank holds connections to the peers its schedules use: O(1) for ring plans, O(log n) for
 halving, tree and dissemination ones, not n - 1 (issue 31). Only the start-up set
-(eager_peers: the ring neighbours, whose connections the start-up bandwidth probe times and
+(eager_peers: the ring neighbours, whose connections the start-up bandwidth measurement (bandwidth.py) times and
 whose outcome the ranks agree on, and the local peers' shared-memory links) is connected
 before the Communicator returns.
 
@@ -16,13 +16,13 @@ has up, and accepts the lower rank's always; its own attempt waits while an inco
 the same (peer, rail) is being set up (_claim). So a pair ends with exactly one connection per
 rail, and a one-sided need (the other rank never asks) is accepted by the other's links thread.
 A failed rail is re-connected once the engine says a probe is due, by either end (on the
-prober thread, never blocking the accepting one), so a rail whose link came back is
+fail-back thread, never blocking the accepting one), so a rail whose link came back is
 re-admitted without user action, also where only one end ever needed it. At start-up the
 eager connections are tried in parallel until a short deadline; one that does not come up
-starts down and is probed the same way (r2comm/startup.py).
+starts down and is probed the same way (r2comm/control/startup.py).
 
 One thread accepts incoming connections for the whole life of the engine and authenticates
-them without blocking (tcp.ServerHandshake, driven by a selector): a connection that never
+them without blocking (CONTROL.ServerHandshake, driven by a selector): a connection that never
 finishes its handshake holds one of 64 slots until its deadline, never the thread, so
 fail-back probes and event delivery keep running.
 
@@ -33,7 +33,13 @@ the oldest anonymous one is closed for a newcomer. A pair's claim (_admit_pair) 
 once the connector proved the secret, so HELLOs that never do block none of this rank's own
 connects. An error of one connection (a corrupt queue-pair address, an attach that raises)
 closes that connection, is logged, counted (Links.nerrors) and recorded as a `link_error` event;
-it never ends the thread."""
+it never ends the thread.
+
+Kinds. Links branches on no transport's name: a pair's connections are the job's NIC kind's
+(r2comm.transport.kind_of(boot.transport): dial, attach), a local pair's one data link the
+local kind's (transport.LOCAL: open, attach), the control connection TCP's (transport.CONTROL,
+whose handshake every connection starts with); an accepted connection's kind follows from its
+HELLO's rail code (transport.for_hello)."""
 import collections
 import errno
 import logging
@@ -43,7 +49,9 @@ import selectors
 import threading
 import time
 
-from . import admission, shm, tcp, verbs
+from . import admission
+from .. import transport
+from ..transport import CONTROL, CTRL_RAIL, LOCAL, HandshakeError
 from ..errors import R2commResourceError
 
 
@@ -57,13 +65,10 @@ CONNECT_TRY_S = 1.0      # longest one start-up connection attempt waits (a sile
 CONNECT_RETRY_S = 0.1    # pause before a failed start-up attempt is tried again
 CONNECT_THREADS = 32     # start-up connection attempts in flight at once
 BUSY = object()           # _attempt: another attempt at that connection is under way
-OFF = "its NIC is announced down (r2comm.facts)"   # _first_use: not attempted
-VERBS_RAIL_FDS = 3       # a verbs rail connection: TCP side socket, completion channel, epoll fd
+OFF = "its NIC is announced down (r2comm.control.facts)"   # _first_use: not attempted
 FD_RESERVE_SHARE = 64    # a first use leaves 1/64 of the fd limit free (own files, fail-back)
 FD_WARN_FRACTION = 0.8   # a first use that takes a rank past this share of its limit warns
 ACCEPT_PAUSE_S = 0.1     # listeners rest this long after accept() found no fd (EMFILE)
-VERBS_EXCHANGE_S = 10.0  # s: a verbs rail's queue-pair exchange after its handshake (creating
-                         # a QP and registering its slots takes ~1 s in an emulated guest)
 
 
 def open_fds():
@@ -76,10 +81,10 @@ def open_fds():
 
 def start_peers(endpoints, me):
     """The peers rank `me` connects at start-up (Links.eager_peers): its ring neighbours and
-    its local (shared-memory) peers, in rank order."""
+    its local peers (transport.LOCAL), in rank order."""
     n = len(endpoints)
     ring = {(me - 1) % n, (me + 1) % n} - {me} if n > 1 else set()
-    return sorted(ring | set(shm.local_peers(endpoints, me)))
+    return sorted(ring | set(LOCAL.local_peers(endpoints, me)))
 
 class Links:
     def __init__(self, engine, boot, cfg):
@@ -87,12 +92,12 @@ class Links:
         self.boot = boot
         self.cfg = cfg
         self.me = boot.rank
-        # a local peer (r2comm/shm.py) has one data rail, the shared-memory link, at index 0
-        self.shm_peers = set(shm.local_peers(boot.endpoints, self.me))
-        self.nrails = [0 if j == self.me else 1 if j in self.shm_peers else
+        # a local peer (transport.LOCAL) has one data rail, the local link, at index 0
+        self.local_peers = set(LOCAL.local_peers(boot.endpoints, self.me))
+        self.nrails = [0 if j == self.me else 1 if j in self.local_peers else
                        min(len(boot.rail_addrs), len(ep["rails"]))
                        for j, ep in enumerate(boot.endpoints)]
-        self.verbs = getattr(boot, "transport", "tcp") == "verbs"   # data rails on queue pairs
+        self.nic = transport.kind_of(boot.transport)   # the kind of the NIC data rails
         self.rejected = collections.deque(maxlen=REJECTED_KEEP)  # (time, reason), newest last
         self.nrejected = 0            # refused connections in all (the deque keeps the last ones)
         self.handshake_timeout = HANDSHAKE_TIMEOUT
@@ -109,20 +114,20 @@ class Links:
         self._stop = threading.Event()
         self.on_tick = None           # called every ~20 ms from the thread (event delivery)
         self._thread = threading.Thread(target=self._serve, name="r2comm-links", daemon=True)
-        self.connect_timeout = getattr(cfg, "connect_timeout", 5.0)   # s: a first use's bound
+        self.connect_timeout = cfg.connect_timeout   # s: a first use's bound
         self._opening = set()         # (peer, rail) this rank is connecting now (_claim)
         self._accepting = collections.Counter()   # (peer, rail) of incoming handshakes admitted
         self._ready = set()           # peers connected (or tried) for use: connect_for skips them
         self._want = threading.Lock()  # one connect_for at a time makes the connections
-        self._probe_q = collections.deque()   # (peer, rail) fail-back probes for the prober
-        self._probing = set()         # of which queued or running
-        self._prober = None
+        self._failback_q = collections.deque()   # (peer, rail) fail-back probes for its thread
+        self._failing_back = set()         # of which queued or running
+        self._failback_thread = None
         self.nconnect_for = 0         # first uses that made connections (tests, bench)
         self.fd_warned = False        # the fd limit's warning was given (_check_fd_room)
         self._accept_rest = []        # (listener, index, until): resting after EMFILE (_accept)
 
     def engine_rail(self, peer, rail):
-        return self.nrails[peer] if rail == tcp.CTRL_RAIL else rail
+        return self.nrails[peer] if rail == CTRL_RAIL else rail
 
     # -- which connections, and who opens -------------------------------------------------------
     def eager_peers(self):
@@ -134,18 +139,15 @@ class Links:
         return start_peers(self.boot.endpoints, self.me)
 
     def _rails_of(self, peer):
-        return list(range(self.nrails[peer])) + [tcp.CTRL_RAIL]
+        return list(range(self.nrails[peer])) + [CTRL_RAIL]
 
     def _up(self, peer, rail):
-        """Connection (peer, rail) is up in the engine (an engine without link_state, a test's
-        fake: it was attached once)."""
-        state = self._state(peer, rail)
-        return (peer, rail) in self._seen if state is None else state == "up"
+        """Connection (peer, rail) is up in the engine."""
+        return self._state(peer, rail) == "up"
 
     def _state(self, peer, rail):
-        """Engine.link_state of connection (peer, rail); None for an engine without it."""
-        state = getattr(self.engine, "link_state", None)
-        return None if state is None else state(peer, self.engine_rail(peer, rail))
+        """Engine.link_state of connection (peer, rail)."""
+        return self.engine.link_state(peer, self.engine_rail(peer, rail))
 
     def _claim(self, peer, rail):
         """Take (peer, rail) for an attempt of this rank: False while one of ours or an
@@ -210,7 +212,7 @@ class Links:
             need = sorted({p for p in need if p not in self._ready})
             if not need:
                 return
-            jobs = [(p, k) for p in need if p not in self.shm_peers for k in self._rails_of(p)]
+            jobs = [(p, k) for p in need if p not in self.local_peers for k in self._rails_of(p)]
             self._check_fd_room(need, [(p, k) for p, k in jobs if not self._up(p, k)])
             self.nconnect_for += 1
             deadline = time.monotonic() + self.connect_timeout
@@ -219,7 +221,7 @@ class Links:
             for (p, k), why in sorted(outcome.items()):
                 if why is None or why is OFF or self._up(p, k):
                     continue                  # (OFF: stays idle until its NIC is back up)
-                if k == tcp.CTRL_RAIL:
+                if k == CTRL_RAIL:
                     log.warning("r2comm rank %d: the control connection to rank %d did not come "
                                 "up within %g s (R2COMM_CONNECT_TIMEOUT): %s", self.me, p,
                                 self.connect_timeout, why)
@@ -232,14 +234,14 @@ class Links:
     def reconnect_idle(self, peers, rail):
         """Data rail `rail` to each of `peers` (global ranks) that a first use already
         connected for and that is idle (skipped while its NIC was announced down): tried on
-        the prober thread, as a fail-back probe is. Peers never needed stay for first use."""
+        the fail-back thread, as a fail-back probe is. Peers never needed stay for first use."""
         for peer in peers:
-            if peer == self.me or peer not in self._ready or peer in self.shm_peers or \
+            if peer == self.me or peer not in self._ready or peer in self.local_peers or \
                     rail >= self.nrails[peer]:
                 continue
             if self._state(peer, rail) != "idle":
                 continue
-            self._queue_probe(peer, rail)
+            self._queue_failback(peer, rail)
 
     def _check_fd_room(self, peers, missing):
         """Before a first use opens the connections `missing` ((peer, rail) of `peers`): raise
@@ -248,8 +250,8 @@ class Links:
         unreachable" after the connect timeout from EMFILE in some attempts), and warn once past
         FD_WARN_FRACTION of it. An alltoall or point-to-point to every rank connects every peer:
         at a thousand ranks that is thousands of fds."""
-        per_rail = VERBS_RAIL_FDS if self.verbs else 1
-        add = sum(1 if k == tcp.CTRL_RAIL else per_rail for _, k in missing)
+        per_rail = self.nic.rail_fds
+        add = sum(1 if k == CTRL_RAIL else per_rail for _, k in missing)
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if not add or limit == resource.RLIM_INFINITY:
             return
@@ -277,9 +279,9 @@ class Links:
         while True:
             if self._up(peer, rail):
                 return None
-            if rail != tcp.CTRL_RAIL and self._state(peer, rail) == "off":
+            if rail != CTRL_RAIL and self._state(peer, rail) == "off":
                 return OFF
-            if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
+            if rail != CTRL_RAIL and self.engine.injected(rail, peer):
                 return "the NIC is dark on this side (injected fault)"
             left = deadline - time.monotonic()
             if left <= 0:
@@ -308,7 +310,7 @@ class Links:
         outcome = {}
         for peer in [p for p in self.eager_peers() if p > self.me]:
             for rail in self._rails_of(peer):
-                if rail != tcp.CTRL_RAIL and self.engine.injected(rail, peer):
+                if rail != CTRL_RAIL and self.engine.injected(rail, peer):
                     outcome[(peer, rail)] = "the NIC is dark on this side (injected fault, " \
                                             "R2COMM_FAULT start=1)"
                 else:
@@ -372,32 +374,26 @@ class Links:
     def _open(self, peer, rail, timeout):
         """One attempt at connection (peer, rail); attached to the engine when it works.
         Returns None, or why it failed."""
-        ep = self.boot.endpoints[peer]
-        if peer in self.shm_peers and rail != tcp.CTRL_RAIL:
+        if peer in self.local_peers and rail != CTRL_RAIL:
             try:
                 # (no SYN into a dead link to give up on early: a loaded peer gets time)
-                shm.open_link(self.engine, self.boot, self.cfg, peer, max(timeout, 0.5))
-            except (OSError, tcp.HandshakeError) as exc:
-                return "shared-memory link: " + (str(exc) or type(exc).__name__)
+                LOCAL.open(self.engine, self.boot, self.cfg, peer, max(timeout, 0.5))
+            except (OSError, HandshakeError) as exc:
+                return f"{LOCAL.title}: " + (str(exc) or type(exc).__name__)
             except Exception as exc:      # noqa: BLE001 (one connection's error, not the thread's)
-                return self._link_error("opening a shared-memory link", peer, rail, exc)
+                return self._link_error(f"opening a {LOCAL.title}", peer, rail, exc)
             self._seen_add(peer, rail)
             return None
-        if rail == tcp.CTRL_RAIL:
-            (addr, port), local = ep["ctrl"], None
-        else:
-            (addr, port), local = ep["rails"][rail], self.boot.rail_addrs[rail]
+        kind = CONTROL if rail == CTRL_RAIL else self.nic
         try:
-            fd, conn_id = tcp.connect(addr, port, local, self.boot.secret, self.me, peer, rail,
-                                      timeout, self.cfg.rail_timeout_ms, self.cfg.sockbuf,
-                                      self.cfg.notsent_lowat)
-        except (OSError, tcp.HandshakeError) as exc:
+            fd, conn_id = kind.dial(self.boot, self.cfg, peer, rail, timeout)
+        except (OSError, HandshakeError) as exc:
             return str(exc) or type(exc).__name__
         except Exception as exc:          # noqa: BLE001
             return self._link_error("connecting", peer, rail, exc)
         try:
             self._attach(peer, rail, fd, conn_id)
-        except (OSError, tcp.HandshakeError) as exc:
+        except (OSError, HandshakeError) as exc:
             return str(exc) or type(exc).__name__
         except Exception as exc:          # noqa: BLE001 (_attach released what it took)
             return self._link_error("attaching", peer, rail, exc)
@@ -407,35 +403,11 @@ class Links:
         return self._open(peer, rail, timeout) is None
 
     def _attach(self, peer, rail, fd, conn_id):
-        if rail == shm.SHM_RAIL:       # the doorbell connection of a shared-memory link
-            shm.accept_link(self.engine, self.boot, peer, fd, conn_id)
-            self._seen_add(peer, 0)
-            return
-        if rail == shm.TCP_RAIL:       # a local pair's link over TCP (no room in /dev/shm)
-            shm.accept_tcp_link(self.engine, self.boot, peer, fd, conn_id)
-            self._seen_add(peer, 0)
-            return
-        keys = tcp.take_keys(fd)
-        if rail != tcp.CTRL_RAIL and self.verbs:
-            # the authenticated socket carries the queue-pair exchange, then stays beside
-            # the QP as its companion (verbs.exchange: it owns fd from here, also when
-            # it raises); the control connection stays TCP
-            handle = verbs.exchange(self.boot.rail_devices[rail], fd, keys[0], keys[1],
-                                          VERBS_EXCHANGE_S)
-            try:
-                self.engine.attach_transport(peer, rail,
-                                             verbs.load()[0].transport_address(),
-                                             handle, conn_id, *keys)
-            except BaseException:
-                verbs.discard(handle)   # QP, slots, companion socket: the peer sees EOF
-                raise
-        else:
-            try:
-                self.engine.attach(peer, self.engine_rail(peer, rail), fd, conn_id, *keys)
-            except BaseException:
-                os.close(fd)                  # the engine did not take it
-                raise
-        self._seen_add(peer, rail)
+        """Connection (peer, rail), authenticated on fd, to the engine by its kind (the HELLO's
+        rail code: a local link, the control connection, or a NIC data rail)."""
+        kind = transport.for_hello(rail, self.nic)
+        kind.attach(self.engine, self.boot, peer, rail, fd, conn_id, self.engine_rail(peer, rail))
+        self._seen_add(peer, 0 if kind.local else rail)
 
     def _seen_add(self, peer, rail):
         with self._cv:
@@ -451,7 +423,7 @@ class Links:
             for i, lst in enumerate(listeners):
                 lst.setblocking(False)
                 sel.register(lst, selectors.EVENT_READ, i)
-            next_probe = 0.0
+            next_failback = 0.0
             while not self._stop.is_set():
                 try:
                     ready = sel.select(0.02)
@@ -471,9 +443,9 @@ class Links:
                     sel.register(item[0], selectors.EVENT_READ, item[1])
                 for fd in [fd for fd, v in self._pending.items() if now >= v.hs.deadline]:
                     self._step(sel, fd, now)
-                if now >= next_probe:
-                    next_probe = now + 0.02
-                    self._probe()
+                if now >= next_failback:
+                    next_failback = now + 0.02
+                    self._failback_due()
                     if self.on_tick is not None:
                         try:
                             self.on_tick()
@@ -528,7 +500,7 @@ class Links:
                 return False
             pending.claim = (peer, rail)   # released once attached or failed (_release)
             return True
-        hs = tcp.ServerHandshake(sock, addr, self.boot.secret, self.me,
+        hs = CONTROL.ServerHandshake(sock, addr, self.boot.secret, self.me,
                                  time.monotonic() + self.handshake_timeout,
                                  self.cfg.rail_timeout_ms, admit, self.cfg.sockbuf,
                                  self.cfg.notsent_lowat, check)
@@ -543,11 +515,11 @@ class Links:
         if not (0 <= peer < self.boot.size and peer != self.me):
             return False
         ctrl_index = len(self.boot.listeners) - 1
-        if rail in (shm.SHM_RAIL, shm.TCP_RAIL):   # only a local, lower rank opens one
-            return lindex == ctrl_index and peer in self.shm_peers and peer < self.me
-        if rail == tcp.CTRL_RAIL:
+        if rail in LOCAL.hello_rails:   # only a local, lower rank opens one
+            return lindex == ctrl_index and peer in self.local_peers and peer < self.me
+        if rail == CTRL_RAIL:
             return lindex == ctrl_index
-        if peer in self.shm_peers:
+        if peer in self.local_peers:
             return False                   # a local peer has no NIC rails
         # the listener must be that rail's, and an injected fault keeps the NIC dark
         return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
@@ -566,11 +538,11 @@ class Links:
         hs = pend.hs
         try:
             res = hs.step(now)
-        except (OSError, tcp.HandshakeError) as exc:
+        except (OSError, HandshakeError) as exc:
             self._forget(sel, fd)
             hs.close()
             self._release(pend.claim)
-            if not isinstance(exc, tcp.Refused):
+            if not isinstance(exc, CONTROL.Refused):
                 self._reject(str(exc))
             return
         except Exception as exc:          # noqa: BLE001 (e.g. admit() on a closed engine)
@@ -588,29 +560,29 @@ class Links:
                                           f"of rank {hs.pair[0]} rail {hs.pair[1]}")
             return
         self._forget(sel, fd)              # fd now belongs to the engine
-        if res[1] not in (tcp.CTRL_RAIL, shm.SHM_RAIL, shm.TCP_RAIL) and self.verbs:
-            # the queue-pair exchange waits for the peer: not on this thread, which
-            # drives every other handshake
-            threading.Thread(target=self._attach_verbs, args=(pend.claim, *res),
-                             daemon=True, name="r2comm-qpx").start()
+        if transport.for_hello(res[1], self.nic).attach_blocks:
+            # the attach waits for the peer (a queue-pair exchange): not on this thread,
+            # which drives every other handshake
+            threading.Thread(target=self._attach_blocking, args=(pend.claim, *res),
+                             daemon=True, name="r2comm-attach").start()
         else:
             try:
                 self._attach(*res)
-            except (OSError, tcp.HandshakeError) as exc:
+            except (OSError, HandshakeError) as exc:
                 self._reject(f"rank {res[0]} rail {res[1]}: connection refused: {exc}")
             except Exception as exc:      # noqa: BLE001 (_attach released what it took)
                 self._link_error("attaching", res[0], res[1], exc)
             finally:
                 self._release(pend.claim)
 
-    def _attach_verbs(self, claim, *res):
+    def _attach_blocking(self, claim, *res):
         try:
             self._attach(*res)
         except OSError as exc:             # the exchange failed: the socket is closed
             self._reject(f"rank {res[0]} rail {res[1]}: {exc}")
         except Exception as exc:           # noqa: BLE001 (_attach released what it took)
             if not self._stop.is_set():    # (else: the engine was closed meanwhile)
-                self._link_error("attaching a verbs rail", res[0], res[1], exc)
+                self._link_error(f"attaching a {self.nic.name} rail", res[0], res[1], exc)
         finally:
             self._release(claim)
 
@@ -625,12 +597,10 @@ class Links:
             log.warning("r2comm rank %d: connection closed after an error (%d so far): %s",
                         self.me, self.nerrors, text,
                         exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
-        note = getattr(self.engine, "note_link_error", None)
-        if note is not None:
-            try:
-                note(peer, rail, text)
-            except RuntimeError:           # the engine is closed
-                pass
+        try:
+            self.engine.note_link_error(peer, rail, text)
+        except RuntimeError:               # the engine is closed
+            pass
         return text
 
     def _forget(self, sel, fd):
@@ -653,10 +623,10 @@ class Links:
         else:
             self._log_quiet += 1
 
-    def _probe(self):
+    def _failback_due(self):
         """Fail-back probes that are due: a shared-memory link's on this thread, by the lower
         rank (as it was set up); a NIC rail's by either end (the other may never have needed
-        the pair), on the prober thread: a probe waits for the peer's links thread, and two
+        the pair), on the fail-back thread: a probe waits for the peer's links thread, and two
         ends probing each other from their accepting threads would each wait for the other."""
         try:
             due = self.engine.reconnect_due()
@@ -664,38 +634,38 @@ class Links:
             return
         for peer, rail in due:
             try:
-                if peer in self.shm_peers:
+                if peer in self.local_peers:
                     if peer < self.me or \
                             not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
                         self.engine.probe_failed(peer, rail)   # the lower rank re-connects
                 else:
-                    self._queue_probe(peer, rail)
+                    self._queue_failback(peer, rail)
             except RuntimeError:
                 return                                     # the engine was closed
             except Exception as exc:                       # noqa: BLE001
                 self._link_error("fail-back probe", peer, rail, exc)
 
-    def _queue_probe(self, peer, rail):
-        """Have the prober thread try (peer, rail) once (not twice at a time)."""
+    def _queue_failback(self, peer, rail):
+        """Have the fail-back thread try (peer, rail) once (not twice at a time)."""
         with self._cv:
-            if (peer, rail) in self._probing:
+            if (peer, rail) in self._failing_back:
                 return
-            self._probing.add((peer, rail))
-            self._probe_q.append((peer, rail))
+            self._failing_back.add((peer, rail))
+            self._failback_q.append((peer, rail))
             self._cv.notify_all()
-            if self._prober is None:
-                self._prober = threading.Thread(target=self._probe_loop, daemon=True,
-                                                name="r2comm-prober")
-                self._prober.start()
+            if self._failback_thread is None:
+                self._failback_thread = threading.Thread(target=self._failback_loop, daemon=True,
+                                                name="r2comm-failback")
+                self._failback_thread.start()
 
-    def _probe_loop(self):
-        """The prober thread: one fail-back attempt at a time, from _probe's queue."""
+    def _failback_loop(self):
+        """The fail-back thread: one attempt at a time, from _failback_due's queue."""
         while not self._stop.is_set():
             with self._cv:
-                if not self._probe_q:
+                if not self._failback_q:
                     self._cv.wait(0.1)
                     continue
-                peer, rail = self._probe_q.popleft()
+                peer, rail = self._failback_q.popleft()
             try:
                 idle = self._state(peer, rail) == "idle"     # (reconnect_idle)
                 err = self._attempt(peer, rail, self.engine.probe_timeout(peer, rail))
@@ -712,7 +682,7 @@ class Links:
                 self._link_error("fail-back probe", peer, rail, exc)
             finally:
                 with self._cv:
-                    self._probing.discard((peer, rail))
+                    self._failing_back.discard((peer, rail))
 
     @property
     def alive(self):
@@ -725,8 +695,8 @@ class Links:
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(2.0)
-        if self._prober is not None:
-            self._prober.join(2.0)
+        if self._failback_thread is not None:
+            self._failback_thread.join(2.0)
         for s in self.boot.listeners:
             s.close()
 

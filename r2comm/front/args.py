@@ -11,7 +11,7 @@ import numpy as np
 
 from . import buffers
 from .marks import mpi_marks
-from .errors import R2commArgumentError, R2commBufferError
+from ..errors import R2commArgumentError, R2commBufferError
 
 
 class _InPlace:
@@ -102,7 +102,7 @@ def _is_device(obj):
     """gpu.backend.is_device, imported on first use (`import r2comm` stays light)."""
     global _IS_DEVICE
     if _IS_DEVICE is None:
-        from .gpu.backend import is_device
+        from ..gpu.backend import is_device
         _IS_DEVICE = is_device
     return _IS_DEVICE(obj)
 

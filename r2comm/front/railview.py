@@ -1,6 +1,6 @@
 """Adapters between the world's view of ranks and rails and the planner's: the Topology of a
 communicator's ranks and the topology() description."""
-from . import planner
+from .. import planner
 
 
 def loopback_only(endpoints):
@@ -12,7 +12,7 @@ def loopback_only(endpoints):
 
 
 def host_keys(endpoints):
-    """The host key of every rank's endpoint (r2comm.hostid; the host name for endpoints that
+    """The host key of every rank's endpoint (r2comm.control.hostid; the host name for endpoints that
     predate it)."""
     return [ep.get("host_key") or ep["host"] for ep in endpoints]
 

@@ -2,8 +2,8 @@
 import numpy as np
 
 from .args import check_root, is_any_source
-from .errors import R2commArgumentError
-from .planner.schedule import WORK
+from ..errors import R2commArgumentError
+from ..planner.schedule import WORK
 
 
 def check(kind, peer, tag, rail, rank, size, nrails, self_ok=False):

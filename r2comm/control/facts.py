@@ -14,7 +14,7 @@ are never removed: an UP fact is kept, so an older DOWN that arrives late loses 
 
 The table is O(facts), never O(ranks): a NIC failure is one entry whatever the job's size. It
 travels whole (encode/decode: 21 bytes a fact, validated on arrival) in the failure detector's
-frames (transport/liveness.py), and its digest rides in every heartbeat, so a rank that missed
+frames (control/liveness.py), and its digest rides in every heartbeat, so a rank that missed
 an announcement gets the table from a ring neighbour a period later.
 
 plan_state() turns a table into the planner's NicRailState of a communicator's ranks (or None
@@ -204,7 +204,7 @@ def plan_state(entries, host_of, members, nrails, rail_bw, intra_bw, always=Fals
     table, or None when no fact holds against them (unless `always`). host_of: the world host
     index of every world rank; rail_bw[k]: rail k's figure in bytes/s when up at full rate;
     intra_bw: a pair of one host."""
-    from .planner.state import NicRailState
+    from ..planner.state import NicRailState
     facts = active(entries)
     if not facts and not always:
         return None

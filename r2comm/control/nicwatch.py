@@ -19,7 +19,7 @@ Who decides what:
     a pair exception, announced by the pair's lower rank (and lifted by it once the rail is up
     again for UP_HOLD_S); PAIR_CUT_HOLD_S when every rail of the pair is down (the plans must
     relay its traffic: long enough for a NIC fact to explain it first).
-Announcements go out through the failure detector's spread (transport/liveness.py: O(log n)
+Announcements go out through the failure detector's spread (control/liveness.py: O(log n)
 rounds, and heartbeat digests repair what a spread missed).
 
 Applying a fact (every rank, for every fact, connected pairs or not): a NIC announced down
@@ -305,5 +305,5 @@ def describe(key):
 
 
 def _nic_states(addrs):
-    from ._core import engine
+    from .._core import engine
     return engine.nic_states(addrs)

@@ -35,7 +35,7 @@ import tempfile
 import time
 import warnings
 
-from .errors import R2commArgumentError, R2commPeerError, R2commProtocolError, R2commTimeout
+from ..errors import R2commArgumentError, R2commPeerError, R2commProtocolError, R2commTimeout
 
 UNDEFINED = -32766          # Split color "not a member" (the value MPICH gives MPI.UNDEFINED)
 

@@ -7,7 +7,7 @@ a block collective's buffer (Allgather, Alltoall, Gather, Scatter, ...) is the c
 block, one rank's share."""
 import numpy as np
 
-from .errors import R2commBufferError, unsupported
+from ..errors import R2commBufferError, unsupported
 from .marks import is_bottom
 
 

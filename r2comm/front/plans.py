@@ -21,9 +21,9 @@ grow with n (issue 31). The other collectives need none: every rank's result alr
 a frame from every rank."""
 import zlib
 
-from . import planner
-from .planner import vector
-from .planner.schedule import WORK, COPY
+from .. import planner
+from ..planner import vector
+from ..planner.schedule import WORK, COPY
 
 KINDS = {"allreduce": 1, "reduce": 2, "bcast": 3, "allgather": 4, "reduce_scatter_block": 5,
          "alltoall": 6, "barrier": 7, "gather": 8, "scatter": 9, "gatherv": 10, "scatterv": 11,

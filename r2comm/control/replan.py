@@ -30,8 +30,8 @@ import weakref
 
 import numpy as np
 
-from . import control
-from .errors import R2commError
+from . import tree as control
+from ..errors import R2commError
 
 log = logging.getLogger("r2comm")
 

@@ -6,7 +6,7 @@
   (replan.py: the agreements that move its plans to a new epoch) CONTROL_BIT | EPOCH_BIT | id;
 - each one's device-buffer staging twins (gpu/pipeline.py) are GPU_BIT | generation << 24 | id.
 So normal ids stay below 2**24 where staging twins are used, and below GPU_BIT always."""
-from .errors import R2commArgumentError
+from ..errors import R2commArgumentError
 
 CONTROL_BIT = 0x80000000      # communicator id bit of control-plane twins
 EPOCH_BIT = 0x20000000        # with CONTROL_BIT: the plan-switch twins

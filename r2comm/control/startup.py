@@ -23,10 +23,10 @@ here is a non-blocking barrier tested between short sleeps (quiet_barrier)."""
 import json
 import time
 
-from .errors import R2commArgumentError, R2commNetworkError, R2commProtocolError, R2commTimeout
-from .transport import shm
+from ..errors import R2commArgumentError, R2commNetworkError, R2commProtocolError, R2commTimeout
+from ..transport import CTRL_RAIL, LOCAL
 
-CTRL = "ctrl"          # the control connection's key in a report (tcp.CTRL_RAIL on the wire)
+CTRL = "ctrl"          # the control connection's key in a report (transport.CTRL_RAIL on the wire)
 
 
 def quiet_barrier(mpi_comm, timeout, what):
@@ -167,9 +167,9 @@ class StartOutcome:
         if k == CTRL:
             addr, port = self.endpoints[b]["ctrl"]
             return f"control connection (R2COMM_CTRL_ADDR, to {addr}:{port})"
-        if shm.is_local(self.endpoints, a, b):
+        if LOCAL.is_local(self.endpoints, a, b):
             addr, port = self.endpoints[b]["ctrl"]
-            return f"shared-memory link (set up through {addr}:{port})"
+            return f"{LOCAL.title} (set up through {addr}:{port})"
         addr, port = self.endpoints[b]["rails"][k]
         mine = self.rail_addrs[a][k] if self.rail_addrs is not None else \
             self.endpoints[a]["rails"][k][0]
@@ -181,7 +181,7 @@ class StartOutcome:
 
     def connected_groups(self):
         """Groups of ranks connected by working pairs (a pair works with one common rail)."""
-        from .planner.state import connected_components
+        from ..planner.state import connected_components
         return connected_components(self.size, self.pair_ok)
 
     def pair_ok(self, a, b):
@@ -194,7 +194,7 @@ class StartOutcome:
             return self.nrails[a][b]
         key = (min(a, b), max(a, b))
         if key not in self._pair_rails:
-            self._pair_rails[key] = shm.data_rails(self.endpoints, *key)
+            self._pair_rails[key] = LOCAL.data_rails(self.endpoints, *key)
         return self._pair_rails[key]
 
     def check(self, connect_timeout):
@@ -250,14 +250,13 @@ KERNEL = -1           # a report's peer for "the kernel says this rank's NIC is 
 def agree(mpi_comm, boot, outcome, timeout, probe_bytes=0, nic_down=()):
     """Exchange every rank's Links.establish() report (quietly) -> the same StartOutcome on
     every rank. outcome: {(peer, rail): None or reason} for the connections this rank opened,
-    rail tcp.CTRL_RAIL for the control connection; nic_down: this rank's rails whose NIC the
+    rail CTRL_RAIL for the control connection; nic_down: this rank's rails whose NIC the
     kernel reports down (or an injected start=1 fault darkens). One quiet reduction of the
     failure counts (and of probe_bytes: the start-up probe's message size,
     StartOutcome.probe_bytes, the largest any rank asked for; None where unknown, a store
     bootstrap); the reports themselves travel only when something failed somewhere, and are
     validated on arrival."""
-    from .transport import tcp
-    mine = {(p, CTRL if k == tcp.CTRL_RAIL else k): why
+    mine = {(p, CTRL if k == CTRL_RAIL else k): why
             for (p, k), why in outcome.items() if why is not None}
     for k in nic_down:
         mine[(KERNEL, int(k))] = "the kernel reports the NIC down"

@@ -2,7 +2,7 @@
 second observer, the news spread to every rank in O(log n) rounds.
 
 Ring. The live ranks form a ring in rank order; each rank opens one authenticated connection
-(tcp.connect's handshake, the job secret, rail id RING) to its successor and accepts one from its
+(TCP.connect's handshake, the job secret, rail id RING) to its successor and accepts one from its
 predecessor, on a listener of its own. Every `period` it sends a heartbeat on both: 2 frames per
 rank per period and 5 sockets (listener, wake-up pair, two ring connections), whatever the
 job's size. Each rank watches both neighbours:
@@ -46,7 +46,7 @@ Every new dead rank goes to on_dead(rank, reason, process) (the communicator pas
 peer_dead: the same lost-peer path as when every rail to it failed). One daemon thread runs the
 ring (selector, bounded timeouts); one more does the blocking client work (connect, confirm,
 spread) from a queue. Nothing here runs on the data path. Frames: type, flags, length, counter,
-payload, and a 16-byte HMAC-SHA256 tag under the connection's per-direction key (tcp.take_keys),
+payload, and a 16-byte HMAC-SHA256 tag under the connection's per-direction key (TCP.take_keys),
 each counter used once in order; a bad frame closes its connection."""
 import bisect
 import collections
@@ -62,7 +62,8 @@ import threading
 import time
 import zlib
 
-from . import admission, shm, tcp
+from . import admission
+from ..transport import CONTROL as TCP, LOCAL
 
 log = logging.getLogger("r2comm")
 
@@ -79,7 +80,7 @@ END = struct.Struct("!I")                # the exclusive end (rank) of a spread 
 NOBODY = 0xFFFFFFFF
 
 T_HB, T_DEADS, T_SUSPECT, T_VERDICT, T_PING, T_PONG, T_SPREAD, T_BYE = range(1, 9)
-T_FACTS, T_SPREAD_FACTS = 9, 10          # the NIC facts (r2comm/facts.py), whole
+T_FACTS, T_SPREAD_FACTS = 9, 10          # the NIC facts (r2comm/control/facts.py), whole
 ALIVE, GONE, UNREACHABLE, FROZEN = 0, 1, 2, 3
 CAUSE_TEXT = {GONE: "its process is gone (connections refused or reset)",
               UNREACHABLE: "its host answers nothing (no TCP reply)",
@@ -117,7 +118,7 @@ class Conn:
     def __init__(self, fd, peer, kind):
         self.sock = socket.socket(fileno=fd)
         self.sock.setblocking(False)
-        self.tx_key, self.rx_key = tcp.take_keys(fd)
+        self.tx_key, self.rx_key = TCP.take_keys(fd)
         self.peer, self.kind = peer, kind
         self.tx_ctr = self.rx_ctr = 0
         self.rbuf = bytearray()
@@ -314,8 +315,6 @@ class Detector:
         self.sent = collections.Counter()    # frames sent, by type name (tests, stats)
         self.refuted = 0                     # suspicions a second observer refuted
         self.started = time.monotonic()
-        self.test_hb_every = None            # tests: heartbeat gap (s) instead of `period`
-        self.test_mute = set()               # tests: ranks this one sends no heartbeat to
         self._heard = {}                     # rank -> monotonic time of its last valid frame
         self._gone = set()                   # neighbours whose ring connection closed
         self._checking = {}                  # suspect -> monotonic start of its check
@@ -323,7 +322,7 @@ class Detector:
         self._frozen_since = {}              # suspect -> monotonic time its silence began
         self._ring = {}                      # fd -> Conn (ring connections)
         self._once = {}                      # fd -> Conn (short-lived, accepted)
-        self._pending = {}                   # fd -> tcp.ServerHandshake
+        self._pending = {}                   # fd -> TCP.ServerHandshake
         self._paired = set()                 # of which fds whose pair's cap was applied
         self._view = RingView(size)          # the live ranks (recomputed when deads/left change)
         self._nbrs_now = self._view.neighbours(rank)
@@ -451,7 +450,7 @@ class Detector:
                     self._done.popleft()()
                 now = time.monotonic()
                 if now >= next_hb:
-                    next_hb = now + (self.test_hb_every or self.s.period)
+                    next_hb = now + self.s.period
                     self._beat(now)
                 self._expire(now)
                 if not self.excluded:
@@ -489,7 +488,7 @@ class Detector:
             if not room:
                 sock.close()
                 continue
-            hs = tcp.ServerHandshake(sock, addr, self.secret, self.me,
+            hs = TCP.ServerHandshake(sock, addr, self.secret, self.me,
                                      time.monotonic() + HANDSHAKE_S, 0, self._admit,
                                      check=self._wanted)
             self._pending[sock.fileno()] = hs
@@ -511,7 +510,7 @@ class Detector:
             return
         try:
             res = hs.step(now)
-        except (OSError, tcp.HandshakeError):
+        except (OSError, TCP.HandshakeError):
             self._drop_pending(fd)
             hs.close()
             return
@@ -663,13 +662,17 @@ class Detector:
             conn.post(T_FACTS, self.facts.encode())
             self.sent["facts"] += 1
 
+    def heartbeat_peers(self):
+        """The ranks this one sends its heartbeats to: its ring neighbours."""
+        return set(self.neighbours())
+
     def _beat(self, now):
         if self.excluded:
             return
-        pred, succ = self.neighbours()
+        beat_to = self.heartbeat_peers()
         payload = HB.pack(len(self.deads), self._digest, self._facts_digest())
         for conn in list(self._ring.values()):
-            if conn.peer in (pred, succ) and conn.peer not in self.test_mute:
+            if conn.peer in beat_to:
                 try:
                     if conn.post(T_HB, payload, droppable=True):
                         self.sent["hb"] += 1
@@ -832,7 +835,7 @@ class Detector:
     def _dial(self, q, rail, timeout):
         """An authenticated connection to q's detector: a Conn, or the OSError / HandshakeError."""
         addr, port = self.addrs[q]
-        fd, _cid = tcp.connect(addr, port, None, self.secret, self.me, q, rail, timeout, 0)
+        fd, _cid = TCP.connect(addr, port, None, self.secret, self.me, q, rail, timeout, 0)
         return Conn(fd, q, "ring" if rail == RING else "once")
 
     def _connect_ring(self, q):
@@ -840,11 +843,11 @@ class Detector:
         closed or reset is not (a flood can do that)."""
         refused = False
         try:
-            fd, _cid = tcp.connect(self.addrs[q][0], self.addrs[q][1], None, self.secret,
+            fd, _cid = TCP.connect(self.addrs[q][0], self.addrs[q][1], None, self.secret,
                                    self.me, q, RING, self.s.probe, 0)
         except ConnectionRefusedError:
             fd, refused = None, True
-        except (OSError, tcp.HandshakeError):
+        except (OSError, TCP.HandshakeError):
             fd = None
         self._call(self._ring_connected, q, fd, refused)
 
@@ -857,7 +860,7 @@ class Detector:
         for c in observers:
             try:
                 verdict = self._ask(c, q)
-            except (OSError, tcp.HandshakeError, FrameError, EOFError):
+            except (OSError, TCP.HandshakeError, FrameError, EOFError):
                 continue
             confirmer = c
             break
@@ -932,7 +935,7 @@ class Detector:
             conn = self._dial(q, ONCE, self.s.probe)
         except ConnectionRefusedError:
             return GONE
-        except (OSError, tcp.HandshakeError):
+        except (OSError, TCP.HandshakeError):
             return FROZEN
         try:
             conn.sock.setblocking(True)
@@ -974,7 +977,7 @@ class Detector:
             for k in range(t, hi):
                 try:
                     conn = self._dial(view.nth(self.me, k), ONCE, self.s.probe)
-                except (OSError, tcp.HandshakeError):
+                except (OSError, TCP.HandshakeError):
                     continue
                 try:
                     conn.sock.setblocking(True)
@@ -1014,7 +1017,7 @@ def start(engine, boot, cfg, facts=None):
         boot.detector.close()
         raise
     pids = {r: ep["pid"] for r, ep in enumerate(boot.endpoints)
-            if shm.is_local(boot.endpoints, boot.rank, r)}   # same host, same pid namespace
+            if LOCAL.is_local(boot.endpoints, boot.rank, r)}   # same host, same pid namespace
     det = Detector(boot.rank, boot.size, boot.secret, boot.detector, addrs,
                    Settings(cfg.liveness_period_ms / 1e3, cfg.liveness_suspect_ms / 1e3,
                             cfg.liveness_frozen_ms / 1e3),

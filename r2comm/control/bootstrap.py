@@ -19,11 +19,11 @@ import warnings
 from dataclasses import dataclass
 
 from . import fdlimit, hostid
-from .transport import liveness, shm
-from .transport import rails as _rails
-from .transport import verbs as verbs_transport
-from .config import CHUNK_MAX, CHUNK_MIN, INTEGRITY_MODES
-from .errors import R2commArgumentError, R2commProtocolError, R2commSecurityWarning
+from . import liveness
+from .. import transport as _transport
+from ..transport import rails as _rails
+from ..config import CHUNK_MAX, CHUNK_MIN, INTEGRITY_MODES
+from ..errors import R2commArgumentError, R2commProtocolError, R2commSecurityWarning
 from .startup import quiet_allgather, quiet_bcast
 
 log = logging.getLogger("r2comm")
@@ -39,10 +39,10 @@ class Bootstrap:
     params: dict
     rail_addrs: list
     listeners: list          # one per rail, then the control listener
-    transport: str           # the job's rail transport: "tcp" or "verbs" (verbs_transport.decide)
-    rail_devices: list       # verbs: this rank's RailDevice per rail; tcp: None
+    transport: str           # the job's NIC rails' kind: "tcp" or "verbs" (transport.decide)
+    rail_devices: list       # the NIC kind's devices per rail (its offer; verbs), or None
     endpoints: list          # per rank: {"rails": [(addr, port)], "ctrl": (addr, port), "host": str,
-                             #  "host_key": str (r2comm.hostid: same key = same host),
+                             #  "host_key": str (r2comm.control.hostid: same key = same host),
                              #  "shm": shm.shm_key() or None (R2COMM_SHM=0),
                              #  "pid": int (names its shm segments),
                              #  "detector": (addr, port) of its failure detector or None}
@@ -79,16 +79,14 @@ def run(mpi_comm, cfg, rails=None):
             listeners.append(_rails.listen_on(a, where, k))
         listeners.append(_rails.listen_on(_rails.resolve(cfg.ctrl_addr, "R2COMM_CTRL_ADDR"),
                                           "R2COMM_CTRL_ADDR"))
-        if cfg.liveness and size > 1:         # the failure detector's (transport/liveness.py)
+        if cfg.liveness and size > 1:         # the failure detector's (control/liveness.py)
             detector = liveness.listener(listeners[-1].getsockname()[0])
-        kind, devices, why = verbs_transport.local_offer(
-            cfg.transport, addrs, (cfg.verbs_recv_slots, cfg.verbs_send_slots,
-                                   cfg.verbs_conn_send_slots))
+        kind, devices, why = _transport.offer(cfg.transport, addrs, cfg)
         record = {"rails": [s.getsockname() for s in listeners[:-1]],
                   "transport": (cfg.transport, kind, why),
                   "ctrl": listeners[-1].getsockname(), "host": socket.gethostname(),
                   "host_key": hostid.host_key(), "pid": os.getpid(),
-                  "shm": shm.shm_key() if cfg.shm else None,
+                  "shm": _transport.LOCAL.record(cfg),
                   "params": params, "check": secret_check(secret, rank, params),
                   "detector": detector.getsockname() if detector else None,
                   "fds": fdlimit.own_record()}
@@ -108,14 +106,14 @@ def run(mpi_comm, cfg, rails=None):
                 _warn_store_mac(rank)
         endpoints = validate_endpoints(endpoints, size)
         _same_secret(endpoints, secret, rank, params)
-        transport = verbs_transport.decide([ep["transport"] for ep in endpoints])
+        transport = _transport.decide([ep["transport"] for ep in endpoints])
     except BaseException:
         for s in sockets:
             s.close()
         raise
     job = hashlib.sha256(secret).digest()[:8]
     return Bootstrap(rank, size, secret, job, params, addrs, listeners, transport,
-                     devices if transport == "verbs" else None, endpoints, detector)
+                     devices if transport == kind else None, endpoints, detector)
 
 
 def _raise_errors(endpoints):
