@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm.torch  # noqa: E402,F401  (registers "r2comm")
 
 NUMPY, TORCH, GLOO = "numpy Communicator.Allreduce", "torch dist.all_reduce", "gloo dist.all_reduce"
+FLOOR = "fake dist.all_reduce"       # torch's own share: its fake backend does no communication
 BACKEND = "backend pg.allreduce"     # the group's method called directly: torch's wrapper left out
 
 
@@ -72,6 +73,12 @@ def main():
     paths = {NUMPY: (lambda: comm.Allreduce(arr, out), None),
              TORCH: (lambda: dist.all_reduce(t), None),
              BACKEND: (lambda: pg.allreduce([t], opts).wait(), None)}
+    # torch's share of every backend's call (Python wrapper, dispatcher, Work): the same call on
+    # torch's fake backend, which returns at once
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    fake = dist.new_group(backend="fake")
+    tf = torch.ones(2, dtype=torch.float32)
+    paths[FLOOR] = (lambda: dist.all_reduce(tf, group=fake), None)
     if not args.no_gloo:
         gloo = dist.new_group(backend="gloo")
         tg = torch.ones(2, dtype=torch.float32)
@@ -91,6 +98,9 @@ def main():
             print(f"{k:32s} median {statistics.median(v):7.2f} us/call  "
                   f"rounds {[round(x, 2) for x in v]}")
         print(f"ratio torch/numpy {statistics.median(ratios):.2f} (median of the rounds' ratios)")
+        own = [a - b for a, b in zip(times[TORCH], times[FLOOR])]
+        print(f"r2comm's share of the torch call (torch minus fake) {statistics.median(own):.2f} us;"
+              f" that share / numpy {statistics.median([o / b for o, b in zip(own, times[NUMPY])]):.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(record(args, times, ratios, loads), f, indent=1)

@@ -516,6 +516,8 @@ def scenario_shrink_abort(rank, size, ck):
         small = dist.shrink_group([size - 1], group=parent)
         assert small.size() == size - 1 and small.rank() == rank, (small.size(), small.rank())
         assert dist.get_backend(small) == "r2comm", dist.get_backend(small)
+        c = r2comm.torch.communicator(small)       # the shrunk group's own Communicator
+        assert c.size == size - 1 and c.rank == rank and c is not r2comm.torch.communicator(parent)
         t = torch.full((5,), float(rank + 1))
         dist.all_reduce(t, group=small)
         ck.equal(t, torch.full((5,), float(sum(range(1, size)))), "all_reduce on the shrunk group")

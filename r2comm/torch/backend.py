@@ -110,9 +110,17 @@ def _create(dist_opts, pg_options=None):
 def _entry(group):
     pg = dist.group.WORLD if group is None else group
     entry = _groups.get(pg.group_name)
-    if entry is None:
-        raise ValueError(f"process group {pg.group_name!r} is not an r2comm group")
-    return entry
+    if entry is not None:
+        return entry
+    # a group torch made from a Backend of ours (shrink_group names it after the call)
+    mod = native.loaded()
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError, AttributeError):
+        backend = None
+    if mod is not None and isinstance(backend, mod.R2commBackend):
+        return backend.comm, backend
+    raise ValueError(f"process group {pg.group_name!r} is not an r2comm group")
 
 
 def communicator(group=None):

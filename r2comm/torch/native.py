@@ -154,6 +154,11 @@ def _build_into(folder):
             f"{torch.__version__} ({exc})") from exc
 
 
+def loaded():
+    """The extension if it was loaded in this process, else None (never builds)."""
+    return _loaded.get("module")
+
+
 def module():
     """The extension's module, built or loaded at most once per process (R2commBuildError
     where it cannot be had)."""
