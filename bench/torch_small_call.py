@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers torch's "fake" backend)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm.torch  # noqa: E402,F401  (registers "r2comm")
@@ -75,7 +76,6 @@ def main():
              BACKEND: (lambda: pg.allreduce([t], opts).wait(), None)}
     # torch's share of every backend's call (Python wrapper, dispatcher, Work): the same call on
     # torch's fake backend, which returns at once
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
     fake = dist.new_group(backend="fake")
     tf = torch.ones(2, dtype=torch.float32)
     paths[FLOOR] = (lambda: dist.all_reduce(tf, group=fake), None)
