@@ -66,6 +66,8 @@ class DevBuildExt(build_ext):
             want = bool(self.inplace or getattr(self, "editable_mode", False))
         if not want:
             self.extensions = [x for x in self.extensions if x.name != "r2comm._core.testing"]
+        if not self.parallel:              # the extensions compile side by side (-j)
+            self.parallel = min(4, os.cpu_count() or 1)
 
 
 extensions = [ext("engine"), ext("shm_segments"), ext("testing")]
@@ -77,5 +79,5 @@ setup(
     ext_modules=cythonize(extensions,
                           compiler_directives={"language_level": 3, "boundscheck": False,
                                                "wraparound": False, "cdivision": True},
-                          annotate=False),
+                          annotate=False, nthreads=min(4, os.cpu_count() or 1)),
 )
