@@ -17,6 +17,8 @@ import functools
 import os
 import re
 
+from test_import_layers import _write       # (the checkers' own tests write small trees alike)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = {   # top to bottom
@@ -239,14 +241,6 @@ def test_control_plane_uses_only_the_transport_objects():
                  if m.startswith(KIND_BLIND + ".") and t.startswith("r2comm.transport")
                  and t not in KIND_OBJECTS)
     assert bad == [], "the control plane imports a transport kind's module"
-
-
-def _write(root, files):
-    for rel, text in files.items():
-        path = os.path.join(root, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
 
 
 def test_checker_sees_upward_imports_and_reaches_in_python_and_cython(tmp_path):
