@@ -130,13 +130,12 @@ class Replans:
         ok = self.round(comm, digest, entries)
         if ok:
             self._retry.pop(cid, None)
-        elif ok is None:                  # the digests differed: soon again, gently slower
-            back = min(max(self._retry.get(cid, (0.0, 0.0))[1], ROUND_GAP_S) * 1.25,
-                       SPREAD_MAX_S)
-            self._retry[cid] = (time.monotonic() + back, back)
-        else:                             # the round failed: back off
-            back = min(max(self._retry.get(cid, (0.0, 0.05))[1] * 2, 0.05), RETRY_MAX_S)
-            self._retry[cid] = (time.monotonic() + back, back)
+            return
+        # digests that differed (None): soon again, gently slower; a failed round: back off
+        first, factor, most = (ROUND_GAP_S, 1.25, SPREAD_MAX_S) if ok is None else \
+            (0.05, 2.0, RETRY_MAX_S)
+        back = min(max(self._retry.get(cid, (0.0, 0.0))[1], first) * factor, most)
+        self._retry[cid] = (time.monotonic() + back, back)
 
     def round(self, comm, digest, entries):
         """One switch round for `comm` (module doc): True when it ended with the ranks agreed
