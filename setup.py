@@ -56,6 +56,9 @@ def want_test_hooks():
     return None          # decided by the kind of build (DevBuildExt)
 
 
+JOBS = min(4, os.cpu_count() or 1)     # extensions compiled side by side, Cython's threads
+
+
 class DevBuildExt(build_ext):
     """build_ext that leaves the test extension out of a non-development build (see
     want_test_hooks)."""
@@ -66,6 +69,8 @@ class DevBuildExt(build_ext):
             want = bool(self.inplace or getattr(self, "editable_mode", False))
         if not want:
             self.extensions = [x for x in self.extensions if x.name != "r2comm._core.testing"]
+        if not self.parallel:              # the extensions compile side by side (-j)
+            self.parallel = JOBS
 
 
 extensions = [ext("engine"), ext("shm_segments"), ext("testing")]
@@ -77,5 +82,5 @@ setup(
     ext_modules=cythonize(extensions,
                           compiler_directives={"language_level": 3, "boundscheck": False,
                                                "wraparound": False, "cdivision": True},
-                          annotate=False),
+                          annotate=False, nthreads=JOBS),
 )

@@ -11,9 +11,9 @@ from .ops import SUM, PROD, MIN, MAX, Op
 __version__ = "0.1.0"
 
 _LAZY = {"Communicator": "communicator", "IN_PLACE": "communicator", "ANY_TAG": "communicator",
-         "ANY_SOURCE": "communicator", "PROC_NULL": "args", "UNDEFINED": "args",
+         "ANY_SOURCE": "communicator", "PROC_NULL": "front.args", "UNDEFINED": "front.args",
          "Request": "request", "Status": "request", "Prequest": "request",
-         "REQUEST_NULL": "request", "Message": "pt2pt", "Rail": "transport.rails"}
+         "REQUEST_NULL": "request", "Message": "front.pt2pt", "Rail": "transport.rails"}
 
 
 def __getattr__(name):

@@ -200,7 +200,8 @@ def sc_random(comm, args):
             if frank == r and healthy:
                 comm.restore_rail(rail)
         WORLD.Barrier()
-    struck, detected, missed, injected = (WORLD.allreduce(v) for v in (struck, detected, missed, injected))
+    struck, detected, missed, injected = (WORLD.allreduce(v)
+                                          for v in (struck, detected, missed, injected))
     if r == 0:
         print(f"FAULTS injected={injected} struck_trials={struck} detected_trials={detected} "
               f"missed_hard={missed} trials={trials} skipped={skipped} "

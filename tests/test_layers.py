@@ -17,6 +17,8 @@ import functools
 import os
 import re
 
+from test_import_layers import _write       # (the checkers' own tests write small trees alike)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = {   # top to bottom
@@ -241,14 +243,6 @@ def test_control_plane_uses_only_the_transport_objects():
     assert bad == [], "the control plane imports a transport kind's module"
 
 
-def _write(root, files):
-    for rel, text in files.items():
-        path = os.path.join(root, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-
-
 def test_checker_sees_upward_imports_and_reaches_in_python_and_cython(tmp_path):
     """The checker itself, on a small tree: a planner importing the control plane (Python, in a
     function), a core .pxi cimporting a transport, a .pyx importing the front end, a private
@@ -280,3 +274,11 @@ def test_checker_sees_upward_imports_and_reaches_in_python_and_cython(tmp_path):
         ("r2comm._core.tx", 1, "r2comm.transport.tcp._x"),
         ("r2comm.control.links", 3, "r2comm.transport.tcp._keys"),
     ]
+
+
+def test_every_public_name_resolves():
+    """r2comm's lazy names point at modules by string (r2comm/__init__.py): a module moved
+    without its entry there raised ModuleNotFoundError at the first use of PROC_NULL."""
+    import r2comm
+    for name in r2comm.__all__:
+        assert getattr(r2comm, name) is not None, name

@@ -420,6 +420,7 @@ def test_engine_pinned_memory_per_rank_with_four_ranks_per_guest(rdma_ok):
 
 
 @pytest.mark.rdma
+@pytest.mark.slow   # CI time: the verbs layer's test keeps the registration cache's phase
 def test_engine_zero_copy_sends_and_registration_cache_on_verbs(rfab):
     _verbs_rails().regcache_checks(rfab)
 

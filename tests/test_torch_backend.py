@@ -54,7 +54,7 @@ def _check(n, scenario, rc, out):
     return int(lines[-1].split()[2]), out
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 4])   # (3: CI time)
 def test_collectives_match_gloo_torchrun(n):
     """allreduce (SUM, PRODUCT, MIN, MAX, AVG), broadcast, reduce, all_gather(_into_tensor),
     reduce_scatter(_tensor), all_to_all(_single, even and uneven), send/recv, barrier and a
@@ -64,7 +64,7 @@ def test_collectives_match_gloo_torchrun(n):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 4])   # (3: CI time)
 def test_collectives_match_gloo_mpiexec(n, tmp_path):
     count, out = run_mpiexec(n, "collectives", tmp_path)
     assert count >= 190, out[-3000:]
@@ -111,7 +111,7 @@ def test_torch_machinery_group_names_funcol_compile_devicemesh():
     assert count >= 11, out[-3000:]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow), 4])   # (3: CI time)
 def test_new_collectives_match_gloo(n):
     """gather, scatter, gather_object, scatter_object_list, all_gather_coalesced, coalesced
     all_gather_into_tensor, BAND/BOR/BXOR (all_reduce, reduce) on integers and bool, sparse

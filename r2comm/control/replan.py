@@ -40,6 +40,9 @@ SWITCH_MARGIN = 2         # calls a rank may start while its communicator's roun
 ROUND_GAP_S = 0.05        # a communicator's rounds start at least this far apart
 ROUND_TIMEOUT_S = 10.0    # one round's bound (a round that fails decides nothing)
 RETRY_MAX_S = 5.0         # a failing communicator's rounds back off up to this
+SPREAD_MAX_S = 0.5        # rounds that found the digests still differing: again this soon at
+                          # the most (an announcement is spreading; it reaches every rank in
+                          # a few detector periods)
 CLOSE_WAIT_S = 1.0        # close() waits this long for a round in progress
 SEQ_MASK = 0xFFFFFFFF
 
@@ -127,13 +130,17 @@ class Replans:
         ok = self.round(comm, digest, entries)
         if ok:
             self._retry.pop(cid, None)
-        else:
-            back = min(max(self._retry.get(cid, (0.0, 0.05))[1] * 2, 0.05), RETRY_MAX_S)
-            self._retry[cid] = (time.monotonic() + back, back)
+            return
+        # digests that differed (None): soon again, gently slower; a failed round: back off
+        first, factor, most = (ROUND_GAP_S, 1.25, SPREAD_MAX_S) if ok is None else \
+            (0.05, 2.0, RETRY_MAX_S)
+        back = min(max(self._retry.get(cid, (0.0, 0.0))[1], first) * factor, most)
+        self._retry[cid] = (time.monotonic() + back, back)
 
     def round(self, comm, digest, entries):
-        """One switch round for `comm` (module doc); True when it ended with the ranks agreed
-        (a switch, or nothing to switch), False when it must be run again."""
+        """One switch round for `comm` (module doc): True when it ended with the ranks agreed
+        (a switch, or nothing to switch), None when their digests still differed, False when
+        the round failed (both: it must be run again)."""
         limit = comm.hold_calls(SWITCH_MARGIN)
         decision = None
         try:
@@ -143,7 +150,7 @@ class Replans:
                                       timeout=min(comm.timeout, ROUND_TIMEOUT_S))
             digests = table[:, 1]
             if not (digests == digests[0]).all():
-                return False
+                return None
             at = latest([int(x) & SEQ_MASK for x in table[:, 0]])
             state = self.world.plan_state(entries, comm.global_ranks())
             decision = (at, state, digest)

@@ -21,15 +21,17 @@ def _byte_layout(counts, displs, itemsize):
     return (tuple(c * itemsize for c in counts), tuple(d * itemsize for d in displs))
 
 
-def _root_block(what, whole, whole_name, own, own_name, size):
-    """The root's side of Gather and Scatter: `whole` holds `size` equal blocks and `own` (None
-    where IN_PLACE) is one of them, of the same type, apart in memory. Returns a block's bytes."""
+def _root_block(what, whole, own, own_sends, size):
+    """The root's side of Gather (own_sends: `own` is the sendbuf) and Scatter (`own` is the
+    recvbuf): `whole` holds `size` equal blocks and `own` (None where IN_PLACE) is one of them,
+    of the same type, apart in memory. Returns a block's bytes."""
+    whole_name, own_name = ("recvbuf", "sendbuf") if own_sends else ("sendbuf", "recvbuf")
     if whole.nbytes % size:
         raise R2commBufferError(f"{what}: {whole_name} of {whole.nbytes} bytes is not "
                                 f"{size} equal blocks")
     block = whole.nbytes // size
     if own is not None:
-        send, recv = (own, whole) if own_name == "sendbuf" else (whole, own)
+        send, recv = (own, whole) if own_sends else (whole, own)
         _same_type(send, recv, what)
         if own.nbytes != block:
             raise R2commBufferError(f"{what}: {whole_name} must hold {size} x {own_name} "
@@ -86,7 +88,7 @@ class VectorCollectives:
         if self.rank == root:
             r = as_array(recvbuf, True, "Gather recvbuf", self.size)
             send = None if is_in_place(sendbuf) else as_array(sendbuf, False, "Gather sendbuf")
-            block = _root_block("Gather", r, "recvbuf", send, "sendbuf", self.size)
+            block = _root_block("Gather", r, send, True, self.size)
             work, dt = r, r.dtype
         else:
             if is_in_place(sendbuf):
@@ -113,7 +115,7 @@ class VectorCollectives:
             s = as_array(sendbuf, False, "Scatter sendbuf", self.size)
             keep_own = is_in_place(recvbuf)
             work = None if keep_own else as_array(recvbuf, True, "Scatter recvbuf")
-            block = _root_block("Scatter", s, "sendbuf", work, "recvbuf", self.size)
+            block = _root_block("Scatter", s, work, False, self.size)
             send, dt, layout = s, s.dtype, (block, keep_own)
         else:
             if is_in_place(recvbuf):

@@ -36,6 +36,19 @@ def big_grid():
     return list(itertools.product(BIG_HOSTS, BIG_NICS, BIG_LOSSES, BIG_SIZES))
 
 
+def point(H, K, loss, nbytes, rate=50e9, alpha=25e-6):
+    """One point's fabric (H hosts x K NICs, the last host's NIC 0 at 1 - loss of its rate), its
+    rail state and the planner's choice there: (fabric, state, eager, chosen algorithm)."""
+    from .. import planner
+    from ..config import Config
+    from .fabric import Fabric
+    from .predict import EFFICIENCY
+    fab = Fabric(H, K, rate, 1, EFFICIENCY, alpha)
+    fab.degrade(H - 1, 0, 1.0 - loss)
+    st, eager = fab.state(), Config().eager
+    return fab, st, eager, planner.choose("allreduce", H, nbytes, 4, st, eager=eager)
+
+
 def case(H, K, loss, nbytes, rate=50e9, alpha=25e-6, segments=None, prune=PRUNE):
     """{"chosen", "replay": {algo: seconds}, "pruned": [algo], "ratio"} for one point of the
     sweep. The replay is exact (segments=None: one segment per chunk): with 8 segments per
@@ -47,16 +60,9 @@ def case(H, K, loss, nbytes, rate=50e9, alpha=25e-6, segments=None, prune=PRUNE)
     8 MiB), so a candidate pruned at 1.6 replays at least 1.6 / 1.62 = 0.988 of the chosen
     one's time: pruning can hide at most 1.3% of the 3% the sweep allows."""
     from .. import planner
-    from ..config import Config
     from .cluster import Cluster
-    from .fabric import Fabric
-    from .predict import EFFICIENCY
-    fab = Fabric(H, K, rate, 1, EFFICIENCY, alpha)
-    fab.degrade(H - 1, 0, 1.0 - loss)
-    st = fab.state()
-    eager = Config().eager
+    fab, st, eager, chosen = point(H, K, loss, nbytes, rate, alpha)
     prices = planner.evaluate("allreduce", H, nbytes, 4, st, eager=eager)
-    chosen = planner.choose("allreduce", H, nbytes, 4, st, eager=eager)
 
     def run(a):
         sc = planner.build_all("allreduce", H, nbytes, 4, eager=eager, algo=a, state=st)
