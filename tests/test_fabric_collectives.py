@@ -207,8 +207,15 @@ def test_nic_down_on_an_idle_rail_is_noticed_without_traffic(fab, tmp_path):
     assert count == NRANKS and len(rows) == NRANKS, out[-4000:]
     lat = {rw["rank"]: round(rw["seen"] - t_down, 3) for rw in rows}
     print(f"\nidle NIC down noticed after (s): {lat}", *rows, sep="\n")    # pytest -s
-    # host 1's ranks failed the rail from their own NIC; host 0's ranks were told
-    own = [rw for rw in rows if any(f[2] and f[3] == "local_nic" for f in rw["failed"])]
-    told = [rw for rw in rows if any(not f[2] for f in rw["failed"])]
-    assert len(own) == NRANKS // 2 and len(told) >= NRANKS // 2, rows
+    # every rank failed rail 0 and nothing else; a rank that found it itself (rather than
+    # being told by a peer) names the right side: host 1's ranks their own NIC, host 0's the
+    # remote one. Who finds it first is a race (host 1's NIC watch against host 0's liveness
+    # probes, under load either), so some rank found it and the others may have been told.
+    host1 = set(range(NRANKS // 2, NRANKS))
+    for rw in rows:
+        assert rw["failed"] and all(f[1] == 0 for f in rw["failed"]), rw
+        for f in rw["failed"]:
+            if f[2]:
+                assert f[3] == ("local_nic" if rw["rank"] in host1 else "remote_nic"), rw
+    assert any(f[2] for rw in rows for f in rw["failed"]), rows
 

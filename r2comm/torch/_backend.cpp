@@ -16,7 +16,10 @@
 // made by r2comm.torch.pyops.engine_error. A Work's future is set by the group's completion
 // thread through a pool of delivery threads, which run the future's callbacks (a callback may
 // start a collective and wait for it: PowerSGD).
-#include <torch/extension.h>
+// (ATen and torch's pybind11 casters, not <torch/extension.h>: the rest of torch's C++
+// API costs a third more compile time and is not used here)
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
