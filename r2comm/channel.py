@@ -13,11 +13,12 @@ import numpy as np
 
 from .control import tree as control
 from .front import railview
-from .errors import (R2commArgumentError, R2commClosedError, R2commResourceError,
+from .errors import (R2commArgumentError, R2commBufferError, R2commClosedError,
+                     R2commResourceError,
                      R2commTimeout, PEER_ARGUMENT_CODE, claim_telling)
 from .front.plans import NONBLOCKING as _NONBLOCKING, SEQ_MASK, call_name, compile_call
 from .control.replan import seq_before, same_rows
-from .request import Request
+from .request import LocalRequest, Request
 from .world import agree_max, engine_module as _engine
 
 _CELL_SWITCH = 1           # engine.CELL_SWITCH (r2_capi.h R2_CELL_SWITCH)
@@ -70,14 +71,8 @@ class Channel:
             world.replans.register(self)
 
     # -- what the cell holds (ChannelCell), as attributes -----------------------------------------
-    @property
-    def _seq(self):
-        return self._cell.seq
-
-    @_seq.setter
-    def _seq(self, seq):
-        self._cell.seq = seq & SEQ_MASK
-
+    # (the sequence number has one owner, the cell: every call takes its number with
+    # cell.take(), here in _begin_call or, for C-level callers and Engine.run, in C)
     @property
     def timeout(self):
         """Seconds: the bound of every blocking wait of this communicator."""
@@ -132,14 +127,10 @@ class Channel:
         if self.closed or self.size == 1 or not claim_telling(exc):
             return
         try:
-            if self._pending is not None:   # the peers' call crosses the switch here too
-                self._cross()
-            if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
-                self._maybe_replan()        # (and runs the epoch check)
+            self._before_call()             # the peers' call crosses a switch here too
         except Exception:
             log.exception("r2comm: plan switch or epoch check before a failed call")
-        seq = self._seq
-        self._seq = (seq + 1) & SEQ_MASK
+        seq = self._cell.take()
         msg = (f"rank {self._world.boot.rank} could not start its {call_name(kind, blocking)} "
                f"(call #{seq} on communicator {self._id}): {type(exc).__name__}: {exc}")
         try:
@@ -170,7 +161,7 @@ class Channel:
         try:
             self._engine.note_event(
                 "replanned", -1, -1, f"communicator {self._id}: epoch {self._epoch} from call "
-                f"{self._seq}: plans for "
+                f"{self._cell.seq}: plans for "
                 f"{'the static state' if state is None else state.describe()}")
         except (RuntimeError, AttributeError):      # closed, or a test's stand-in engine
             pass
@@ -208,6 +199,14 @@ class Channel:
             return                                  # (still spreading: a later check)
         self._switch(self._world.plan_state(entries, self._members))
 
+    def _before_call(self):
+        """What every call runs before it takes its sequence number: a due plan switch crossed
+        (_cross), and at every K-th call the epoch check of R2COMM_REPLAN=K."""
+        if self._pending is not None:
+            self._cross()
+        if self._cfg.replan_every and self._cell.seq % self._cfg.replan_every == 0:
+            self._maybe_replan()
+
     # -- plan switches agreed in the background (replan.py) --------------------------------------
     def _cross(self):
         """At the start of a call while a plan switch is being agreed or is due: switch where
@@ -215,13 +214,13 @@ class Channel:
         deadline = time.monotonic() + self.timeout
         with self._gate:
             while True:
-                while self._switches and not seq_before(self._seq, self._switches[0][0]):
+                while self._switches and not seq_before(self._cell.seq, self._switches[0][0]):
                     self._switch(self._switches.pop(0)[1])
-                if self._limit is None or seq_before(self._seq, self._limit):
+                if self._limit is None or seq_before(self._cell.seq, self._limit):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise R2commTimeout(f"communicator {self._id}: call {self._seq} waited "
+                    raise R2commTimeout(f"communicator {self._id}: call {self._cell.seq} waited "
                                         f"{self.timeout:g} s for a plan switch round")
                 self._gate.wait(min(left, 0.5))
             self._pending = True if (self._switches or self._limit is not None) else None
@@ -230,7 +229,7 @@ class Channel:
         """A switch round begins: calls from the next one + `margin` on wait for its end
         (release_calls). Returns that call number."""
         with self._gate:
-            self._limit = (self._seq + margin) & SEQ_MASK
+            self._limit = (self._cell.seq + margin) & SEQ_MASK
             self._pending = True
             return self._limit
 
@@ -256,15 +255,21 @@ class Channel:
         """Build/fetch the schedule, do the local pre-copies, post it to the engine (layout: a
         vector collective's, planner/vector.py)."""
         self._check()
-        if self._pending is not None:
-            self._cross()
-        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
-            self._maybe_replan()
+        self._before_call()
         separate = send is not None and send is not work
         plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop,
                                                   separate, layout)
         if sched.fills_work:
             extra_pre = ()      # the schedule reads the input from SEND itself
+        if blocking and post is None and result is None and self._world.regcache is None and \
+                getattr(work, "nbytes", -1) == nbytes and \
+                (not separate or getattr(send, "nbytes", -1) == nbytes) and \
+                not (sched.scratch or sched.pre or sched.post or extra_pre):
+            # nothing to copy, register or finish here: the one-call path (Engine.run)
+            members = self._reach if self._relay else self._members
+            self._run_blocking(coll, plan, count, desc, work, send if separate else None, nbytes,
+                               dtc, redop, members)
+            return LocalRequest(self.timeout, done=True)
         scratch = np.empty(sched.scratch, np.uint8) if sched.scratch else None
         keep = [work, send, scratch]
         ptr = [0, 0, 0]
@@ -297,6 +302,52 @@ class Channel:
                 post()
         return Request(self, oid, keep, finish if (posts or post) else None, result)
 
+    def _run_blocking(self, coll, plan, count, desc, work, send, nbytes, dtc, redop, members):
+        """A blocking call whose plan needs no scratch and no local copies, in one engine call
+        (Engine.run: export the buffers, take the cell's sequence number, post, wait, release;
+        `send` None: in place). A failed or timed-out call raises its error as Request.Wait()
+        would; buffers the engine refuses raise R2commBufferError, told to the peers."""
+        try:
+            oid = self._engine.run(plan, work, send, nbytes, dtc, redop, self._cell, count,
+                                   members, desc)
+        except (ValueError, BufferError, TypeError) as exc:   # raised before anything posted
+            blocking = not desc & _NONBLOCKING
+            err = R2commBufferError(f"{call_name(coll, blocking)}: {exc}")
+            self._tell_peers(err, coll, blocking)
+            raise err from exc
+        if oid:          # failed or timed out: a Request raises its error as Wait() would
+            eng = _engine()
+            keep = [eng.Buffer(work, True)] + ([eng.Buffer(send, False)] if send is not None
+                                               else [])
+            req = Request(self, oid, keep)
+            req.conclude(self.timeout)
+            req.Wait()
+
+    def _run_cached(self, key, coll, work, send, nbytes, itemsize, dtc, redop, blocking):
+        """A call of the plan kept under `key` (compiled at first use) through _run_blocking,
+        for the latency-bound calls a front end has checked already (numpy buffers of the
+        plan's size and dtype). False, having done nothing, where the one-call path does not
+        apply (a switch due, epoch checks, registered memory, relayed members, freed, or a plan
+        with scratch or local copies): the general path then handles the call."""
+        if self._cell.flags or self._relay or self._world.closed:
+            return False
+        hit = self._plans.get(key)
+        if hit is None:
+            try:
+                plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, 0, dtc, redop,
+                                                          send is not None)
+            except (R2commArgumentError, R2commResourceError) as exc:
+                self._tell_peers(exc, coll, blocking)
+                raise
+            ok = not (sched.scratch or sched.pre or sched.post) and sched.fills_work
+            # kept among the plans: whatever drops those (a new rail state) drops these too
+            hit = self._plans[key] = (plan, count, desc) if ok else False
+        if not hit:
+            return False
+        self._run_blocking(coll, hit[0], hit[1], hit[2] if blocking else hit[2] | _NONBLOCKING,
+                           work, send, nbytes, dtc, redop, self._members)
+        return True
+
     # -- r2comm's internal interface: gpu/pipeline, torch/backend, control, request -----------
     # (not part of the mpi4py face; what those modules may ask of a communicator)
     @property
@@ -326,13 +377,8 @@ class Channel:
         """Take this communicator's next sequence number (after a due plan switch or epoch
         check); R2commClosedError once it was freed."""
         self._check()
-        if self._pending is not None:
-            self._cross()
-        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
-            self._maybe_replan()
-        seq = self._seq
-        self._seq = (seq + 1) & SEQ_MASK
-        return seq
+        self._before_call()
+        return self._cell.take()
 
     def native_plan(self, coll, nbytes, itemsize, root, dtc, redop, separate):
         """A collective's plan for a C-level caller (the torch backend's C++), which caches it
@@ -363,14 +409,17 @@ class Channel:
         switch crossed, an epoch check (R2COMM_REPLAN=K); R2commClosedError once freed. The
         sequence number is then taken from the cell."""
         self._check()
-        if self._pending is not None:
-            self._cross()
-        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
-            self._maybe_replan()
+        self._before_call()
+
+    @property
+    def next_call(self):
+        """The sequence number this communicator's next call takes (modulo 2^32)."""
+        return self._cell.seq
 
     def seek_seq(self, seq):
-        """Make `seq` this communicator's next sequence number (a staging twin's steps)."""
-        self._seq = seq
+        """Make `seq` (modulo 2^32) this communicator's next sequence number (a staging twin's
+        steps)."""
+        self._cell.seq = seq & SEQ_MASK
 
     def twin(self, kind, generation=0):
         """A communicator over the same ranks, world and bootstrap communicator with the id
@@ -407,10 +456,7 @@ class Channel:
     def plans_for_next_call(self):
         """Apply a plan switch or epoch check due at the next call (what _start does first), so
         the caller sees the plan state that call runs under; returns it (vcoll.py)."""
-        if self._pending is not None:
-            self._cross()
-        if self._cfg.replan_every and self._seq % self._cfg.replan_every == 0:
-            self._maybe_replan()
+        self._before_call()
         return self._state
 
     @property

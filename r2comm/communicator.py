@@ -23,10 +23,9 @@ from .errors import R2commArgumentError, R2commBufferError, R2commResourceError,
 _TOLD_ERRORS = (R2commArgumentError, R2commResourceError)
 from .faults import MODES as _FAULT_MODES
 from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op, reduce_code
-from .front.plans import NONBLOCKING as _NONBLOCKING, call_name
+from .front.plans import call_name
 from .planner.schedule import WORK, SEND
 from .front.pt2pt import PointToPoint
-from .request import Request
 from .control.startup import quiet_barrier
 from .front.vcoll import VectorCollectives
 from .world import World, bootstrap_consts, agree_max, engine_module as _engine
@@ -315,7 +314,8 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
                 err = R2commArgumentError(f"prepared allreduce: numpy arrays of {dt} expected")
                 self._tell_peers(err, "allreduce", False)
                 raise err
-            if not self._fast_run(recvbuf, sendbuf, nbytes, dtc, op, False, key):
+            if not self._run_cached(key, "allreduce", recvbuf, sendbuf, nbytes, dt.itemsize,
+                                    dtc, op.code, False):
                 self.Allreduce(sendbuf, recvbuf, op, as_nonblocking=True)
         return allreduce
 
@@ -343,44 +343,8 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         if dtc is None or not nbytes or not (flags.c_contiguous and flags.writeable) or \
                 not (send is None or send.flags.c_contiguous):
             return False
-        # kept among the plans, so whatever drops those (a new rail state, a switched
-        # algorithm) drops these too
-        return self._fast_run(recvbuf, send, nbytes, dtc, op, blocking,
-                              ("fast", nbytes, dtc, op.code, send is not None))
-
-    def _fast_run(self, recvbuf, send, nbytes, dtc, op, blocking, key):
-        """The fast path's engine call, for buffers already checked (the engine checks their
-        sizes and kinds), its plan kept under `key`; False, having done nothing, where the
-        fast path does not apply."""
-        if self._cell.flags or self._relay or self._world.closed:
-            return False     # (flags: a switch due, epoch checks, registered memory, freed)
-        hit = self._plans.get(key)
-        if hit is None:
-            try:
-                plan, sched, count, desc = self._schedule("allreduce", nbytes, recvbuf.itemsize,
-                                                          0, dtc, op.code, send is not None)
-            except _TOLD_ERRORS as exc:
-                self._tell_peers(exc, "allreduce", blocking)
-                raise
-            ok = not (sched.scratch or sched.pre or sched.post) and sched.fills_work
-            hit = self._plans[key] = (plan, count, desc) if ok else False
-        if not hit:
-            return False
-        try:        # (the cell gives the sequence number, communicator id and timeout)
-            oid = self._engine.run(hit[0], recvbuf, send, nbytes, dtc, op.code, self._cell,
-                                   hit[1], self._members,
-                                   hit[2] if blocking else hit[2] | _NONBLOCKING)
-        except (ValueError, BufferError, TypeError) as exc:    # raised before anything posted
-            err = R2commBufferError(f"Allreduce: {exc}")
-            self._tell_peers(err, "allreduce", blocking)
-            raise err from exc
-        if oid:         # failed or timed out: a Request raises its error as Wait() would
-            eng = _engine()
-            keep = [eng.Buffer(recvbuf, True)] + ([eng.Buffer(send, False)] if send is not None else [])
-            req = Request(self, oid, keep)
-            req.conclude(self.timeout)
-            req.Wait()
-        return True
+        return self._run_cached(("fast", nbytes, dtc, op.code, send is not None), "allreduce",
+                                recvbuf, send, nbytes, recvbuf.itemsize, dtc, op.code, blocking)
 
     def _call(self, kind, blocking, start, *args, stream=None):
         """Run a collective's start function; a bad argument on this rank is told to the peers

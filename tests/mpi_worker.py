@@ -465,14 +465,14 @@ def sc_fastpath(comm, args):
                 for how in ("r2", "mpi", "inplace"):
                     case = f"fast-{dtype}-{op.name}-{cnt}-{how}"
                     x = data(case, r, cnt, dtype, op)
-                    seq = comm._seq
+                    seq = comm.next_call
                     if how == "inplace":
                         y = x.copy()
                         comm.Allreduce(r2comm.IN_PLACE, y, op)
                     else:
                         y = np.frombuffer(np.random.bytes(x.nbytes), x.dtype).copy()
                         comm.Allreduce(x, y, mpi_ops[op.name] if how == "mpi" else op)
-                    check(comm._seq == seq + 1, f"{case}: {comm._seq - seq} sequence numbers")
+                    check(comm.next_call == seq + 1, f"{case}: {comm.next_call - seq} sequence numbers")
                     check(np.array_equal(y, reduce_ref(case, n, cnt, dtype, op)), case)
                     count += 1
     check(any(k[0] == "fast" and v for k, v in comm._plans.items()), "no call took the fast path")
@@ -543,7 +543,7 @@ def sc_seqwrap(comm, args):
     error that takes a sequence number. All exact; the sequence wrapped."""
     n, r = comm.size, comm.rank
     start = int(args.get("start", 2**32 - 3))
-    comm._seq = start
+    comm.seek_seq(start)
     count = 0
     for i in range(8):
         x = np.array([r + i], np.int64)                           # 8 bytes: the fast path
@@ -555,10 +555,10 @@ def sc_seqwrap(comm, args):
         comm.Allreduce(big, out, SUM)
         check(np.array_equal(out, reduce_ref(f"wrap-{i}", n, 300_000, "int32", SUM)), f"big {i}")
         count += 2
-    check(comm._seq < 100, f"sequence did not wrap: {comm._seq}")
+    check(comm.next_call < 100, f"sequence did not wrap: {comm.next_call}")
     # (sequences only go forward: each case below starts a new communicator near the wrap)
     d = comm.Dup()
-    d._seq = 2**32 - 2                                             # in flight across the wrap
+    d.seek_seq(2**32 - 2)                                          # in flight across the wrap
     xs = [np.full(1000, r + k, np.float64) for k in range(5)]
     ys = [np.zeros(1000) for _ in range(5)]
     reqs = [d.Iallreduce(xs[k], ys[k], SUM) for k in range(5)]
@@ -572,10 +572,10 @@ def sc_seqwrap(comm, args):
     d.Barrier()
     d.Free()
     d = comm.Dup()
-    d._seq = 2**32 - 1                                             # an error takes the last one
+    d.seek_seq(2**32 - 1)                                          # an error takes the last one
     expect(r2comm.R2commError, lambda: d.Allreduce(np.zeros(3), np.zeros(2), SUM)
            if r == 0 else d.Allreduce(np.zeros(3), np.zeros(3), SUM), "size error at 2**32-1")
-    check(d._seq == 0, f"an error's sequence number did not wrap: {d._seq}")
+    check(d.next_call == 0, f"an error's sequence number did not wrap: {d.next_call}")
     for i in range(4):
         y = np.zeros(1, np.int64)
         d.Allreduce(np.array([i], np.int64), y, SUM)
@@ -598,12 +598,12 @@ def sc_prepared(comm, args):
                 case = f"prep-{dtype}-{op.name}-{cnt}"
                 x = data(case, r, cnt, dtype, op)
                 y = np.empty_like(x)
-                seq = comm._seq
+                seq = comm.next_call
                 if r == 1 and cnt == 3:            # the peer's call is non-blocking
                     comm.Iallreduce(x, y, op).Wait()
                 else:
                     comm.prepare_allreduce(x.nbytes, x.dtype, op)(x, y)
-                check(comm._seq == seq + 1, f"{case}: {comm._seq - seq} sequence numbers")
+                check(comm.next_call == seq + 1, f"{case}: {comm.next_call - seq} sequence numbers")
                 check(np.array_equal(y, reduce_ref(case, n, cnt, dtype, op)), case)
                 count += 1
     for bad in ((0, "float32"), (6, "float32"), (8, "complex128"), (8.0, "float64")):
@@ -623,9 +623,9 @@ def sc_prepared(comm, args):
     comm._cfg.replan_every = 4                # where the fast path does not apply (a re-plan
     for i in range(12):                       # check due), the general path runs the call
         x = np.full(2, r + i, np.float64)
-        seq = comm._seq
+        seq = comm.next_call
         run(x, y)
-        check(comm._seq == seq + 1, f"prepared call {i}, re-plan checks: {comm._seq - seq}")
+        check(comm.next_call == seq + 1, f"prepared call {i}, re-plan checks: {comm.next_call - seq}")
         check(np.all(y == n * (n - 1) / 2 + n * i), f"prepared call {i} with re-plan checks")
     comm._cfg.replan_every = 0
     count += 1

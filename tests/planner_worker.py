@@ -65,8 +65,7 @@ def run_schedule(comm, sched, recvbuf, sendbuf=None, op=SUM, coll="allreduce", m
             memcopy(ptr[db] + do, ptr[sb] + so, n)
     dtc = dtype_code(recvbuf.dtype)
     count = zlib.crc32(f"{coll}|{recvbuf.nbytes}|{dtc}|{op.code}|0|{sched.algo}|{comm.size}".encode())
-    seq = comm._seq
-    comm._seq += 1
+    seq = comm.next_seq()
     mem = list(gm) if members is None else [gm[m] for m in sorted(members)]
     oid = comm._engine.post(plan, ptr[0], ptr[1], ptr[2], dtc, op.code, comm._id, seq, count,
                             comm.timeout, mem)
