@@ -3,11 +3,12 @@
 
     mpiexec -n 2 python bench/ab_settings.py --size 4M --rounds 11 "" "R2COMM_CHUNK_SIZE=1M"
     mpiexec -n 2 python bench/ab_settings.py --size 16M --order rev "" "R2COMM_ACKS=0"
-    mpiexec -n 2 python bench/ab_settings.py --size 4M "" "engine.spin_extend=0"
+    mpiexec -n 2 python bench/ab_settings.py --size 4M "" "engine.tuning.spin_extend=0"
 
 Each argument is one variant: `;`-separated `NAME=VALUE` items. `R2COMM_*` items are set in
-the environment while that variant's Communicator is built. `engine.ATTR=INT` items set a
-public Engine attribute afterwards (spin_extend, spin_yield, spin_adapt). `package=NAME` builds
+the environment while that variant's Communicator is built. `engine.PATH=INT` items set an
+attribute under the Engine afterwards, by its dotted path (the spin policy's knobs are the
+engine's tuning: engine.tuning.spin_extend, spin_yield, spin_adapt). `package=NAME` builds
 it from another importable copy of r2comm (another build of the engine, e.g. main's tree copied
 as package `r2base`, see bench/ab_builds.sh): two builds compared in the same job. The variants and
 mpi4py's Allreduce (on a Dup of COMM_WORLD) run in rounds, one after another in a rotated
@@ -47,7 +48,7 @@ def parse_variant(text):
         elif name.startswith("R2COMM_"):
             env[name] = value
         else:
-            raise SystemExit(f"variant item {item!r}: expected R2COMM_* or engine.ATTR")
+            raise SystemExit(f"variant item {item!r}: expected R2COMM_* or engine.PATH")
     return env, attrs
 
 
@@ -57,9 +58,13 @@ def build(world, env, attrs):
     with temporary_env(env):
         comm = pkg.Communicator(world)
     for k, v in attrs.items():
-        if not hasattr(comm._engine, k):
+        *path, name = k.split(".")
+        obj = comm._engine
+        for part in path:
+            obj = getattr(obj, part, None)
+        if obj is None or not hasattr(obj, name):
             raise SystemExit(f"Engine has no attribute {k!r}")
-        setattr(comm._engine, k, v)
+        setattr(obj, name, v)
     return comm
 
 

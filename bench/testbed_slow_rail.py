@@ -8,7 +8,7 @@ tail hedging, against one healthy NIC alone.
 allreduces of --mib MiB in these phases, every result checked against numpy:
   healthy   both NICs at --rate
   degraded  NIC 1 of both hosts shaped down to --slow (tc tbf) while the job runs; rounds
-            alternate hedging on and off (engine.set_hedge) in the same job, so the two are
+            alternate hedging on and off (engine.tuning.set_hedge) in the same job, so the two are
             compared side by side
   restored  NIC 1 given its rate back: the striping must measure it again (no slower than
             healthy)
@@ -42,7 +42,7 @@ def rank_main(args):
         nonlocal wrong
         out = []
         for _ in range(reps):
-            eng.set_hedge(2 if hedge else 0)   # on: the default mode (late and slow rails)
+            eng.tuning.set_hedge(2 if hedge else 0)   # on: the default mode (late and slow rails)
             comm.Allreduce(x, y)              # settles the rail rates after a switch
             world.Barrier()
             b0 = [(ra.bytes_sent, ra.bytes_hedged) for ra in comm.rails]

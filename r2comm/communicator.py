@@ -207,13 +207,13 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         if mode not in _FAULT_MODES:
             raise R2commArgumentError(f"mode must be 'hard' or 'silent', got {mode!r}")
         gpeer = -1 if peer is None else self._members[peer]
-        self._engine.inject(index, _FAULT_MODES[mode], gpeer,
-                            -1 if after_bytes is None else int(after_bytes))
+        self._engine.faults.inject(index, _FAULT_MODES[mode], gpeer,
+                                   -1 if after_bytes is None else int(after_bytes))
 
     def restore_rail(self, index):
         """Lift an injected fault; the rail is probed and re-admitted automatically."""
         self._check()
-        self._engine.clear_injection(index)
+        self._engine.faults.clear_injection(index)
 
     # -- planning ------------------------------------------------------------------------------
     def schedule(self, op="allreduce", nbytes=0, itemsize=4, root=0, in_place=False):

@@ -202,7 +202,7 @@ class World:
         from .control import bandwidth as probe
         eng, g, rank = self.engine, ctl.global_ranks(), ctl.rank
         stats = eng.rail_stats()
-        eng.set_hedge(False)         # tail copies on another rail would time that one
+        eng.tuning.set_hedge(False)  # tail copies on another rail would time that one
         try:
             eps = self.boot.endpoints
             res = probe.run(ctl, nbytes, lambda p, k: rail_stats(eng)[g[p]][k].state == "up",
@@ -212,7 +212,7 @@ class World:
                             reachable=None if state is None else
                             (lambda p: state.working(rank, p)))
         finally:
-            eng.set_hedge(self.cfg.hedge)
+            eng.tuning.set_hedge(self.cfg.hedge)
         nics = mpi_comm.allgather(probe.nic_rates(res, len(self.boot.rail_addrs)))
         res.nic_rates = nics[rank]
         if g == list(range(self.boot.size)) and not loopback_only(eps):
@@ -225,7 +225,7 @@ class World:
                 rate = res.rates.get((p, k)) or (0.0 if local else
                                                  probe.pair_rate(nics[rank], nics[p], k))
                 if rate > 0:
-                    eng.set_rail_rate(g[p], k, rate)
+                    eng.tuning.set_rail_rate(g[p], k, rate)
         self.probe = res
         if self.cfg.debug in ("INFO", "DEBUG"):
             log.warning("r2comm rank %d: bandwidth probe %.1f ms: %s", rank,
@@ -296,17 +296,17 @@ def _connect(engine, boot, cfg, mpi_comm):
     try:
         for hook in ENGINE_HOOKS:      # what tests inject (none in production)
             hook(engine, boot)
-        engine.set_integrity(cfg.integrity == "mac")
+        engine.tuning.set_integrity(cfg.integrity == "mac")
         engine.start()
         for spec in faults.parse(cfg.fault):   # NICs dark from the start (R2COMM_FAULT start=1)
             if spec.start and spec.rank in (-1, boot.rank):
-                engine.inject(spec.rail, faults.MODES[spec.mode], spec.peer)
+                engine.faults.inject(spec.rail, faults.MODES[spec.mode], spec.peer)
         links = Links(engine, boot, cfg)
         # start on the rails that connect within R2COMM_CONNECT_TIMEOUT (startup.py)
         # the same reduction agrees on the probe's message size (one collective less)
         # this rank's NICs the kernel reports down (or a start=1 fault darkens): NIC facts
         nic_down = [k for k, st in enumerate(engine_module().nic_states(boot.rail_addrs))
-                    if st == 0 or engine.nic_injected(k)]
+                    if st == 0 or engine.faults.nic_injected(k)]
         start = startup.agree(mpi_comm, boot, links.establish(cfg.connect_timeout),
                               cfg.timeout + cfg.connect_timeout, wanted_probe_bytes(cfg, boot),
                               nic_down)
@@ -318,13 +318,13 @@ def _connect(engine, boot, cfg, mpi_comm):
                         "; ".join(f"rank {a} - rank {b} {start.describe(a, b, k)}: {why}"
                                   for a, b, k, why in start.down_rails()))
         if cfg.rail_bw:
-            engine.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
+            engine.tuning.set_weights(cfg.rail_bw[:len(boot.rail_addrs)])
         if not boot.params["acks"]:
-            engine.set_noack(True)
+            engine.tuning.set_noack(True)
         cfg.hedge = hedge_mode(cfg, boot)     # resolved once: the probe restores it
-        engine.set_hedge(cfg.hedge)
-        engine.spin = spin_seconds(cfg, boot)
-        engine.set_window_time(cfg.window_ms * 1e-3)
+        engine.tuning.set_hedge(cfg.hedge)
+        engine.tuning.spin = spin_seconds(cfg, boot)
+        engine.tuning.set_window_time(cfg.window_ms * 1e-3)
     except BaseException:
         if links is not None:
             links.close()

@@ -4,7 +4,7 @@ tests/test_control_mpi.py under mpiexec.
     python control_worker.py SCENARIO [key=value ...]
 
 same       tree and flood give the same table, rail_state() agrees, only tree peers connected
-updown     a tree pair's rails all fail (for real: engine.inject) as the parent starts the down
+updown     a tree pair's rails all fail (for real: engine.faults.inject) as the parent starts the down
            phases; that call and the ones after agree on every rank, nobody flooded
 partition  half of the ranks cut off: every rank raises, twice, within the timeout
 argerr     a local argument error reaches every rank without new connections
@@ -38,7 +38,7 @@ def connected(comm):
     for p in range(comm.size):
         if p != comm.rank:
             nr = len(eng.rail_stats()[p])
-            if any(eng.link_state(p, k) != "idle" for k in range(nr + 1)):
+            if any(eng.links.link_state(p, k) != "idle" for k in range(nr + 1)):
                 out.add(p)
     return out
 

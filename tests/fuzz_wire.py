@@ -121,7 +121,7 @@ class World:
         e = self.e = eng.Engine(0, 2, [0, 2], CS, 5.0, 10.0, window)
         self.mac = mac
         if mac:
-            e.set_integrity(True)
+            e.tuning.set_integrity(True)
         self.conn = {0: 6, 1: 7, 2: 8}
         self.keys = {}                 # rail -> (tx key, rx key) of its current connection
         self.ctr = {}                  # rail -> frames the engine has verified on it

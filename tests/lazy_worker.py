@@ -31,7 +31,7 @@ def states(comm, peer):
     """[state of each data rail, then the control connection] to global rank `peer`."""
     eng = comm._engine
     nr = len(eng.rail_stats()[peer])
-    return [eng.link_state(peer, k) for k in range(nr + 1)]
+    return [eng.links.link_state(peer, k) for k in range(nr + 1)]
 
 
 def connected(comm):

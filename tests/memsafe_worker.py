@@ -31,7 +31,7 @@ def new_engine(cs=65536, window=1 << 20):
 def pair(e, rail=0, conn=7):
     a, b = socket.socketpair()
     a.setblocking(False)
-    e.attach(1, rail, a.detach(), conn)
+    e.links.attach(1, rail, a.detach(), conn)
     b.settimeout(5.0)
     return b
 

@@ -395,27 +395,27 @@ def sc_spinon(comm, args):
     ref = reduce_ref("spin", n, cnt, "int32", SUM)
     y = np.empty_like(x)
     eng = comm._engine
-    check(eng.spin < 1e-4, f"run with a short spin (R2COMM_SPIN_US), got {eng.spin}")
+    check(eng.tuning.spin < 1e-4, f"run with a short spin (R2COMM_SPIN_US), got {eng.tuning.spin}")
     for extend in (1, 0):
-        eng.spin_extend = extend
-        before = eng.spin_extended
+        eng.tuning.spin_extend = extend
+        before = eng.tuning.spin_extended
         for _ in range(5):
             y[:] = 0
             comm.Allreduce(x, y)
             check(np.array_equal(y, ref), f"allreduce with spin_extend={extend}")
-        got = WORLD.allreduce(eng.spin_extended - before)
+        got = WORLD.allreduce(eng.tuning.spin_extended - before)
         if extend:
             check(got > 0, "no wait was extended while 8 MiB allreduces kept the sockets busy")
         else:
             check(got == 0, f"{got} waits extended with spin_extend=0")
-    eng.spin_extend = 1
+    eng.tuning.spin_extend = 1
     return 10
 
 
 def sc_contended(comm, args):
     """CPU hogs (one per CPU, started by rank 0, each ends by itself after 5 s) make the
     waiters' busy-polling compete: the engine notices spins it lost the CPU in and shortens
-    them (Engine.spin_preempted counts them); results stay exact."""
+    them (Engine.tuning.spin_preempted counts them); results stay exact."""
     import subprocess
     r = comm.rank
     hogs = []
@@ -441,9 +441,9 @@ def sc_contended(comm, args):
         for h in hogs:
             h.kill()
             h.wait()
-    pre = WORLD.allreduce(comm._engine.spin_preempted)
+    pre = WORLD.allreduce(comm._engine.tuning.spin_preempted)
     check(pre > 0, f"no contended spin noticed in {done} allreduces next to {os.cpu_count()} hogs")
-    check(WORLD.allreduce(comm._engine.spin_yields) > 0, "spinning waiters never yielded the CPU")
+    check(WORLD.allreduce(comm._engine.tuning.spin_yields) > 0, "spinning waiters never yielded the CPU")
     if r == 0:
         print(f"CONTENDED ops={done} preempted_spins={pre}", flush=True)
     return 1

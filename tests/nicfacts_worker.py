@@ -118,7 +118,7 @@ def sc_nicdown(comm, args):
               for p in range(n)), "alltoall after the fact: exact")
     row["alltoall_s"] = round(time.monotonic() - t, 3)
     if r not in mine:
-        states = {p: comm.engine.link_state(p, rail) for p in mine}
+        states = {p: comm.engine.links.link_state(p, rail) for p in mine}
         check(all(v in ("off", "down") for v in states.values()),
               f"rank {r}: rail {rail} to host {victim} after a first use: {states}")
     never = [e for e in comm.events if e["kind"] == "rail_never_up" and e["rail"] == rail]

@@ -273,8 +273,8 @@ def sc_slowhedge(comm, args):
     for i in range(10):
         for p in range(n):                     # again each time: acks re-measure the rails
             if p != r:                         # (windows of one chunk: both rails get some)
-                comm._engine.set_rail_rate(p, 0, 4e6)
-                comm._engine.set_rail_rate(p, 1, 1e6)
+                comm._engine.tuning.set_rail_rate(p, 0, 4e6)
+                comm._engine.tuning.set_rail_rate(p, 1, 1e6)
         WORLD.Barrier()
         allreduce_checked(comm, i, cnt)
     hedged = WORLD.allreduce(sum(ra.bytes_hedged for ra in comm.rails) - hedged0)

@@ -179,7 +179,7 @@ def sc_relink(comm, args):
         while time.monotonic() < until and comm.shm_peers[peer]["state"] != "up":
             time.sleep(0.05)
         check(comm.shm_peers[peer]["state"] == "up", f"link not back: {comm.shm_peers}")
-        check(comm._engine.transports()[peer] == ["shm"], "the link came back as shm")
+        check(comm._engine.links.transports()[peer] == ["shm"], "the link came back as shm")
         if r == 0:
             print(f"RELINK events {kinds}", flush=True)
     _no_segments_left(comm)

@@ -410,13 +410,13 @@ def test_ab_settings_pairs_variants_in_one_job(tmp_path):
     out = tmp_path / "ab.json"
     cmd = [MPIEXEC, "-n", "2", sys.executable, os.path.join(ROOT, "bench", "ab_settings.py"), "--size", "64K",
            "--rounds", "2", "--seconds", "0.02", "--barrier", "--order", "rev", "--json", str(out),
-           "R2COMM_CHUNK_SIZE=16K", "engine.spin_extend=0"]
+           "R2COMM_CHUNK_SIZE=16K", "engine.tuning.spin_extend=0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "MPIEXEC_TIMEOUT": "100"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("# 64K allreduce, 2 ranks, 2 rounds x") and "build order rev" in lines[0]
-    assert lines[1].startswith("v0 R2COMM_CHUNK_SIZE=16K") and lines[2].startswith("v1 engine.spin_extend=0")
+    assert lines[1].startswith("v0 R2COMM_CHUNK_SIZE=16K") and lines[2].startswith("v1 engine.tuning.spin_extend=0")
     assert any(ln.startswith("v0/v1 time per round: median ") for ln in lines)
     doc = json.loads(out.read_text())
     assert set(doc["rounds_us"]) == {"v0", "v1", "mpi"}

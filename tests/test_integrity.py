@@ -83,11 +83,11 @@ KT, KR = os.urandom(32), os.urandom(32)       # the engine's tx and rx frame key
 
 def _engine(mac):
     e = eng.Engine(0, 2, [0, 1], 1 << 16, 5.0, 10.0, 1 << 20)
-    e.set_integrity(mac)
+    e.tuning.set_integrity(mac)
     e.start()
     a, b = socket.socketpair()
     a.setblocking(False)
-    e.attach(1, 0, a.detach(), 7, KT, KR)
+    e.links.attach(1, 0, a.detach(), 7, KT, KR)
     b.settimeout(5)
     return e, b
 
@@ -184,7 +184,7 @@ def test_set_integrity_after_attach_is_refused():
     e, b = _engine(False)
     try:
         with pytest.raises(RuntimeError):
-            e.set_integrity(True)
+            e.tuning.set_integrity(True)
     finally:
         e.close()
 

@@ -79,8 +79,9 @@ def test_mismatch_reaches_ranks_without_a_connection_to_the_detector():
 
 
 # -- the simultaneous-connect race, in one process ------------------------------------------------
-class RecordingEngine:
-    """The Links-facing part of an engine: records attached connections (and closes them)."""
+class RecordingLinks:
+    """The Links-facing part of an engine (Engine.links): records attached connections (and
+    closes them)."""
 
     def __init__(self):
         self.attached = []
@@ -91,9 +92,6 @@ class RecordingEngine:
         with self.lock:
             self.attached.append((peer, rail, conn_id))
         os.close(fd)
-
-    def injected(self, rail, peer):
-        return False
 
     def reconnect_due(self):
         return []
@@ -107,6 +105,21 @@ class RecordingEngine:
 
     def note_link_error(self, peer, rail, info):
         pass
+
+
+class NoFaults:
+    """Engine.faults as Links asks it: no injected faults."""
+
+    def injected(self, rail, peer):
+        return False
+
+
+class RecordingEngine:
+    """What Links asks of an engine: its links (recording) and faults (none)."""
+
+    def __init__(self):
+        self.links = RecordingLinks()
+        self.faults = NoFaults()
 
 
 def _pair():
@@ -148,14 +161,14 @@ def test_simultaneous_connects_leave_one_connection(who):
                 t.join(10)
             done = threading.Event()
             for _ in range(200):                    # the accepting end attaches a moment later
-                if all(len(lk.engine.attached) >= 2 for lk in lks):
+                if all(len(lk.engine.links.attached) >= 2 for lk in lks):
                     break
                 done.wait(0.01)
-            a0, a1 = (sorted(lk.engine.attached) for lk in lks)
+            a0, a1 = (sorted(lk.engine.links.attached) for lk in lks)
             assert [x[:2] for x in a0] == [(1, 0), (1, 1)], a0
             assert [x[:2] for x in a1] == [(0, 0), (0, 1)], a1
             assert [x[2] for x in a0] == [x[2] for x in a1], (a0, a1)
-            assert not lks[0].engine.unconnected and not lks[1].engine.unconnected
+            assert not lks[0].engine.links.unconnected and not lks[1].engine.links.unconnected
         finally:
             for lk in lks:
                 lk.close()

@@ -21,9 +21,10 @@ from r2comm.errors import R2commProtocolError
 import flood_client
 
 
-class FakeEngine:
-    """What Links calls on an engine. fail: exceptions the next attach() calls raise (without
-    taking the fd); due: (peer, rail) fail-back probes to report as due, once each."""
+class FakeLinks:
+    """What Links calls on an engine's links (Engine.links). fail: exceptions the next attach()
+    calls raise (without taking the fd); due: (peer, rail) fail-back probes to report as due,
+    once each."""
 
     def __init__(self):
         self.attached = []
@@ -43,9 +44,6 @@ class FakeEngine:
             raise self.fail.pop(0)
         self.attached.append((peer, rail, conn_id))
 
-    def injected(self, rail, peer):
-        return False
-
     def reconnect_due(self):
         due, self.due = self.due, []
         return due
@@ -64,6 +62,21 @@ class FakeEngine:
 
     def link_state(self, peer, rail):
         return "up" if any(a[:2] == (peer, rail) for a in self.attached) else "down"
+
+
+class FakeFaults:
+    """Engine.faults as Links asks it: no injected faults."""
+
+    def injected(self, rail, peer):
+        return False
+
+
+class FakeEngine:
+    """What Links asks of an engine: its links and faults (Engine.links, Engine.faults)."""
+
+    def __init__(self):
+        self.links = FakeLinks()
+        self.faults = FakeFaults()
 
 
 def _make_links(rank=1, peer_ep=None):
@@ -143,8 +156,8 @@ def test_slow_handshake_holds_neither_the_thread_nor_past_its_deadline(links):
         fd, cid = _connect(links)                  # a real peer gets in at once meanwhile
         os.close(fd)
         assert time.monotonic() - t0 < 0.5
-        assert _soon(lambda: links.engine.attached)
-        assert links.engine.attached == [(0, 0, cid)]
+        assert _soon(lambda: links.engine.links.attached)
+        assert links.engine.links.attached == [(0, 0, cid)]
         # one deadline for the whole handshake (1 s here), though bytes keep coming
         assert _closed_within(slow, 2.5)
         assert time.monotonic() - t0 < 2.5
@@ -193,7 +206,7 @@ def test_garbage_hellos_are_refused_reported_and_bounded(links, caplog):
     assert _closed_within(s, 2.0)
     s.close()
     assert _soon(lambda: links.nrejected >= 301)
-    assert links.nrejected == 301 and not links.engine.attached
+    assert links.nrejected == 301 and not links.engine.links.attached
     assert len(links.rejected) == links_mod.REJECTED_KEEP < 301
     why = " | ".join(w for _, w in links.rejected)
     assert "not an r2comm rail" in why and "another job/rank" in why
@@ -229,7 +242,7 @@ def test_idle_flood_does_not_lock_peers_out(links):
                 took.append(time.monotonic() - t0)
                 os.close(fd)
             time.sleep(0.05)
-        assert _soon(lambda: len(links.engine.attached) == 20)
+        assert _soon(lambda: len(links.engine.links.attached) == 20)
         assert max(took) < 1.0, took
         assert opened[0] > 200                          # the server did cut (and we renewed)
         assert sum("to make room" in w for _, w in links.rejected) >= 50
@@ -259,7 +272,7 @@ def test_pending_limits_per_source_and_for_unknown_sources(links):
         assert max(left.count(i) for i in range(3)) == per
         fd, _ = _connect(links)                          # 127.0.0.1: a peer's address
         os.close(fd)
-        assert _soon(lambda: len(links.engine.attached) == 1)
+        assert _soon(lambda: len(links.engine.links.attached) == 1)
     finally:
         for s in idle:
             s.close()
@@ -271,7 +284,7 @@ def test_attach_errors_neither_end_the_thread_nor_leak(links):
     thread lives on and the next connection attaches."""
     assert _soon(lambda: links.ticks > 0)               # the thread made its selector
     before = _fds()
-    links.engine.fail = [R2commProtocolError("corrupt QP address"), MemoryError(),
+    links.engine.links.fail = [R2commProtocolError("corrupt QP address"), MemoryError(),
                          ValueError("no such peer/rail"), KeyError("x")] * 3
     for _ in range(12):
         fd, _ = _connect(links)
@@ -280,11 +293,11 @@ def test_attach_errors_neither_end_the_thread_nor_leak(links):
         s.close()
     assert _soon(lambda: links.nerrors == 12)
     assert links.alive
-    assert len(links.engine.events) == 12 and links.engine.events[0][1:3] == (0, 0)
-    assert "corrupt QP address" in links.engine.events[0][3]
+    assert len(links.engine.links.events) == 12 and links.engine.links.events[0][1:3] == (0, 0)
+    assert "corrupt QP address" in links.engine.links.events[0][3]
     fd, cid = _connect(links)
     os.close(fd)
-    assert _soon(lambda: links.engine.attached == [(0, 0, cid)])
+    assert _soon(lambda: links.engine.links.attached == [(0, 0, cid)])
     assert _fds() <= before
 
 
@@ -306,8 +319,8 @@ def test_failed_failback_attach_keeps_probing(monkeypatch):
     t.start()
     try:
         before = _fds()
-        lk.engine.fail = [R2commProtocolError("corrupt QP address")]
-        lk.engine.due = [(1, 0)]
+        lk.engine.links.fail = [R2commProtocolError("corrupt QP address")]
+        lk.engine.links.due = [(1, 0)]
         assert _soon(lambda: len(got) == 1, 5.0)
         s = socket.socket(fileno=got[0][2])
         assert _closed_within(s, 2.0)                    # the connector closed its end
@@ -315,9 +328,10 @@ def test_failed_failback_attach_keeps_probing(monkeypatch):
         time.sleep(0.1)
         assert lk._thread.is_alive(), "the links thread died"
         assert _soon(lambda: lk.nerrors == 1, 5.0)
-        assert lk.engine.probes_failed == [(1, 0)]
-        lk.engine.due = [(1, 0)]                         # the next probe: fail-back happens
-        assert _soon(lambda: lk.engine.attached and lk.engine.attached[0][:2] == (1, 0), 5.0)
+        assert lk.engine.links.probes_failed == [(1, 0)]
+        lk.engine.links.due = [(1, 0)]                   # the next probe: fail-back happens
+        assert _soon(lambda: lk.engine.links.attached and
+                     lk.engine.links.attached[0][:2] == (1, 0), 5.0)
         t.join(5)
         os.close(got[1][2])
         assert lk.alive and _fds() <= before
@@ -341,24 +355,24 @@ def test_verbs_handover_released_when_attach_transport_raises(links, monkeypatch
                         lambda: (SimpleNamespace(transport_address=lambda: 1), None))
     links.nic = verbs_rails.TRANSPORT
     links.boot.rail_devices = [None]
-    links.engine.fail = [MemoryError("no memory for a connection's transport state")]
+    links.engine.links.fail = [MemoryError("no memory for a connection's transport state")]
     fd, _ = _connect(links)
     os.close(fd)
     assert _soon(lambda: links.nerrors == 1)
     assert discarded == [1000]
     fd, cid = _connect(links)
     os.close(fd)
-    assert _soon(lambda: links.engine.attached == [(0, 0, cid)])
+    assert _soon(lambda: links.engine.links.attached == [(0, 0, cid)])
     assert discarded == [1000] and links.alive
 
 
 def test_link_errors_reach_the_engine_events():
-    """Engine.note_link_error, what Links calls for a connection's error: a `link_error` event
+    """Engine.links.note_link_error, what Links calls for a connection's error: a `link_error` event
     in comm.events / on_event (engine.events_since)."""
     from r2comm._core import engine as eng
     e = eng.Engine(0, 2, [0, 1], 1 << 16, 5.0, 10.0, 1 << 20)
     try:
-        e.note_link_error(1, 0, "attaching (rank 1, rail 0): R2commProtocolError: corrupt")
+        e.links.note_link_error(1, 0, "attaching (rank 1, rail 0): R2commProtocolError: corrupt")
         ev = e.events_since(0)[-1]
         assert (ev["kind"], ev["peer"], ev["rail"]) == ("link_error", 1, 0)
         assert "corrupt" in ev["info"]
@@ -509,8 +523,8 @@ def test_hellos_without_the_proof_take_no_claim(attack):
         t0 = time.monotonic()
         lk0.connect_for([1])
         took = time.monotonic() - t0
-        assert sorted(a[:2] for a in lk0.engine.attached) == [(1, 0), (1, 1)], \
-            (lk0.engine.attached, lk0.engine.events)
+        assert sorted(a[:2] for a in lk0.engine.links.attached) == [(1, 0), (1, 1)], \
+            (lk0.engine.links.attached, lk0.engine.links.events)
         assert took < 2.0, took
     finally:
         out = flood.communicate("", timeout=20)[0]

@@ -9,46 +9,63 @@ from r2comm.control import nicwatch
 
 
 class FakeEngine:
-    """What NicWatch asks of an Engine: failures, kernel-free NIC faults, marks."""
+    """What NicWatch asks of an Engine: failures, kernel-free NIC faults, marks (through its
+    links and faults, as Engine.links and Engine.faults), events. The state is kept here."""
 
     def __init__(self, size, nrails=2):
         self.size, self.nrails = size, nrails
         self.down = []                 # [(peer, rail, age, nic_off)]
-        self.injected = set()
+        self.injected = set()          # rails an injected fault darkens (faults.nic_injected)
         self.rates = [0.0] * nrails
         self.off = {}                  # (peer, rail) -> off
         self.failed_up = []            # (peers, rail): set_nic_off that would fail up rails
         self.events = []
         self.states = {}               # (peer, rail) -> link_state
+        self.links = FakeLinks(self)
+        self.faults = FakeFaults(self)
+
+    def note_event(self, kind, peer, rail, info, seconds=0.0):
+        self.events.append((kind, peer, rail))
+
+
+class FakeLinks:
+    """Engine.links as NicWatch asks it, over the FakeEngine's state."""
+
+    def __init__(self, eng):
+        self.eng = eng
 
     def set_same_host(self, peers):
-        self.same = set(peers)
+        self.eng.same = set(peers)
 
     def down_rails(self):
-        return list(self.down)
+        return list(self.eng.down)
 
     def nic_rates(self, nrails):
-        return list(self.rates)
-
-    def nic_injected(self, k):
-        return k in self.injected
+        return list(self.eng.rates)
 
     def link_state(self, peer, rail):
-        return self.states.get((peer, rail), "up")
+        return self.eng.states.get((peer, rail), "up")
 
     def rails_to(self, peer):
-        return self.nrails
+        return self.eng.nrails
 
     def set_nic_off(self, peers, rail, off, reason, fail_up=True, cause_local=False,
                     idle_only=False):
         for p in peers:
-            self.off[(p, rail)] = off
+            self.eng.off[(p, rail)] = off
         if off and fail_up:
-            self.failed_up.append((sorted(peers), rail))
+            self.eng.failed_up.append((sorted(peers), rail))
         return len(peers)
 
-    def note_event(self, kind, peer, rail, info, seconds=0.0):
-        self.events.append((kind, peer, rail))
+
+class FakeFaults:
+    """Engine.faults as NicWatch asks it, over the FakeEngine's state."""
+
+    def __init__(self, eng):
+        self.eng = eng
+
+    def nic_injected(self, k):
+        return k in self.eng.injected
 
 
 def watch(me, host_of, kernel=None, monkeypatch=None, nrails=2):

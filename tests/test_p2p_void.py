@@ -178,7 +178,7 @@ def test_a_send_to_a_lost_peer_takes_no_sequence_number(rig):
     """A send posted while the peer is lost fails at once and spends no number of the pair's
     sequence: once the pair is back, the next message is number 0 (old code: 1, which the
     receiver, never having seen 0, could not match)."""
-    rig.e.peer_dead(1, "test: the failure detector said so")
+    rig.e.links.peer_dead(1, "test: the failure detector said so")
     oid = p2p_send(rig, np.full(10, 1, np.uint8))
     state, code, text, _ = state_of(rig, oid)
     assert state == ERROR and code == eng.ERR_NETWORK and "unreachable" in text, text
@@ -201,5 +201,5 @@ def test_closing_waits_for_a_void_only_while_its_peer_is_reachable(rig):
     rig.e.release(oid)
     assert testing.debug_state(rig.e)["sends"] == 1
     assert rig.e.drain(0.2) is False
-    rig.e.peer_dead(1, "test: the failure detector said so")
+    rig.e.links.peer_dead(1, "test: the failure detector said so")
     assert rig.e.drain(5.0) is True

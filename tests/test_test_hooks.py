@@ -98,7 +98,7 @@ def test_corrupt_next_flips_one_byte_of_the_next_data_frame_only():
         testing.fuzz_attach(e, 1, 1, 8)                          # the control connection
         assert testing.corrupt_next(e, 1, 0) is True
         assert testing.transport_stats(e)["transport"] == "fuzz"
-        assert e.transports() == {1: ["fuzz"]}                   # the rail's name is kept
+        assert e.links.transports() == {1: ["fuzz"]}                   # the rail's name is kept
         src = (np.arange(2 * cs) % 251).astype(np.uint8)
         plan = engine.Plan([("send", 1, 0, 0, 0, 2 * cs, 0, True)], [], "t")
         buf = engine.Buffer(src, True)

@@ -107,7 +107,7 @@ def test_malformed_frame_closes_the_rail_and_is_reported():
     e.start()
     a, b = socket.socketpair()
     a.setblocking(False)
-    e.attach(1, 0, a.detach(), 7)
+    e.links.attach(1, 0, a.detach(), 7)
     b.sendall(b"\x00" * 48 + b"junk")
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and e.rail_stats()[1][0][0] == "up":
@@ -176,7 +176,7 @@ def test_hedge_mode_from_config(monkeypatch):
     e = eng.Engine(0, 1, [0], 65536, 1.0, 1.0, 1 << 20)
     try:
         with pytest.raises(ValueError):
-            e.set_hedge(3)
-        e.set_hedge(1)
+            e.tuning.set_hedge(3)
+        e.tuning.set_hedge(1)
     finally:
         e.close()

@@ -443,7 +443,8 @@ cdef P2PState* p2p_state(Peer* p, uint32_t comm) noexcept nogil         # matchi
 cdef double DACK_DELAY     # s: longest a delayed ack waits for a frame to ride with
 
 # ---------------------------------------------------------------------------------------------
-# The Python-facing classes' C fields (engine.pyx)
+# The Python-facing classes' C fields (engine.pyx; the Engine's faces: engine_links.pxi,
+# engine_tuning.pxi, engine_faults.pxi; ChannelCell: capi.pxi)
 
 cdef class Plan:
     cdef PlanC* c
@@ -471,9 +472,10 @@ cdef extern from "r2_capi.h" nogil:
     void r2_atomic_set(int* p, int v)
 
 cdef struct SpinState:
-    # a waiter's busy-polling policy and its counters (Engine's spin* attributes; wait_op_c)
+    # a waiter's busy-polling policy and its counters (EngineTuning's spin* attributes;
+    # spin_policy.pxi's wait_op_c)
     double spin              # seconds a waiter busy-polls before blocking in epoll
-    int spin_short_left      # waits left that spin only SPIN_CONTENDED (see wait())
+    int spin_short_left      # waits left that spin only SPIN_CONTENDED (see wait_op_c)
     bint spin_adapt          # shorten the spin after preempted ones (default on)
     bint spin_extend         # keep spinning while the sockets are busy (default on)
     int spin_yield           # empty polls between sched_yield() calls in a spin; 0 never
@@ -483,8 +485,9 @@ cdef struct SpinState:
     uint64_t spin_preempted  # waits whose spin was preempted (contended)
 
 cdef struct EngineRef:
-    # the engine as the C-level interface holds it (counted: the Engine and each C user);
-    # close() sets closing, waits until no C call is inside (users), then frees the state
+    # the engine as the C-level interface holds it (counted: the Engine, its faces (EnginePart)
+    # and each C user); close() sets closing, waits until no C call is inside (users), then
+    # frees the state
     State* e
     SpinState sp
     int refs
@@ -494,14 +497,32 @@ cdef struct EngineRef:
 cdef class ChannelCell:
     cdef r2_cell c
 
+# An Engine's cold-path faces (Engine.links, .tuning, .faults): each holds a counted reference on
+# the engine's EngineRef, as a C-level user does, not on the Engine (no reference cycle)
+cdef class EnginePart:
+    cdef EngineRef* h
+    cdef _bind(self, EngineRef* h)
+    cdef State* _live(self) except NULL
+    cdef void _wake(self)
+
+cdef class EngineLinks(EnginePart):          # engine_links.pxi
+    cdef _attach(self, int peer, int rail, Transport* tp, intptr_t handle, uint32_t conn_id,
+                 bytes tx_key, bytes rx_key)
+
+cdef class EngineTuning(EnginePart):         # engine_tuning.pxi
+    pass
+
+cdef class EngineFaults(EnginePart):         # engine_faults.pxi
+    pass
+
 cdef class Engine:
     cdef State* e
     cdef EngineRef* h                # e and the spin policy, as the C-level interface holds them
     cdef int started
     cdef object thread
-    cdef _attach(self, int peer, int rail, Transport* tp, intptr_t handle, uint32_t conn_id,
-                 bytes tx_key, bytes rx_key)
-    cdef int _injected(self, int rail, int peer)
+    cdef readonly EngineLinks links      # link administration (control/links.py, liveness, facts)
+    cdef readonly EngineTuning tuning    # the spin policy and the tuning setters (world.py)
+    cdef readonly EngineFaults faults    # fault injection
     cdef uint64_t post_c(self, Plan plan, uint64_t* bufs, int dtype, int redop, uint32_t comm,
                          uint32_t seq, uint32_t count, double timeout, members, int p2p,
                          int64_t key, uint64_t cap, int rail) except 0

@@ -85,9 +85,6 @@ cdef extern from "<unistd.h>" nogil:
     ssize_t write(int fd, const void* buf, size_t n)
     int close(int fd)
 
-cdef extern from "<sched.h>" nogil:
-    int sched_yield()
-
 
 cdef extern from *:
     """
@@ -127,10 +124,21 @@ cdef extern from "<stdio.h>" nogil:
 #   failover.pxi        acks, failing a rail and re-queueing its chunks, aborts, lost peers
 #   health.pxi          late rails judged by TCP_INFO; the timers (check_timers)
 #   progress.pxi        the epoll progress loop
-# Here, after them: Plan, Buffer and the Engine class. The
-# declarations they share with other extensions (the state's types, the classes' C fields) are in
-# engine.pxd; the test hooks (fuzz and fake transports, wire and crypto helpers, ShmEnd, the
-# engine's debug views) are a separate extension, r2comm/_core/testing.pyx, built only for tests.
+#   spin_policy.pxi     a waiter's loop (wait_op_c): drives progress itself, spins or sleeps in
+#                       epoll by the spin policy (SpinState), which adapts to a contended CPU
+# Here, after them: Plan, Buffer and the Engine class: the data path (start, close, drain; post,
+# run, wait, test, cancel, release, point-to-point queries; events). Its cold-path faces are
+# classes of their own, in parts included after it (Cython takes no include inside a class):
+#   engine_links.pxi    EngineLinks (Engine.links): attaching connections, fail-back probes,
+#                       link states, lost peers, NIC facts (control/links.py, liveness, nicwatch)
+#   engine_tuning.pxi   EngineTuning (Engine.tuning): the spin policy's attributes and the
+#                       tuning setters (integrity, windows, hedging, weights, rates: world.py)
+#   engine_faults.pxi   EngineFaults (Engine.faults): injected NIC faults
+#   capi.pxi            the C-level interface (engine.c_api()) and ChannelCell
+# The declarations they share with other extensions (the state's types, the classes' C fields)
+# are in engine.pxd; the test hooks (fuzz and fake transports, wire and crypto helpers, ShmEnd,
+# the engine's debug views) are a separate extension, r2comm/_core/testing.pyx, built only for
+# tests.
 include "engine_state.pxi"
 include "op_life.pxi"
 include "scheduler.pxi"
@@ -140,6 +148,7 @@ include "matching.pxi"
 include "failover.pxi"
 include "health.pxi"
 include "progress.pxi"
+include "spin_policy.pxi"
 
 cdef Transport TCP_TP                 # the production transport (tcp.pxd)
 tcp_transport(&TCP_TP)
@@ -268,120 +277,10 @@ def memcopy(uint64_t dst, uint64_t src, uint64_t n):
         memcpy(<void*>dst, <const void*>src, n)
 
 
-cdef int wait_op_c(State* e, SpinState* sp, uint64_t oid, double timeout, int* perr,
-                   string* pmsg, uint64_t* pnrecv) noexcept nogil:
-    """wait()'s loop: the operation's state once it ended or `timeout` passed (ST_ACTIVE),
-    -1 if the engine stopped or the operation is unknown."""
-    cdef Op* op
-    cdef timespec ts
-    cdef double until = mono() + timeout, t
-    cdef int state = -1, err = 0
-    cdef string msg
-    cdef uint64_t nrecv = 0
-    cdef double w0 = mono(), spin, b0 = 0, c0 = 0
-    cdef long pre0 = 0
-    cdef int idle, judged = 0
-    # Busy-polling pays only while this thread has a CPU to itself. Another runnable
-    # thread on the same CPU (a CPU hog, more threads than cores) takes turns with the
-    # spin, and the spinning then delays the very work it waits for (measured on 2
-    # cores with one hog: 1 MiB allreduce 1152 us spinning 1 ms, 627 us not spinning;
-    # unloaded it is the other way round, 184 against 222 us). So two spins in a row
-    # that the scheduler preempted (an involuntary context switch) and that got under
-    # SPIN_SHARE of a CPU make the next SPIN_BACKOFF waits spin only SPIN_CONTENDED; then
-    # the full spin is tried again. Either signal alone misleads: at 4 MiB unloaded the
-    # kernel's softirq thread (doing this rank's own TCP work) preempts most spins
-    # briefly, and the softirq time is not charged to the thread, so its share reads low.
-    # The baseline is taken SPIN_BASE into the wait, so the short waits of small messages
-    # never make the two system calls.
-    spin = sp.spin
-    if sp.spin_short_left > 0:
-        sp.spin_short_left -= 1
-        if spin > SPIN_CONTENDED:
-            spin = SPIN_CONTENDED
-    # A wait keeps spinning while its sockets are busy: past `spin` of no socket events it
-    # sleeps in epoll. A fixed 1 ms spin handed the rest of a 4 MiB allreduce to
-    # interrupt-driven wake-ups, and a CPU shared with another process (a 1 ms hog every
-    # 4 ms, or 5 every 20) made that 4-11% slower than spinning on (same-job A/B).
-    # Spins cut short for contention are not extended. While spinning, every SPIN_YIELD
-    # empty polls give the CPU to any other runnable thread (MPICH yields likewise): the
-    # waiter stays runnable, so it needs no wake-up, and a peer rank or the kernel's TCP
-    # work sharing its CPU runs in the meantime. Next to one CPU hog this took a 1 MiB
-    # allreduce from 1010-1094 us to 374-396 us (MPI 542-721 us); unloaded, sched_yield
-    # returns at once and the times were unchanged (8 B, 1 and 4 MiB).
-    cdef double spin_until = w0 + spin, judge_at = w0 + spin
-    cdef bint extend = sp.spin_extend and spin >= sp.spin and spin > 0
-    cdef int nev, empty = 0, extended = 0
-    cdef double paused0, moved = 0      # this process's own pauses extend the wait too
-    pthread_mutex_lock(&e.mu)
-    e.waiters += 1
-    paused0 = e.self_paused
-    pthread_mutex_unlock(&e.mu)
-    while True:
-        pthread_mutex_lock(&e.mu)
-        moved = e.self_paused - paused0
-        it = e.ops.find(oid)
-        if it == e.ops.end():
-            state = -1
-            pthread_mutex_unlock(&e.mu)
-            break
-        op = deref(it).second
-        if op.state != ST_ACTIVE and not verdict_pending(e, op):
-            state = op.state
-            err = op.err
-            msg = op.msg
-            nrecv = op.nbytes_recv
-            if err == E_MISMATCH and not op.p2p:
-                clear_mismatch(e, op)
-            pthread_mutex_unlock(&e.mu)
-            break
-        pthread_mutex_unlock(&e.mu)
-        t = mono()
-        if b0 == 0 and t - w0 >= SPIN_BASE and t < judge_at and sp.spin_adapt:
-            b0 = t
-            c0 = thread_cpu()
-            pre0 = preemptions()
-        if not judged and b0 > 0 and t >= judge_at:
-            judged = 1
-            if t - b0 >= SPIN_JUDGE:
-                if preemptions() != pre0 and (thread_cpu() - c0) < SPIN_SHARE * (t - b0):
-                    sp.spin_preempted += 1
-                    sp.spin_strikes += 1
-                    if sp.spin_strikes >= 2:
-                        sp.spin_strikes = 0
-                        sp.spin_short_left = SPIN_BACKOFF
-                else:
-                    sp.spin_strikes = 0
-        if t >= until + moved:
-            state = ST_ACTIVE
-            break
-        # drive progress here: poll briefly, then block in epoll for at most 1 ms
-        idle = 0 if t < spin_until else (1 if until + moved - t > 0.001 else 0)
-        nev = progress_once(e, idle)
-        if nev < 0:
-            state = -1
-            break
-        if nev > 0 and extend and sp.spin_short_left == 0:
-            if t + spin > judge_at and not extended:
-                extended = 1
-                sp.spin_extended += 1
-            spin_until = t + spin
-        if nev == 0 and idle == 0 and sp.spin_yield > 0:
-            empty += 1
-            if empty >= sp.spin_yield:
-                empty = 0
-                sp.spin_yields += 1
-                sched_yield()
-    pthread_mutex_lock(&e.mu)
-    e.waiters -= 1
-    pthread_mutex_unlock(&e.mu)
-    perr[0] = err
-    pmsg[0] = msg
-    pnrecv[0] = nrecv
-    return state
-
-
 cdef class Engine:
-    """The engine of one rank: peers, rails, the progress thread's state (C fields: engine.pxd)."""
+    """The engine of one rank: peers, rails, the progress thread's state (C fields: engine.pxd).
+    The data path is here; the cold path is its faces: links (EngineLinks), tuning
+    (EngineTuning), faults (EngineFaults), each made once with the engine."""
 
     def __cinit__(self, int me, int nranks, list nrails_per_peer, uint32_t chunk_size,
                   double rail_timeout, double peer_timeout, uint64_t window,
@@ -402,6 +301,13 @@ cdef class Engine:
         self.h = <EngineRef*>calloc(1, sizeof(EngineRef))
         self.h.e = e
         self.h.refs = 1
+        # its cold-path faces, each holding a count of h (engine_links/_tuning/_faults.pxi)
+        self.links = EngineLinks.__new__(EngineLinks)
+        self.links._bind(self.h)
+        self.tuning = EngineTuning.__new__(EngineTuning)
+        self.tuning._bind(self.h)
+        self.faults = EngineFaults.__new__(EngineFaults)
+        self.faults._bind(self.h)
         e.me = me
         e.nranks = nranks
         e.cs = chunk_size
@@ -438,7 +344,8 @@ cdef class Engine:
                 r.peer = i
                 r.index = k
                 r.window = window
-                # (its read and staging buffers come with its first connection: _attach)
+                # (its read and staging buffers come with its first connection:
+                # EngineLinks._attach)
                 p.rails.push_back(r)
             e.peers.push_back(p)
         # NIC fault slots: every rail index a peer has, and this rank's NICs (`nics`) even when
@@ -447,72 +354,8 @@ cdef class Engine:
         for k in range(nmax):
             e.inj_mode.push_back(INJ_NONE)
             e.inj_peer.push_back(-1)
-        # C fields of a cdef class start at zero (started, the spin counters and strikes)
-        self.h.sp.spin = 50e-6
-        self.h.sp.spin_adapt = 1
-        self.h.sp.spin_extend = 1
-        self.h.sp.spin_yield = SPIN_YIELD
-
-    # the waiters' spin policy and counters (SpinState; wait_op_c reads them without the GIL)
-    @property
-    def spin(self):
-        """Seconds a waiter busy-polls before blocking in epoll."""
-        return self.h.sp.spin
-
-    @spin.setter
-    def spin(self, double v):
-        self.h.sp.spin = v
-
-    @property
-    def spin_short_left(self):
-        """Waits left that spin only SPIN_CONTENDED (see wait_op_c)."""
-        return self.h.sp.spin_short_left
-
-    @spin_short_left.setter
-    def spin_short_left(self, int v):
-        self.h.sp.spin_short_left = v
-
-    @property
-    def spin_adapt(self):
-        """Shorten the spin after preempted ones (default on)."""
-        return self.h.sp.spin_adapt
-
-    @spin_adapt.setter
-    def spin_adapt(self, bint v):
-        self.h.sp.spin_adapt = v
-
-    @property
-    def spin_extend(self):
-        """Keep spinning while the sockets are busy (default on)."""
-        return self.h.sp.spin_extend
-
-    @spin_extend.setter
-    def spin_extend(self, bint v):
-        self.h.sp.spin_extend = v
-
-    @property
-    def spin_yield(self):
-        """Empty polls between sched_yield() calls in a spin; 0 never."""
-        return self.h.sp.spin_yield
-
-    @spin_yield.setter
-    def spin_yield(self, int v):
-        self.h.sp.spin_yield = v
-
-    @property
-    def spin_yields(self):
-        """sched_yield() calls made by spinning waiters."""
-        return self.h.sp.spin_yields
-
-    @property
-    def spin_extended(self):
-        """Waits that spun past their spin because sockets were busy."""
-        return self.h.sp.spin_extended
-
-    @property
-    def spin_preempted(self):
-        """Waits whose spin was preempted (contended)."""
-        return self.h.sp.spin_preempted
+        # C fields of a cdef class start at zero (started); h's spin counters and strikes too
+        spin_init(&self.h.sp)
 
     def start(self):
         import threading
@@ -626,357 +469,6 @@ cdef class Engine:
                 pthread_cond_timedwait(&e.cv, &e.mu, &ts)
             pthread_mutex_unlock(&e.mu)
         return bool(done)
-
-    # -- connections ---------------------------------------------------------------------------
-    def attach(self, int peer, int rail, int fd, uint32_t conn_id, bytes tx_key=b"",
-               bytes rx_key=b""):
-        """Hand an authenticated, non-blocking connection to the engine as (peer, rail). In
-        mac mode (set_integrity) tx_key / rx_key are the connection's 32-byte frame keys of each
-        direction (tcp.take_keys)."""
-        self._attach(peer, rail, self._live().tp, <intptr_t>fd, conn_id, tx_key, rx_key)
-
-    def attach_transport(self, int peer, int rail, uint64_t transport, uint64_t handle,
-                         uint32_t conn_id, bytes tx_key=b"", bytes rx_key=b""):
-        """As attach, for a connection of another transport: `transport` is the address of
-        its transport.pxd table (e.g. r2comm._core.verbs.transport_address()), `handle` what
-        its adopt takes (a connected verbs connection, which the engine then owns: closed by
-        the engine on failure or close, never by the caller; for shared memory the address of
-        a set-up that adopt copies during this call: shm_segments.attach)."""
-        if transport == 0 or handle == 0:
-            raise ValueError("attach_transport needs a transport table and a connection handle")
-        self._attach(peer, rail, <Transport*><intptr_t>transport, <intptr_t>handle, conn_id,
-                     tx_key, rx_key)
-
-    def set_shm_peer(self, int peer, bint on=True):
-        """`peer` is on this host and its data rail is shared memory: NIC faults (inject,
-        R2COMM_FAULT) do not apply to it. Set before its connections are attached."""
-        cdef State* e = self._live()
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
-            raise ValueError(f"no such peer {peer}")
-        e.peers[peer].shm = on
-
-    def transports(self):
-        """Per peer: the transport name of each data rail's current connection ('' for none
-        yet), e.g. {1: ['verbs', 'verbs']}."""
-        cdef State* e = self._live()
-        cdef dict out = {}
-        cdef int i, k
-        cdef PairRail* r
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-        try:
-            for i in range(e.nranks):
-                if e.peers[i] == NULL:
-                    continue
-                out[i] = [(<bytes>e.peers[i].rails[k].tp.name).decode()
-                          if e.peers[i].rails[k].tp != NULL else ""
-                          for k in range(e.peers[i].nrails)]
-        finally:
-            pthread_mutex_unlock(&e.mu)
-        return out
-
-    cdef _attach(self, int peer, int rail, Transport* tp, intptr_t handle, uint32_t conn_id,
-                 bytes tx_key, bytes rx_key):
-        cdef State* e = self._live()
-        cdef PairRail* r
-        cdef epoll_event ev
-        cdef int restored
-        cdef const char* tk = tx_key
-        cdef const char* rk = rx_key
-        cdef void* conn
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or rail > e.peers[peer].nrails:
-            raise ValueError(f"no such peer/rail {peer}/{rail}")
-        if e.mac and (len(tx_key) != MAC_KEY_LEN or len(rx_key) != MAC_KEY_LEN):
-            raise ValueError(f"integrity mode mac needs {MAC_KEY_LEN}-byte frame keys")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            r = e.peers[peer].rails[rail]
-            if rail_buffers(e, r, rail < e.peers[peer].nrails) != 0:
-                pthread_mutex_unlock(&e.mu)
-                with gil:
-                    raise MemoryError("no memory for a connection's read and staging buffers")
-            if r.state == R_UP:
-                fail_rail(e, r, "replaced by a new connection", e.me, 0)
-            restored = r.fail_count > 0
-            conn = tp.adopt(handle)
-            if conn == NULL:
-                pthread_mutex_unlock(&e.mu)
-                with gil:
-                    raise MemoryError("no memory for a connection's transport state")
-            r.tp = tp
-            r.conn = conn
-            r.fd = tp.event_fd(conn)
-            r.conn_id = conn_id
-            if (tp.flags & TPF_POLLED) and not r.polled_listed:
-                r.polled_listed = 1
-                e.polled.push_back(r)
-                e.npolled = <int>e.polled.size()
-            if e.mac:
-                b2s_init(&r.tx_key, 32, tk, MAC_KEY_LEN)
-                b2s_prepare_more(&r.tx_key)
-                b2s_init(&r.rx_key, 32, rk, MAC_KEY_LEN)
-                b2s_prepare_more(&r.rx_key)
-            r.tx_ctr = 0
-            r.rx_ctr = 0
-            r.tx_sealed = 0
-            r.txq_lim = 0
-            r.gen += 1
-            r.state = R_UP
-            r.want_out = 0
-            r.rstate = 0
-            r.rpos = 0
-            r.rlen = 0
-            r.restore_time = mono()
-            r.last_progress = r.restore_time
-            r.fail_cause = CAUSE_NONE
-            r.hc_t = 0
-            r.stalled = 0
-            ev.events = EPOLLIN
-            ev.data.u64 = (<uint64_t>r.gen << 32) | (<uint64_t>peer << 8) | <uint64_t>rail
-            if r.fd >= 0:
-                epoll_ctl(e.epfd, EPOLL_CTL_ADD, r.fd, &ev)
-            e.peers[peer].all_down_since = 0
-            e.peers[peer].lost = 0
-            if restored and rail < e.peers[peer].nrails:
-                add_event(e, EV_RAIL_RESTORED, peer, rail, e.me, 0, 0, "rail re-admitted")
-            pump_peer(e, e.peers[peer])
-            pthread_mutex_unlock(&e.mu)
-
-    def reconnect_due(self):
-        """(peer, rail) pairs that are down and due for a probe, with no injected fault on them."""
-        cdef State* e = self._live()
-        cdef list out = []
-        cdef double now = mono()
-        cdef int i, k
-        cdef Peer* p
-        cdef PairRail* r
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-        try:
-            for i in range(e.nranks):
-                p = e.peers[i]
-                if p == NULL:
-                    continue
-                for k in range(p.nrails):
-                    r = p.rails[k]
-                    if r.state == R_DOWN and r.fail_count > 0 and now >= r.next_probe and \
-                            not r.nic_off and not self._injected(k, i):
-                        out.append((i, k))
-        finally:
-            pthread_mutex_unlock(&e.mu)
-        return out
-
-    def probe_timeout(self, int peer, int rail):
-        """How long a fail-back probe of (peer, rail) may take to connect: FAST_PROBE_TIMEOUT
-        while the rail is in its fast-probe second (see probe_failed), else 0.3 s."""
-        cdef State* e = self._live()
-        cdef PairRail* r
-        cdef double t = 0.3
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            r = e.peers[peer].rails[rail]
-            if fast_probing(e, r, mono()):
-                t = FAST_PROBE_TIMEOUT
-            pthread_mutex_unlock(&e.mu)
-        return t
-
-    def probe_failed(self, int peer, int rail):
-        """A fail-back probe of (peer, rail) did not connect (or this rank waits for the lower
-        rank's). In the first FAST_PROBE_S after a failure that is not a flap (the rail was not
-        restored just before: its back-off is still the first), the next probe follows at
-        once (FAST_PROBE_GAP, no doubling): a NIC that flapped for 0.3 s is back while its
-        probes would still be doubling, and a blind probe's SYN into a dead link is lost, so
-        only a fresh attempt connects soon after the link returns. Then doubling from
-        probe_base (R2COMM_PROBE_MS) up to probe_max as before."""
-        cdef State* e = self._live()
-        cdef PairRail* r
-        cdef double now
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            r = e.peers[peer].rails[rail]
-            now = mono()
-            if fast_probing(e, r, now):
-                r.next_probe = now + FAST_PROBE_GAP
-            else:
-                r.backoff = r.backoff * 2 if r.backoff > 0 else e.probe_base
-                if r.backoff > e.probe_max:
-                    r.backoff = e.probe_max
-                r.next_probe = now + r.backoff
-            pthread_mutex_unlock(&e.mu)
-
-    def mark_unconnected(self, int peer, int rail, str reason):
-        """A data rail that did not connect at start-up (Links.settle): DOWN for this pair,
-        event rail_never_up with the reason, and due for fail-back probes from now on exactly
-        like a rail that failed later (reconnect_due). A connection this side has although the
-        other did not finish is failed. With no data rail up to the peer, the peer is lost
-        (peer_lost) until a rail to it comes back: the plans route around it."""
-        cdef State* e = self._live()
-        cdef bytes msg = reason.encode("utf-8", "replace")
-        cdef const char* cmsg = msg
-        cdef Peer* p
-        cdef PairRail* r
-        cdef int k, up = 0
-        cdef double now
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or \
-                rail >= e.peers[peer].nrails:
-            raise ValueError(f"no such peer/data rail {peer}/{rail}")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            p = e.peers[peer]
-            r = p.rails[rail]
-            now = mono()
-            if r.state == R_UP:
-                fail_rail(e, r, cmsg, e.me, 0)
-            else:
-                r.fail_count += 1
-                r.fail_time = now
-                r.backoff = e.probe_base
-                r.next_probe = now + r.backoff
-            add_event(e, EV_RAIL_NEVER_UP, peer, rail, e.me, 0, 0, cmsg)
-            for k in range(p.nrails):
-                if p.rails[k].state == R_UP:
-                    up += 1
-            if up == 0 and not p.lost:
-                if p.all_down_since == 0:
-                    p.all_down_since = now
-                peer_lost(e, p)
-            e.signal = 1
-            pthread_mutex_unlock(&e.mu)
-
-    cdef int _injected(self, int rail, int peer):
-        cdef State* e = self.e
-        if rail >= <int>e.inj_mode.size():
-            return 0
-        if 0 <= peer < e.nranks and e.peers[peer] != NULL and e.peers[peer].shm:
-            return 0              # shared memory: no NIC to fail
-        return e.inj_mode[rail] != INJ_NONE and (e.inj_peer[rail] < 0 or e.inj_peer[rail] == peer)
-
-    def injected(self, int rail, int peer):
-        return bool(self._injected(rail, peer))
-
-    def nic_injected(self, int rail):
-        """An injected fault holds rail `rail` towards every peer (the emulated NIC is dark)."""
-        cdef State* e = self._live()
-        return 0 <= rail < <int>e.inj_mode.size() and e.inj_mode[rail] != INJ_NONE and \
-            e.inj_peer[rail] < 0
-
-    # -- fault injection -----------------------------------------------------------------------
-    def inject(self, int rail, int mode, int peer=-1, int64_t after_bytes=-1):
-        """Fail rail `rail` (to `peer`, or to all peers): mode 1 hard (the connection is shut
-        down for real), 2 silent (the emulated NIC drops everything in both directions). With
-        after_bytes >= 0 the fault strikes once that many more bytes have left on the rail."""
-        cdef State* e = self._live()
-        cdef int i
-        cdef PairRail* r
-        if rail < 0 or rail >= <int>e.inj_mode.size():
-            raise ValueError(f"rail index {rail} out of range (0..{e.inj_mode.size() - 1})")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            e.inj_mode[rail] = mode
-            e.inj_peer[rail] = peer
-            for i in range(e.nranks):
-                if e.peers[i] == NULL or (peer >= 0 and i != peer) or rail >= e.peers[i].nrails \
-                        or e.peers[i].shm:
-                    continue
-                r = e.peers[i].rails[rail]
-                if r.state != R_UP:
-                    continue
-                if after_bytes >= 0:
-                    r.fault_at = <int64_t>r.bytes_sent + after_bytes
-                    r.fault_mode = mode
-                else:
-                    inject_now(e, r, mode)
-            pthread_mutex_unlock(&e.mu)
-        self._wake()
-
-    def clear_injection(self, int rail):
-        cdef State* e = self._live()
-        cdef int i
-        if rail < 0 or rail >= <int>e.inj_mode.size():
-            raise ValueError(f"rail index {rail} out of range")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            e.inj_mode[rail] = INJ_NONE
-            e.inj_peer[rail] = -1
-            for i in range(e.nranks):
-                if e.peers[i] != NULL and rail < e.peers[i].nrails:
-                    e.peers[i].rails[rail].fault_at = -1
-                    e.peers[i].rails[rail].next_probe = 0
-            pthread_mutex_unlock(&e.mu)
-
-    def set_integrity(self, bint mac):
-        """R2COMM_INTEGRITY: False, frames carry a header checksum (catches accidents in the
-        header); True, every frame carries a Poly1305 tag over header and payload under a
-        one-time key derived (keyed BLAKE2s) from the connection's key for that direction and
-        the frame's counter in it (catches any change, replay or reordering in the stream).
-        Set before the first attach; every rank of the job must agree."""
-        cdef State* e = self._live()
-        cdef Peer* p
-        cdef PairRail* r
-        cdef int i, k
-        for i in range(e.nranks):
-            p = e.peers[i]
-            if p == NULL:
-                continue
-            for k in range(p.nrails + 1):
-                r = p.rails[k]
-                if r.fd >= 0:
-                    raise RuntimeError("set_integrity after a connection was attached")
-        e.mac = mac                    # (each rail's frame buffer comes with its connection)
-
-    def set_noack(self, bint on):
-        """Benchmark-only: trust TCP, count a chunk done once written (measures what the
-        acknowledgement machinery costs; a rail failure can then lose data)."""
-        self._live().noack = on
-
-    def set_window_time(self, double seconds):
-        """A rail's window in seconds of its measured throughput (default 0.15)."""
-        if not seconds > 0:
-            raise ValueError(f"window time must be > 0 s, not {seconds}")
-        self._live().win_s = seconds
-
-    def set_hedge(self, int mode):
-        """Tail copies on another rail: 0 never; 1 (HEDGE_LATE) for a rail that has gone quiet;
-        2 (HEDGE_SLOW, the default) also for one measured at under half an idle rail's rate."""
-        if mode < 0 or mode > HEDGE_SLOW:
-            raise ValueError(f"hedge mode {mode}: 0, 1 or 2")
-        self._live().hedge = mode
-
-    def set_weights(self, list weights):
-        """Rail weights (relative bandwidth): each rail's window is scaled by its weight."""
-        cdef State* e = self._live()
-        cdef double wmax = max(weights) if weights else 1.0
-        cdef int i, k
-        cdef Peer* p
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-        try:
-            for i in range(e.nranks):
-                p = e.peers[i]
-                if p == NULL:
-                    continue
-                for k in range(min(p.nrails, len(weights))):
-                    p.rails[k].weight = weights[k]
-                    p.rails[k].window = max(<uint64_t>(e.window * weights[k] / wmax), <uint64_t>e.cs)
-        finally:
-            pthread_mutex_unlock(&e.mu)
-
-    def set_rail_rate(self, int peer, int rail, double rate):
-        """Seed the measured throughput (bytes/s) of one rail to `peer`, e.g. from a start-up
-        probe; acknowledged traffic keeps refining it (measure_rate's moving average)."""
-        cdef State* e = self._live()
-        if rate < 0:
-            raise ValueError("rate must be >= 0")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-        try:
-            if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
-                raise ValueError(f"no peer {peer}")
-            if rail < 0 or rail >= e.peers[peer].nrails:
-                raise ValueError(f"no rail {rail} to peer {peer}")
-            e.peers[peer].rails[rail].rate = rate
-        finally:
-            pthread_mutex_unlock(&e.mu)
 
     # -- operations ----------------------------------------------------------------------------
     def post(self, Plan plan, uint64_t b0, uint64_t b1, uint64_t b2, int dtype, int redop,
@@ -1108,7 +600,8 @@ cdef class Engine:
 
     cdef int wait_op(self, State* e, uint64_t oid, double timeout, int* perr, string* pmsg,
                      uint64_t* pnrecv) noexcept nogil:
-        """wait()'s loop (wait_op_c with this engine's spin policy)."""
+        """wait()'s loop: spin_policy.pxi's wait_op_c with this engine's spin policy
+        (Engine.tuning's spin attributes)."""
         return wait_op_c(e, &self.h.sp, oid, timeout, perr, pmsg, pnrecv)
 
     def test(self, uint64_t oid):
@@ -1177,17 +670,6 @@ cdef class Engine:
             forget_op(e, oid)
 
     # -- observation ---------------------------------------------------------------------------
-    def note_link_error(self, int peer, int rail, str info):
-        """Record a `link_error` event: the links thread caught an error of one connection
-        (peer -1 when not known) and closed that connection (r2comm/links.py)."""
-        cdef State* e = self._live()
-        cdef bytes text = info.encode("utf-8", "replace")[:1024]
-        cdef const char* c = text
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            add_event(e, EV_LINK_ERROR, peer, rail, 0, 0, 0.0, c)
-            pthread_mutex_unlock(&e.mu)
-
     def note_event(self, str kind, int peer, int rail, str info, double seconds=0.0):
         """Record one of the control plane's events (NOTED_EVENTS: nic_down, nic_up, pair_down,
         pair_up, replanned) in this rank's event list, as the engine's own are."""
@@ -1251,175 +733,6 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
         return out
 
-    # -- failure detector (r2comm/transport/liveness.py; issue 31) ------------------------------
-    def peer_dead(self, int peer, str reason, bint process=True):
-        """The failure detector confirmed rank `peer` dead: it is lost exactly as when every rail
-        to it failed (peer_lost: event peer_lost, its operations fail with E_NETWORK, later ones
-        at their start), with `reason` as the message; cause peer_process (`process`: its
-        process is gone or frozen) or remote_nic (its host answers nothing). True if it was
-        not lost yet."""
-        cdef State* e = self._live()
-        cdef bytes text = reason.encode("utf-8", "replace")[:1000]
-        cdef const char* c = text
-        cdef Peer* p
-        cdef bint fresh = False
-        cdef uint64_t one = 1
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
-            raise ValueError(f"no such peer {peer}")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            p = e.peers[peer]
-            if not p.lost:
-                fresh = True
-                if p.all_down_since == 0:
-                    p.all_down_since = mono()
-                peer_lost_why(e, p, CAUSE_PEER_PROCESS if process else CAUSE_REMOTE_NIC, c)
-                e.signal = 1
-            pthread_mutex_unlock(&e.mu)
-            write(e.evfd, &one, 8)          # a waiter asleep in epoll looks again
-        return fresh
-
-    def link_state(self, int peer, int rail):
-        """One connection's state: "up", "down" (failed, or did not connect), "idle" (never
-        connected: made on first use, r2comm/transport/links.py) or "off" (not up, and a NIC
-        under it is announced down: set_nic_off); rail == nrails(peer) is the control
-        connection."""
-        cdef State* e = self._live()
-        cdef PairRail* r
-        cdef int st
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL or rail < 0 or \
-                rail > e.peers[peer].nrails:
-            raise ValueError(f"no such peer/rail {peer}/{rail}")
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            r = e.peers[peer].rails[rail]
-            st = 2 if r.state == R_UP else (3 if r.nic_off else (1 if rail_idle(r) else 0))
-            pthread_mutex_unlock(&e.mu)
-        return ("down", "idle", "up", "off")[st]
-
-    # -- NIC facts (r2comm/facts.py, r2comm/nicwatch.py; issue 39) ------------------------------
-    def set_nic_off(self, peers, int rail, bint off, str reason, bint fail_up=True,
-                    bint cause_local=False, bint idle_only=False):
-        """A NIC under rail `rail` towards each of `peers` (global ranks) is announced down
-        (off) or up again. Off: the rail is counted down whether it was ever connected or not,
-        never connected on first use, not probed; with fail_up, one that is up is failed now
-        (its chunks move to the other rails; the peer is told), with `reason` and cause
-        local_nic (cause_local) or remote_nic. Up again: the mark goes, and a rail that failed
-        is probed at once. idle_only: only rails never connected are marked (this rank's own
-        NIC: its failed rails stay probed, which is how it sees the NIC work again). Shared-
-        memory peers have no NIC and are skipped. Returns the number of rails whose mark
-        changed."""
-        cdef State* e = self._live()
-        cdef bytes msg = reason.encode("utf-8", "replace")[:1000]
-        cdef const char* cmsg = msg
-        cdef vector[int] ids
-        cdef Peer* p
-        cdef PairRail* r
-        cdef size_t i
-        cdef int changed = 0
-        cdef double now
-        for x in peers:
-            if 0 <= x < e.nranks and x != e.me:
-                ids.push_back(<int>x)
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            now = mono()
-            for i in range(ids.size()):
-                p = e.peers[ids[i]]
-                if p == NULL or p.shm or rail < 0 or rail >= p.nrails:
-                    continue
-                r = p.rails[rail]
-                if (r.nic_off != 0) == off or (off and idle_only and not rail_idle(r)):
-                    continue
-                changed += 1
-                r.nic_off = 1 if off else 0
-                if off and fail_up and r.state == R_UP:
-                    r.fail_cause = CAUSE_LOCAL_NIC if cause_local else CAUSE_REMOTE_NIC
-                    fail_rail(e, r, cmsg, e.me, 1)
-                elif not off and r.state == R_DOWN and r.fail_count > 0:
-                    r.backoff = e.probe_base
-                    r.next_probe = now
-            e.signal = 1
-            pthread_mutex_unlock(&e.mu)
-        self._wake()
-        return changed
-
-    def rails_to(self, int peer):
-        """The data rails this rank has towards `peer` (0 for itself)."""
-        cdef State* e = self._live()
-        if peer < 0 or peer >= e.nranks or e.peers[peer] == NULL:
-            return 0
-        return e.peers[peer].nrails
-
-    def set_same_host(self, peers):
-        """The peers (global ranks) on this rank's host: their rails' rates are not a NIC's."""
-        cdef State* e = self._live()
-        cdef int i
-        mine = set(int(x) for x in peers)
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-        try:
-            for i in range(e.nranks):
-                if e.peers[i] != NULL:
-                    e.peers[i].same_host = 1 if i in mine else 0
-        finally:
-            pthread_mutex_unlock(&e.mu)
-
-    def down_rails(self):
-        """The data rails to peers with a NIC (not shared memory) that are down after having
-        been tried (connected and failed, or marked unconnected): [(peer, rail, seconds since
-        it failed, nic_off)]. O(peers x rails) in C; only the failures become Python objects."""
-        cdef State* e = self._live()
-        cdef vector[int] ps, ks, offs
-        cdef vector[double] ages
-        cdef Peer* p
-        cdef PairRail* r
-        cdef int i, k
-        cdef double now
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            now = mono()
-            for i in range(e.nranks):
-                p = e.peers[i]
-                if p == NULL or p.shm or p.lost:
-                    continue
-                for k in range(p.nrails):
-                    r = p.rails[k]
-                    if r.state == R_DOWN and r.fail_count > 0:
-                        ps.push_back(i)
-                        ks.push_back(k)
-                        ages.push_back(now - r.fail_time if r.fail_time > 0 else 0.0)
-                        offs.push_back(r.nic_off)
-            pthread_mutex_unlock(&e.mu)
-        return [(ps[i], ks[i], ages[i], bool(offs[i])) for i in range(<int>ps.size())]
-
-    def nic_rates(self, int nrails):
-        """Per rail index: the best measured rate (bytes/s, 0: none) of an up rail towards a
-        peer on another host (not same_host, not shared memory): what this host's NIC moves."""
-        cdef State* e = self._live()
-        cdef vector[double] best
-        cdef Peer* p
-        cdef PairRail* r
-        cdef int i, k
-        best.resize(nrails if nrails > 0 else 0, 0.0)
-        with nogil:
-            pthread_mutex_lock(&e.mu)
-            for i in range(e.nranks):
-                p = e.peers[i]
-                if p == NULL or p.shm or p.same_host:
-                    continue
-                for k in range(p.nrails):
-                    if k < nrails:
-                        r = p.rails[k]
-                        if r.state == R_UP and r.rate > best[k]:
-                            best[k] = r.rate
-            pthread_mutex_unlock(&e.mu)
-        return [best[k] for k in range(best.size())]
-
-    def peer_ok(self, int peer):
-        cdef State* e = self._live()
-        return e.peers[peer] != NULL and not e.peers[peer].lost
-
     cdef State* _live(self) except NULL:
         if self.e == NULL:
             raise RuntimeError("engine is closed")
@@ -1430,4 +743,36 @@ cdef class Engine:
         write(self.e.evfd, &one, 8)
 
 
+cdef class EnginePart:
+    """One of an Engine's cold-path faces (links, tuning, faults: the classes below). It holds a
+    count of the engine's EngineRef, as a C-level user does, and not the Engine: no reference
+    cycle, so an Engine still goes (and an unstarted one closes) when its last user lets go. Once
+    the engine is closed its methods raise, as the Engine's do (C fields: engine.pxd)."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is made by an Engine (Engine.links, .tuning, "
+                        ".faults)")
+
+    cdef _bind(self, EngineRef* h):
+        r2_atomic_add(&h.refs, 1)
+        self.h = h
+
+    def __dealloc__(self):
+        if self.h != NULL:
+            engine_unref(self.h)
+            self.h = NULL
+
+    cdef State* _live(self) except NULL:
+        if self.h == NULL or self.h.e == NULL:
+            raise RuntimeError("engine is closed")
+        return self.h.e
+
+    cdef void _wake(self):
+        cdef uint64_t one = 1
+        write(self.h.e.evfd, &one, 8)
+
+
+include "engine_links.pxi"
+include "engine_tuning.pxi"
+include "engine_faults.pxi"
 include "capi.pxi"

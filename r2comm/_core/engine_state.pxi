@@ -40,12 +40,7 @@ DACK_DELAY = 0.0005     # s: longest a delayed ack waits for a frame to ride wit
 # Largest message a frame may announce (1 TiB). A peer's `total` sizes the unexpected-message
 # table before any receive vouches for it: beyond this the frame is refused as malformed.
 cdef uint64_t MAX_MESSAGE = (<uint64_t>1) << 40
-cdef double SPIN_BASE = 50e-6     # s: into a wait, the spin's CPU baseline is taken
-cdef double SPIN_JUDGE = 200e-6   # s: shortest spin (after SPIN_BASE) that is judged
-cdef double SPIN_SHARE = 0.6      # a preempted spin that got less of a CPU than this lost it
-cdef double SPIN_CONTENDED = 50e-6    # s: the spin while contended
-cdef int SPIN_BACKOFF = 64        # waits to spin short after a contended spin
-cdef int SPIN_YIELD = 16          # empty polls in a spin between two sched_yield() calls
+# (the spin policy's constants: spin_policy.pxi)
 
 # ---------------------------------------------------------------------------------------------
 # Making a rail and the State: r2_new zeroes every field; these are the defaults that are not zero
@@ -92,27 +87,6 @@ cdef State* new_state() noexcept nogil:
 
 # ---------------------------------------------------------------------------------------------
 # Small helpers
-
-cdef extern from "<sys/resource.h>" nogil:
-    cdef struct rusage:
-        long ru_nivcsw
-    int getrusage(int who, rusage* usage)
-    enum: RUSAGE_THREAD
-
-cdef extern from "<time.h>" nogil:
-    enum: CLOCK_THREAD_CPUTIME_ID
-
-cdef inline double thread_cpu() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts)
-    return ts.tv_sec + ts.tv_nsec * 1e-9
-
-cdef inline long preemptions() noexcept nogil:
-    """Involuntary context switches of the calling thread so far."""
-    cdef rusage ru
-    if getrusage(RUSAGE_THREAD, &ru) != 0:
-        return 0
-    return ru.ru_nivcsw
 
 cdef inline double wall() noexcept nogil:
     cdef timespec ts

@@ -544,7 +544,7 @@ cdef void peer_lost(State* e, Peer* p) noexcept nogil:
     peer_lost_why(e, p, cause, buf)
 
 cdef void peer_lost_why(State* e, Peer* p, int cause, const char* why) noexcept nogil:
-    """Peer p is lost for `why` (peer_lost, or the failure detector: Engine.peer_dead): event
+    """Peer p is lost for `why` (peer_lost, or the failure detector: Engine.links.peer_dead): event
     peer_lost, and every active operation that involves it fails with E_NETWORK."""
     p.lost = 1
     add_event_c(e, EV_PEER_LOST, p.rank, -1, e.me, 0, 0, why, cause)

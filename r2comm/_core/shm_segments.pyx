@@ -3,7 +3,7 @@
 """Shared-memory links' segments and their hand-over to an engine (r2comm/transport/shm.py):
 create, map and check a POSIX shm segment, and attach a mapped segment with its doorbell socket
 to an Engine as a connection of the shm transport, whose table (shm.pxd, r2_shm.h) lives here
-and reaches the engine through transport.pxd only (Engine.attach_transport), as verbs' does."""
+and reaches the engine through transport.pxd only (Engine.links.attach_transport), as verbs' does."""
 import errno
 import os
 from libc.stdint cimport uint32_t, uint64_t, intptr_t
@@ -19,7 +19,7 @@ shm_transport(&SHM_TP)
 
 
 def transport_address():
-    """The address of the shm transport's transport.pxd table (Engine.attach_transport)."""
+    """The address of the shm transport's transport.pxd table (Engine.links.attach_transport)."""
     return <uint64_t>&SHM_TP
 
 
@@ -33,8 +33,8 @@ def attach(engine, int peer, int rail, int fd, uint32_t conn_id, uint64_t base, 
     cdef r2_shm_setup st
     shm_setup(&st, fd, base, map_len, side, "shm attach")
     # the engine adopts the connection from st during this call (shm_adopt copies what it keeps)
-    engine.attach_transport(peer, rail, <uint64_t>&SHM_TP, <uint64_t><intptr_t>&st, conn_id,
-                            tx_key, rx_key)
+    engine.links.attach_transport(peer, rail, <uint64_t>&SHM_TP, <uint64_t><intptr_t>&st,
+                                  conn_id, tx_key, rx_key)
 
 
 def shm_create(bytes name, uint64_t ring_bytes, uint32_t conn_id, bytes job, uint64_t pid):

@@ -316,7 +316,7 @@ def fuzz_attach(Engine engine, int peer, int rail, uint32_t conn_id, bytes tx_ke
     if 0 <= rail < FZ_RAILS:
         fz.out[rail].clear()        # what the previous connection wrote is gone with it
     # (a negative fd, as closed to the engine, that names the rail to fz_post_send)
-    engine.attach(peer, rail, -2 - rail, conn_id, tx_key, rx_key)
+    engine.links.attach(peer, rail, -2 - rail, conn_id, tx_key, rx_key)
 
 def fuzz_sent(Engine engine, int rail):
     """The bytes the engine (fuzz_attach) wrote on `rail` since the last call or its

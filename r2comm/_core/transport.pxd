@@ -81,7 +81,7 @@
 # are the socket.
 #
 # verbs (verbs_transport.pxi, inside the verbs extension; the engine gets its table by address,
-# Engine.attach_transport): an RC queue pair used as a byte stream. isend copies the gather
+# Engine.links.attach_transport): an RC queue pair used as a byte stream. isend copies the gather
 # list into registered send slots (a prefix when they run out) and posts one SEND per slot, so
 # like TCP a post completes inside isend and the slots play the socket buffer; irecv copies out
 # of pre-posted receive slots in order and re-posts them. event_fd is an epoll set of the

@@ -681,7 +681,7 @@ VERBS_TP.close = vt_close
 
 
 def transport_address():
-    """The address of the verbs transport's table, for Engine.attach_transport."""
+    """The address of the verbs transport's table, for Engine.links.attach_transport."""
     return <uint64_t><intptr_t>&VERBS_TP
 
 
@@ -973,7 +973,7 @@ cdef class VerbsConn:
             raise _err("QP to RTS", rc)
 
     def handover(self):
-        """The connected VConn's address for Engine.attach_transport; this object lets go."""
+        """The connected VConn's address for Engine.links.attach_transport; this object lets go."""
         cdef VConn* c = self.c
         if c == NULL:
             raise VerbsError("connection already handed over")

@@ -4,7 +4,7 @@ directions at once, so a NIC's rate costs O(1) messages per rank (issue 31), not
 Run once by Communicator construction (R2COMM_PROBE bytes per probe message; 0 disables it), on
 the communicator's control plane (its own communicator id, so it shares no sequence numbers or
 tags with the application). The result seeds the engine's measured rate of every (peer, rail)
-(Engine.set_rail_rate): the striping uses it from the first operation on, the acknowledgements
+(Engine.tuning.set_rail_rate): the striping uses it from the first operation on, the acknowledgements
 refine it online, and RailState (planner/state.py) reads it through rail_stats() row[7].
 
 What it means. A rank's send rate to a partner on rail k is bounded by its own NIC k and the

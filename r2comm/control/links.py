@@ -146,8 +146,8 @@ class Links:
         return self._state(peer, rail) == "up"
 
     def _state(self, peer, rail):
-        """Engine.link_state of connection (peer, rail)."""
-        return self.engine.link_state(peer, self.engine_rail(peer, rail))
+        """Engine.links.link_state of connection (peer, rail)."""
+        return self.engine.links.link_state(peer, self.engine_rail(peer, rail))
 
     def _claim(self, peer, rail):
         """Take (peer, rail) for an attempt of this rank: False while one of ours or an
@@ -201,7 +201,7 @@ class Links:
         """Connect what a schedule needs: every rail and the control connection to each of
         `peers` (global ranks) not connected for use yet, all in parallel, each retried until
         R2COMM_CONNECT_TIMEOUT. A data rail that did not come up by then starts down
-        (Engine.mark_unconnected: event rail_never_up, probed for fail-back); the others carry
+        (Engine.links.mark_unconnected: event rail_never_up, probed for fail-back); the others carry
         the traffic. Never raises for a connection that stays down. O(1) for peers already
         connected (the hot path: a set lookup each)."""
         ready = self._ready
@@ -226,7 +226,7 @@ class Links:
                                 "up within %g s (R2COMM_CONNECT_TIMEOUT): %s", self.me, p,
                                 self.connect_timeout, why)
                     continue
-                self.engine.mark_unconnected(
+                self.engine.links.mark_unconnected(
                     p, k, f"did not connect on first use (rank {self.me} -> rank {p}, rail {k}, "
                     f"within {self.connect_timeout:g} s): {why}")
             self._ready.update(need)
@@ -281,7 +281,7 @@ class Links:
                 return None
             if rail != CTRL_RAIL and self._state(peer, rail) == "off":
                 return OFF
-            if rail != CTRL_RAIL and self.engine.injected(rail, peer):
+            if rail != CTRL_RAIL and self.engine.faults.injected(rail, peer):
                 return "the NIC is dark on this side (injected fault)"
             left = deadline - time.monotonic()
             if left <= 0:
@@ -310,7 +310,7 @@ class Links:
         outcome = {}
         for peer in [p for p in self.eager_peers() if p > self.me]:
             for rail in self._rails_of(peer):
-                if rail != CTRL_RAIL and self.engine.injected(rail, peer):
+                if rail != CTRL_RAIL and self.engine.faults.injected(rail, peer):
                     outcome[(peer, rail)] = "the NIC is dark on this side (injected fault, " \
                                             "R2COMM_FAULT start=1)"
                 else:
@@ -366,7 +366,7 @@ class Links:
                                   "handshake here".format(peer=peer)
                 if why is not None:
                     who = "this rank" if lo == self.me else f"rank {lo}"
-                    self.engine.mark_unconnected(
+                    self.engine.links.mark_unconnected(
                         peer, rail, f"did not connect at start-up ({who} -> rank {hi}, "
                         f"{start.describe(lo, hi, rail)}): {why}")
         self._ready.update(self.eager_peers())
@@ -522,7 +522,8 @@ class Links:
         if peer in self.local_peers:
             return False                   # a local peer has no NIC rails
         # the listener must be that rail's, and an injected fault keeps the NIC dark
-        return rail < self.nrails[peer] and lindex == rail and not self.engine.injected(rail, peer)
+        return rail < self.nrails[peer] and lindex == rail and \
+            not self.engine.faults.injected(rail, peer)
 
     def _evict(self, sel, fd, why):
         """Close the pending handshake on fd to make room (admission.Policy chose it)."""
@@ -598,7 +599,7 @@ class Links:
                         self.me, self.nerrors, text,
                         exc_info=exc if log.isEnabledFor(logging.DEBUG) else None)
         try:
-            self.engine.note_link_error(peer, rail, text)
+            self.engine.links.note_link_error(peer, rail, text)
         except RuntimeError:               # the engine is closed
             pass
         return text
@@ -629,15 +630,15 @@ class Links:
         the pair), on the fail-back thread: a probe waits for the peer's links thread, and two
         ends probing each other from their accepting threads would each wait for the other."""
         try:
-            due = self.engine.reconnect_due()
+            due = self.engine.links.reconnect_due()
         except RuntimeError:
             return
         for peer, rail in due:
             try:
                 if peer in self.local_peers:
-                    if peer < self.me or \
-                            not self._connect(peer, rail, self.engine.probe_timeout(peer, rail)):
-                        self.engine.probe_failed(peer, rail)   # the lower rank re-connects
+                    if peer < self.me or not self._connect(
+                            peer, rail, self.engine.links.probe_timeout(peer, rail)):
+                        self.engine.links.probe_failed(peer, rail)   # the lower rank re-connects
                 else:
                     self._queue_failback(peer, rail)
             except RuntimeError:
@@ -668,13 +669,13 @@ class Links:
                 peer, rail = self._failback_q.popleft()
             try:
                 idle = self._state(peer, rail) == "idle"     # (reconnect_idle)
-                err = self._attempt(peer, rail, self.engine.probe_timeout(peer, rail))
+                err = self._attempt(peer, rail, self.engine.links.probe_timeout(peer, rail))
                 if err is not None and err is not BUSY and not self._up(peer, rail):
                     if idle:                      # from now on probed as one that failed
-                        self.engine.mark_unconnected(
+                        self.engine.links.mark_unconnected(
                             peer, rail, f"did not connect when its NIC came back: {err}")
                     else:
-                        self.engine.probe_failed(peer, rail)
+                        self.engine.links.probe_failed(peer, rail)
                 # (BUSY: a connection for it is being made; the next due probe sees how it went)
             except RuntimeError:
                 return                                     # the engine was closed

@@ -1008,7 +1008,7 @@ def listener(addr):
 def start(engine, boot, cfg, facts=None):
     """The communicator's detector (None when R2COMM_LIVENESS=0 or one rank) on the listener
     bootstrap opened (boot.detector), every rank's address from the endpoint records, every new
-    dead rank handed to engine.peer_dead; it spreads the NIC facts of `facts` (a FactBook)."""
+    dead rank handed to engine.links.peer_dead; it spreads the NIC facts of `facts` (a FactBook)."""
     if boot.detector is None:
         return None
     try:
@@ -1021,7 +1021,7 @@ def start(engine, boot, cfg, facts=None):
     det = Detector(boot.rank, boot.size, boot.secret, boot.detector, addrs,
                    Settings(cfg.liveness_period_ms / 1e3, cfg.liveness_suspect_ms / 1e3,
                             cfg.liveness_frozen_ms / 1e3),
-                   on_dead=engine.peer_dead, pids=pids, facts=facts)
+                   on_dead=engine.links.peer_dead, pids=pids, facts=facts)
     det.start()
     return det
 

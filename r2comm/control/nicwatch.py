@@ -23,7 +23,7 @@ Announcements go out through the failure detector's spread (control/liveness.py:
 rounds, and heartbeat digests repair what a spread missed).
 
 Applying a fact (every rank, for every fact, connected pairs or not): a NIC announced down
-marks rail k towards every rank of that host `nic_off` in the engine (Engine.set_nic_off):
+marks rail k towards every rank of that host `nic_off` in the engine (Engine.links.set_nic_off):
 counted down, never connected on first use; a connection that is still up is failed now (its
 chunks move to the other rails, losslessly) and not probed until the NIC is announced up,
 when the failed rails are probed at once and idle ones come back to first use. For this
@@ -80,7 +80,7 @@ class NicWatch:
         self._apply_lock = threading.Lock()        # apply() runs here and on the replan thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="r2comm-nics", daemon=True)
-        engine.set_same_host([r for r in self.members[self.my_host] if r != me])
+        engine.links.set_same_host([r for r in self.members[self.my_host] if r != me])
 
     def start(self):
         self.apply()
@@ -120,21 +120,21 @@ class NicWatch:
 
     def evaluate(self, now):
         """Look at the evidence once; announce what changed."""
-        down = self.engine.down_rails()
+        down = self.engine.links.down_rails()
         if self.leader() == self.me:
             self._judge_nics(now, down)
         self._judge_pairs(now, down)
 
     def _judge_nics(self, now, down):
         kernel = _nic_states(self.rail_addrs)
-        rates = self.engine.nic_rates(self.nrails) if self.measure_rates else None
+        rates = self.engine.links.nic_rates(self.nrails) if self.measure_rates else None
         for k in range(self.nrails):
             key = F.nic_key(self.my_host, k)
             why = []
             if k < len(kernel) and kernel[k] == 0:
                 why.append(f"the kernel reports the interface under rail {k} "
                            f"({self.rail_addrs[k]}) down or without carrier")
-            if self.engine.nic_injected(k):
+            if self.engine.faults.nic_injected(k):
                 why.append(f"an injected fault darkens rail {k} towards every peer")
             if why:
                 self._nic_down_t[k] = now
@@ -229,7 +229,7 @@ class NicWatch:
         for key, f in entries.items():
             if key[0] != F.PAIR or key[1] != self.me or f.level == F.FULL or key in failed:
                 continue
-            if self.engine.link_state(key[2], key[3]) != "up":
+            if self.engine.links.link_state(key[2], key[3]) != "up":
                 self._up_since.pop(key, None)
                 continue
             since = self._up_since.setdefault(key, now)
@@ -238,7 +238,7 @@ class NicWatch:
                 self._announce(key, F.FULL, f"rail {key[3]} to rank {key[2]} is up again")
 
     def _rails_to(self, peer):
-        return self.engine.rails_to(peer)
+        return self.engine.links.rails_to(peer)
 
     def _announce(self, key, level, why):
         fact = self.book.announce(key, level, self.me)
@@ -278,11 +278,11 @@ class NicWatch:
             why = f"{describe(key)} announced {'down' if off else 'up'} by rank {f.origin}"
             if h == self.my_host:
                 peers = [r for r in range(len(self.host_of)) if self.host_of[r] != h]
-                self.engine.set_nic_off(peers, k, off, why, fail_up=False, cause_local=True,
-                                        idle_only=True)
+                self.engine.links.set_nic_off(peers, k, off, why, fail_up=False,
+                                              cause_local=True, idle_only=True)
             else:
                 peers = self.members.get(h, [])
-                self.engine.set_nic_off(peers, k, off, why, fail_up=True)
+                self.engine.links.set_nic_off(peers, k, off, why, fail_up=True)
             if not off and self.reconnect is not None:
                 self.reconnect(peers, k)
 

@@ -7,7 +7,7 @@ rank holds the same table (the opener's word decides: it alone knows whether its
 finished), and then:
 
   * a data rail that did not connect starts DOWN for that pair on both ends (Links.settle:
-    Engine.mark_unconnected, event rail_never_up with the reason) and is probed for fail-back
+    Engine.links.mark_unconnected, event rail_never_up with the reason) and is probed for fail-back
     like a rail that failed later, so bringing the NIC up re-admits it;
   * the first plan follows the table's NIC facts (facts(): a NIC that the kernel reported down
     or whose rail failed towards two or more other hosts is down for every pair through it,

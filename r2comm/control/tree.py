@@ -196,7 +196,7 @@ class _Exchange:
     def reachable(self, peer):
         """False for a peer the engine holds lost (every rail to it failed): nothing is posted
         to it (the engine would fail such a send or receive at once)."""
-        return self.engine.peer_ok(self.members[peer])
+        return self.engine.links.peer_ok(self.members[peer])
 
     def post_recv(self, peer, phase_tag):
         """(buffer, request, status) of a receive from `peer`; request None if it failed."""

@@ -9,8 +9,8 @@ this object (r2comm.transport.kind_of, CONTROL, LOCAL):
                         kind for its NIC rails (r2comm.transport.offer / decide)
   dial / attach         the opener's connection (after the TCP handshake every connection
                         starts with), and turning an authenticated socket into the engine's
-                        connection: engine.attach (the built-in TCP table) or
-                        engine.attach_transport (a table handed over by address)
+                        connection: engine.links.attach (the built-in TCP table) or
+                        engine.links.attach_transport (a table handed over by address)
   open                  local kinds only: the whole set-up of a pair's link
   hello_rails           the HELLO rail codes this kind's connections arrive with (beside data
                         rails 0..k and the control rail)

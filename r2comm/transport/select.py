@@ -45,7 +45,7 @@ class JobTransports:
     def attach(self, engine):
         """Tell the engine which links are memory links (NIC faults do not apply to them)."""
         for j in self.local_peers():
-            engine.set_shm_peer(j)
+            engine.links.set_shm_peer(j)
 
     def registration_cache(self):
         """The NIC kind's cache that registers user memory for zero-copy sends, or None where
@@ -63,7 +63,7 @@ class JobTransports:
         """{i: {"state", "bytes_sent", "bytes_recv", "failures", "transport"}} of the memory
         links to `peers` (global ranks; i: the index in peers)."""
         stats = rails.rail_stats(engine)
-        kinds = engine.transports()
+        kinds = engine.links.transports()
         out = {}
         for i, g in enumerate(peers):
             if g != self.boot.rank and self.is_local(g):

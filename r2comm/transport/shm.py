@@ -291,7 +291,7 @@ def open_tcp_link(engine, boot, cfg, peer, timeout):
                               timeout, cfg.rail_timeout_ms, cfg.sockbuf, cfg.notsent_lowat)
     keys = tcp.take_keys(fd)
     try:
-        engine.attach(peer, 0, fd, conn_id, *keys)
+        engine.links.attach(peer, 0, fd, conn_id, *keys)
     except BaseException:
         os.close(fd)
         raise
@@ -304,7 +304,7 @@ def accept_tcp_link(engine, boot, peer, fd, conn_id):
     try:
         if peer >= boot.rank:
             raise tcp.HandshakeError(f"rank {peer} opened a local link to a lower rank")
-        engine.attach(peer, 0, fd, conn_id, *keys)
+        engine.links.attach(peer, 0, fd, conn_id, *keys)
     except BaseException:
         os.close(fd)
         raise

@@ -279,7 +279,7 @@ def accept(listener, secret, me, timeout, rail_timeout_ms, admit=None, sockbuf=0
 
 
 class TcpTransport(Transport):
-    """TCP rails: the handshake's socket is the connection (engine.attach)."""
+    """TCP rails: the handshake's socket is the connection (engine.links.attach)."""
     name = "tcp"
     CTRL_RAIL = CTRL_RAIL
     HandshakeError = HandshakeError
@@ -306,7 +306,7 @@ class TcpTransport(Transport):
     def attach(self, engine, boot, peer, rail, fd, conn_id, engine_rail):
         keys = take_keys(fd)
         try:
-            engine.attach(peer, engine_rail, fd, conn_id, *keys)
+            engine.links.attach(peer, engine_rail, fd, conn_id, *keys)
         except BaseException:
             os.close(fd)                  # the engine did not take it
             raise

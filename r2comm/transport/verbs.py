@@ -128,7 +128,7 @@ def _recv_exact(sock, n, deadline):
 def exchange(device, fd, tx_key, rx_key, timeout):
     """Make a verbs connection on `device` and connect it to the peer at the other end of the
     authenticated rail socket `fd` (both ends call this). Returns the handle for
-    Engine.attach_transport (give it to discard() if that raises); the socket then belongs to
+    Engine.links.attach_transport (give it to discard() if that raises); the socket then belongs to
     the connection. Raises OSError or ConnectionError (the socket closed, the queue pair and its
     slots freed) if the exchange fails, also for a peer's address that does not decode."""
     from .._core import verbs
@@ -211,8 +211,8 @@ class VerbsTransport(TcpTransport):
         # as its companion (exchange: it owns fd from here, also when it raises)
         handle = exchange(boot.rail_devices[rail], fd, keys[0], keys[1], EXCHANGE_S)
         try:
-            engine.attach_transport(peer, engine_rail, load()[0].transport_address(), handle,
-                                    conn_id, *keys)
+            engine.links.attach_transport(peer, engine_rail, load()[0].transport_address(),
+                                          handle, conn_id, *keys)
         except BaseException:
             discard(handle)       # QP, slots, companion socket: the peer sees EOF
             raise
