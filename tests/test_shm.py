@@ -172,7 +172,8 @@ def test_segment_names_and_hellos_carry_no_job_id(monkeypatch):
     seen = []
     for _ in range(2):
         boot = SimpleNamespace(rank=0, size=2, secret=secret, job=job,
-                               endpoints=[{}, {"ctrl": lst.getsockname()}])
+                               endpoints=[{}, {"ctrl": lst.getsockname(),
+                                               "pid": os.getpid()}])
         t = threading.Thread(target=flood_client.observe_hellos, args=(lst, hellos))
         t.start()
         with pytest.raises((OSError, tcp.HandshakeError)):

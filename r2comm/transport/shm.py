@@ -241,6 +241,10 @@ def open_link(engine, boot, cfg, peer, timeout):
     tcp.HandshakeError."""
     seg = _segments()
     me, job = boot.rank, boot.job
+    if not _alive(int(boot.endpoints[peer]["pid"])):
+        # (a fail-back probe of a local peer that died: no segment is made for it, so none is
+        # left behind should this process end before the attempt would fail)
+        raise OSError(errno.ESRCH, f"rank {peer}'s process is gone")
     conn_id = struct.unpack("!I", os.urandom(4))[0]
     name = segment_name(boot.secret, os.getpid(), me, peer, conn_id)
     try:
