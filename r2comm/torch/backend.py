@@ -29,8 +29,9 @@ from . import native, pyops
 
 BACKEND_NAME = "r2comm"
 
-# the Communicator built for the default group, and {global rank: r2comm world rank}
-_world = {"comm": None, "ranks": None}
+# the Communicator whose r2comm world every later group shares (the default group's, built
+# first), and {torch global rank: its rank in that Communicator}
+_root = {"comm": None, "rank_of": None}
 _groups = {}           # group name -> (its Communicator, its Backend), until its shutdown
 
 
@@ -54,16 +55,16 @@ def _seconds(timeout):
 
 def _communicator(store, rank, size, secs, granks):
     """The Communicator of a new group: a child of the world's where all its ranks are in
-    it, else a world of its own (the default group's becomes _world)."""
-    world, ranks = _world["comm"], _world["ranks"]
+    it, else a world of its own (the default group's becomes _root)."""
+    world, ranks = _root["comm"], _root["rank_of"]
     usable = (granks and world is not None and not world.closed
               and all(g in ranks for g in granks))
     if not usable:
         comm = Communicator.from_store(store, rank, size, prefix="r2comm",
                                        store_timeout=secs or 300.0, timeout=secs)
         if not granks or world is None or world.closed:
-            _world["comm"] = comm
-            _world["ranks"] = {(granks[i] if granks else i): i for i in range(size)}
+            _root["comm"] = comm
+            _root["rank_of"] = {(granks[i] if granks else i): i for i in range(size)}
         return comm
     sc = StoreComm(store, rank, size, "r2comm-group", secs or 300.0)
     comm = world.derive(sc, [ranks[g] for g in granks])   # its id agreed over the group's store
