@@ -130,7 +130,7 @@ def test_nic_down_mid_stream(fab, tmp_path):
     # once (they look at their NICs every 0.1 s, busy or idle); a host 0 rank that judged the
     # rail itself first blames the remote NIC or path (its NIC is up, host 1's kernel
     # acknowledges nothing); nobody calls it a stalled process
-    _assert_localised(rows, host1={"local_nic"}, host0={"remote_nic"}, host0_told=True)
+    _assert_localised(rows, host1={"local_nic"}, host0={"remote_nic"})
 
 
 def test_blackhole_mid_stream(fab, tmp_path):
@@ -147,17 +147,17 @@ def test_blackhole_mid_stream(fab, tmp_path):
     _assert_localised(rows, host1={"remote_nic"}, host0={"remote_nic"})
 
 
-def _assert_localised(rows, host1, host0, host0_told=False):
-    """Every rail failure a rank detected itself carries the cause the engine concluded; each
-    host's ranks name the expected one, and at least one rank per host detected one (with
-    host0_told: or every rank of host 0 was told by host 1, which saw its own NIC go down
-    before host 0's deadline could judge anything)."""
+def _assert_localised(rows, host1, host0):
+    """Every rail failure a rank detected itself carries the cause the engine concluded, and
+    each host's ranks name the expected one; some rank detected one itself, and on each host
+    at least one rank did or every rank was told by the other host (which side's judgement
+    comes first is a race: a NIC watch against a deadline, or two deadlines under load)."""
     for want, ranks in ((host0, (0, 1)), (host1, (2, 3))):
         mine = [r for r in rows if r["rank"] in ranks]
-        told = host0_told and ranks == (0, 1) and \
-            all(r["kinds"].get("peer_notified") for r in mine)
+        told = all(r["kinds"].get("peer_notified") for r in mine)
         assert told or any(r["causes"] for r in mine), rows
         assert all(set(r["causes"]) <= want for r in mine), rows
+    assert any(r["causes"] for r in rows), rows
     assert not any(r["kinds"].get("peer_stalled") for r in rows), rows
 
 
