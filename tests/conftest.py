@@ -77,3 +77,11 @@ def netns_ok():
         iproute.tool("tc")
     except TestbedError as exc:
         pytest.skip(str(exc))
+
+
+class NoFaults:
+    """Engine.faults as control/links.py asks it, for the tests' stand-in engines: no
+    injected faults."""
+
+    def injected(self, rail, peer):
+        return False

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import run_mpi
+from conftest import run_mpi, NoFaults
 from r2comm.control import links as links_mod
 from r2comm.transport import tcp
 
@@ -105,13 +105,6 @@ class RecordingLinks:
 
     def note_link_error(self, peer, rail, info):
         pass
-
-
-class NoFaults:
-    """Engine.faults as Links asks it: no injected faults."""
-
-    def injected(self, rail, peer):
-        return False
 
 
 class RecordingEngine:

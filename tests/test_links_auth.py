@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import NoFaults
+
 from r2comm.control import links as links_mod
 from r2comm.transport import verbs as verbs_rails
 from r2comm.transport import tcp
@@ -64,19 +66,12 @@ class FakeLinks:
         return "up" if any(a[:2] == (peer, rail) for a in self.attached) else "down"
 
 
-class FakeFaults:
-    """Engine.faults as Links asks it: no injected faults."""
-
-    def injected(self, rail, peer):
-        return False
-
-
 class FakeEngine:
     """What Links asks of an engine: its links and faults (Engine.links, Engine.faults)."""
 
     def __init__(self):
         self.links = FakeLinks()
-        self.faults = FakeFaults()
+        self.faults = NoFaults()
 
 
 def _make_links(rank=1, peer_ep=None):
