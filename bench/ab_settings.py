@@ -59,7 +59,7 @@ def build(world, env, attrs):
         comm = pkg.Communicator(world)
     for k, v in attrs.items():
         *path, name = k.split(".")
-        obj = comm._engine
+        obj = comm.channel.engine
         for part in path:
             obj = getattr(obj, part, None)
         if obj is None or not hasattr(obj, name):

@@ -100,9 +100,9 @@ def rank_main(args):
         print("[degraded] agreed state:", state.describe(), "nic Mbit/s:",
               {h: [round(state.nic_bw(h, k) * 8e-6) for k in range(2)] for h in state.host_list()},
               "schedule:", comm.schedule("allreduce", count * 4, 4).algo, flush=True)
-    sent0 = comm._engine.rail_stats()
+    sent0 = comm.channel.engine.rail_stats()
     timed("replanned", args.reps)
-    sent1 = comm._engine.rail_stats()
+    sent1 = comm.channel.engine.rail_stats()
     # per rank: what the probe measured, and the bytes each (peer, rail) carried while the
     # replanned schedule ran, with the engine's measured rate at the end (for slow runs)
     pr = comm.probe_result

@@ -28,7 +28,7 @@ def rank_main(args):
     import numpy as np
     from testbed_failover import rank_job     # (this folder)
     world, comm, x, ref, y = rank_job(args.mib)
-    eng = comm._engine
+    eng = comm.channel.engine
     peer = 1 - comm.rank
     wrong = 0
     for _ in range(3):

@@ -41,8 +41,8 @@ def rank_main(a):
     for rnd in range(a.rounds + 1):                   # round 0: warm-up, not counted
         order = ("hierarchical", "flat") if rnd % 2 else ("flat", "hierarchical")
         for algo in order:
-            comm._cfg.algo = algo                     # what R2COMM_ALGO sets, switched in-job
-            comm._plans.clear()
+            comm.channel.config.algo = algo                     # what R2COMM_ALGO sets, switched in-job
+            comm.channel._plans.clear()
             algos[algo] = comm.schedule("allreduce", x.nbytes, 4).algo
             world.Barrier()
             t0 = time.perf_counter()

@@ -35,7 +35,7 @@ def rank_main(args):
     from testbed_failover import rank_job     # (this folder)
     world, comm, x, ref, y = rank_job(args.mib)
     n = comm.size
-    eng = comm._engine
+    eng = comm.channel.engine
     wrong = 0
 
     def rounds(label, hedge, reps):

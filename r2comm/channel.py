@@ -1,10 +1,14 @@
-"""Channel: a communicator's line to the engine, under its mpi4py face (communicator.py).
+"""Channel: a communicator's line to the engine, held by its mpi4py face (communicator.py).
 
 A Channel is a group of ranks on a world (world.py) with its own communicator id: its sequence
-of calls, the plans of its rail-state epoch (plans.py; switches agreed in replan.py), the posting of a collective to
-the engine, and the telling of a local argument error to the peers. Its last section is the
-internal interface that r2comm's own modules use (gpu/pipeline.py, torch/backend.py,
-control.py, request.py) instead of private attributes."""
+of calls, the plans of its rail-state epoch (plans.py; switches agreed in replan.py), the posting
+of a collective or of one point-to-point message to the engine, and the telling of a local
+argument error to the peers. It knows nothing of MPI and nothing of the mpi4py face.
+
+Everything below the class doc that has no leading underscore is its interface, and the only
+way in: the Communicator (which holds one), the control plane (control/tree.py and
+control/bandwidth.py run on a Channel twin), the plan-switch rounds (control/replan.py),
+gpu/pipeline.py, the torch backend and request.py."""
 import logging
 import threading
 import time
@@ -12,13 +16,14 @@ import time
 import numpy as np
 
 from .control import tree as control
-from .front import railview
+from .front import p2p, railview
 from .errors import (R2commArgumentError, R2commBufferError, R2commClosedError,
                      R2commResourceError,
                      R2commTimeout, PEER_ARGUMENT_CODE, claim_telling)
 from .front.plans import NONBLOCKING as _NONBLOCKING, SEQ_MASK, call_name, compile_call
+from .ops import U8, dtype_code
 from .control.replan import seq_before, same_rows
-from .request import LocalRequest, Request
+from .request import LocalRequest, Request, fill_status
 from .world import agree_max, engine_module as _engine
 
 _CELL_SWITCH = 1           # engine.CELL_SWITCH (r2_capi.h R2_CELL_SWITCH)
@@ -29,17 +34,20 @@ log = logging.getLogger("r2comm")
 
 
 class Channel:
-    """The engine side of a communicator (see the module doc); Communicator is its subclass."""
+    """The engine side of a communicator (see the module doc).
 
-    def _init(self, world, mpi_comm, members, comm_id, owner, twin=False):
+    Channel(world, members, comm_id): ranks `members` (world ranks, in rank order; this rank
+    among them) of `world` under communicator id `comm_id` (from the world's allocator, ids).
+    twin: a hidden twin (control plane, plan-switch rounds, staging) that runs no epoch checks
+    of its own and takes no part in the background plan-switch rounds."""
+
+    def __init__(self, world, members, comm_id, twin=False):
         self._world = world
         self._engine = world.engine
         self._cfg = world.cfg
-        self._mpi = mpi_comm
         self._members = members               # global rank of each rank of this communicator
         self._rank_of = {g: i for i, g in enumerate(members)}   # global rank -> rank here
         self._id = comm_id
-        self._owner = owner
         # the id, sequence number, timeout, plans' generation and Python-call flags, where
         # C-level callers (engine.run, the torch backend's C++) read them (engine.ChannelCell)
         cell = self._cell = _engine().ChannelCell(comm_id, world.cfg.timeout)
@@ -72,7 +80,7 @@ class Channel:
 
     # -- what the cell holds (ChannelCell), as attributes -----------------------------------------
     # (the sequence number has one owner, the cell: every call takes its number with
-    # cell.take(), here in _begin_call or, for C-level callers and Engine.run, in C)
+    # cell.take(), here in start() or, for C-level callers and Engine.run, in C)
     @property
     def timeout(self):
         """Seconds: the bound of every blocking wait of this communicator."""
@@ -91,17 +99,12 @@ class Channel:
     def _pending(self, value):
         self._cell.set_flag(_CELL_SWITCH, value is not None)
 
-    @classmethod
-    def _child(cls, world, mpi_comm, members, comm_id, twin=False):
-        c = cls.__new__(cls)
-        c._init(world, mpi_comm, members, comm_id, owner=False, twin=twin)
-        return c
-
-    def _check(self):
+    def check(self):
+        """R2commClosedError once this communicator was freed or its world closed."""
         if self._engine is None or self._world.closed:
             raise R2commClosedError("communicator has been freed")
 
-    def _schedule(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0, separate=False,
+    def compiled(self, coll, nbytes, itemsize, root=0, dtc=0, redop=0, separate=False,
                   layout=None):
         """(compiled Plan, Schedule, element count, descriptor), cached per operation shape; the
         plan's peers are connected when it is compiled.
@@ -119,7 +122,7 @@ class Channel:
             self._plans[key] = hit
         return hit
 
-    def _tell_peers(self, exc, kind, blocking):
+    def tell_peers(self, exc, kind, blocking):
         """A local argument error in a collective (the caller raises it): take the call's
         sequence number and send every peer an ABORT with the error (engine.post_error), so
         their call of this collective raises R2commPeerError naming this rank, and the next
@@ -148,7 +151,7 @@ class Channel:
         self._plans.clear()
         self._cell.bump_gen()             # (C-level callers' plans too)
 
-    def _switch(self, state, force=False):
+    def switch_plans(self, state, force=False):
         """Plans for `state` from the call about to start on (every rank switches at the same
         call): a new epoch, unless the state is the one the plans follow already (force: a
         new epoch anyway, as replan() starts one)."""
@@ -183,7 +186,7 @@ class Channel:
                                     f"agree within {self.timeout:g} s")
             time.sleep(AGREE_POLL_S)
 
-    def _gather_state(self):
+    def agreed_state(self):
         """The agreed rail state of this communicator from the NIC facts, the same on every
         rank (collective): per host and NIC, plus the pair exceptions."""
         _, entries = self._agreed_facts()
@@ -197,7 +200,7 @@ class Channel:
         digest, entries = self._world.facts.snapshot()
         if not same_rows(control.allgather(control.plane(self), [float(digest)])):
             return                                  # (still spreading: a later check)
-        self._switch(self._world.plan_state(entries, self._members))
+        self.switch_plans(self._world.plan_state(entries, self._members))
 
     def _before_call(self):
         """What every call runs before it takes its sequence number: a due plan switch crossed
@@ -215,7 +218,7 @@ class Channel:
         with self._gate:
             while True:
                 while self._switches and not seq_before(self._cell.seq, self._switches[0][0]):
-                    self._switch(self._switches.pop(0)[1])
+                    self.switch_plans(self._switches.pop(0)[1])
                 if self._limit is None or seq_before(self._cell.seq, self._limit):
                     break
                 left = deadline - time.monotonic()
@@ -250,14 +253,14 @@ class Channel:
         """This communicator's id (comm_ids.py)."""
         return self._id
 
-    def _start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
+    def start(self, coll, nbytes, itemsize, dtc, redop, work, send, root=0, post=None,
                result=None, extra_pre=(), blocking=False, layout=None):
         """Build/fetch the schedule, do the local pre-copies, post it to the engine (layout: a
         vector collective's, planner/vector.py)."""
-        self._check()
+        self.check()
         self._before_call()
         separate = send is not None and send is not work
-        plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop,
+        plan, sched, count, desc = self.compiled(coll, nbytes, itemsize, root, dtc, redop,
                                                   separate, layout)
         if sched.fills_work:
             extra_pre = ()      # the schedule reads the input from SEND itself
@@ -313,7 +316,7 @@ class Channel:
         except (ValueError, BufferError, TypeError) as exc:   # raised before anything posted
             blocking = not desc & _NONBLOCKING
             err = R2commBufferError(f"{call_name(coll, blocking)}: {exc}")
-            self._tell_peers(err, coll, blocking)
+            self.tell_peers(err, coll, blocking)
             raise err from exc
         if oid:          # failed or timed out: a Request raises its error as Wait() would
             eng = _engine()
@@ -323,7 +326,7 @@ class Channel:
             req.conclude(self.timeout)
             req.Wait()
 
-    def _run_cached(self, key, coll, work, send, nbytes, itemsize, dtc, redop, blocking):
+    def run_cached(self, key, coll, work, send, nbytes, itemsize, dtc, redop, blocking):
         """A call of the plan kept under `key` (compiled at first use) through _run_blocking,
         for the latency-bound calls a front end has checked already (numpy buffers of the
         plan's size and dtype). False, having done nothing, where the one-call path does not
@@ -334,10 +337,10 @@ class Channel:
         hit = self._plans.get(key)
         if hit is None:
             try:
-                plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, 0, dtc, redop,
+                plan, sched, count, desc = self.compiled(coll, nbytes, itemsize, 0, dtc, redop,
                                                           send is not None)
             except (R2commArgumentError, R2commResourceError) as exc:
-                self._tell_peers(exc, coll, blocking)
+                self.tell_peers(exc, coll, blocking)
                 raise
             ok = not (sched.scratch or sched.pre or sched.post) and sched.fills_work
             # kept among the plans: whatever drops those (a new rail state) drops these too
@@ -376,7 +379,7 @@ class Channel:
     def next_seq(self):
         """Take this communicator's next sequence number (after a due plan switch or epoch
         check); R2commClosedError once it was freed."""
-        self._check()
+        self.check()
         self._before_call()
         return self._cell.take()
 
@@ -386,13 +389,13 @@ class Channel:
         bytes, local copies before and after as (dst buffer, offset, src buffer, offset,
         bytes) tuples, whether the plan reads its input from SEND itself, the members to post
         to, the generation it is for). Its peers are connected here."""
-        self._check()
+        self.check()
         gen = self._cell.gen
         try:
-            plan, sched, count, desc = self._schedule(coll, nbytes, itemsize, root, dtc, redop,
+            plan, sched, count, desc = self.compiled(coll, nbytes, itemsize, root, dtc, redop,
                                                       separate)
         except (R2commArgumentError, R2commResourceError) as exc:
-            self._tell_peers(exc, coll, False)     # (the peers' call fails too)
+            self.tell_peers(exc, coll, False)     # (the peers' call fails too)
             raise
         members = self._reach if self._relay else self._members
         return (plan, count, desc, sched.scratch, [tuple(c) for c in sched.pre if c[4]],
@@ -408,7 +411,7 @@ class Channel:
         """What a C-level caller runs before a call while the cell has flags: a due plan
         switch crossed, an epoch check (R2COMM_REPLAN=K); R2commClosedError once freed. The
         sequence number is then taken from the cell."""
-        self._check()
+        self.check()
         self._before_call()
 
     @property
@@ -422,7 +425,7 @@ class Channel:
         self._cell.seq = seq & SEQ_MASK
 
     def twin(self, kind, generation=0):
-        """A communicator over the same ranks, world and bootstrap communicator with the id
+        """A channel over the same ranks and world with the id
         the world's allocator gives twin `kind` ("control", "epoch": the plan-switch rounds',
         "gpu" with its generation) of this one; it runs no epoch checks of its own."""
         ids = self._world.ids
@@ -430,13 +433,14 @@ class Channel:
             raise ValueError(f"twin kind {kind!r}: 'control', 'epoch' or 'gpu'")
         cid = ids.control(self._id) if kind == "control" else ids.epoch(self._id) \
             if kind == "epoch" else ids.gpu_twin(self._id, generation)
-        return self._child(self._world, self._mpi, list(self._members), cid, twin=True)
+        return Channel(self._world, list(self._members), cid, twin=True)
 
     def derive(self, boot_comm, members):
-        """A new communicator of this world over `members` (world ranks, in rank order) built on
-        bootstrap communicator `boot_comm`, its id agreed over it (collective over boot_comm)."""
+        """A new channel of this world over `members` (world ranks, in rank order), its id
+        agreed over bootstrap communicator `boot_comm` (collective over boot_comm: an mpi4py
+        communicator or a torch store's, of exactly those ranks)."""
         cid = self._world.ids.agree(agree_max(boot_comm))
-        return self._child(self._world, boot_comm, members, cid)
+        return Channel(self._world, members, cid)
 
     def connect(self, ranks):
         """Connect (on first use) every rail to each of `ranks` (ranks of this communicator)
@@ -454,7 +458,7 @@ class Channel:
         self._engine.post_error(self._id, seq, self._members, code, message)
 
     def plans_for_next_call(self):
-        """Apply a plan switch or epoch check due at the next call (what _start does first), so
+        """Apply a plan switch or epoch check due at the next call (what start() does first), so
         the caller sees the plan state that call runs under; returns it (vcoll.py)."""
         self._before_call()
         return self._state
@@ -468,3 +472,65 @@ class Channel:
         """Plan from RailState `state` from now on (a twin follows its parent's epoch)."""
         if state is not self._state:
             self._adopt(state)
+
+    @property
+    def epoch(self):
+        """The agreed rail-state epoch: 0 at start, +1 at every switch of the plans."""
+        return self._epoch
+
+    @property
+    def topo(self):
+        """Which ranks share a host and their rails (front/railview.py's topology)."""
+        return self._topo
+
+    @property
+    def rails(self):
+        """The number of rails each rank listens on (a message's `rail` indexes them)."""
+        return len(self._world.boot.rail_addrs)
+
+    def world_rank(self, rank):
+        """The world rank of rank `rank` of this communicator."""
+        return self._members[rank]
+
+    def barrier(self):
+        """Return once every rank of this channel entered it (blocking, bounded by timeout)."""
+        self.start("barrier", 0, 1, U8, 0, None, None, blocking=True).Wait()
+
+    def message(self, kind, arr, peer, tag, status=None, rail=None):
+        """Post one point-to-point message ("send" or "recv") of numpy array `arr` to or from
+        rank `peer` of this channel (a receive: ANY_SOURCE too; never this rank: the front end
+        keeps those), with `tag` (a receive: ANY_TAG too); `rail` pins a send to one rail
+        while it is up. A receive's `status` gets the source, tag and bytes once it completes.
+        Returns its Request."""
+        self.check()
+        any_source = p2p.check(kind, peer, tag, rail, self.rank, self.size, self.rails)
+        eng = _engine()
+        gpeer = -1 if any_source else self._members[peer]
+        if not any_source:                 # on first use (ANY_SOURCE: the sender connects)
+            self._world.links.connect_for((gpeer,))
+        nbytes = arr.nbytes
+        plan, owned = p2p.message_plan(eng.Plan, kind, gpeer, nbytes, self._cfg.eager)
+        b = eng.Buffer(arr, kind == "recv")
+        if kind == "send" and not owned and self._world.regcache is not None:
+            self._world.regcache.note(arr)
+        oid = self._engine.post(plan, b.ptr, 0, 0, dtype_code(arr.dtype), 0, self._id, 0, 0,
+                                self.timeout, [] if any_source else [gpeer], 1, int(tag), nbytes,
+                                -1 if rail is None else int(rail))
+        if status is not None:
+            fill_status(status, peer, tag, 0)
+        return Request(self, oid, [b], None, None, status)
+
+    def probe_message(self, source, tag):
+        """(source rank, tag, bytes, element type code) of the message from rank `source`
+        (-1: any) with `tag` (ANY_TAG too) that a receive would take now, or None."""
+        hit = self._engine.p2p_probe(self._id, -1 if source < 0 else self._members[source],
+                                     int(tag))
+        if hit is None:
+            return None
+        return self.local_rank(hit[0]), hit[1], hit[2], hit[3]
+
+    def free(self):
+        """Drop this channel's engine: later calls raise R2commClosedError (C-level callers
+        see the cell's CLOSED flag and come through Python)."""
+        self._engine = None
+        self._cell.set_flag(_engine().CELL_CLOSED, True)

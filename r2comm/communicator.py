@@ -1,9 +1,10 @@
 """Communicator: mpi4py's collective and point-to-point API over r2comm's multi-rail engine.
 
 The mpi4py face: arguments are checked here with the GIL held, then one call goes down, to the
-Channel under it (channel.py: sequence numbers, plans of the epoch, posting to the engine), the
-world (world.py: engine, links, transports, ids) or the engine. The transfer itself runs in the
-engine's progress thread, and the caller waits on it without the GIL."""
+Channel it holds (channel.py: sequence numbers, plans of the epoch, posting to the engine) or to
+the world it runs on (world.py: links, transports, ids), through their public methods only. The
+transfer itself runs in the engine's progress thread, and the caller waits on it without the
+GIL."""
 import functools
 
 import numpy as np
@@ -19,7 +20,7 @@ from .config import Config
 from .errors import R2commArgumentError, R2commBufferError, R2commResourceError, unsupported
 
 # errors a call finds on this rank before it posts anything (a bad argument, too few fds for the
-# connections its plan needs): the caller raises them and tells the peers (Channel._tell_peers)
+# connections its plan needs): the caller raises them and tells the peers (Channel.tell_peers)
 _TOLD_ERRORS = (R2commArgumentError, R2commResourceError)
 from .faults import MODES as _FAULT_MODES
 from .ops import DTYPES as _DTYPES, Op as _Op, SUM, U8, as_op, dtype_code, mpi_op, reduce_code
@@ -33,7 +34,7 @@ from .world import World, bootstrap_consts, agree_max, engine_module as _engine
 __all__ = ["Communicator", "IN_PLACE", "ANY_TAG", "ANY_SOURCE", "PROC_NULL"]
 
 
-class Communicator(Channel, VectorCollectives, PointToPoint):
+class Communicator(VectorCollectives, PointToPoint):
     """A group of ranks that run collectives over every rail between each pair.
 
     Communicator(mpi_comm=MPI.COMM_WORLD, *, rails=None, timeout=None, chunk_size=None, ...)
@@ -64,17 +65,60 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
             raise unsupported("an intercommunicator", "build the Communicator on an "
                               "intracommunicator (intercomm.Merge() joins both groups)")
         world = World.open(mpi_comm, cfg, rails, on_event)
-        self._init(world, mpi_comm, list(range(world.boot.size)), 0, owner=True)
+        chan = Channel(world, list(range(world.boot.size)), world.ids.WORLD)
+        self._attach(world, mpi_comm, chan, owner=True)
         nbytes = world.probe_size(mpi_comm)    # every rank probes alike (message sizes), or none
         if nbytes:
             try:
-                world.probe_bandwidth(control.plane(self), mpi_comm, nbytes, self._state,
+                world.probe_bandwidth(control.plane(chan), mpi_comm, nbytes, chan.plan_state,
                                       min(self.timeout, 30.0))
             except BaseException:
                 world.close()
                 raise
         world.arm_faults(cfg.fault, self.rank, self.fail_rail, self.restore_rail)
         quiet_barrier(mpi_comm, cfg.timeout, "start-up (the last ranks' set-up)")
+
+    def _attach(self, world, mpi_comm, chan, owner):
+        self._world = world          # the world it runs on (world.py)
+        self._mpi = mpi_comm         # its bootstrap communicator (lowercase object calls)
+        self._chan = chan            # its line to the engine (channel.py)
+        self._owner = owner          # it opened the world: Free() closes it
+        self._freed = False
+        self.rank = chan.rank
+        self.size = chan.size
+
+    @classmethod
+    def _over(cls, world, mpi_comm, chan):
+        """A Communicator over channel `chan` of `world` (Dup, Split, twins, derive)."""
+        comm = cls.__new__(cls)
+        comm._attach(world, mpi_comm, chan, owner=False)
+        return comm
+
+    @property
+    def channel(self):
+        """r2comm's internal interface to this communicator's engine side (channel.Channel):
+        for r2comm's own modules (gpu/pipeline.py, the torch backend, tests), not the mpi4py
+        face."""
+        return self._chan
+
+    @property
+    def timeout(self):
+        """Seconds: the bound of every blocking wait of this communicator."""
+        return self._chan.timeout
+
+    @timeout.setter
+    def timeout(self, seconds):
+        self._chan.timeout = seconds
+
+    def twin(self, kind, generation=0):
+        """A hidden Communicator over the same ranks with its own id (Channel.twin: kind
+        "control", "epoch" or "gpu" with its generation); r2comm's internal interface."""
+        return self._over(self._world, self._mpi, self._chan.twin(kind, generation))
+
+    def derive(self, boot_comm, members):
+        """A new Communicator of this world over `members` (world ranks, in rank order) on
+        bootstrap communicator `boot_comm` (Channel.derive; collective over boot_comm)."""
+        return self._over(self._world, boot_comm, self._chan.derive(boot_comm, members))
 
     @classmethod
     def from_store(cls, store, rank, size, *, prefix="r2comm", store_timeout=300.0, **kwargs):
@@ -115,16 +159,15 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         """A new communicator over the same ranks with its own sequence of operations, so
         a library can run collectives that never match the caller's. Collective: every rank
         calls it. Shares this one's connections; Free() it when done."""
-        self._check()
+        self._chan.check()
         new_mpi = self._mpi.Dup()
-        cid = self._world.ids.agree(agree_max(self._mpi))
-        return self._child(self._world, new_mpi, list(self._members), cid)
+        return self.derive(new_mpi, self._chan.global_ranks())
 
     def Split(self, color=0, key=0):
         """Collective: ranks passing the same `color` form a new communicator, ordered by
         `key` (then by rank), as MPI_Comm_split. A rank passing `color=None`, a negative color
         or MPI.UNDEFINED takes part but gets None back."""
-        self._check()
+        self._chan.check()
         UNDEFINED = bootstrap_consts(self._mpi)[1]
         undefined = color is None or color == UNDEFINED or color < 0
         colors = self._mpi.allgather(None if undefined else color)
@@ -134,13 +177,15 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         if undefined:
             return None
         members = new_mpi.allgather(self._world.boot.rank)
-        return self._child(self._world, new_mpi, members, base + distinct.index(color))
+        return self._over(self._world, new_mpi,
+                          Channel(self._world, members, base + distinct.index(color)))
 
     def Free(self):
         """Collective, as in MPI: a bounded barrier first, so no rank closes its connections
         while a peer still needs acknowledgements or retransmissions from it."""
-        if self._engine is None:
+        if self._freed:
             return
+        self._freed = True
         if self._owner:
             if not self._world.closed:
                 try:
@@ -153,8 +198,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
                 self._mpi.Free()
             except Exception:
                 pass
-        self._engine = None
-        self._cell.set_flag(_engine().CELL_CLOSED, True)   # (C-level callers: through Python)
+        self._chan.free()
 
     def __enter__(self):
         return self
@@ -167,8 +211,8 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
     def events(self):
         """The failover events this rank's engine keeps (the last 1,024 to 2,048; dicts, oldest
         first, each numbered: "index")."""
-        self._check()
-        return self._engine.events_since(0)
+        self._chan.check()
+        return self._chan.engine.events_since(0)
 
     def on_event(self, callback):
         """Call `callback(event)` for each new event (from r2comm's link thread)."""
@@ -178,8 +222,8 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
     def rails(self):
         """This rank's rails with live state, summed over the communicator's peers (NIC rails:
         remote peers only; a local peer's link is shared memory, see shm_peers)."""
-        self._check()
-        return self._world.transports.nic_rails(self._engine, self._members)
+        self._chan.check()
+        return self._world.transports.nic_rails(self._chan.engine, self._chan.global_ranks())
 
     @property
     def reg_cache(self):
@@ -187,7 +231,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         "entry_bytes", "zcopy_bytes", "copy_bytes", "zcopy_sends", "registered",
         "deregistered", "live", "busy", "refused"}, summed over this rank's rail devices;
         None on TCP rails or with zero-copy sends off."""
-        self._check()
+        self._chan.check()
         rc = self._world.regcache
         return None if rc is None else rc.stats()
 
@@ -196,24 +240,25 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         """The ranks of this communicator reached through shared memory (same host, R2COMM_SHM
         on both), each with its link's live state: {rank: {"state", "bytes_sent",
         "bytes_recv", "failures"}}. NIC rails (comm.rails) and NIC faults concern the others."""
-        self._check()
-        return self._world.transports.memory_links(self._engine, self._members)
+        self._chan.check()
+        return self._world.transports.memory_links(self._chan.engine,
+                                                   self._chan.global_ranks())
 
     def fail_rail(self, index, mode="hard", peer=None, after_bytes=None):
         """Fail this rank's rail `index` for real: "hard" shuts the connections down, "silent"
         makes the NIC drop everything without an error. peer (a rank of this communicator)
         limits it to one peer; after_bytes delays it until that many more bytes were sent."""
-        self._check()
+        self._chan.check()
         if mode not in _FAULT_MODES:
             raise R2commArgumentError(f"mode must be 'hard' or 'silent', got {mode!r}")
-        gpeer = -1 if peer is None else self._members[peer]
-        self._engine.faults.inject(index, _FAULT_MODES[mode], gpeer,
+        gpeer = -1 if peer is None else self._chan.world_rank(peer)
+        self._chan.engine.faults.inject(index, _FAULT_MODES[mode], gpeer,
                                    -1 if after_bytes is None else int(after_bytes))
 
     def restore_rail(self, index):
         """Lift an injected fault; the rail is probed and re-admitted automatically."""
-        self._check()
-        self._engine.faults.clear_injection(index)
+        self._chan.check()
+        self._chan.engine.faults.clear_injection(index)
 
     # -- planning ------------------------------------------------------------------------------
     def schedule(self, op="allreduce", nbytes=0, itemsize=4, root=0, in_place=False):
@@ -221,7 +266,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         (.algo; .hierarchical is True for the host-aware plans of planner/hierarchical.py),
         messages and the predicted seconds (.cost) once the plans are priced (a rail state after
         replan(), or several hosts running several ranks)."""
-        return self._schedule(op, nbytes, itemsize, root, separate=not in_place)[1]
+        return self._chan.compiled(op, nbytes, itemsize, root, separate=not in_place)[1]
 
     plan = schedule     # the older name, kept for existing scripts
 
@@ -233,7 +278,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         prices hierarchical plans), and this rank's host, local_rank and local_size. Once the
         plans follow a rail state (replan()), rails_up_per_host counts each host's NICs that
         the state has usable towards another host."""
-        return railview.describe(self._topo, self.rank, self._state)
+        return railview.describe(self._chan.topo, self.rank, self._chan.plan_state)
 
     # -- re-planning ---------------------------------------------------------------------------
     def rail_state(self):
@@ -241,15 +286,15 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         over r2comm's control plane: it waits until the ranks' facts agree): per host and NIC
         (a NIC announced down at 0, one announced slow at its fraction of the rail's figure,
         R2COMM_RAIL_BW x 10 Gbit/s), plus the pairs announced down (planner.state.NicRailState)."""
-        self._check()
-        return self._gather_state()
+        self._chan.check()
+        return self._chan.agreed_state()
 
     @property
     def epoch(self):
         """The agreed rail-state epoch: 0 at start, +1 at every switch of the plans (a NIC
         announced down or up again, by default; an R2COMM_REPLAN=K check; a replan() call);
         the same on every rank after the same operation."""
-        return self._epoch
+        return self._chan.epoch
 
     def replan(self, state=None):
         """Make the plans follow the rail state (rail_state(), or `state`) from the next call on
@@ -257,9 +302,9 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         R2COMM_REPLAN=0 or for a state of your own: by default the plans follow the NIC facts
         by themselves. Broken pairs are routed around; a slow host gets the degraded-server
         allreduce or the tree fold when the cost model says it is faster. Returns the state."""
-        self._check()
+        self._chan.check()
         state = self.rail_state() if state is None else state
-        self._switch(state, force=True)
+        self._chan.switch_plans(state, force=True)
         return state
 
     # -- collectives (buffer interface) ----------------------------------------------------------
@@ -293,7 +338,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         torch backend). Buffers of another kind or dtype raise R2commArgumentError (the peers'
         call R2commPeerError); anything else is Allreduce's, errors included. Not collective:
         each rank prepares its own."""
-        self._check()
+        self._chan.check()
         dt = np.dtype(dtype)
         op = as_op(op)
         dtc = reduce_code(dt, op)
@@ -312,9 +357,9 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
             if not ok and not (type(recvbuf) is ndarray and type(sendbuf) is ndarray and
                                recvbuf.dtype == dt and sendbuf.dtype == dt):
                 err = R2commArgumentError(f"prepared allreduce: numpy arrays of {dt} expected")
-                self._tell_peers(err, "allreduce", False)
+                self._chan.tell_peers(err, "allreduce", False)
                 raise err
-            if not self._run_cached(key, "allreduce", recvbuf, sendbuf, nbytes, dt.itemsize,
+            if not self._chan.run_cached(key, "allreduce", recvbuf, sendbuf, nbytes, dt.itemsize,
                                     dtc, op.code, False):
                 self.Allreduce(sendbuf, recvbuf, op, as_nonblocking=True)
         return allreduce
@@ -343,7 +388,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         if dtc is None or not nbytes or not (flags.c_contiguous and flags.writeable) or \
                 not (send is None or send.flags.c_contiguous):
             return False
-        return self._run_cached(("fast", nbytes, dtc, op.code, send is not None), "allreduce",
+        return self._chan.run_cached(("fast", nbytes, dtc, op.code, send is not None), "allreduce",
                                 recvbuf, send, nbytes, recvbuf.itemsize, dtc, op.code, blocking)
 
     def _call(self, kind, blocking, start, *args, stream=None):
@@ -359,7 +404,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         try:
             req = start(*args, blocking)
         except _TOLD_ERRORS as exc:
-            self._tell_peers(exc, kind, blocking)
+            self._chan.tell_peers(exc, kind, blocking)
             raise
         if not blocking:
             return req
@@ -367,7 +412,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
 
     def _device_call(self, kind, blocking, args, stream):
         from .gpu import pipeline
-        self._check()
+        self._chan.check()
         try:
             req = pipeline.start(self, kind, blocking, args, stream)
         except _TOLD_ERRORS as exc:
@@ -393,14 +438,14 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         return pipeline.info(self)
 
     def _iallreduce(self, sendbuf, recvbuf, op=SUM, _blocking=False):
-        self._check()
+        self._chan.check()
         op = as_op(op)
         s, r = _pair(sendbuf, recvbuf, "Allreduce")
         if s.nbytes != r.nbytes:
             raise R2commBufferError(f"Allreduce: sendbuf has {s.nbytes} bytes, recvbuf {r.nbytes}")
         dtc = reduce_code(r.dtype, op)
         pre = [] if s is r else [(WORK, 0, SEND, 0, r.nbytes)]
-        return self._start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre,
+        return self._chan.start("allreduce", r.nbytes, r.itemsize, dtc, op.code, r, s, extra_pre=pre,
                            blocking=_blocking)
 
     def Ireduce(self, sendbuf, recvbuf, op=SUM, root=0, stream=None):
@@ -414,7 +459,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         self._call("reduce", True, self._ireduce, sendbuf, recvbuf, op, root, stream=stream)
 
     def _ireduce(self, sendbuf, recvbuf, op=SUM, root=0, _blocking=False):
-        self._check()
+        self._chan.check()
         op = as_op(op)
         check_root(root, self.size)
         if self.rank == root:
@@ -425,7 +470,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         else:
             s = _as_array(sendbuf, False, "Reduce sendbuf")
             r, pre = None, []
-        return self._start("reduce", s.nbytes, s.itemsize, reduce_code(s.dtype, op), op.code, r, s,
+        return self._chan.start("reduce", s.nbytes, s.itemsize, reduce_code(s.dtype, op), op.code, r, s,
                            root=root, extra_pre=pre, blocking=_blocking)
 
     def Ibcast(self, buf, root=0, stream=None):
@@ -438,10 +483,10 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         self._call("bcast", True, self._ibcast, buf, root, stream=stream)
 
     def _ibcast(self, buf, root=0, _blocking=False):
-        self._check()
+        self._chan.check()
         check_root(root, self.size)
         b = _as_array(buf, self.rank != root, "Bcast buf")
-        return self._start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root,
+        return self._chan.start("bcast", b.nbytes, b.itemsize, dtype_code(b.dtype), 0, b, None, root=root,
                            blocking=_blocking)
 
     def Iallgather(self, sendbuf, recvbuf, stream=None):
@@ -455,7 +500,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         self._call("allgather", True, self._iallgather, sendbuf, recvbuf, stream=stream)
 
     def _iallgather(self, sendbuf, recvbuf, _blocking=False):
-        self._check()
+        self._chan.check()
         r = _as_blocks(recvbuf, True, "Allgather recvbuf", self.size)
         if r.nbytes % self.size:
             raise R2commBufferError(f"Allgather: recvbuf of {r.nbytes} bytes is not {self.size} "
@@ -475,7 +520,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
                 _check_apart(s, r, "Allgather")
                 pre = [(WORK, self.rank * block, SEND, 0, block)]
         send = None if sendbuf is IN_PLACE else s
-        return self._start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
+        return self._chan.start("allgather", block, r.itemsize, dtype_code(r.dtype), 0, r, send,
                            extra_pre=pre, blocking=_blocking)
 
     def Ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, stream=None):
@@ -491,7 +536,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
                    stream=stream)
 
     def _ireduce_scatter_block(self, sendbuf, recvbuf, op=SUM, _blocking=False):
-        self._check()
+        self._chan.check()
         op = as_op(op)
         if is_in_place(sendbuf):            # recvbuf holds every block: a count is one block's
             s = r = _as_blocks(recvbuf, True, "Reduce_scatter_block recvbuf", self.size)
@@ -518,7 +563,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
             post = functools.partial(np.copyto, out, r)
         elif s is not r:
             _check_apart(s, r, "Reduce_scatter_block")
-        return self._start("reduce_scatter_block", block, s.itemsize, reduce_code(s.dtype, op),
+        return self._chan.start("reduce_scatter_block", block, s.itemsize, reduce_code(s.dtype, op),
                            op.code, r, s, post=post, blocking=_blocking)
 
     def Ialltoall(self, sendbuf, recvbuf, stream=None):
@@ -532,7 +577,7 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         self._call("alltoall", True, self._ialltoall, sendbuf, recvbuf, stream=stream)
 
     def _ialltoall(self, sendbuf, recvbuf, _blocking=False):
-        self._check()
+        self._chan.check()
         r = _as_blocks(recvbuf, True, "Alltoall recvbuf", self.size)
         if is_in_place(sendbuf):
             s = r.copy()
@@ -545,24 +590,24 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         if s.nbytes != r.nbytes or s.nbytes % self.size:
             raise R2commBufferError(f"Alltoall: sendbuf ({s.nbytes} bytes) and recvbuf "
                                     f"({r.nbytes} bytes) must be equal and hold {self.size} blocks")
-        return self._start("alltoall", s.nbytes // self.size, s.itemsize, dtype_code(s.dtype), 0,
+        return self._chan.start("alltoall", s.nbytes // self.size, s.itemsize, dtype_code(s.dtype), 0,
                            r, s, blocking=_blocking)
 
     def Ibarrier(self):
         """Start a barrier; returns a Request that completes once every rank entered it."""
-        self._check()
-        return self._start("barrier", 0, 1, U8, 0, None, None)
+        self._chan.check()
+        return self._chan.start("barrier", 0, 1, U8, 0, None, None)
 
     def Barrier(self):
         """Return once every rank of the communicator has called Barrier."""
-        self._check()
-        self._start("barrier", 0, 1, U8, 0, None, None, blocking=True).Wait()
+        self._chan.check()
+        self._chan.start("barrier", 0, 1, U8, 0, None, None, blocking=True).Wait()
 
     # -- lowercase (objects) ----------------------------------------------------------------------
     def allreduce(self, x, op=SUM):
         """numpy arrays go through the engine and come back as a new array; other Python
         objects go through mpi4py (pickle), as in mpi4py."""
-        self._check()
+        self._chan.check()
         if isinstance(x, np.ndarray):
             src = np.ascontiguousarray(x)
             out = np.empty_like(src)
@@ -573,12 +618,12 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
 
     def bcast(self, obj, root=0):
         """Any picklable object of `root`, returned on every rank (through mpi4py)."""
-        self._check()
+        self._chan.check()
         return self._mpi.bcast(obj, root=root)
 
     def allgather(self, obj):
         """Every rank's picklable object, as a list in rank order (through mpi4py)."""
-        self._check()
+        self._chan.check()
         return self._mpi.allgather(obj)
 
     def barrier(self):
@@ -586,6 +631,6 @@ class Communicator(Channel, VectorCollectives, PointToPoint):
         self.Barrier()
 
     def __repr__(self):
-        return (f"<r2comm.Communicator rank {self.rank}/{self.size} id {self._id} "
+        return (f"<r2comm.Communicator rank {self.rank}/{self.size} id {self._chan.comm_id} "
                 f"rails {len(self._world.boot.rail_addrs)}>")
 

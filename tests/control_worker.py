@@ -33,7 +33,7 @@ def table_of(n, k):
 
 def connected(comm):
     """The ranks this rank holds any connection to (a rail or the control connection)."""
-    eng = comm._engine
+    eng = comm.channel.engine
     out = set()
     for p in range(comm.size):
         if p != comm.rank:
@@ -53,7 +53,7 @@ def sc_same(comm, args):
     peers only (at most 4 of those); then the flood agrees with the tree, call by call."""
     n, me = comm.size, comm.rank
     start = connected(comm)
-    ctl = control.plane(comm)
+    ctl = control.plane(comm.channel)
     tables = [control.allgather(ctl, row_of(me, k)) for k in range(3)]
     fingerprints = [comm.rail_state().fingerprint() for _ in range(2)]
     WORLD.Barrier()
@@ -82,14 +82,14 @@ def sc_updown(comm, args):
     parents = control.control_trees(n)[0 if args.get("tree", "A") == "A" else 1]
     parent = parents[child]
     start = connected(comm)
-    ctl = control.plane(comm)
+    ctl = control.plane(comm.channel)
     struck = []
 
     def hook(plane, call, phase):
         # (this plane's calls only: the plan-switch rounds run allgathers of their own)
         if plane is ctl and call == 1 and phase == control.DOWN_A and plane.rank == parent:
             for k in range(len(comm.rails)):
-                plane.fail_rail(k, args.get("mode", "hard"), peer=child)
+                comm.fail_rail(k, args.get("mode", "hard"), peer=child)   # (one engine)
             struck.append(time.monotonic())
     control.on_phase = hook
     try:
@@ -127,7 +127,7 @@ def sc_partition(comm, args):
     x = np.arange(n, dtype=np.float64)
     y = np.empty_like(x)
     comm.Alltoall(x, y)
-    ctl = control.plane(comm)
+    ctl = control.plane(comm.channel)
     WORLD.Barrier()
     if me >= n // 2:
         for k in range(len(comm.rails)):

@@ -331,7 +331,7 @@ def sc_autoreplan(comm, args):
     agreed = WORLD.allgather(after)
     check(len(set(agreed)) == 1, f"all ranks chose the same schedule: {agreed}")
     if r == 0:
-        print(f"AUTOREPLAN before={before} after={after} beta={comm._state.beta():.2f}", flush=True)
+        print(f"AUTOREPLAN before={before} after={after} beta={comm.channel.plan_state.beta():.2f}", flush=True)
     # the static plan: the ring, or recursive halving for 4 ranks of one host (8 MiB)
     flat = "rabenseifner" if n == 4 and comm.topology()["nhosts"] == 1 else "ring"
     check(before == flat and after.startswith("degraded"), f"switched {before} -> {after}")
@@ -402,7 +402,7 @@ def sc_signals(comm, args):
         reqs = [comm.Isend(buf, 1, tag=7) for _ in range(5)]
         for q in reqs:
             q.Wait()
-        drained = comm._engine.drain(3.0)      # rank 1 sleeps: its progress thread must ack
+        drained = comm.channel.engine.drain(3.0)      # rank 1 sleeps: its progress thread must ack
         check(drained, "eager sends to rank 1 never acknowledged while it slept")
         WORLD.Barrier()
     elif r == 1:
@@ -535,7 +535,7 @@ def sc_integrity(comm, args):
     hit = 0
     for attempt in range(10):
         if r == 0:
-            testing.corrupt_next(comm._engine, 1, 0)
+            testing.corrupt_next(comm.channel.engine, 1, 0)
         comm.Allreduce(x, y)
         check(np.array_equal(y, ref), f"allreduce with a frame altered on the wire ({attempt})")
         done += 1

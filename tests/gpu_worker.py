@@ -182,7 +182,7 @@ def sc_standin_twinwrap(comm, args):
     cnt = 0
     d = comm.Dup()
     for c, start in ((comm, 2**24 - 2), (comm, 2**25 + 5), (comm, 2**30 - 2), (d, 2**32 - 2)):
-        c.seek_seq(start)
+        c.channel.seek_seq(start)
         # the next device call's number (with seek_seq, to cross wraps): the test's own reach
         pipeline._of(c).calls = start & (2**30 - 1) & pipeline._CALLS_MASK
         for i in range(4):
@@ -197,7 +197,7 @@ def sc_standin_twinwrap(comm, args):
         check(h[0] == n * (n - 1) // 2, f"host allreduce after {start}")
         cnt += 1
     calls = pipeline.device_calls(d)
-    check(d.next_call == 3 and calls == 2, f"the counters did not wrap: {d.next_call} {calls}")
+    check(d.channel.next_call == 3 and calls == 2, f"the counters did not wrap: {d.channel.next_call} {calls}")
     d.Free()
     return cnt
 

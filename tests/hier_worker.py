@@ -71,10 +71,10 @@ def _executor_bits(comm, xs):
     """What the schedules compute, run by the pure-Python executor (every rank's schedule)."""
     from test_planner import run_allreduce
     n, nb = comm.size, xs[0].nbytes
-    scheds = [planner.build("allreduce", k, n, nb, 4, 0, comm._cfg.eager, comm._cfg.algo,
-                            comm._state, True, comm._topo) for k in range(n)]
+    scheds = [planner.build("allreduce", k, n, nb, 4, 0, comm.channel.config.eager, comm.channel.config.algo,
+                            comm.channel.plan_state, True, comm.channel.topo) for k in range(n)]
     check(scheds[comm.rank].msgs == comm.schedule("allreduce", nb, 4).msgs, "not the comm's plan")
-    return run_allreduce(scheds, xs, "SUM", chunk=comm._cfg.chunk_size, seed=comm.rank)[0]
+    return run_allreduce(scheds, xs, "SUM", chunk=comm.channel.config.chunk_size, seed=comm.rank)[0]
 
 
 def sc_topology(comm, args):

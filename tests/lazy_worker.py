@@ -29,7 +29,7 @@ def fds():
 
 def states(comm, peer):
     """[state of each data rail, then the control connection] to global rank `peer`."""
-    eng = comm._engine
+    eng = comm.channel.engine
     nr = len(eng.rail_stats()[peer])
     return [eng.links.link_state(peer, k) for k in range(nr + 1)]
 
@@ -42,7 +42,7 @@ def connected(comm):
 
 def plan_peers(comm, *plans):
     """Global ranks the given plans (comm.schedule(...) schedules) send to or receive from."""
-    return {comm._members[m[1]] for sched in plans for m in sched.msgs}
+    return {comm.channel.world_rank(m[1]) for sched in plans for m in sched.msgs}
 
 
 def ring(args):
@@ -115,7 +115,7 @@ def far(args):
           f"connection ({nconn})")
     ev = [e for e in comm.events if e["kind"] in ("rail_failed", "rail_never_up")]
     check(not ev, f"failures while connecting: {ev}")
-    stats = comm._engine.rail_stats()[partner]
+    stats = comm.channel.engine.rail_stats()[partner]
     check(all(row[6] == 0 for row in stats), f"a rail replaced or failed: {stats}")
     w.Barrier()
     # ANY_SOURCE: rank 0 receives from a rank it never connected to (the sender connects)
@@ -180,7 +180,7 @@ def dead_nic(args):
     if me in (0, far):
         other = far if me == 0 else 0
         data = np.arange(1 << 15, dtype=np.float64)
-        before = comm._engine.rail_stats()[other][1][1 if me == 0 else 2]
+        before = comm.channel.engine.rail_stats()[other][1][1 if me == 0 else 2]
     w.Barrier()
     if me in (0, far):
         if me == 0:
@@ -189,7 +189,7 @@ def dead_nic(args):
             got = np.empty_like(data)
             comm.Recv(got, 0, tag=2)
             check(np.array_equal(got, data), "data after fail-back")
-        after = comm._engine.rail_stats()[other][1][1 if me == 0 else 2]
+        after = comm.channel.engine.rail_stats()[other][1][1 if me == 0 else 2]
         check(after - before >= data.nbytes, f"rail 1 carried {after - before} bytes")
         if me == 0:
             print(f"RESTORED {time.monotonic() - t0:.2f}", flush=True)

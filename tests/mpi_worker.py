@@ -373,8 +373,8 @@ def sc_drain(comm, args):
             out = np.empty_like(buf)
             comm.Recv(out, 0, tag=i)
             check(np.array_equal(out, buf + i), "eager message")
-            check(comm._engine.drain(2.0), "drained")
-            left += sum(c[3] for rails in testing.debug_state(comm._engine)["unsent"].values()
+            check(comm.channel.engine.drain(2.0), "drained")
+            left += sum(c[3] for rails in testing.debug_state(comm.channel.engine)["unsent"].values()
                         for c in rails)
         WORLD.Barrier()
     check(left == 0, f"{left} delayed acks still queued after drain()")
@@ -394,7 +394,7 @@ def sc_spinon(comm, args):
     x = data("spin", r, cnt, "int32", SUM)
     ref = reduce_ref("spin", n, cnt, "int32", SUM)
     y = np.empty_like(x)
-    eng = comm._engine
+    eng = comm.channel.engine
     check(eng.tuning.spin < 1e-4, f"run with a short spin (R2COMM_SPIN_US), got {eng.tuning.spin}")
     for extend in (1, 0):
         eng.tuning.spin_extend = extend
@@ -441,9 +441,9 @@ def sc_contended(comm, args):
         for h in hogs:
             h.kill()
             h.wait()
-    pre = WORLD.allreduce(comm._engine.tuning.spin_preempted)
+    pre = WORLD.allreduce(comm.channel.engine.tuning.spin_preempted)
     check(pre > 0, f"no contended spin noticed in {done} allreduces next to {os.cpu_count()} hogs")
-    check(WORLD.allreduce(comm._engine.tuning.spin_yields) > 0, "spinning waiters never yielded the CPU")
+    check(WORLD.allreduce(comm.channel.engine.tuning.spin_yields) > 0, "spinning waiters never yielded the CPU")
     if r == 0:
         print(f"CONTENDED ops={done} preempted_spins={pre}", flush=True)
     return 1
@@ -465,27 +465,27 @@ def sc_fastpath(comm, args):
                 for how in ("r2", "mpi", "inplace"):
                     case = f"fast-{dtype}-{op.name}-{cnt}-{how}"
                     x = data(case, r, cnt, dtype, op)
-                    seq = comm.next_call
+                    seq = comm.channel.next_call
                     if how == "inplace":
                         y = x.copy()
                         comm.Allreduce(r2comm.IN_PLACE, y, op)
                     else:
                         y = np.frombuffer(np.random.bytes(x.nbytes), x.dtype).copy()
                         comm.Allreduce(x, y, mpi_ops[op.name] if how == "mpi" else op)
-                    check(comm.next_call == seq + 1, f"{case}: {comm.next_call - seq} sequence numbers")
+                    check(comm.channel.next_call == seq + 1, f"{case}: {comm.channel.next_call - seq} sequence numbers")
                     check(np.array_equal(y, reduce_ref(case, n, cnt, dtype, op)), case)
                     count += 1
-    check(any(k[0] == "fast" and v for k, v in comm._plans.items()), "no call took the fast path")
+    check(any(k[0] == "fast" and v for k, v in comm.channel._plans.items()), "no call took the fast path")
     # the fast path's plans go with the others: an algorithm switched in-job (as
     # bench/testbed_hier.py does) is what the next call runs
     x = np.full(1 << 16, r + 1, np.float32)
     for algo in ("ring", "recursive_doubling", ""):
-        comm._cfg.algo = algo
-        comm._plans.clear()
+        comm.channel.config.algo = algo
+        comm.channel._plans.clear()
         y = np.empty_like(x)
         comm.Allreduce(x, y)
         check(np.all(y == n * (n + 1) / 2), f"allreduce with algo {algo!r}")
-        ran = [v[0].algo for k, v in comm._plans.items() if k[0] == "fast" and v]
+        ran = [v[0].algo for k, v in comm.channel._plans.items() if k[0] == "fast" and v]
         check(ran == [comm.schedule("allreduce", x.nbytes, 4).algo] and (ran[0] == algo or not algo),
               f"algo {algo!r}: the fast path ran {ran}")
     count += 3
@@ -543,7 +543,7 @@ def sc_seqwrap(comm, args):
     error that takes a sequence number. All exact; the sequence wrapped."""
     n, r = comm.size, comm.rank
     start = int(args.get("start", 2**32 - 3))
-    comm.seek_seq(start)
+    comm.channel.seek_seq(start)
     count = 0
     for i in range(8):
         x = np.array([r + i], np.int64)                           # 8 bytes: the fast path
@@ -555,10 +555,10 @@ def sc_seqwrap(comm, args):
         comm.Allreduce(big, out, SUM)
         check(np.array_equal(out, reduce_ref(f"wrap-{i}", n, 300_000, "int32", SUM)), f"big {i}")
         count += 2
-    check(comm.next_call < 100, f"sequence did not wrap: {comm.next_call}")
+    check(comm.channel.next_call < 100, f"sequence did not wrap: {comm.channel.next_call}")
     # (sequences only go forward: each case below starts a new communicator near the wrap)
     d = comm.Dup()
-    d.seek_seq(2**32 - 2)                                          # in flight across the wrap
+    d.channel.seek_seq(2**32 - 2)                                          # in flight across the wrap
     xs = [np.full(1000, r + k, np.float64) for k in range(5)]
     ys = [np.zeros(1000) for _ in range(5)]
     reqs = [d.Iallreduce(xs[k], ys[k], SUM) for k in range(5)]
@@ -572,10 +572,10 @@ def sc_seqwrap(comm, args):
     d.Barrier()
     d.Free()
     d = comm.Dup()
-    d.seek_seq(2**32 - 1)                                          # an error takes the last one
+    d.channel.seek_seq(2**32 - 1)                                          # an error takes the last one
     expect(r2comm.R2commError, lambda: d.Allreduce(np.zeros(3), np.zeros(2), SUM)
            if r == 0 else d.Allreduce(np.zeros(3), np.zeros(3), SUM), "size error at 2**32-1")
-    check(d.next_call == 0, f"an error's sequence number did not wrap: {d.next_call}")
+    check(d.channel.next_call == 0, f"an error's sequence number did not wrap: {d.channel.next_call}")
     for i in range(4):
         y = np.zeros(1, np.int64)
         d.Allreduce(np.array([i], np.int64), y, SUM)
@@ -598,12 +598,12 @@ def sc_prepared(comm, args):
                 case = f"prep-{dtype}-{op.name}-{cnt}"
                 x = data(case, r, cnt, dtype, op)
                 y = np.empty_like(x)
-                seq = comm.next_call
+                seq = comm.channel.next_call
                 if r == 1 and cnt == 3:            # the peer's call is non-blocking
                     comm.Iallreduce(x, y, op).Wait()
                 else:
                     comm.prepare_allreduce(x.nbytes, x.dtype, op)(x, y)
-                check(comm.next_call == seq + 1, f"{case}: {comm.next_call - seq} sequence numbers")
+                check(comm.channel.next_call == seq + 1, f"{case}: {comm.channel.next_call - seq} sequence numbers")
                 check(np.array_equal(y, reduce_ref(case, n, cnt, dtype, op)), case)
                 count += 1
     for bad in ((0, "float32"), (6, "float32"), (8, "complex128"), (8.0, "float64")):
@@ -620,14 +620,14 @@ def sc_prepared(comm, args):
     run(x, y)
     check(np.all(y == n * (n + 1) / 2), "a prepared call after the errors")
     count += 8
-    comm._cfg.replan_every = 4                # where the fast path does not apply (a re-plan
+    comm.channel.config.replan_every = 4                # where the fast path does not apply (a re-plan
     for i in range(12):                       # check due), the general path runs the call
         x = np.full(2, r + i, np.float64)
-        seq = comm.next_call
+        seq = comm.channel.next_call
         run(x, y)
-        check(comm.next_call == seq + 1, f"prepared call {i}, re-plan checks: {comm.next_call - seq}")
+        check(comm.channel.next_call == seq + 1, f"prepared call {i}, re-plan checks: {comm.channel.next_call - seq}")
         check(np.all(y == n * (n - 1) / 2 + n * i), f"prepared call {i} with re-plan checks")
-    comm._cfg.replan_every = 0
+    comm.channel.config.replan_every = 0
     count += 1
     d = comm.Dup()
     run_d = d.prepare_allreduce(8, np.float64, SUM)
@@ -718,7 +718,7 @@ def main(scenarios=None, default_timeout=30, dump_after=240, comm_kwargs=None):
     except BaseException:
         for ev in comm.events[-30:]:
             print(f"rank {WORLD.rank} event: {ev}", file=sys.stderr)
-        print(f"rank {WORLD.rank} state: {testing.debug_state(comm._engine)}", file=sys.stderr,
+        print(f"rank {WORLD.rank} state: {testing.debug_state(comm.channel.engine)}", file=sys.stderr,
               flush=True)
         raise
     total = WORLD.allreduce(count)

@@ -38,7 +38,7 @@ def switch_calls(comm):
     """{epoch: first call of that epoch} from this rank's `replanned` events."""
     out = {}
     for e in comm.events:
-        if e["kind"] == "replanned" and e["info"].startswith(f"communicator {comm.comm_id}:"):
+        if e["kind"] == "replanned" and e["info"].startswith(f"communicator {comm.channel.comm_id}:"):
             words = e["info"].split()
             out[int(words[3])] = int(words[6].rstrip(":"))
     return out
@@ -102,7 +102,7 @@ def sc_nicdown(comm, args):
     check(comm.epoch == 1, f"rank {r}: epoch {comm.epoch} after the NIC failure")
     check(rails_up(comm) == want, f"rank {r}: rails_up_per_host {rails_up(comm)}, want {want}")
     # the rail towards every rank of the victim host is down, whether it ever carried a byte
-    stats = comm.engine.rail_stats()
+    stats = comm.channel.engine.rail_stats()
     if r not in mine:
         rows = {p: stats[p][rail][0] for p in mine}
         check(all(v == "down" for v in rows.values()), f"rank {r}: rail {rail} to host "
@@ -118,7 +118,7 @@ def sc_nicdown(comm, args):
               for p in range(n)), "alltoall after the fact: exact")
     row["alltoall_s"] = round(time.monotonic() - t, 3)
     if r not in mine:
-        states = {p: comm.engine.links.link_state(p, rail) for p in mine}
+        states = {p: comm.channel.engine.links.link_state(p, rail) for p in mine}
         check(all(v in ("off", "down") for v in states.values()),
               f"rank {r}: rail {rail} to host {victim} after a first use: {states}")
     never = [e for e in comm.events if e["kind"] == "rail_never_up" and e["rail"] == rail]
@@ -216,7 +216,7 @@ def sc_noreplan(comm, args):
     victim = n // G - 1
     mine = [p for p in range(n) if p // G == victim]
     rng = np.random.default_rng(r)
-    check(not comm.config.replan_auto and comm.config.replan_every == 0, "R2COMM_REPLAN=0")
+    check(not comm.channel.config.replan_auto and comm.channel.config.replan_every == 0, "R2COMM_REPLAN=0")
     checks, _, _ = stream_until(comm, "warm", lambda: True, 0, rng)
     if r in mine:
         comm.fail_rail(rail, "hard")
@@ -227,9 +227,9 @@ def sc_noreplan(comm, args):
     check(comm._world.facts.level(key) == 0, f"rank {r}: the NIC's fact arrived")
     c, _, _ = stream_until(comm, "more", lambda: False, 0.5, rng)
     checks += c
-    check(comm.epoch == 0 and comm._state is None, f"rank {r}: the plans moved: {comm.epoch}")
+    check(comm.epoch == 0 and comm.channel.plan_state is None, f"rank {r}: the plans moved: {comm.epoch}")
     if r not in mine:
-        stats = comm.engine.rail_stats()
+        stats = comm.channel.engine.rail_stats()
         check(all(stats[p][rail][0] == "down" for p in mine), f"rank {r}: rail {rail} to host "
               f"{victim}: {[stats[p][rail][0] for p in mine]}")
     st = comm.replan()

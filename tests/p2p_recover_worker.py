@@ -36,7 +36,7 @@ def wait_for(cond, limit, what):
 
 
 def pair_up(comm, peer):
-    return comm._engine.links.peer_ok(peer) and all(ra.state == "up" for ra in comm.rails)
+    return comm.channel.engine.links.peer_ok(peer) and all(ra.state == "up" for ra in comm.rails)
 
 
 def recv_expect(comm, src, i, words, source=None, tag=r2comm.ANY_TAG):
@@ -64,7 +64,7 @@ def fail_the_pair(comm, peer):
         big = comm.Isend(msg(r, 2, BIG), peer, tag=7)                   # fails once lost
         pending[0].Wait()
         expect(r2comm.R2commError, big.Wait, "a large send while every rail is down")
-    wait_for(lambda: not comm._engine.links.peer_ok(peer), 15, "the peer held lost")
+    wait_for(lambda: not comm.channel.engine.links.peer_ok(peer), 15, "the peer held lost")
     WORLD.Barrier()
     for i, words in ((3, BIG), (4, 5)):
         expect(r2comm.R2commNetworkError, lambda: comm.Send(msg(r, i, words), peer, tag=7),

@@ -48,7 +48,7 @@ class NoBootstrap:
 
 
 def rail_rows(comm):
-    return comm._engine.rail_stats()
+    return comm.channel.engine.rail_stats()
 
 
 def sc_probe(comm, args):
@@ -136,14 +136,14 @@ def until_epoch_above(comm, e, label, limit=15.0, start=0):
 
 def sc_epoch(comm, args):
     n, r = comm.size, comm.rank
-    check(comm._cfg.replan_every == 1, "run with R2COMM_REPLAN=1")
+    check(comm.channel.config.replan_every == 1, "run with R2COMM_REPLAN=1")
     check(comm.epoch == 0, "epoch 0 before the first operation")
     real = comm._mpi
     comm._mpi = NoBootstrap(real)
     try:
         allreduce_checked(comm, 0)
         e1 = agreed(comm, "first operation")
-        check(e1 == 0 and comm._state is None, f"first check: epoch {e1}, static plans")
+        check(e1 == 0 and comm.channel.plan_state is None, f"first check: epoch {e1}, static plans")
         for i in range(1, 4):
             allreduce_checked(comm, i)
             check(agreed(comm, f"op {i}") == 0, "no change, no new epoch")
@@ -151,7 +151,7 @@ def sc_epoch(comm, args):
             comm.fail_rail(1, "hard")
         e2, i = until_epoch_above(comm, e1, "after NIC loss", start=4)
         check(e2 > e1, f"the epoch changed after the NIC loss ({e1} -> {e2})")
-        st = comm._state
+        st = comm.channel.plan_state
         check(st is not None and not st.healthy(), "plans follow the degraded state")
         if n >= 3:
             check(st.degraded_ranks() == [n - 1], f"degraded: {st.describe()}")
@@ -168,7 +168,7 @@ def sc_epoch(comm, args):
 
 def sc_broken(comm, args):
     n, r = comm.size, comm.rank
-    check(n >= 3 and comm._cfg.replan_every == 1, "n >= 3, R2COMM_REPLAN=1")
+    check(n >= 3 and comm.channel.config.replan_every == 1, "n >= 3, R2COMM_REPLAN=1")
     allreduce_checked(comm, 0)
     e1 = agreed(comm, "first")
     nrails = len(comm.rails)
@@ -196,7 +196,7 @@ def sc_broken(comm, args):
     finally:
         comm._mpi = real
     e2 = agreed(comm, "after the broken pair")
-    st = comm._state
+    st = comm.channel.plan_state
     check(e2 > e1 and st is not None and st.broken_pairs() == [(0, 1)],
           f"epoch {e1} -> {e2}, state {None if st is None else st.describe()}")
     for i in range(2, 5):
@@ -273,8 +273,8 @@ def sc_slowhedge(comm, args):
     for i in range(10):
         for p in range(n):                     # again each time: acks re-measure the rails
             if p != r:                         # (windows of one chunk: both rails get some)
-                comm._engine.tuning.set_rail_rate(p, 0, 4e6)
-                comm._engine.tuning.set_rail_rate(p, 1, 1e6)
+                comm.channel.engine.tuning.set_rail_rate(p, 0, 4e6)
+                comm.channel.engine.tuning.set_rail_rate(p, 1, 1e6)
         WORLD.Barrier()
         allreduce_checked(comm, i, cnt)
     hedged = WORLD.allreduce(sum(ra.bytes_hedged for ra in comm.rails) - hedged0)

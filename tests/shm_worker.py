@@ -73,7 +73,7 @@ def sc_collectives(comm, args):
         check(links[p]["bytes_sent"] > 0 and links[p]["bytes_recv"] > 0,
               f"rank {r}: no traffic on the shm link to {p}: {links[p]}")
         check(links[p]["failures"] == 0, f"shm link to {p} failed: {links[p]}")
-    bells = testing.shm_bells(comm._engine)        # doorbells rung, per live shm link
+    bells = testing.shm_bells(comm.channel.engine)        # doorbells rung, per live shm link
     check(set(bells) == want and all(b >= 0 for b in bells.values()),
           f"rank {r}: doorbell counts {bells} for shm peers {sorted(want)}")
     nic = sum(ra.bytes_sent for ra in comm.rails) - nic0
@@ -165,7 +165,7 @@ def sc_relink(comm, args):
     ops = 0
     for k in range(40):
         if r == 0 and k == 5:
-            testing.corrupt_next(comm._engine, 1, 0)
+            testing.corrupt_next(comm.channel.engine, 1, 0)
         comm.Allreduce(x, y)
         check(np.array_equal(y, ref), f"allreduce {k} exact")
         ops += 1
@@ -179,7 +179,7 @@ def sc_relink(comm, args):
         while time.monotonic() < until and comm.shm_peers[peer]["state"] != "up":
             time.sleep(0.05)
         check(comm.shm_peers[peer]["state"] == "up", f"link not back: {comm.shm_peers}")
-        check(comm._engine.links.transports()[peer] == ["shm"], "the link came back as shm")
+        check(comm.channel.engine.links.transports()[peer] == ["shm"], "the link came back as shm")
         if r == 0:
             print(f"RELINK events {kinds}", flush=True)
     _no_segments_left(comm)

@@ -85,7 +85,7 @@ def collectives(comm, tag):
 
 def rail_bytes(comm, peer_rails):
     """{(peer, rail): (sent, recv)} of this rank's engine (world ranks)."""
-    stats = comm._engine.rail_stats()
+    stats = comm.channel.engine.rail_stats()
     return {(p, k): (stats[p][k][1], stats[p][k][2]) for (p, k) in peer_rails}
 
 
@@ -108,12 +108,12 @@ def sc_dead_rail(comm, args, took, cpu):
                            "down" if len(down_peers) == ra.peers else "degraded"), str(ra))
     done = collectives(comm, "start")
     dup = comm.Dup()                    # a derived communicator plans for the start state too
-    check((dup._state is None) == (comm._state is None), "Dup follows the start-up state")
+    check((dup.channel.plan_state is None) == (comm.channel.plan_state is None), "Dup follows the start-up state")
     done += collectives(dup, "dup")
     dup.Free()
     row = {"rank": r, "took_s": round(took, 3), "cpu_s": round(cpu, 3),
            "never_up": sorted(never), "rails": [(ra.state, ra.peers_up) for ra in rails],
-           "epoch_state": None if comm._state is None else comm._state.describe(),
+           "epoch_state": None if comm.channel.plan_state is None else comm.channel.plan_state.describe(),
            "kinds": sorted({e["kind"] for e in evs})}
     if args.get("heal") == "1":
         before = rail_bytes(comm, mine)
@@ -142,7 +142,7 @@ def sc_dead_rail(comm, args, took, cpu):
             while True:
                 done += collectives(comm, f"follow{k}")
                 k += 1
-                st = comm._state
+                st = comm.channel.plan_state
                 relayed = st is not None and bool(st.broken_pairs())
                 late = time.monotonic() > deadline
                 if WORLD.allreduce(1 if relayed and not late else 0) == 0:

@@ -89,20 +89,20 @@ class Plane:
     def connect(self, ranks):
         pass
 
-    def Isend(self, buf, dest, tag):
-        ok = self.net.send(self.rank, dest, tag, buf)
+    def message(self, kind, buf, peer, tag, status=None, rail=None):
+        if kind == "send":
+            ok = self.net.send(self.rank, peer, tag, buf)
 
-        def outcome(timeout):
-            if not ok:
-                raise R2commNetworkError("send failed")
-        return Req(outcome)
+            def outcome(timeout):
+                if not ok:
+                    raise R2commNetworkError("send failed")
+            return Req(outcome)
 
-    def Irecv(self, buf, source, tag, status=None):
-        def outcome(timeout):
-            count = self.net.recv(source, self.rank, tag, buf, timeout)
+        def received(timeout):
+            count = self.net.recv(peer, self.rank, tag, buf, timeout)
             if status is not None:
                 status.count = count
-        return Req(outcome)
+        return Req(received)
 
 
 def run(n, calls=4, hook=None, state=None, before=(), timeout=5.0, fn=control.allgather,

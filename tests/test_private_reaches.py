@@ -144,3 +144,32 @@ def f(a, comm, mod):
     got = sorted(t for _, t in reaches(src, "r2comm.m", submodules={"_sub"}))
     assert got == ["comm._seq", "comm._world", "from .other import _helper", "mod._cache",
                    "os._exit"]
+
+
+def _chan_uses(path):
+    """The attributes communicator.py and its two parts (front/pt2pt.py, front/vcoll.py) use
+    on the Channel they hold: self._chan.<name>."""
+    used = set()
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                node.value.attr == "_chan" and isinstance(node.value.value, ast.Name) and \
+                node.value.value.id == "self":
+            used.add(node.attr)
+    return used
+
+
+def test_communicator_holds_its_channel_and_uses_its_interface_only():
+    """Issue 43: the Communicator is not a Channel (composition, not a subclass), and what it
+    and its parts ask of the Channel it holds is the Channel's public interface."""
+    from r2comm.channel import Channel
+    from r2comm.communicator import Communicator
+    assert not issubclass(Communicator, Channel)
+    used = set()
+    for rel in ("communicator.py", "front/pt2pt.py", "front/vcoll.py"):
+        used |= _chan_uses(os.path.join(ROOT, "r2comm", rel))
+    assert {"start", "check", "tell_peers", "message"} <= used, used   # the checker sees them
+    for name in sorted(used):
+        assert not name.startswith("_"), f"Communicator reads Channel.{name}"
+        assert hasattr(Channel, name), f"Channel has no {name}"

@@ -57,7 +57,7 @@ def test_probe_off(env):
                           "from mpi4py import MPI\n"
                           "c = r2comm.Communicator(MPI.COMM_WORLD)\n"
                           "assert c.probe_result is None\n"
-                          "assert all(row[7] == 0 for rows in c._engine.rail_stats().values() "
+                          "assert all(row[7] == 0 for rows in c.channel.engine.rail_stats().values() "
                           "for row in rows)\n"
                           "print('OFF', c.rank)\nc.Free()" % ROOT],
                       timeout=30, env=env)

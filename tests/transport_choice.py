@@ -9,6 +9,6 @@ except r2comm.R2commError as exc:
     print(f"CHOICE {MPI.COMM_WORLD.rank} {type(exc).__name__} {exc}", flush=True)
 else:
     print(f"CHOICE {comm.rank} transports {','.join(r.transport for r in comm.rails)} "
-          f"engine {sorted(set(t for row in comm._engine.links.transports().values() for t in row))}",
+          f"engine {sorted(set(t for row in comm.channel.engine.links.transports().values() for t in row))}",
           flush=True)
     comm.Free()

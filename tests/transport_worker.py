@@ -18,7 +18,7 @@ from fault_worker import run_collective, COLLS
 def sc_fake(comm, args):
     seed, trials = int(args.get("seed", 1)), int(args.get("trials", 20))
     checks = 0
-    stats = testing.transport_stats(comm._engine)
+    stats = testing.transport_stats(comm.channel.engine)
     assert stats["transport"] == "fake", stats
     for t in range(trials):
         rng = np.random.default_rng([seed, t])           # the same plan on every rank
@@ -28,7 +28,7 @@ def sc_fake(comm, args):
     # a completion lost near the end fails its rail a rail deadline later: wait for that
     time.sleep(float(args.get("settle", 0.8)))
     WORLD.Barrier()
-    stats = testing.transport_stats(comm._engine)
+    stats = testing.transport_stats(comm.channel.engine)
     kinds = {}
     for ev in comm.events:
         kinds[ev["kind"]] = kinds.get(ev["kind"], 0) + 1

@@ -29,14 +29,14 @@ def sc_treefold(comm, args):
     for frac in (None, 0.0, 0.4):
         for cnt, dtype, op in CASES:
             def fn(nbytes, isz, frac=frac):
-                return treefold.allreduce_treefold(r, n, nbytes, isz, comm._cfg.eager, st,
+                return treefold.allreduce_treefold(r, n, nbytes, isz, comm.channel.config.eager, st,
                                                    frac=frac)
             s = allreduce_case(comm, fn, f"tf-{frac}-{cnt}-{dtype}", cnt, dtype, op)
             check(s.algo == "treefold", s.algo)
             count += 1
     for cnt, dtype, op in CASES[2:]:
         def fn(nbytes, isz):
-            return planner.build("allreduce", r, n, nbytes, isz, 0, comm._cfg.eager, "treefold",
+            return planner.build("allreduce", r, n, nbytes, isz, 0, comm.channel.config.eager, "treefold",
                                  st)
         s = allreduce_case(comm, fn, f"tf-build-{cnt}", cnt, dtype, op)
         check(s.algo == "treefold", s.algo)

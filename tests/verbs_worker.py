@@ -200,7 +200,7 @@ def fault(comm, args):
             if any(carried) or time.monotonic() > t_end:
                 break
         assert any(carried), f"restored rail carries nothing in {extra} ops: {comm.rails} " \
-                             f"{testing.debug_state(comm._engine)}"
+                             f"{testing.debug_state(comm.channel.engine)}"
     pause = max(times) - sorted(times)[len(times) // 2]
     return (f"{ops} ops bitwise equal to the fault-free run; slowest op {max(times) * 1e3:.0f} ms "
             f"(median {sorted(times)[len(times) // 2] * 1e3:.0f} ms, pause {pause * 1e3:.0f} ms); "
@@ -355,7 +355,7 @@ def watchdog(comm, seconds):
             for ev in comm.events:
                 print(f"EVENT {comm.rank} {ev['kind']} peer {ev['peer']} rail {ev['rail']}: "
                       f"{ev['info'][:200]}", flush=True)
-            print(f"STATE {comm.rank} {testing.debug_state(comm._engine)}", flush=True)
+            print(f"STATE {comm.rank} {testing.debug_state(comm.channel.engine)}", flush=True)
         finally:
             os._exit(3)
     t = threading.Timer(seconds, fire)

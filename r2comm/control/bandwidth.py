@@ -117,7 +117,7 @@ def run(comm, nbytes, rail_up, nrails, eager, timeout=30.0, reps=REPS, max_msg_s
         budget_s=BUDGET_S, hosts=None, max_rails=None, reachable=None):
     """Probe every rail to the ring neighbours of `comm` (collective: every rank calls it).
 
-    comm: a Communicator (the control plane), rail_up(peer, rail) -> bool, nrails(peer) ->
+    comm: a Channel (the control plane, tree.plane), rail_up(peer, rail) -> bool, nrails(peer) ->
     rails towards that peer, eager: the eager limit (timed messages must be larger), hosts:
     each rank's host name (slots()), max_rails: the most rails any rank has (it sets the
     number of barriers, so it must be the same on every rank, as must nbytes), reachable(peer)
@@ -137,20 +137,20 @@ def run(comm, nbytes, rail_up, nrails, eager, timeout=30.0, reps=REPS, max_msg_s
             if me in (a, b):
                 partner = b if me == a else a
         for k in range(maxr):
-            comm.Barrier()
+            comm.barrier()
             if partner is None or k >= nrails(partner) or \
                     (reachable is not None and not reachable(partner)):
                 continue
             tag = TAG0 + (k << 8)
-            recvs = [comm.Irecv(rbufs[i], partner, tag + i) for i in range(1 + reps)]
+            recvs = [comm.message("recv", rbufs[i], partner, tag + i) for i in range(1 + reps)]
             measure = rail_up(partner, k) and time.perf_counter() - t_start < budget_s
             best, size = 0.0, nbytes
             for i in range(1 + reps):
                 if not measure:
-                    comm.Isend(sbuf[:1], partner, tag + i).Wait(timeout)
+                    comm.message("send", sbuf[:1], partner, tag + i).Wait(timeout)
                     continue
                 t = time.perf_counter()
-                comm.Isend(sbuf[:size], partner, tag + i, rail=k).Wait(timeout)
+                comm.message("send", sbuf[:size], partner, tag + i, rail=k).Wait(timeout)
                 dt = max(time.perf_counter() - t, 1e-9)
                 if i == 0:                        # the warm-up: sizes the rest
                     if dt > max_msg_s:
@@ -164,7 +164,7 @@ def run(comm, nbytes, rail_up, nrails, eager, timeout=30.0, reps=REPS, max_msg_s
                 rates[(partner, k)] = best
             else:
                 skipped.append((partner, k))
-    comm.Barrier()
+    comm.barrier()
     return ProbeResult(rates, time.perf_counter() - t_start, nbytes, skipped)
 
 

@@ -18,6 +18,8 @@ GPU_GENERATIONS = 64
 class CommIds:
     """Hands out the communicator ids of one world (one engine)."""
 
+    WORLD = 0                    # the world communicator's id
+
     def __init__(self):
         self.next_free = 1       # the world communicator is id 0
 

@@ -1,9 +1,9 @@
 """r2comm's own control plane: small agreements between the ranks of a communicator that go
 through the engine (not through the bootstrap MPI communicator).
 
-Every Communicator has a hidden twin, plane(comm): same ranks, same engine, communicator id
-CONTROL_BIT | id (comm_ids.py), so its operations have their own sequence numbers and tags and
-never match the application's. It follows its communicator's plans (the rail state of the
+Every communicator's Channel has a hidden twin, plane(chan): same ranks, same engine,
+communicator id CONTROL_BIT | id (comm_ids.py), so its operations have their own sequence
+numbers and tags and never match the application's. It follows its communicator's plans (the rail state of the
 agreed epoch). The start-up bandwidth measurement (bandwidth.py), the facts agreement of
 rail_state() / replan() and the epoch check of R2COMM_REPLAN=K run on it; the plan-switch
 rounds of replan.py run on a second twin of their own (epoch_plane).
@@ -75,8 +75,8 @@ _tree_cache = weakref.WeakKeyDictionary()  # control-plane twin -> (state, size,
 
 
 def plane(comm):
-    """The control-plane twin of `comm` (created on first use, the same on every rank); it
-    follows `comm`'s plans (the rail state of its agreed epoch)."""
+    """The control-plane twin of channel `comm` (channel.Channel; created on first use, the
+    same on every rank); it follows `comm`'s plans (the rail state of its agreed epoch)."""
     ctl = _planes.get(comm)
     if ctl is None:
         ctl = _planes[comm] = comm.twin("control")
@@ -85,7 +85,7 @@ def plane(comm):
 
 
 def epoch_plane(comm):
-    """The plan-switch twin of `comm` (replan.py's rounds; created on first use, the same on
+    """The plan-switch twin of channel `comm` (replan.py's rounds; created on first use, the same on
     every rank). Its caller sets the state its trees follow (the one last agreed)."""
     ctl = _epoch_planes.get(comm)
     if ctl is None:
@@ -204,7 +204,7 @@ class _Exchange:
         if not self.reachable(peer):
             return box, None, status
         try:
-            rq = self.ctl.Irecv(box, peer, phase_tag, status)
+            rq = self.ctl.message("recv", box, peer, phase_tag, status)
         except R2commError:
             return box, None, status
         self.pending.append(rq)
@@ -215,7 +215,7 @@ class _Exchange:
         if not self.reachable(peer):
             return
         try:
-            self.pending.append(self.ctl.Isend(table.copy(), peer, phase_tag))
+            self.pending.append(self.ctl.message("send", table.copy(), peer, phase_tag))
         except R2commError:
             pass
 

@@ -23,8 +23,7 @@ from .args import ANY_TAG, ANY_SOURCE, is_any_source, is_proc_null
 from .buffers import as_array
 from ..errors import R2commArgumentError, R2commMismatchError, R2commTruncateError, unsupported
 from ..ops import CODE_DTYPES, dtype_code
-from ..request import GroupRequest, LocalRequest, Prequest, Request, Status, fill_status, poll
-from ..world import engine_module as _engine
+from ..request import GroupRequest, LocalRequest, Prequest, Status, fill_status, poll
 
 
 def _refuse_buffered(name):
@@ -208,24 +207,7 @@ class PointToPoint:
         self.Irecv(buf, source, tag, status).Wait()
 
     def _p2p(self, kind, arr, peer, tag, status=None, rail=None):
-        self._check()
-        any_source = p2p.check(kind, peer, tag, rail, self.rank, self.size,
-                               len(self._world.boot.rail_addrs))
-        eng = _engine()
-        gpeer = -1 if any_source else self._members[peer]
-        if not any_source:                 # on first use (ANY_SOURCE: the sender connects)
-            self._world.links.connect_for((gpeer,))
-        nbytes = arr.nbytes
-        plan, owned = p2p.message_plan(eng.Plan, kind, gpeer, nbytes, self._cfg.eager)
-        b = eng.Buffer(arr, kind == "recv")
-        if kind == "send" and not owned and self._world.regcache is not None:
-            self._world.regcache.note(arr)
-        oid = self._engine.post(plan, b.ptr, 0, 0, dtype_code(arr.dtype), 0, self._id, 0, 0,
-                                self.timeout, [] if any_source else [gpeer], 1, int(tag), nbytes,
-                                -1 if rail is None else int(rail))
-        if status is not None:
-            fill_status(status, peer, tag, 0)
-        return Request(self, oid, [b], None, None, status)
+        return self._chan.message(kind, arr, peer, tag, status, rail)
 
     # -- send and receive at once --------------------------------------------------------------
     def Isendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=None, recvtag=ANY_TAG,
@@ -293,7 +275,7 @@ class PointToPoint:
         receive from `source` with `tag` would take now, or None."""
         if not isinstance(tag, (int, np.integer)) or tag < ANY_TAG:
             raise R2commArgumentError(f"bad tag {tag!r}")
-        self._check()
+        self._chan.check()
         mine = isinstance(source, (int, np.integer)) and source == self.rank
         anyone = is_any_source(source)
         if not (mine or anyone):
@@ -304,11 +286,8 @@ class PointToPoint:
                     return self.rank, m.tag, m.data.nbytes, m.dtc, m
             if mine:
                 return None
-        gpeer = -1 if anyone else self._members[source]
-        hit = self._engine.p2p_probe(self._id, gpeer, int(tag))
-        if hit is None:
-            return None
-        return self.local_rank(hit[0]), hit[1], hit[2], hit[3], None
+        hit = self._chan.probe_message(-1 if anyone else int(source), tag)
+        return None if hit is None else (*hit, None)
 
     def Iprobe(self, source=ANY_SOURCE, tag=ANY_TAG, status=None):
         """Whether a message from `source` with `tag` is here for a receive to take; its

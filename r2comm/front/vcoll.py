@@ -3,7 +3,7 @@ Reduce_scatter with counts) and the prefix reductions (Scan, Exscan), with their
 of Communicator's mpi4py face (a mixin of it). Each checks its arguments as mpi4py reads them
 (buffers.py: a block collective's count is one rank's share; a vector buffer is [buf, counts,
 displs, datatype] or a shorter form, in elements), then runs through the engine like every other
-collective (Channel._start with a layout: planner/vector.py's schedules, with failover)."""
+collective (Channel.start with a layout: planner/vector.py's schedules, with failover)."""
 import numpy as np
 
 from .args import check_root, check_apart, is_in_place, IN_PLACE, device_args
@@ -49,7 +49,7 @@ class VectorCollectives:
     def _relays(self):
         """Whether this call's plans relay around a pair with no working rail (the state it
         runs under: a switch due at it applied first, the same on every rank)."""
-        state = self.plans_for_next_call()
+        state = self._chan.plans_for_next_call()
         return state is not None and state.has_broken_pairs()
 
     def _learn_sizes(self, counts, root):
@@ -67,7 +67,7 @@ class VectorCollectives:
             err = R2commArgumentError(f"{kind}: device buffers take Allreduce, Reduce, Bcast, "
                                       "Allgather, Reduce_scatter_block and Alltoall; copy them "
                                       "to host memory for this call")
-            self._tell_peers(err, kind, blocking)
+            self._chan.tell_peers(err, kind, blocking)
             raise err
         return self._call(kind, blocking, start, *args)
 
@@ -83,7 +83,7 @@ class VectorCollectives:
         self._vcall("gather", True, self._igather, sendbuf, recvbuf, root)
 
     def _igather(self, sendbuf, recvbuf, root, _blocking=False):
-        self._check()
+        self._chan.check()
         check_root(root, self.size)
         if self.rank == root:
             r = as_array(recvbuf, True, "Gather recvbuf", self.size)
@@ -95,7 +95,7 @@ class VectorCollectives:
                 raise R2commArgumentError("Gather: IN_PLACE is for the root's sendbuf only")
             send = as_array(sendbuf, False, "Gather sendbuf")
             work, dt, block = None, send.dtype, send.nbytes
-        return self._start("gather", block, dt.itemsize, dtype_code(dt), 0, work, send,
+        return self._chan.start("gather", block, dt.itemsize, dtype_code(dt), 0, work, send,
                            root=root, layout=(block,), blocking=_blocking)
 
     def Iscatter(self, sendbuf, recvbuf, root=0):
@@ -109,7 +109,7 @@ class VectorCollectives:
         self._vcall("scatter", True, self._iscatter, sendbuf, recvbuf, root)
 
     def _iscatter(self, sendbuf, recvbuf, root, _blocking=False):
-        self._check()
+        self._chan.check()
         check_root(root, self.size)
         if self.rank == root:
             s = as_array(sendbuf, False, "Scatter sendbuf", self.size)
@@ -122,7 +122,7 @@ class VectorCollectives:
                 raise R2commArgumentError("Scatter: IN_PLACE is for the root's recvbuf only")
             work = as_array(recvbuf, True, "Scatter recvbuf")
             send, dt, block, layout = None, work.dtype, work.nbytes, (work.nbytes,)
-        return self._start("scatter", block, dt.itemsize, dtype_code(dt), 0, work, send,
+        return self._chan.start("scatter", block, dt.itemsize, dtype_code(dt), 0, work, send,
                            root=root, layout=layout, blocking=_blocking)
 
     # -- Gatherv / Scatterv --------------------------------------------------------------------
@@ -138,7 +138,7 @@ class VectorCollectives:
         self._vcall("gatherv", True, self._igatherv, sendbuf, recvbuf, root)
 
     def _igatherv(self, sendbuf, recvbuf, root, _blocking=False):
-        self._check()
+        self._chan.check()
         check_root(root, self.size)
         send = None
         if self.rank == root:
@@ -160,7 +160,7 @@ class VectorCollectives:
         every = self._learn_sizes(counts if self.rank == root else None, root)
         if every is not None and self.rank != root:
             layout += (tuple(c * dt.itemsize for c in every),)
-        return self._start("gatherv", 0, dt.itemsize, dtype_code(dt), 0, work, send, root=root,
+        return self._chan.start("gatherv", 0, dt.itemsize, dtype_code(dt), 0, work, send, root=root,
                            layout=layout, blocking=_blocking)
 
     def Iscatterv(self, sendbuf, recvbuf, root=0):
@@ -174,7 +174,7 @@ class VectorCollectives:
         self._vcall("scatterv", True, self._iscatterv, sendbuf, recvbuf, root)
 
     def _iscatterv(self, sendbuf, recvbuf, root, _blocking=False):
-        self._check()
+        self._chan.check()
         check_root(root, self.size)
         if self.rank == root:
             send, counts, displs = as_vector(sendbuf, False, "Scatterv sendbuf", self.size)
@@ -195,7 +195,7 @@ class VectorCollectives:
         every = self._learn_sizes(counts if self.rank == root else None, root)
         if every is not None and self.rank != root:
             layout += (tuple(c * dt.itemsize for c in every),)
-        return self._start("scatterv", 0, dt.itemsize, dtype_code(dt), 0, work, send, root=root,
+        return self._chan.start("scatterv", 0, dt.itemsize, dtype_code(dt), 0, work, send, root=root,
                            layout=layout, blocking=_blocking)
 
     # -- Allgatherv / Alltoallv ----------------------------------------------------------------
@@ -210,7 +210,7 @@ class VectorCollectives:
         self._vcall("allgatherv", True, self._iallgatherv, sendbuf, recvbuf)
 
     def _iallgatherv(self, sendbuf, recvbuf, _blocking=False):
-        self._check()
+        self._chan.check()
         work, counts, displs = as_vector(recvbuf, True, "Allgatherv recvbuf", self.size)
         dt, isz, send, pre = work.dtype, work.itemsize, None, []
         if not is_in_place(sendbuf):
@@ -221,7 +221,7 @@ class VectorCollectives:
                                         f"rank's count is {counts[self.rank]}")
             check_apart(send, work, "Allgatherv")
             pre = [(0, displs[self.rank] * isz, 1, 0, send.nbytes)]     # WORK <- SEND
-        return self._start("allgatherv", 0, isz, dtype_code(dt), 0, work, send,
+        return self._chan.start("allgatherv", 0, isz, dtype_code(dt), 0, work, send,
                            extra_pre=pre, layout=_byte_layout(counts, displs, isz),
                            blocking=_blocking)
 
@@ -236,7 +236,7 @@ class VectorCollectives:
         self._vcall("alltoallv", True, self._ialltoallv, sendbuf, recvbuf)
 
     def _ialltoallv(self, sendbuf, recvbuf, _blocking=False):
-        self._check()
+        self._chan.check()
         work, rc, rd = as_vector(recvbuf, True, "Alltoallv recvbuf", self.size)
         if is_in_place(sendbuf):
             send, sc, sd = work.copy(), rc, rd
@@ -251,7 +251,7 @@ class VectorCollectives:
             self.Allgather(np.array(sc, np.int64) * isz, rows)
             layout += (tuple(tuple(int(v) for v in rows[i * self.size:(i + 1) * self.size])
                              for i in range(self.size)),)
-        return self._start("alltoallv", 0, isz, dtype_code(work.dtype), 0, work, send,
+        return self._chan.start("alltoallv", 0, isz, dtype_code(work.dtype), 0, work, send,
                            layout=layout, blocking=_blocking)
 
     # -- Reduce_scatter with counts ------------------------------------------------------------
@@ -269,7 +269,7 @@ class VectorCollectives:
                     op)
 
     def _ireduce_scatter(self, sendbuf, recvbuf, recvcounts, op, _blocking=False):
-        self._check()
+        self._chan.check()
         op = as_op(op)
         r = as_array(recvbuf, True, "Reduce_scatter recvbuf")
         in_place = is_in_place(sendbuf)
@@ -303,7 +303,7 @@ class VectorCollectives:
                                         f"{counts[self.rank]} (has {r.size})")
             check_apart(send, r, "Reduce_scatter")
         isz = r.itemsize
-        return self._start("reduce_scatter", 0, isz, reduce_code(r.dtype, op), op.code, r, send,
+        return self._chan.start("reduce_scatter", 0, isz, reduce_code(r.dtype, op), op.code, r, send,
                            layout=(tuple(c * isz for c in counts),), blocking=_blocking)
 
     # -- Scan / Exscan -------------------------------------------------------------------------
@@ -327,7 +327,7 @@ class VectorCollectives:
         self._vcall("exscan", True, self._iscan, "exscan", sendbuf, recvbuf, op)
 
     def _iscan(self, kind, sendbuf, recvbuf, op, _blocking=False):
-        self._check()
+        self._chan.check()
         op = as_op(op)
         name = "Scan" if kind == "scan" else "Exscan"
         r = as_array(recvbuf, True, f"{name} recvbuf")
@@ -339,7 +339,7 @@ class VectorCollectives:
                 raise R2commBufferError(f"{name}: sendbuf has {send.nbytes} bytes, recvbuf "
                                         f"{r.nbytes}")
             check_apart(send, r, name)
-        return self._start(kind, r.nbytes, r.itemsize, reduce_code(r.dtype, op), op.code, r,
+        return self._chan.start(kind, r.nbytes, r.itemsize, reduce_code(r.dtype, op), op.code, r,
                            send, layout=(r.nbytes,), blocking=_blocking)
 
 

@@ -232,7 +232,7 @@ class Pipeline:
         self.cancel_with = None       # set by Wait (timeout) or close: fail at the next advance
         self.timeline = []            # (what, segment, t) of net steps: posted / done
         self.final_event = None
-        self.state = comm.plan_state  # the plans of the parent at the call (its epoch)
+        self.state = comm.channel.plan_state  # the plans of the parent at the call (its epoch)
 
     # -- scheduling ----------------------------------------------------------------------------
     def all_started(self):
@@ -300,8 +300,8 @@ class Pipeline:
                     or self.order[self.post_at][0] != seg.index:
                 return False
             oi = self.post_at
-            self.twin.follow(self.state)          # the parent's plans at this call's epoch
-            self.twin.seek_seq(self.base + oi)
+            self.twin.channel.follow(self.state)          # the parent's plans at this call's epoch
+            self.twin.channel.seek_seq(self.base + oi)
             req = fn(seg.slot)
             self.requests[oi] = req
             self.post_at += 1
@@ -352,9 +352,9 @@ class Pipeline:
         if self in q:
             if q[0] is not self:
                 return False                      # an earlier call still posts: wait for it
-            if self.abort_seq is not None and not self.twin.closed:
+            if self.abort_seq is not None and not self.twin.channel.closed:
                 try:
-                    self.twin.post_error(
+                    self.twin.channel.post_error(
                         self.abort_seq, _PEER_ARG,
                         f"rank {self.comm.rank}: {self.what} on device buffers failed: "
                         f"{type(self.error).__name__}: {self.error}")
@@ -473,9 +473,9 @@ def _twin(comm, gen):
 
 
 def _take_seq(comm):
-    """The call's one sequence number of the communicator (with its epoch check, as _start),
+    """The call's one sequence number of the communicator (with its epoch check, as Channel.start),
     and its twin's place: (twin generation, first twin sequence) from the device call number."""
-    comm.next_seq()                             # wraps: the engine compares modulo 2^32
+    comm.channel.next_seq()                             # wraps: the engine compares modulo 2^32
     rec = _of(comm)
     d = rec.calls
     rec.calls = (d + 1) & _CALLS_MASK
@@ -486,11 +486,11 @@ def tell_peers(comm, exc, what):
     """A local argument error of a device-buffer call: take the call's sequence number and send
     the error as the failure of its first twin step, so the peers' call fails too and the next
     call lines up."""
-    if comm.closed or comm.size == 1 or not claim_telling(exc):
+    if comm.channel.closed or comm.size == 1 or not claim_telling(exc):
         return
     gen, base = _take_seq(comm)
     twin, queue = _twin(comm, gen)
-    msg = (f"rank {comm.global_ranks()[comm.rank]} could not start its {what} on device "
+    msg = (f"rank {comm.channel.world_rank(comm.rank)} could not start its {what} on device "
            f"buffers: {type(exc).__name__}: {exc}")
     a = _Abort(twin, queue, base, msg)
     queue.append(a)
@@ -518,8 +518,8 @@ class _Abort:
         if q:
             q.pop(0)
         self.finished = True
-        if not self.twin.closed:
-            self.twin.post_error(self.seq, _PEER_ARG, self.msg)
+        if not self.twin.channel.closed:
+            self.twin.channel.post_error(self.seq, _PEER_ARG, self.msg)
         return True
 
 
@@ -531,7 +531,7 @@ def info(comm):
     """Communicator.gpu_info() of `comm`: the path, the reduction mode, segment and pool sizes,
     and counters of its device calls so far."""
     from . import GPU_PATH, GPUDIRECT_REASON
-    cfg = comm.config
+    cfg = comm.channel.config
     pools = [{"backend": c.backend.name, "slot_bytes": c.pool.slot_bytes,
               "slots": c.pool.nslots, "allocated": c.pool.made, "peak_in_use": c.pool.peak,
               "oversize": c.pool.oversize} for c in list(_contexts.values())]
@@ -553,7 +553,7 @@ def start(comm, kind, blocking, args, stream=None):
     """Validate the device buffers of a call, plan its segments and start its pipeline. Blocking
     and non-blocking calls take the same path (their segments' collectives are all non-blocking,
     so unlike host-buffer calls an Allreduce matches an Iallreduce on device buffers)."""
-    cfg = comm.config
+    cfg = comm.channel.config
     n, me = comm.size, comm.rank
     what = {"allreduce": "Allreduce", "reduce": "Reduce", "bcast": "Bcast",
             "allgather": "Allgather", "reduce_scatter_block": "Reduce_scatter_block",

@@ -57,12 +57,12 @@ def _communicator(store, rank, size, secs, granks):
     """The Communicator of a new group: a child of the world's where all its ranks are in
     it, else a world of its own (the default group's becomes _root)."""
     world, ranks = _root["comm"], _root["rank_of"]
-    usable = (granks and world is not None and not world.closed
+    usable = (granks and world is not None and not world.channel.closed
               and all(g in ranks for g in granks))
     if not usable:
         comm = Communicator.from_store(store, rank, size, prefix="r2comm",
                                        store_timeout=secs or 300.0, timeout=secs)
-        if not granks or world is None or world.closed:
+        if not granks or world is None or world.channel.closed:
             _root["comm"] = comm
             _root["rank_of"] = {(granks[i] if granks else i): i for i in range(size)}
         return comm
@@ -76,7 +76,7 @@ def _backend(comm, store, rank, size, secs, name):
     """The native Backend of a group on Communicator `comm`."""
     mod = native.module()
     mod.set_errors(pyops.engine_error)
-    pyops.set_gpu_reduce(comm.config.gpu_reduce)
+    pyops.set_gpu_reduce(comm.channel.config.gpu_reduce)
     made = []
 
     def remake(excluded):
@@ -85,7 +85,7 @@ def _backend(comm, store, rank, size, secs, name):
         me = keep.index(rank)
         sc = StoreComm(store, me, len(keep), f"r2comm-shrink-{len(made)}", secs or 300.0)
         made.append(1)
-        members = [comm.global_ranks()[r] for r in keep]
+        members = [comm.channel.world_rank(r) for r in keep]
         child = comm.derive(sc, members)
         child.timeout = comm.timeout
         return _backend(child, store, me, len(keep), secs, None)
@@ -95,7 +95,8 @@ def _backend(comm, store, rank, size, secs, name):
             del _groups[name]
 
     ops = pyops.Ops(comm, rank, size, remake, forget)
-    backend = mod.R2commBackend(rank, size, comm, ops, comm.engine, engine_module().c_api())
+    backend = mod.R2commBackend(rank, size, comm.channel, ops, comm.channel.engine,
+                                engine_module().c_api())
     if name is not None:
         _groups[name] = (comm, backend)
     return backend

@@ -365,11 +365,11 @@ class Ops:
         group aborted."""
         if self._aborted:
             raise R2commClosedError("r2comm backend: the group was aborted")
-        self._comm.native_cross()
+        self._comm.channel.native_cross()
 
     def native_plan(self, coll, nbytes, itemsize, root, dtc, redop, separate):
         """The native side's plan of a call shape (Channel.native_plan)."""
-        return self._comm.native_plan(coll, nbytes, itemsize, root, dtc, redop, separate)
+        return self._comm.channel.native_plan(coll, nbytes, itemsize, root, dtc, redop, separate)
 
     def shutdown(self):
         """The group ends (its works are complete)."""
@@ -380,7 +380,7 @@ class Ops:
         """The group's abort: its later calls raise R2commClosedError (the native backend
         ends the works in flight)."""
         self._aborted = True
-        self._comm.cell.set_flag(engine_module().CELL_CLOSED, True)
+        self._comm.channel.cell.set_flag(engine_module().CELL_CLOSED, True)
 
     def shrink(self, excluded, flags=0):
         """A backend of this group without ranks `excluded` (torch's shrink_group): the
