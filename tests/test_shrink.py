@@ -233,3 +233,129 @@ def test_agreement_rounds_model():
         assert rounds <= 4 * depth + 1, (n, rounds)
         peers = max(len({d for d, _ in sim.m[r].start()}) for r in (0, n // 2))
         assert peers <= 2
+
+
+# -- 2. real jobs ----------------------------------------------------------------------------------
+COLLS = ("allreduce", "allreduce_big", "bcast", "allgather", "alltoall", "barrier")
+
+
+def random_plan(rng, n, max_rounds):
+    """Rounds of random kills that leave at least 2 ranks (module doc)."""
+    alive, rounds = list(range(n)), []
+    while len(rounds) < max_rounds and len(alive) > 3:
+        k = min(len(alive) - 2, rng.choice([1, 1, 2]))
+        late = len(alive) - k > 3 and rng.random() < 0.4     # one more dies in Agree/Shrink
+        chosen = rng.sample(alive, k + late)
+        victims = [[v, "coll", round(rng.uniform(0.05, 0.6), 3)] for v in chosen[:k]]
+        if late:
+            victims.append([chosen[k], rng.choice(["agree", "shrink"]),
+                            round(rng.uniform(0.0, 0.03), 4)])
+        rounds.append({"coll": rng.choice(COLLS), "victims": victims})
+        alive = [r for r in alive if r not in chosen]
+    return rounds
+
+
+def run_job(d, n, plan, limit):
+    """Run the ranks of `plan` in directory d; {rank: result} once all ended (bounded)."""
+    with open(os.path.join(d, "plan.json"), "w") as f:
+        json.dump(plan, f)
+    env = dict(os.environ, R2COMM_PROBE="0")
+    procs = [subprocess.Popen([sys.executable, WORKER, d, str(r), str(n)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for r in range(n)]
+    until = time.monotonic() + limit
+    hung = []
+    for r, p in enumerate(procs):
+        try:
+            p.wait(max(0.1, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung.append(r)
+            p.kill()
+            p.wait(10)
+    results, errors = {}, {}
+    for r in range(n):
+        try:
+            with open(os.path.join(d, f"res.{r}.json")) as f:
+                results[r] = json.load(f)
+        except (OSError, ValueError):
+            pass
+        if os.path.exists(os.path.join(d, f"err.{r}")):
+            with open(os.path.join(d, f"err.{r}")) as f:
+                errors[r] = f.read()[-3000:]
+    assert not errors, f"ranks failed: {errors}"
+    assert not hung, f"ranks {hung} still ran after {limit} s: {results}"
+    return results, [p.returncode for p in procs]
+
+
+def check_job(plan, results, codes, n):
+    dead = set()
+    for i, rnd in enumerate(plan["rounds"]):
+        coll_victims = {v[0] for v in rnd["victims"] if v[1] == "coll"}
+        victims = {v[0] for v in rnd["victims"]}
+        dead |= victims
+        for v in victims:
+            assert codes[v] == -signal.SIGKILL, f"victim {v} of round {i} did not die: {codes[v]}"
+        recs = {r: res["rounds"][i] for r, res in results.items() if r not in dead}
+        assert len(recs) == n - len(dead), f"round {i}: survivors' records missing"
+        keys = {(rec["id"], tuple(rec["members"]), tuple(rec["agree_failed"]), rec["flag"])
+                for rec in recs.values()}
+        assert len(keys) == 1, f"round {i}: survivors disagree: {keys}"
+        cid, members, failed, flag = keys.pop()
+        assert set(recs) <= set(members) and set(members) <= set(recs) | victims, \
+            (i, members, sorted(recs))
+        assert coll_victims <= set(failed) <= dead, (i, failed, dead)
+        want = -1
+        for g in set(recs[min(recs)]["members_before"]) - set(failed):
+            want &= ~(1 << (g % 62))
+        assert flag == want, (i, flag, want)
+        for r, rec in recs.items():
+            assert rec["exact"] is True, (i, r)
+            assert rec["is_revoked"] and rec["after_revoke"] == "R2commRevokedError", (i, r, rec)
+            assert rec["rank"] == members.index(r)
+            assert rec["lowercase"].startswith("R2commError"), rec["lowercase"]
+            assert rec["mpi_comm"] == "None"
+    for r, res in results.items():
+        if r not in dead:
+            assert res.get("done") and codes[r] == 0, (r, codes[r])
+
+
+def check_revoke(results, n):
+    ids = set()
+    for r in range(n):
+        rv = results[r]["revoke"]
+        ids.add((tuple(rv["shrunk"][1]), rv["shrunk"][0]))
+        assert rv["is_revoked"] and rv["later"] == "R2commRevokedError", (r, rv)
+        if r != 1:
+            # blocked in a receive (rank 0) or a Barrier (the others) that can never complete
+            assert rv["err"] == "R2commRevokedError", (r, rv)
+            assert rv["blocked_s"] < 0.3 + 2.0, (r, rv)
+    assert len(ids) == 1 and list(ids)[0][0] == tuple(range(n)), ids
+
+
+JOBS = [(0, 6, 3, True), (1, 8, 4, False), (2, 5, 2, False), (3, 7, 3, False)]
+
+
+@pytest.mark.parametrize("seed,n,max_rounds,revoke", JOBS)
+def test_kill_revoke_agree_shrink(tmp_path, seed, n, max_rounds, revoke):
+    """A job of n ranks loses ranks round after round (random victims, times, collectives;
+    one or two at a time, some inside Agree or Shrink) and goes on: module doc, item 2."""
+    rng = random.Random(4400 + seed)
+    plan = {"timeout": 20, "revoke_test": revoke, "rounds": random_plan(rng, n, max_rounds)}
+    results, codes = run_job(str(tmp_path), n, plan, 60 + 10 * len(plan["rounds"]))
+    if revoke:
+        check_revoke(results, n)
+    check_job(plan, results, codes, n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(25))
+def test_kill_revoke_agree_shrink_sweep(tmp_path, seed):
+    """The larger sweep (-m slow): 25 jobs of 6 to 9 ranks, up to 4 rounds each."""
+    rng = random.Random(9000 + seed)
+    n = rng.choice([6, 7, 8, 9])
+    plan = {"timeout": 20, "revoke_test": seed % 5 == 0,
+            "rounds": random_plan(rng, n, 4)}
+    results, codes = run_job(str(tmp_path), n, plan, 60 + 10 * len(plan["rounds"]))
+    if plan["revoke_test"]:
+        check_revoke(results, n)
+    check_job(plan, results, codes, n)
