@@ -359,3 +359,19 @@ def test_kill_revoke_agree_shrink_sweep(tmp_path, seed):
     if plan["revoke_test"]:
         check_revoke(results, n)
     check_job(plan, results, codes, n)
+
+
+def test_mpich_survivors_live_on_with_disable_auto_cleanup(tmp_path):
+    """Under MPICH's mpiexec -disable-auto-cleanup, the survivors of a SIGKILL shrink and go
+    on over r2comm alone (the bootstrap MPI communicator is not used after start-up); without
+    it, mpiexec kills them (README, Failure semantics)."""
+    from conftest import run_mpi
+    worker = os.path.join(ROOT, "tests", "shrink_mpi_worker.py")
+    run_mpi(4, [worker, str(tmp_path)], timeout=60, expect_ok=False,
+            mpiexec_args=["-disable-auto-cleanup"])
+    got = {}
+    for r in (0, 1, 3):
+        with open(tmp_path / f"ok.{r}") as f:
+            got[r] = f.read()
+    assert got == {0: "0 3 1 [2] 4", 1: "1 3 1 [2] 4", 3: "2 3 1 [2] 4"}, got
+    assert not (tmp_path / "ok.2").exists()

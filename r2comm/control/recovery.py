@@ -144,14 +144,19 @@ class Agreement:
         self.acc = None            # (ballot, value) accepted here, highest so far
         self.decided = None
         self.attempts = 0
+        self._tree = None
 
     # -- the tree of the current attempt -------------------------------------------------------
-    def tree(self, K=None):
-        """(parent or None, children) of this rank in attempt K's tree."""
-        live = [r for r in range(self.n) if r not in (self.K if K is None else K)]
-        i = live.index(self.me)
-        parent = live[(i - 1) // 2] if i else None
-        return parent, [live[c] for c in (2 * i + 1, 2 * i + 2) if c < len(live)]
+    def tree(self):
+        """(parent or None, children) of this rank in the current attempt's tree (kept until
+        the attempt changes: O(n) once per attempt)."""
+        if self._tree is None or self._tree[0] is not self.K:
+            live = [r for r in range(self.n) if r not in self.K]
+            i = live.index(self.me)
+            parent = live[(i - 1) // 2] if i else None
+            self._tree = (self.K, (parent, [live[c] for c in (2 * i + 1, 2 * i + 2)
+                                            if c < len(live)]))
+        return self._tree[1]
 
     def _msg(self, kind, **kw):
         return Msg(kind, self.call, self.K, **kw)
