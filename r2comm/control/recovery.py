@@ -55,6 +55,7 @@ AGREE_TAG = 0x61000000           # tags of the agreements: AGREE_TAG | call numb
 CALL_MASK = (1 << 24) - 1
 RESPONDER_S = 60.0               # a decided rank answers late messages this long at most
 POLL_S = (0.0002, 0.002)         # the driver's poll interval (grows from the first to the last)
+RESPONDER_POLL_S = 0.02         # ... and the responder's, once idle
 FAILED_POLL_S = 0.005            # how often the driver asks the failure detector
 
 QUERY, REPORT, PROPOSE, ACK, DECIDE, UPDATE = range(1, 7)
@@ -380,7 +381,9 @@ def _respond(wire, machine, stop, until):
             if got is None:
                 wire.reap()
                 stop.wait(pause)
+                pause = min(pause * 2, RESPONDER_POLL_S)
                 continue
+            pause = POLL_S[1]
             wire.send(machine.receive(*got))
     except R2commError:
         pass
