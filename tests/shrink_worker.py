@@ -135,6 +135,12 @@ def main():
             revoke_test(comm, res)
             comm = comm.Shrink()           # nobody failed: the same ranks, a new id
             res["revoke"]["shrunk"] = [comm.comm_id, comm.global_ranks()]
+            try:                           # one rank's bad flag: every rank raises
+                comm.Agree("no int" if rank == 0 else 1)
+                res["revoke"]["bad_agree"] = None
+            except r2comm.R2commError as exc:
+                res["revoke"]["bad_agree"] = type(exc).__name__
+            res["revoke"]["agree_after"] = comm.Agree(3)
             write(d, rank, res)
         for rnd in plan["rounds"]:
             me = {v[1]: v[2] for v in rnd["victims"] if v[0] == rank}

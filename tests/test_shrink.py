@@ -111,7 +111,8 @@ class Sim:
             assert r in self.decisions, f"survivor {r} did not decide ({self.step} steps)"
         values = set(self.decisions.values())
         assert len(values) == 1, f"different decisions: {self.decisions}"
-        flag, aux, failed = values.pop()
+        flag, aux, failed, bad = values.pop()
+        assert not bad
         assert set(dead_before) <= failed <= self.dead, (failed, self.dead)
         inside = [r for r in range(self.n) if r not in failed]
         want_flag, want_aux = -1, 0
@@ -140,7 +141,7 @@ def test_agreement_no_failure_is_and_and_everyone():
     sim = Sim(16, 1, flags=[0b1111] * 15 + [0b1010])
     sim.run()
     assert sim.check(()) == frozenset()
-    assert set(sim.decisions.values()) == {(0b1010, max(sim.aux), frozenset())}
+    assert set(sim.decisions.values()) == {(0b1010, max(sim.aux), frozenset(), False)}
 
 
 def test_agreement_coordinator_dies_after_some_decided():
@@ -180,13 +181,14 @@ def test_agreement_coordinator_dies_after_some_decided():
 def test_agreement_messages_validated():
     n = 13
     msg = recovery.Msg(recovery.PROPOSE, 5, {3, 12}, flag=-5, aux=9,
-                       acc=(3, (7, 8, frozenset({3}))))
+                       acc=(3, (7, 8, frozenset({3}), True)), bad=True)
     raw = msg.encode(n)
     back = recovery.Msg.decode(raw, n, 5)
-    assert (back.kind, back.K, back.flag, back.aux, back.acc) == \
-        (recovery.PROPOSE, frozenset({3, 12}), -5, 9, (3, (7, 8, frozenset({3}))))
+    assert (back.kind, back.K, back.flag, back.aux, back.acc, back.bad) == \
+        (recovery.PROPOSE, frozenset({3, 12}), -5, 9, (3, (7, 8, frozenset({3}), True)), True)
     bad = [raw[:-1], raw + b"\0", b"\0" * len(raw),
            raw[:4] + b"\x09" + raw[5:],                       # unknown kind
+           raw[:6] + b"\x02" + raw[7:],                       # bad is 0 or 1
            raw[:-1] + b"\x01",                                 # a bit beyond n in a bitmap
            ]
     for data in bad:
@@ -196,6 +198,21 @@ def test_agreement_messages_validated():
         recovery.Msg.decode(raw, n, 6)                         # another agreement's
     with pytest.raises(ValueError):
         recovery.Msg.decode(raw, n + 1, 5)
+
+
+def test_agreement_bad_flag_reaches_every_rank():
+    """A rank whose flag is bad takes part with bad=True: every rank's decision says so (each
+    raises R2commArgumentError in agree())."""
+    n = 9
+    m = {r: recovery.Agreement(n, r, 1, 0, (), call=2, bad=(r == 6)) for r in range(n)}
+    queue = collections.deque()
+    for r in range(n):
+        queue.extend((r, d, x) for d, x in m[r].start())
+    while queue:
+        src, dst, x = queue.popleft()
+        queue.extend((dst, d, y) for d, y in m[dst].receive(src, recovery.Msg.decode(
+            x.encode(n), n, 2)))
+    assert {m[r].decided for r in range(n)} == {(1, 0, frozenset(), True)}
 
 
 def test_agreement_declared_dead_raises():
@@ -325,6 +342,7 @@ def check_revoke(results, n):
         rv = results[r]["revoke"]
         ids.add((tuple(rv["shrunk"][1]), rv["shrunk"][0]))
         assert rv["is_revoked"] and rv["later"] == "R2commRevokedError", (r, rv)
+        assert rv["bad_agree"] == "R2commArgumentError" and rv["agree_after"] == 3, (r, rv)
         if r != 1:
             # blocked in a receive (rank 0) or a Barrier (the others) that can never complete
             assert rv["err"] == "R2commRevokedError", (r, rv)
@@ -332,7 +350,8 @@ def check_revoke(results, n):
     assert len(ids) == 1 and list(ids)[0][0] == tuple(range(n)), ids
 
 
-JOBS = [(0, 6, 3, True), (1, 8, 4, False), (2, 5, 2, False), (3, 7, 3, False)]
+JOBS = [(0, 6, 3, True), (1, 8, 4, False), (2, 5, 2, False), (3, 7, 3, False),
+        (4, 9, 4, False), (5, 8, 4, True)]
 
 
 @pytest.mark.parametrize("seed,n,max_rounds,revoke", JOBS)

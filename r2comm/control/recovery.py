@@ -62,9 +62,10 @@ QUERY, REPORT, PROPOSE, ACK, DECIDE, UPDATE = range(1, 7)
 KIND_NAMES = {QUERY: "QUERY", REPORT: "REPORT", PROPOSE: "PROPOSE", ACK: "ACK",
               DECIDE: "DECIDE", UPDATE: "UPDATE"}
 MAGIC = 0x52324654               # "R2FT"
-# magic, kind, has accepted, call number, n, flag (AND), aux (MAX), accepted ballot,
-# value flag, value aux; then two bitmaps of n bits: K, the value's failed set
-HDR = struct.Struct("!IBBIIqqIqq")
+# magic, kind, has accepted, bad (OR: a rank's flag was no 64-bit int), the value's bad, call
+# number, n, flag (AND), aux (MAX), accepted ballot, value flag, value aux; then two bitmaps of
+# n bits: K, the value's failed set
+HDR = struct.Struct("!IBBBBIIqqIqq")
 INT64 = (-(1 << 63), 1 << 63)
 
 
@@ -90,18 +91,19 @@ def msg_size(n):
 
 class Msg:
     """One agreement message, decoded and validated (decode) or to be encoded (encode)."""
-    __slots__ = ("kind", "call", "K", "flag", "aux", "acc")
+    __slots__ = ("kind", "call", "K", "flag", "aux", "bad", "acc")
 
-    def __init__(self, kind, call, K, flag=0, aux=0, acc=None):
+    def __init__(self, kind, call, K, flag=0, aux=0, acc=None, bad=False):
         self.kind, self.call, self.K = kind, call, frozenset(K)
-        self.flag, self.aux = flag, aux
-        self.acc = acc       # None or (ballot, (vflag, vaux, vfailed frozenset))
+        self.flag, self.aux, self.bad = flag, aux, bool(bad)
+        self.acc = acc       # None or (ballot, (vflag, vaux, vfailed frozenset, vbad))
 
     def encode(self, n):
-        ballot, (vf, va, vfail) = self.acc if self.acc is not None else (0, (0, 0, ()))
-        return HDR.pack(MAGIC, self.kind, self.acc is not None, self.call & 0xFFFFFFFF, n,
-                        self.flag, self.aux, ballot, vf, va) + bitmap(self.K, n) + \
-            bitmap(vfail, n)
+        ballot, (vf, va, vfail, vbad) = self.acc if self.acc is not None else \
+            (0, (0, 0, (), False))
+        return HDR.pack(MAGIC, self.kind, self.acc is not None, self.bad, bool(vbad),
+                        self.call & 0xFFFFFFFF, n, self.flag, self.aux, ballot, vf, va) + \
+            bitmap(self.K, n) + bitmap(vfail, n)
 
     @classmethod
     def decode(cls, data, n, call):
@@ -109,8 +111,9 @@ class Msg:
         is off (length, magic, kind, size, call, ballot, bitmaps)."""
         if len(data) != msg_size(n):
             raise ValueError(f"{len(data)} bytes, not {msg_size(n)}")
-        magic, kind, has, c, nn, flag, aux, ballot, vf, va = HDR.unpack_from(data)
-        if magic != MAGIC or kind not in KIND_NAMES or has not in (0, 1) or nn != n:
+        magic, kind, has, bad, vbad, c, nn, flag, aux, ballot, vf, va = HDR.unpack_from(data)
+        if magic != MAGIC or kind not in KIND_NAMES or nn != n or \
+                not {has, bad, vbad} <= {0, 1}:
             raise ValueError("bad header")
         if c != call & 0xFFFFFFFF:
             raise ValueError(f"agreement {c}, not {call & 0xFFFFFFFF}")
@@ -119,7 +122,8 @@ class Msg:
         vfail = unbitmap(data[HDR.size + nb:], n)
         if has and not 0 < ballot <= n + 1:
             raise ValueError("bad ballot")
-        return cls(kind, call, K, flag, aux, (ballot, (vf, va, vfail)) if has else None)
+        return cls(kind, call, K, flag, aux,
+                   (ballot, (vf, va, vfail, bool(vbad))) if has else None, bool(bad))
 
 
 def _better(a, b):
@@ -134,13 +138,14 @@ def _better(a, b):
 class Agreement:
     """One rank's state in one agreement (module doc): a pure state machine. Its inputs are
     start(), failed(ranks) and receive(src, Msg); each returns the messages to send, as
-    (destination rank, Msg). `decided` is None until it holds (flag, aux, failed frozenset)."""
+    (destination rank, Msg). `decided` is None until it holds (flag, aux, failed frozenset,
+    bad: some rank passed a bad flag)."""
 
-    def __init__(self, n, me, flag, aux=0, failed=(), call=0):
+    def __init__(self, n, me, flag, aux=0, failed=(), call=0, bad=False):
         if not 0 <= me < n:
             raise R2commArgumentError(f"rank {me} of {n}")
         self.n, self.me, self.call = n, me, call
-        self.flag, self.aux = int(flag), int(aux)
+        self.flag, self.aux, self.bad = int(flag), int(aux), bool(bad)
         self.K = frozenset(failed) - {me}
         self.acc = None            # (ballot, value) accepted here, highest so far
         self.decided = None
@@ -215,16 +220,17 @@ class Agreement:
         parent, kids = self.tree()
         if self.phase != "up" or any(c not in self.reports for c in kids):
             return []
-        flag, aux, acc = self.flag, self.aux, self.acc
+        flag, aux, bad, acc = self.flag, self.aux, self.bad, self.acc
         for c in kids:
             r = self.reports[c]
             flag &= r.flag
             aux = max(aux, r.aux)
+            bad = bad or r.bad
             acc = _better(acc, r.acc)
         if parent is not None:
             self.phase = "reported"
-            return [(parent, self._msg(REPORT, flag=flag, aux=aux, acc=acc))]
-        value = acc[1] if acc is not None else (flag, aux, self.K)
+            return [(parent, self._msg(REPORT, flag=flag, aux=aux, acc=acc, bad=bad))]
+        value = acc[1] if acc is not None else (flag, aux, self.K, bad)
         return self._accept(value)             # the coordinator proposes
 
     def _accept(self, value):
@@ -243,7 +249,7 @@ class Agreement:
         return [(parent, self._msg(ACK))]
 
     def _decide(self, value):
-        self.decided = (int(value[0]), int(value[1]), frozenset(value[2]))
+        self.decided = (int(value[0]), int(value[1]), frozenset(value[2]), bool(value[3]))
         parent, kids = self.tree()
         return [(q, Msg(DECIDE, self.call, self.K, acc=(1, self.decided)))
                 for q in ([parent] if parent is not None else []) + kids]
@@ -395,8 +401,8 @@ def agree(comm, flag, aux=0, timeout=None):
     """(AND of the flags, MAX of aux, sorted failed ranks), the same on every survivor of
     `comm` (module doc). Collective over the survivors; bounded by `timeout` (the
     communicator's by default): R2commTimeout after it."""
-    if not isinstance(flag, (int, np.integer)) or not INT64[0] <= int(flag) < INT64[1]:
-        raise R2commArgumentError(f"Agree: flag must be an int of 64 bits, not {flag!r}")
+    bad = not isinstance(flag, (int, np.integer)) or not INT64[0] <= int(flag) < INT64[1]
+    # (a bad flag still takes part, so that every rank raises rather than waits)
     comm.check_open()
     st = _state(comm)
     twin, n, me = st.twin, comm.size, comm.rank
@@ -405,7 +411,8 @@ def agree(comm, flag, aux=0, timeout=None):
         st.calls += 1
     limit = comm.timeout if timeout is None else float(timeout)
     deadline = time.monotonic() + limit
-    machine = Agreement(n, me, int(flag), int(aux), comm.dead_ranks(confirmed=True), call)
+    machine = Agreement(n, me, 0 if bad else int(flag), int(aux),
+                        comm.dead_ranks(confirmed=True), call, bad)
     wire = _Wire(twin, n, call)
     try:
         wire.send(machine.start())
@@ -440,6 +447,11 @@ def agree(comm, flag, aux=0, timeout=None):
     if prev is not None:
         prev[1].set()
     th.start()
+    if bad:
+        raise R2commArgumentError(f"Agree: flag must be an int of 64 bits, not {flag!r}")
+    if machine.decided[3]:
+        raise R2commArgumentError(f"Agree on communicator {comm.comm_id}: another rank passed "
+                                  f"a flag that is no 64-bit int (it raised the same)")
     return machine.decided[0], machine.decided[1], sorted(machine.decided[2])
 
 
