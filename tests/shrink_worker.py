@@ -210,6 +210,13 @@ def main():
             except Exception as exc:          # noqa: BLE001 (the test fails on it)
                 rec["lowercase"] = "WRONG " + type(exc).__name__
             rec["mpi_comm"] = repr(new.mpi_comm)
+            try:
+                new.Dup()
+                rec["dup"] = None
+            except r2comm.R2commError as exc:
+                rec["dup"] = type(exc).__name__
+            rec["acked"] = comm.Ack_failed()
+            rec["failed_now"] = [comm.global_ranks()[r] for r in comm.Get_failed()]
             write(d, rank, res)
             comm = new
         comm.Barrier()

@@ -330,7 +330,9 @@ def check_job(plan, results, codes, n):
             assert rec["is_revoked"] and rec["after_revoke"] == "R2commRevokedError", (i, r, rec)
             assert rec["rank"] == members.index(r)
             assert rec["lowercase"].startswith("R2commError"), rec["lowercase"]
-            assert rec["mpi_comm"] == "None"
+            assert rec["mpi_comm"] == "None" and rec["dup"] == "R2commError"
+            assert set(rec["get_failed"]) <= dead and set(rec["failed_now"]) <= dead, (i, rec)
+            assert rec["acked"] >= len(rec["failed_now"]) - 1 and rec["acked"] >= 1, (i, rec)
     for r, res in results.items():
         if r not in dead:
             assert res.get("done") and codes[r] == 0, (r, codes[r])
