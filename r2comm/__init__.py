@@ -5,6 +5,7 @@ Light on import: the engine and mpi4py load only when a Communicator is created,
 from .errors import (R2commError, R2commArgumentError, R2commBufferError, R2commClosedError,
                      R2commTimeout, R2commNetworkError, R2commMismatchError, R2commTruncateError,
                      R2commProtocolError, R2commBuildError, R2commPeerError,
+                     R2commRevokedError,
                      R2commResourceError, R2commSecurityWarning)
 from .ops import SUM, PROD, MIN, MAX, Op
 
@@ -28,4 +29,5 @@ __all__ = ["Communicator", "Request", "Status", "Rail", "IN_PLACE", "ANY_TAG", "
            "MIN", "MAX", "Op", "R2commError", "R2commArgumentError", "R2commBufferError",
            "R2commClosedError", "R2commTimeout", "R2commNetworkError", "R2commMismatchError",
            "R2commTruncateError", "R2commProtocolError", "R2commBuildError", "R2commPeerError",
+           "R2commRevokedError",
            "R2commResourceError", "R2commSecurityWarning"]

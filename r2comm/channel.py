@@ -534,3 +534,71 @@ class Channel:
         see the cell's CLOSED flag and come through Python)."""
         self._engine = None
         self._cell.set_flag(_engine().CELL_CLOSED, True)
+
+    # -- fault tolerance (ULFM, issue 44): what control/recovery.py asks of a channel ----------
+    def dead_ranks(self, confirmed=True):
+        """Ranks of this communicator known dead: those the failure detector declared dead
+        (control/liveness.py: confirmed deaths), and unless `confirmed` also the peers the
+        engine holds lost (every rail failed). Without a detector (R2COMM_LIVENESS=0), the
+        engine's lost peers either way."""
+        self.check()
+        det = self._world.liveness
+        out = set()
+        if det is not None:
+            out = {self._rank_of[g] for g in det.dead() if g in self._rank_of}
+        if det is None or not confirmed:
+            me = self._world.boot.rank
+            links = self._engine.links
+            out |= {i for i, g in enumerate(self._members) if g != me and not links.peer_ok(g)}
+        out.discard(self.rank)
+        return out
+
+    def peer_alive(self, rank):
+        """False for a rank of this communicator the engine holds lost (nothing is posted to
+        it: the engine would fail it at once)."""
+        g = self._members[rank]
+        return g == self._world.boot.rank or self._engine.links.peer_ok(g)
+
+    def ft_twin(self):
+        """A channel over the same ranks and world with the id CommIds.ft gives this one:
+        the agreements of control/recovery.py run on it (it is never revoked with this one)."""
+        return Channel(self._world, list(self._members), self._world.ids.ft(self._id),
+                       twin=True)
+
+    def post_recv_any(self, buf, tag):
+        """(Request, Status) of a receive into `buf` from any rank with `tag`."""
+        from .front.args import ANY_SOURCE
+        from .request import Status
+        status = Status()
+        return self.message("recv", buf, ANY_SOURCE, tag, status), status
+
+    def next_free_id(self):
+        """The next communicator id this rank's allocator would hand out (comm_ids.py)."""
+        return self._world.ids.next_free
+
+    def shrunk(self, members, top):
+        """The channel of world ranks `members` (rank order, this rank among them) on this
+        world, with the id CommIds.shrunk(top) (`top`: the maximum of the survivors' next free
+        ids, agreed)."""
+        return Channel(self._world, list(members), self._world.ids.shrunk(top))
+
+    def revoke(self, message):
+        """Revoke this communicator here and on every rank (engine.revoke: its operations fail
+        with R2commRevokedError). The live ring neighbours are connected first, so that the
+        revocation has a path around dead ranks."""
+        self.check()
+        dead = self.dead_ranks(confirmed=False)
+        live = [i for i in range(self.size) if i not in dead]
+        if len(live) > 1:
+            k = live.index(self.rank)
+            ring = {live[(k - 1) % len(live)], live[(k + 1) % len(live)]} - {self.rank}
+            try:
+                self._world.links.connect_for(sorted(self._members[r] for r in ring))
+            except Exception:        # (a neighbour that died meanwhile: the others relay)
+                log.exception("r2comm: Revoke could not connect a ring neighbour")
+        self._engine.revoke(self._id, message)
+
+    @property
+    def revoked(self):
+        """True once this communicator was revoked (on any rank, as far as this one knows)."""
+        return self._engine is not None and self._engine.is_revoked(self._id)

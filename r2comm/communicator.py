@@ -10,6 +10,7 @@ import functools
 import numpy as np
 
 from .control import tree as control
+from .control import recovery
 from .front import railview
 from .front.args import (ANY_SOURCE, ANY_TAG, IN_PLACE, PROC_NULL, as_array as _as_array,
                          check_root, block_of as _block_of, check_apart as _check_apart,
@@ -17,7 +18,8 @@ from .front.args import (ANY_SOURCE, ANY_TAG, IN_PLACE, PROC_NULL, as_array as _
 from .front.buffers import as_array as _as_blocks
 from .channel import Channel
 from .config import Config
-from .errors import R2commArgumentError, R2commBufferError, R2commResourceError, unsupported
+from .errors import (R2commArgumentError, R2commBufferError, R2commError, R2commResourceError,
+                     unsupported)
 
 # errors a call finds on this rank before it posts anything (a bad argument, too few fds for the
 # connections its plan needs): the caller raises them and tells the peers (Channel.tell_peers)
@@ -151,7 +153,18 @@ class Communicator(VectorCollectives, PointToPoint):
 
     @property
     def mpi_comm(self):
-        """The mpi4py communicator this one was built on (bootstrap and lowercase object calls)."""
+        """The mpi4py communicator this one was built on (bootstrap and lowercase object calls;
+        None for one made by Shrink)."""
+        return self._mpi
+
+    def _boot(self, what):
+        """The bootstrap communicator that `what` (a lowercase object call, Dup, Split) goes
+        through; R2commError where there is none (a communicator made by Shrink)."""
+        if self._mpi is None:
+            raise R2commError(f"{what}: this communicator was made by Shrink() and has no "
+                              f"bootstrap (MPI or store) communicator, which the survivors "
+                              f"cannot use once a rank died; use the buffer calls (Allreduce, "
+                              f"Bcast, ...) on numpy arrays")
         return self._mpi
 
     # -- communicator management ---------------------------------------------------------------
@@ -160,7 +173,7 @@ class Communicator(VectorCollectives, PointToPoint):
         a library can run collectives that never match the caller's. Collective: every rank
         calls it. Shares this one's connections; Free() it when done."""
         self._chan.check()
-        new_mpi = self._mpi.Dup()
+        new_mpi = self._boot("Dup").Dup()
         return self.derive(new_mpi, self._chan.global_ranks())
 
     def Split(self, color=0, key=0):
@@ -168,7 +181,7 @@ class Communicator(VectorCollectives, PointToPoint):
         `key` (then by rank), as MPI_Comm_split. A rank passing `color=None`, a negative color
         or MPI.UNDEFINED takes part but gets None back."""
         self._chan.check()
-        UNDEFINED = bootstrap_consts(self._mpi)[1]
+        UNDEFINED = bootstrap_consts(self._boot("Split"))[1]
         undefined = color is None or color == UNDEFINED or color < 0
         colors = self._mpi.allgather(None if undefined else color)
         distinct = sorted({c for c in colors if c is not None})
@@ -603,6 +616,49 @@ class Communicator(VectorCollectives, PointToPoint):
         self._chan.check()
         self._chan.start("barrier", 0, 1, U8, 0, None, None, blocking=True).Wait()
 
+    # -- fault tolerance (ULFM, issue 44) ------------------------------------------------------
+    # (the logic is control/recovery.py's; README, Failure semantics: after a rank died)
+    def Revoke(self):
+        """Revoke this communicator on every rank: every pending and later operation of it
+        raises R2commRevokedError there, also one blocked in a call that can never complete.
+        Agree() and Shrink() still work on it. Local: returns at once."""
+        recovery.revoke(self._chan)
+
+    def Is_revoked(self):
+        """True once this communicator was revoked (by any rank, as far as this one knows)."""
+        return self._chan.revoked
+
+    def Get_failed(self):
+        """The ranks of this communicator this rank knows to have failed (the failure
+        detector's, and peers every rail to which failed), as a SORTED LIST of ranks (mpi4py
+        returns a Group). Local."""
+        return recovery.get_failed(self._chan)
+
+    def Ack_failed(self, num_to_ack=None):
+        """Acknowledge the first `num_to_ack` ranks of Get_failed() (None: all of them);
+        returns how many failures this rank has acknowledged in all (MPI 4.1). Local."""
+        return recovery.ack_failed(self._chan, num_to_ack)
+
+    def Agree(self, flag):
+        """The bitwise AND of the survivors' integer flags (64 bits), the same on every
+        survivor, also when ranks die during the call (a fault-tolerant, uniform agreement:
+        control/recovery.py); the agreed set of failed ranks is then Get_agreed_failed().
+        Collective over the survivors; works on a revoked communicator."""
+        return recovery.agree(self._chan, flag)[0]
+
+    def Get_agreed_failed(self):
+        """The failed ranks (sorted) that the last Agree()/Shrink() agreed on, the same on
+        every survivor."""
+        return recovery.last_agreed(self._chan)
+
+    def Shrink(self):
+        """A new Communicator of the survivors (the agreed set: every survivor gets the same
+        members and id), ranks renumbered in order, plans made afresh, on the same engine,
+        connections, shared-memory segments and rails. Collective over the survivors; works on
+        a revoked communicator. Its mpi_comm is None: the lowercase object calls, Dup and Split
+        raise R2commError on it."""
+        return self._over(self._world, None, recovery.shrink(self._chan))
+
     # -- lowercase (objects) ----------------------------------------------------------------------
     def allreduce(self, x, op=SUM):
         """numpy arrays go through the engine and come back as a new array; other Python
@@ -614,17 +670,18 @@ class Communicator(VectorCollectives, PointToPoint):
             self.Allreduce(src, out, op)
             return out
         op = as_op(op)
-        return self._mpi.allreduce(x, op=op if bootstrap_consts(self._mpi, False) else op.mpi())
+        mpi = self._boot("allreduce of Python objects")
+        return mpi.allreduce(x, op=op if bootstrap_consts(mpi, False) else op.mpi())
 
     def bcast(self, obj, root=0):
         """Any picklable object of `root`, returned on every rank (through mpi4py)."""
         self._chan.check()
-        return self._mpi.bcast(obj, root=root)
+        return self._boot("bcast").bcast(obj, root=root)
 
     def allgather(self, obj):
         """Every rank's picklable object, as a list in rank order (through mpi4py)."""
         self._chan.check()
-        return self._mpi.allgather(obj)
+        return self._boot("allgather").allgather(obj)
 
     def barrier(self):
         """Same as Barrier()."""

@@ -40,6 +40,12 @@ class R2commTruncateError(R2commMismatchError):
     """A point-to-point message was larger than the receive buffer."""
 
 
+class R2commRevokedError(R2commError):
+    """The communicator was revoked (Communicator.Revoke() on some rank, issue 44): every
+    pending and later operation of it raises this on every rank; Agree() and Shrink() still
+    work on it (README, Failure semantics: after a rank died)."""
+
+
 class R2commProtocolError(R2commError):
     """A peer broke the protocol (e.g. a different chunk size)."""
 
@@ -76,6 +82,7 @@ CODE_CLASSES = {
     5: R2commProtocolError,
     6: R2commClosedError,
     7: R2commPeerError,
+    8: R2commRevokedError,
 }
 PEER_ARGUMENT_CODE = 7      # engine code of an ABORT sent by a rank whose own arguments were bad
 

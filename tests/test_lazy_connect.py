@@ -83,6 +83,9 @@ class RecordingLinks:
     """The Links-facing part of an engine (Engine.links): records attached connections (and
     closes them)."""
 
+    def peer_ok(self, peer):
+        return True      # (no peer is held lost here)
+
     def __init__(self):
         self.attached = []
         self.unconnected = []

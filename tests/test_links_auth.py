@@ -28,6 +28,9 @@ class FakeLinks:
     calls raise (without taking the fd); due: (peer, rail) fail-back probes to report as due,
     once each."""
 
+    def peer_ok(self, peer):
+        return True      # (no peer is held lost here)
+
     def __init__(self):
         self.attached = []
         self.fail = []

@@ -65,6 +65,7 @@ cdef enum:
     E_PROTOCOL = 5
     E_CLOSED = 6
     E_PEER_ARG = 7      # a peer's own arguments were bad (its 'error' stand-in's ABORT)
+    E_REVOKED = 8       # the communicator was revoked (issue 44: an ABORT with this code revokes)
 
 cdef enum:
     C_GATED = 0
@@ -365,6 +366,7 @@ cdef cppclass State:
     cmap[uint32_t, uint32_t] next_seq
     cmap[CS, Op*] active
     cmap[CS, pair[int, string]] aborted
+    cmap[uint32_t, int] revoked     # issue 44: revoked communicator ids (bounded: REVOKED_MAX)
     cmap[CS, pair[int, string]] verdicts   # (comm, seq) -> the judge's verdict on a mismatched
                              # collective posted here (the rank it came from, this one's where
                              # it judged, and the report), taken or published here

@@ -534,6 +534,29 @@ cdef class Engine:
             pthread_mutex_unlock(&e.mu)
         self._wake()
 
+    def revoke(self, uint32_t comm, str message):
+        """Issue 44: revoke communicator `comm` here (revoke_comm, failover.pxi): its active
+        operations fail with E_REVOKED, every later post of it fails at once, and the peers
+        this rank holds working connections to get it (and pass it on, once each)."""
+        cdef State* e = self._live()
+        cdef bytes b = message.encode()[:MAX_CTRL_PAYLOAD - 64]
+        cdef const char* m = b
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            revoke_comm(e, comm, m, -1)
+            pthread_mutex_unlock(&e.mu)
+        self._wake()
+
+    def is_revoked(self, uint32_t comm):
+        """True once communicator `comm` was revoked on this rank (here or by a peer)."""
+        cdef State* e = self._live()
+        cdef bint out
+        with nogil:
+            pthread_mutex_lock(&e.mu)
+            out = e.revoked.count(comm) != 0
+            pthread_mutex_unlock(&e.mu)
+        return out
+
     def wait(self, uint64_t oid, double timeout):
         """Block (without the GIL) until the operation ends or `timeout` seconds pass.
         Returns (state, error code, message, bytes received)."""

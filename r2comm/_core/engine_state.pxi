@@ -22,6 +22,7 @@ NOTED_EVENTS = {"nic_down": EV_NIC_DOWN, "nic_up": EV_NIC_UP, "pair_down": EV_PA
                 "pair_up": EV_PAIR_UP, "replanned": EV_REPLANNED}
 ERR_TIMEOUT, ERR_NETWORK, ERR_MISMATCH, ERR_TRUNCATE, ERR_PROTOCOL, ERR_CLOSED = (
     E_TIMEOUT, E_NETWORK, E_MISMATCH, E_TRUNCATE, E_PROTOCOL, E_CLOSED)
+ERR_REVOKED = E_REVOKED
 MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV = (
     M_COPY, M_REDUCE, M_REDUCE_REV, M_REDUCE_SEND, M_REDUCE_SEND_REV)
 
@@ -34,6 +35,7 @@ MODE_COPY, MODE_REDUCE, MODE_REDUCE_REV, MODE_REDUCE_SEND, MODE_REDUCE_SEND_REV 
 # (R2COMM_UNEXPECTED_BYTES / R2COMM_UNEXPECTED_MSGS; testing.set_unexpected_limit in tests).
 cdef size_t EVENTS_KEEP = 1024
 cdef size_t ABORTED_MAX = 1024
+cdef size_t REVOKED_MAX = 4096    # revoked communicator ids kept (over it the lowest goes)
 cdef uint64_t UNEXP_MAX_BYTES = (<uint64_t>1) << 30
 cdef uint32_t UNEXP_MAX_MSGS = 65536
 DACK_DELAY = 0.0005     # s: longest a delayed ack waits for a frame to ride with (engine.pxd)

@@ -111,6 +111,9 @@ cdef void on_abort(State* e, PairRail* r, const char* text, uint32_t n) noexcept
     cdef string msg = string(text, n)
     cdef Op* op = NULL
     cdef SendMsg* sm
+    if h.aux == <uint32_t>E_REVOKED and not (h.flags & (FL_VERDICT | FL_P2P)):
+        revoke_comm(e, h.comm, msg.c_str(), r.peer)     # issue 44 (any seq: it names no call)
+        return
     if h.flags & FL_VERDICT:
         add_event(e, EV_ABORT, r.peer, r.index, r.peer, 0, 0, msg.c_str())
         if not (h.flags & FL_P2P):
@@ -134,6 +137,35 @@ cdef void on_abort(State* e, PairRail* r, const char* text, uint32_t n) noexcept
     if op != NULL and op.state == ST_ACTIVE:
         fail_op(e, op, <int>h.aux, msg.c_str(), 0)
         relay_abort(e, op, <int>h.aux, msg.c_str(), r.peer)
+
+cdef void revoke_comm(State* e, uint32_t comm, const char* msg, int skip) noexcept nogil:
+    """Issue 44: communicator `comm` is revoked on this rank (Engine.revoke, or a peer's ABORT
+    with code E_REVOKED): every active operation of it fails with E_REVOKED, every later post
+    fails at once (post_op), and the revocation goes on, once, to every peer this rank holds a
+    working connection to but `skip` (the ring neighbours and the plans' peers: O(connections)
+    frames per rank, as an abort travels; a rank that is no member just passes it on)."""
+    cdef vector[Op*] victims
+    cdef Op* op
+    cdef size_t i
+    cdef int q
+    if e.revoked.count(comm):
+        return
+    if e.revoked.size() >= REVOKED_MAX:
+        e.revoked.erase(e.revoked.begin())
+    e.revoked[comm] = 1
+    add_event(e, EV_ABORT, skip, -1, skip if skip >= 0 else e.me, 0, 0, msg)
+    it = e.ops.begin()
+    while it != e.ops.end():
+        op = deref(it).second
+        if op.state == ST_ACTIVE and op.comm == comm:
+            victims.push_back(op)
+        inc(it)
+    for i in range(victims.size()):
+        fail_op(e, victims[i], E_REVOKED, msg, 0)
+    for q in range(e.nranks):
+        if q != e.me and q != skip and e.peers[q] != NULL and not e.peers[q].lost:
+            send_abort(e, q, 0, comm, 0, E_REVOKED, msg)
+    e.signal = 1
 
 cdef void relay_abort(State* e, Op* op, int code, const char* msg, int skip) noexcept nogil:
     """Pass a peer's abort of a collective on to the op's other members, as it came (issue

@@ -4,7 +4,10 @@
   rank that created more communicators than another never reuses an id;
 - each one's control-plane twin (control.py) is CONTROL_BIT | id, and its plan-switch twin
   (replan.py: the agreements that move its plans to a new epoch) CONTROL_BIT | EPOCH_BIT | id;
-- each one's device-buffer staging twins (gpu/pipeline.py) are GPU_BIT | generation << 24 | id.
+- each one's device-buffer staging twins (gpu/pipeline.py) are GPU_BIT | generation << 24 | id;
+- each one's fault-tolerance twin (control/recovery.py: its agreements) CONTROL_BIT | GPU_BIT |
+  id; a communicator made by Shrink takes the maximum of its survivors' next free ids, agreed
+  by them over the fault-tolerance twin (MPI cannot be used once a rank died): shrunk().
 So normal ids stay below 2**24 where staging twins are used, and below GPU_BIT always."""
 from ..errors import R2commArgumentError
 
@@ -29,6 +32,26 @@ class CommIds:
         base = int(agree_max(self.next_free))
         self.next_free = base + count
         return base
+
+    def shrunk(self, top):
+        """The id of a communicator made by Shrink: `top`, the maximum of its survivors' next
+        free ids, which they agreed on (recovery.py): the same on every survivor, and free on
+        each."""
+        top = int(top)
+        if not self.next_free <= top < EPOCH_BIT:
+            raise R2commArgumentError(f"agreed communicator id {top} below this rank's next "
+                                      f"free id {self.next_free} or beyond the normal ids")
+        self.next_free = top + 1
+        return top
+
+    @staticmethod
+    def ft(comm_id):
+        """The id of the fault-tolerance twin of communicator `comm_id` (recovery.py's
+        agreements; normal ids stay below EPOCH_BIT)."""
+        if comm_id >= EPOCH_BIT:
+            raise R2commArgumentError(f"communicator id {comm_id} beyond the fault-tolerance "
+                                      f"twins'")
+        return CONTROL_BIT | GPU_BIT | comm_id
 
     @staticmethod
     def control(comm_id):

@@ -283,6 +283,10 @@ class Links:
                 return OFF
             if rail != CTRL_RAIL and self.engine.faults.injected(rail, peer):
                 return "the NIC is dark on this side (injected fault)"
+            if not self.engine.links.peer_ok(peer):
+                # (issue 44: a rank the failure detector declared dead meanwhile; retrying it
+                # to the deadline would hold every other first use, connect_for's lock, 5 s)
+                return "the peer is held lost (declared dead, or every rail to it failed)"
             left = deadline - time.monotonic()
             if left <= 0:
                 return why
