@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .control import tree as control
+from .control import recovery, tree as control
 from .front import p2p, railview
 from .errors import (R2commArgumentError, R2commBufferError, R2commClosedError,
                      R2commResourceError,
@@ -532,6 +532,8 @@ class Channel:
     def free(self):
         """Drop this channel's engine: later calls raise R2commClosedError (C-level callers
         see the cell's CLOSED flag and come through Python)."""
+        if self._engine is not None:
+            recovery.release(self)        # (its last agreement's responder, if any)
         self._engine = None
         self._cell.set_flag(_engine().CELL_CLOSED, True)
 

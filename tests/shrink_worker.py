@@ -11,7 +11,11 @@ and shrunk again, at most RETRIES times. Each rank writes DIR/res.<rank>.json af
 round (atomically) and DIR/err.<rank> with a traceback if it fails.
 
 plan.json: {"timeout": s, "rounds": [{"coll": "allreduce", "victims": [[rank, "coll"|"agree"|
-"shrink", delay], ...]}, ...], "revoke_test": bool}. revoke_test: before the rounds, rank 1
+"shrink", delay], ...]}, ...], "revoke_test": bool, "nic": [rank, bytes], "cycles": K}.
+nic: that rank's rail 0 fails (hard, injected) once it sent that many more bytes (a NIC failure
+in the same run as the deaths). cycles: after the rounds, K shrinks with nobody failing, each
+followed by an exact allreduce and a Free of the communicator before (what a rank holds is
+recorded: threads, fds, shared-memory segments). revoke_test: before the rounds, rank 1
 revokes the world while rank 0 is blocked in a receive from it and the others in a Barrier:
 each records the error class and how long it was blocked; then every rank shrinks the world
 (nobody failed) and the rounds run on that communicator."""
@@ -120,6 +124,32 @@ def revoke_test(comm, res):
                      "is_revoked": comm.Is_revoked()}
 
 
+def held():
+    """(threads, open fds, r2comm shared-memory segments of this job's processes) now."""
+    segs = [f for f in os.listdir("/dev/shm") if f.startswith("r2comm-")] \
+        if os.path.isdir("/dev/shm") else []
+    return threading.active_count(), len(os.listdir("/proc/self/fd")), len(segs)
+
+
+def shrink_cycles(comm, cycles, res):
+    """`cycles` times: Shrink (nobody failed: the same ranks, a new id), an exact allreduce on
+    the new communicator, Free the old one (not the world's: it holds the world). What this
+    rank holds is recorded after the 5th cycle and after the last."""
+    first, out = comm, {"exact": True}
+    for k in range(cycles):
+        new = comm.Shrink()
+        out["exact"] = out["exact"] and exact_allreduce(new)
+        if comm is not first:
+            comm.Free()
+        comm = new
+        if k == 4:
+            out["after5"] = held()
+    out["after"] = held()
+    out["size"] = comm.size
+    res["cycles"] = out
+    return comm
+
+
 def main():
     d, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     with open(os.path.join(d, "plan.json")) as f:
@@ -142,6 +172,9 @@ def main():
                 res["revoke"]["bad_agree"] = type(exc).__name__
             res["revoke"]["agree_after"] = comm.Agree(3)
             write(d, rank, res)
+        nic = plan.get("nic")          # [rank, bytes]: that rank's rail 0 fails after them
+        if nic and nic[0] == rank:
+            comm.fail_rail(0, "hard", after_bytes=nic[1])
         for rnd in plan["rounds"]:
             me = {v[1]: v[2] for v in rnd["victims"] if v[0] == rank}
             rec = {"coll": rnd["coll"], "members_before": comm.channel.global_ranks()}
@@ -219,6 +252,9 @@ def main():
             rec["failed_now"] = [comm.channel.global_ranks()[r] for r in comm.Get_failed()]
             write(d, rank, res)
             comm = new
+        if plan.get("cycles"):
+            comm = shrink_cycles(comm, plan["cycles"], res)
+        res["events"] = sorted({e["kind"] for e in comm.events})
         comm.Barrier()
         res["done"] = True
         write(d, rank, res)

@@ -272,11 +272,11 @@ def random_plan(rng, n, max_rounds):
     return rounds
 
 
-def run_job(d, n, plan, limit):
+def run_job(d, n, plan, limit, env=None):
     """Run the ranks of `plan` in directory d; {rank: result} once all ended (bounded)."""
     with open(os.path.join(d, "plan.json"), "w") as f:
         json.dump(plan, f)
-    env = dict(os.environ, R2COMM_PROBE="0")
+    env = dict(os.environ, R2COMM_PROBE="0", **(env or {}))
     procs = [subprocess.Popen([sys.executable, WORKER, d, str(r), str(n)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for r in range(n)]
@@ -366,6 +366,41 @@ def test_kill_revoke_agree_shrink(tmp_path, seed, n, max_rounds, revoke):
     if revoke:
         check_revoke(results, n)
     check_job(plan, results, codes, n)
+
+
+def test_nic_failure_and_rank_death_in_one_run(tmp_path):
+    """Two loopback rails, no shared memory: rank 0's rail 0 fails (hard) while the ranks loop
+    a 1 MiB allreduce, and rank 3 dies in the same loop; the NIC failure is absorbed (its
+    chunks move to rail 1), the death is not: every survivor revokes, agrees on {3} and shrinks,
+    and the allreduce on the shrunk communicator is exact."""
+    n = 5
+    plan = {"timeout": 20, "nic": [0, 4 << 20],
+            "rounds": [{"coll": "allreduce_big", "victims": [[3, "coll", 0.8]]}]}
+    results, codes = run_job(str(tmp_path), n, plan, 90,
+                             env={"R2COMM_RAILS": "127.0.0.1,127.0.0.2", "R2COMM_SHM": "0"})
+    check_job(plan, results, codes, n)
+    rec = results[0]["rounds"][0]
+    assert rec["agree_failed"] == [3] and rec["members"] == [0, 1, 2, 4], rec
+    assert {"rail_failed", "nic_down"} <= set(results[0]["events"]), \
+        " ".join(results[0]["events"])
+    # the rail failure came first and cost no call: the loop ran on through it
+    assert rec["calls"] > 0 and rec["error"] != "R2commRevokedError", rec
+
+
+def test_fifty_shrinks_hold_nothing_more(tmp_path):
+    """50 Shrink cycles (nobody failing; each followed by an exact allreduce and a Free of the
+    communicator before): threads, open fds and shared-memory segments after the 50th are
+    those after the 5th, on every rank (an agreement's responder ends with its communicator)."""
+    n = 4
+    plan = {"timeout": 20, "rounds": [], "cycles": 50}
+    results, codes = run_job(str(tmp_path), n, plan, 150)
+    for r in range(n):
+        cy = results[r]["cycles"]
+        assert codes[r] == 0 and results[r].get("done"), (r, codes[r])
+        assert cy["exact"] and cy["size"] == n, (r, cy)
+        threads5, fds5, segs5 = cy["after5"]
+        threads, fds, segs = cy["after"]
+        assert threads <= threads5 and fds <= fds5 and segs <= segs5, (r, cy)
 
 
 @pytest.mark.slow

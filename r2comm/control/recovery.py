@@ -285,6 +285,22 @@ def _state(comm):
         return st
 
 
+def release(comm):
+    """`comm` is freed: the responder of its last agreement stops (within its poll interval)
+    and its twin is dropped. Free a communicator only once its survivors are past its last
+    agreement (e.g. after a collective on the communicator Shrink made from it)."""
+    with _states_lock:
+        st = _states.pop(comm, None)
+    if st is None:
+        return
+    with st.lock:
+        resp, st.responder = st.responder, None
+    if resp is not None:
+        resp[1].set()
+        resp[0].join(1.0)
+    st.twin.free()
+
+
 def failed_ranks(comm):
     """Ranks of `comm` this rank knows to be dead, sorted (the failure detector's confirmed
     deaths, and the peers the engine holds lost)."""
