@@ -14,7 +14,13 @@ with R2COMM_SHM=0 (TCP between the ranks) and once by default (shared memory).
 Then the model: the agreement's message delays and peers per rank without failures, from the
 protocol itself (r2comm.control.recovery.Agreement in lockstep rounds: a pure function of n),
 at 16, 1,024 and 8,192 ranks. Shrink is one agreement plus local work (its plans are made on
-first use), so its rounds are the agreement's."""
+first use), so its rounds are the agreement's.
+
+Against it, in the same run: restarting the job instead (RANKS - 1 fresh processes on this
+host: interpreter, imports, a DirStore bootstrap, each rank reading a --ckpt-mib checkpoint of
+the model from disk, the first allreduce), without what a real restart adds before that (the
+scheduler noticing the failure, resubmitting, queueing: minutes) and with the checkpoint in
+this host's page cache (just written), not on shared storage: a lower bound of a restart."""
 import argparse
 import json
 import os
@@ -30,6 +36,7 @@ sys.path.insert(0, ROOT)
 from r2comm.control import recovery  # noqa: E402
 
 WORKER = os.path.join(ROOT, "tests", "shrink_worker.py")
+RESTART = "restart + reload"
 PHASES = (("detect", "t_detect"), ("revoke", "t_revoke"), ("agree", "t_agree"),
           ("shrink", "t_shrink"), ("first allreduce", "t_first"))
 
@@ -72,6 +79,50 @@ def one_run(n, victim, env, limit=120):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def restart_rank(d, rank, size, ckpt):
+    """One rank of the restarted job (run as `shrink.py --restart-rank D RANK SIZE CKPT`): the
+    imports, a DirStore bootstrap, the checkpoint read from disk, the first allreduce; writes
+    the wall clock at the end to D/restart.<rank>."""
+    import numpy as np
+    import r2comm
+    from r2comm.control.bootstrap_store import DirStore
+    comm = r2comm.Communicator.from_store(DirStore(os.path.join(d, "store"), timeout=60),
+                                          rank, size, timeout=20)
+    state = np.load(ckpt)                     # every rank reloads the whole model (DDP)
+    x = np.full(2048, float(state[0]), np.float32)
+    comm.Allreduce(x, np.empty_like(x))
+    with open(os.path.join(d, f"restart.{rank}"), "w") as f:
+        f.write(repr(time.time()))
+    os._exit(0)
+
+
+def restart_run(n, env, ckpt, limit=120):
+    """Seconds from launching a fresh job of n ranks (the survivors' count) to the last rank's
+    first allreduce, each rank reading the checkpoint `ckpt`: a restart from a checkpoint on
+    the same host, without the scheduler's detection and resubmission (minutes in practice)."""
+    d = tempfile.mkdtemp(prefix="r2restart")
+    try:
+        t0 = time.time()
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--restart-rank",
+                                   d, str(r), str(n), ckpt], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for r in range(n)]
+        until = time.monotonic() + limit
+        for p in procs:
+            try:
+                p.wait(max(0.1, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        ends = []
+        for r in range(n):
+            with open(os.path.join(d, f"restart.{r}")) as f:
+                ends.append(float(f.read()))
+        return max(ends) - t0
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def model(n):
     """(message delays to the last decision, most peers of a rank) of one agreement over n
     ranks without failures, the machines run in lockstep rounds."""
@@ -96,20 +147,44 @@ def main():
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--model", default="16,1024,8192")
+    ap.add_argument("--ckpt-mib", type=int, default=256,
+                    help="the model checkpoint a restarted job reads (MiB, float32)")
+    ap.add_argument("--restart-rank", nargs=4, metavar=("DIR", "RANK", "SIZE", "CKPT"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.restart_rank:
+        d, r, n, ckpt = args.restart_rank
+        restart_rank(d, int(r), int(n), ckpt)
     base = dict(os.environ, R2COMM_PROBE="0")
+    import numpy as np
+    ckdir = tempfile.mkdtemp(prefix="r2ckpt")
+    ckpt = os.path.join(ckdir, "model.npy")
+    np.save(ckpt, np.random.default_rng(0).standard_normal(args.ckpt_mib << 18,
+                                                           dtype=np.float32))
     cols = {}
-    for label, extra in (("R2COMM_SHM=0", {"R2COMM_SHM": "0"}), ("default (shm)", {})):
-        runs = [one_run(args.ranks, 1 + (i * 5) % (args.ranks - 1), dict(base, **extra))
-                for i in range(args.runs)]
-        cols[label] = {k: statistics.median(r[k] for r in runs)
-                       for k in [p for p, _ in PHASES] + ["total"]}
-        cols[label]["max total"] = max(r["total"] for r in runs)
+    try:
+        for label, extra in (("R2COMM_SHM=0", {"R2COMM_SHM": "0"}), ("default (shm)", {})):
+            env = dict(base, **extra)
+            runs = [one_run(args.ranks, 1 + (i * 5) % (args.ranks - 1), env)
+                    for i in range(args.runs)]
+            restarts = [restart_run(args.ranks - 1, env, ckpt) for _ in range(args.runs)]
+            cols[label] = {k: statistics.median(r[k] for r in runs)
+                           for k in [p for p, _ in PHASES] + ["total"]}
+            cols[label]["max total"] = max(r["total"] for r in runs)
+            cols[label][RESTART] = statistics.median(restarts)
+    finally:
+        shutil.rmtree(ckdir, ignore_errors=True)
     print(f"SIGKILL of 1 of {args.ranks} ranks on loopback, medians over {args.runs} runs "
           f"(ms; each phase ends when the last survivor ended it)")
     print(f"{'phase':<20}" + "".join(f"{c:>16}" for c in cols))
     for k in [p for p, _ in PHASES] + ["total", "max total"]:
         print(f"{k:<20}" + "".join(f"{cols[c][k] * 1e3:>16.1f}" for c in cols))
+    print(f"\nagainst a restart (in the same run, median): a fresh job of {args.ranks - 1} ranks "
+          f"launched, bootstrapped, each reading a {args.ckpt_mib} MiB checkpoint, to its first "
+          f"allreduce (no scheduler detection or resubmission counted)")
+    print(f"{RESTART:<20}" + "".join(f"{cols[c][RESTART] * 1e3:>16.1f}" for c in cols))
+    print(f"{'restart / shrink':<20}" +
+          "".join(f"{cols[c][RESTART] / cols[c]['total']:>15.1f}x" for c in cols))
     print("\nagreement model (no failure): message delays, most peers of one rank")
     for n in (int(x) for x in args.model.split(",")):
         rounds, peers = model(n)

@@ -136,6 +136,35 @@ class Communicator(VectorCollectives, PointToPoint):
         comm = StoreComm(store, rank, size, instance_prefix(store, prefix), store_timeout)
         return cls(comm, **kwargs)
 
+    def Grow(self, store, joiners, *, prefix, store_timeout=300.0, **kwargs):
+        """A new Communicator of this one's ranks (first, in their order) and `joiners` new
+        processes (ranks size .. size + joiners - 1), each of which calls
+        Communicator.join(store, prefix=prefix) (issue 44; ncclCommGrow's role). Collective
+        over this communicator; `prefix` names this growth on `store` (a fresh one every
+        time). The new communicator is a world of its own (its connections, engine and
+        detector; this one keeps running meanwhile): Free this one once you are done with it.
+        store_timeout and the other keyword arguments are from_store's."""
+        from .control.bootstrap_store import StoreComm, announce_growth
+        self._chan.check()
+        if not isinstance(joiners, int) or joiners < 0:
+            raise R2commArgumentError(f"Grow: joiners must be an int >= 0, not {joiners!r}")
+        size = self.size + joiners
+        if self.rank == 0:
+            announce_growth(store, prefix, self.size, size)
+        kwargs.setdefault("timeout", self.timeout)
+        return type(self)(StoreComm(store, self.rank, size, f"{prefix}/world", store_timeout),
+                          **kwargs)
+
+    @classmethod
+    def join(cls, store, *, prefix, store_timeout=300.0, **kwargs):
+        """Join a communicator that grows (Grow with the same store and prefix): this process
+        claims the next new rank and returns the grown Communicator. store_timeout bounds the
+        wait for the announcement and each bootstrap step; the other keyword arguments are
+        from_store's."""
+        from .control.bootstrap_store import StoreComm, claim_growth
+        rank, size = claim_growth(store, prefix, store_timeout)
+        return cls(StoreComm(store, rank, size, f"{prefix}/world", store_timeout), **kwargs)
+
     @property
     def probe_result(self):
         """What the start-up bandwidth probe measured on this rank (control/bandwidth.ProbeResult:

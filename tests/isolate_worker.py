@@ -6,7 +6,9 @@ Every rank streams exact allreduces; once all are warm rank 0 writes OUT/ready a
 isolates one host (Fabric.isolate: rails and management down at the switch). Each rank writes
 OUT/rank<r>.json when its stream ends: when and how it raised, when its failure detector
 learned of a dead rank and which, and whether every result before was exact. A rank whose file
-is written waits (bounded) for the others' and exits without MPI_Finalize."""
+is written waits (bounded) for the others' and exits without MPI_Finalize. Before it writes
+its file, a rank revokes the communicator, shrinks it (issue 44) and records the survivors it
+holds and whether an allreduce on them was exact."""
 import json
 import os
 import signal
@@ -50,6 +52,18 @@ def main():
         time.sleep(0.02)
     row = {"rank": r, "raised_at": t_raise, "error": type(exc).__name__ if exc else None,
            "message": str(exc)[:500], "dead": dead, "ops": ops, "inexact": inexact}
+    # issue 44: the survivors go on without the cut-off host (Revoke, Shrink, an allreduce)
+    comm.timeout = 10.0
+    try:
+        comm.Revoke()
+        new = comm.Shrink()
+        members = new.channel.global_ranks()
+        new.Allreduce(x, y)
+        want = sum(g + 1 for g in members)
+        row["shrunk"] = {"members": members, "at": time.time(),
+                         "exact": bool(y[0] == want and y[-1] == want)}
+    except r2comm.R2commError as e:
+        row["shrunk"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     tmp = os.path.join(out, f"rank{r}.tmp")
     with open(tmp, "w") as f:
         json.dump(row, f)

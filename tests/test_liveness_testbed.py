@@ -1,5 +1,6 @@
-"""A host cut off the network, on real (veth) NICs: the failure detector declares its rank dead
-and every survivor raises within the bound (issue 31).
+"""A host cut off the network, on real (veth) NICs: the failure detector declares its rank dead,
+every survivor raises within the bound (issue 31), and the survivors shrink it away and go on
+(issue 44).
 
 The netns testbed, 4 hosts x 1 rail NIC plus the management network (the control address), one
 rank per host streaming exact allreduces (tests/isolate_worker.py) with
@@ -65,3 +66,7 @@ def test_isolated_host_declared_dead_and_every_survivor_raises(fab, tmp_path):
         assert 0 < row["raised_at"] - cut_at < BOUND, row
         assert str(victim) in row["dead"], row
         assert row["inexact"] == 0 and row["ops"] > 0, row
+        # issue 44: the survivors shrank the cut-off host away and go on, exactly
+        assert row["shrunk"].get("members") == [0, 1, 2] and row["shrunk"]["exact"], row
+    print(f"isolated host: shrunk away {max(row['shrunk']['at'] for row in rows) - cut_at:.2f} s "
+          f"after the cut")

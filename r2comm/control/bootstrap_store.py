@@ -355,6 +355,36 @@ class StoreComm:
 _instances = {}
 
 
+def announce_growth(store, prefix, old_size, size):
+    """Rank 0 of a communicator that grows (Communicator.Grow): publish under `prefix` that
+    ranks old_size .. size-1 are to join. R2commArgumentError where `prefix` was used by an
+    earlier growth on this store (a prefix names one growth)."""
+    if store.add(f"{prefix}/announced", 1) != 1:
+        raise R2commArgumentError(f"Grow: prefix {prefix!r} was used by an earlier growth on "
+                                  "this store; give every growth a prefix of its own")
+    store.set(f"{prefix}/size", f"{old_size} {size}")
+
+
+def claim_growth(store, prefix, timeout):
+    """A joining process (Communicator.join): (rank, size) of its place in the growth under
+    `prefix`, claimed once (store.add), after waiting at most `timeout` s for rank 0's
+    announcement. What the store holds is checked, never trusted."""
+    store.wait([f"{prefix}/size"], datetime.timedelta(seconds=timeout))
+    raw = store.get(f"{prefix}/size")
+    try:
+        old, size = (int(v) for v in bytes(raw).decode("ascii").split())
+    except (ValueError, UnicodeDecodeError):
+        raise R2commArgumentError(f"join: the store's growth record under {prefix!r} is not "
+                                  f"two integers: {bytes(raw)[:40]!r}") from None
+    if not 1 <= old < size <= 1 << 20:
+        raise R2commArgumentError(f"join: growth from {old} to {size} ranks under {prefix!r}")
+    rank = old + int(store.add(f"{prefix}/joined", 1)) - 1
+    if rank >= size:
+        raise R2commArgumentError(f"join: {size - old} ranks were to join under {prefix!r}, "
+                                  f"this process would be joiner number {rank - old + 1}")
+    return rank, size
+
+
 def instance_prefix(store, prefix):
     """A fresh prefix per Communicator.from_store call on one store: the n-th call in every
     process gets the same name, since all ranks build their communicators in the same order."""
