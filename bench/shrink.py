@@ -41,6 +41,16 @@ PHASES = (("detect", "t_detect"), ("revoke", "t_revoke"), ("agree", "t_agree"),
           ("shrink", "t_shrink"), ("first allreduce", "t_first"))
 
 
+def wait_bounded(procs, until):
+    """Wait for every process until time.monotonic() `until`; kill those still running."""
+    for p in procs:
+        try:
+            p.wait(max(0.1, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
 def one_run(n, victim, env, limit=120):
     d = tempfile.mkdtemp(prefix="r2shrink")
     try:
@@ -50,13 +60,7 @@ def one_run(n, victim, env, limit=120):
         procs = [subprocess.Popen([sys.executable, WORKER, d, str(r), str(n)], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for r in range(n)]
-        until = time.monotonic() + limit
-        for p in procs:
-            try:
-                p.wait(max(0.1, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        wait_bounded(procs, time.monotonic() + limit)
         with open(os.path.join(d, f"kill.{victim}")) as f:
             t_kill = float(f.read())
         recs = []
@@ -107,13 +111,7 @@ def restart_run(n, env, ckpt, limit=120):
                                    d, str(r), str(n), ckpt], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for r in range(n)]
-        until = time.monotonic() + limit
-        for p in procs:
-            try:
-                p.wait(max(0.1, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        wait_bounded(procs, time.monotonic() + limit)
         ends = []
         for r in range(n):
             with open(os.path.join(d, f"restart.{r}")) as f:

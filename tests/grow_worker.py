@@ -27,14 +27,21 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
 from r2comm.control.bootstrap_store import DirStore  # noqa: E402
+from shrink_worker import held, write  # noqa: E402  (what a rank holds; res.<tag>.json)
 
 N = 4096
 
 
-def held():
-    segs = [f for f in os.listdir("/dev/shm") if f.startswith("r2comm-")] \
-        if os.path.isdir("/dev/shm") else []
-    return threading.active_count(), len(os.listdir("/proc/self/fd")), len(segs)
+def fd_kinds():
+    """{what an open fd is (socket, eventfd, a file): how many}."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            what = os.readlink(f"/proc/self/fd/{fd}").split("[")[0].split(":")[0]
+        except OSError:
+            continue
+        out[what] = out.get(what, 0) + 1
+    return out
 
 
 def exact(comm, salt):
@@ -44,13 +51,6 @@ def exact(comm, salt):
     comm.Allreduce(x, y)
     want = sum(r + salt for r in range(comm.size))
     return bool((y == want).all())
-
-
-def write(d, tag, res):
-    tmp = os.path.join(d, f"res.{tag}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(res, f)
-    os.replace(tmp, os.path.join(d, f"res.{tag}.json"))
 
 
 def loop_until_error(comm, victim, d, k, timeout):
@@ -109,15 +109,19 @@ def main():
                 state, np.arange(plan["state"], dtype=np.float64) * (k + 1)))
             rec["grown"] = [big.rank, big.size]
             rec["grown_exact"] = exact(big, k)
+            t0 = time.monotonic()
             small.Free()
             for w in worlds:                 # the old world: its dead rank cannot answer
                 w.Free()
+            rec["free_s"] = time.monotonic() - t0
             comm, worlds = big, [big]
             if k == first:
                 res["held_first"] = held()
+                res["fds_first"] = fd_kinds()
             res["cycles"].append(rec)
             write(d, tag, res)
         res["held_last"] = held()
+        res["fds_last"] = fd_kinds()
         comm.Barrier()
         res["done"] = True
         write(d, tag, res)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import ROOT
+from proc_jobs import collect, wait_all
 from r2comm.control.bootstrap_store import DirStore, announce_growth, claim_growth
 from r2comm.errors import R2commArgumentError
 
@@ -35,24 +36,8 @@ def run_cycles(d, n, victims, limit, state=1 << 16):
             started += 1
         else:
             time.sleep(0.02)
-    hung = []
-    for tag, p in procs.items():
-        try:
-            p.wait(max(0.1, until - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung.append(tag)
-            p.kill()
-            p.wait(10)
-    results, errors = {}, {}
-    for tag in procs:
-        try:
-            with open(os.path.join(d, f"res.{tag}.json")) as f:
-                results[tag] = json.load(f)
-        except (OSError, ValueError):
-            pass
-        if os.path.exists(os.path.join(d, f"err.{tag}")):
-            with open(os.path.join(d, f"err.{tag}")) as f:
-                errors[tag] = f.read()[-3000:]
+    hung = wait_all(procs, until)
+    results, errors = collect(d, procs)
     assert not errors, f"processes failed: {errors}"
     assert not hung, f"{hung} still ran after {limit} s: {results}"
     assert started == len(victims), f"only {started} replacements started: {results}"

@@ -8,6 +8,7 @@ The multi-rank case (rails failed for real, then restored): tests/test_p2p_recov
 import os
 import struct
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -203,3 +204,16 @@ def test_closing_waits_for_a_void_only_while_its_peer_is_reachable(rig):
     assert rig.e.drain(0.2) is False
     rig.e.links.peer_dead(1, "test: the failure detector said so")
     assert rig.e.drain(5.0) is True
+
+
+def test_closing_does_not_wait_for_data_to_a_dead_peer(rig):
+    """Nor for a data send's acknowledgement once its peer is held lost (its operations failed:
+    the acks cannot come), so a world freed after a rank died closes at once (issue 44: Free
+    after Shrink waited out the drain's 10 s); while the peer is reachable it waits."""
+    p2p_send(rig, np.ones(4 * CS, np.uint8))
+    sent_frames(rig)
+    assert testing.debug_state(rig.e)["sends"] == 1
+    assert rig.e.drain(0.2) is False
+    rig.e.links.peer_dead(1, "test: the failure detector said so")
+    t0 = time.monotonic()
+    assert rig.e.drain(5.0) is True and time.monotonic() - t0 < 1.0

@@ -26,6 +26,7 @@ import time
 import pytest
 
 from conftest import ROOT
+from proc_jobs import collect, wait_all
 from r2comm.control import recovery
 from r2comm.control.comm_ids import CommIds
 from r2comm.errors import R2commArgumentError, R2commNetworkError
@@ -280,25 +281,8 @@ def run_job(d, n, plan, limit, env=None):
     procs = [subprocess.Popen([sys.executable, WORKER, d, str(r), str(n)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for r in range(n)]
-    until = time.monotonic() + limit
-    hung = []
-    for r, p in enumerate(procs):
-        try:
-            p.wait(max(0.1, until - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung.append(r)
-            p.kill()
-            p.wait(10)
-    results, errors = {}, {}
-    for r in range(n):
-        try:
-            with open(os.path.join(d, f"res.{r}.json")) as f:
-                results[r] = json.load(f)
-        except (OSError, ValueError):
-            pass
-        if os.path.exists(os.path.join(d, f"err.{r}")):
-            with open(os.path.join(d, f"err.{r}")) as f:
-                errors[r] = f.read()[-3000:]
+    hung = wait_all(dict(enumerate(procs)), time.monotonic() + limit)
+    results, errors = collect(d, range(n))
     assert not errors, f"ranks failed: {errors}"
     assert not hung, f"ranks {hung} still ran after {limit} s: {results}"
     return results, [p.returncode for p in procs]

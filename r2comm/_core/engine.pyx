@@ -445,7 +445,7 @@ cdef class Engine:
 
     def drain(self, double timeout):
         """Wait until every send was acknowledged and every queued frame written (or timeout);
-        returns True if drained (a void for a peer held lost is not waited for). Called before
+        returns True if drained (a send to a peer held lost is not waited for). Called before
         close, so a rank that finished first does not take unacknowledged eager data, or the
         acks its peers wait for, down with it."""
         cdef State* e = self._live()

@@ -443,13 +443,15 @@ cdef void send_void(State* e, SendMsg* m) noexcept nogil:
     send_chunk_ready(e, v, 0, 1)
 
 cdef bint sends_pending(State* e) noexcept nogil:
-    """A send still waits for its acknowledgement, other than a void for a peer held lost
-    (it carries no data, and that peer may never come back: Engine.drain does not wait)."""
+    """A send still waits for its acknowledgement from a peer not held lost. A lost peer's
+    operations failed (E_NETWORK) and its acknowledgements cannot come while it is lost, so
+    Engine.drain does not wait for them: a world closed after a rank died (Free after Shrink)
+    used to wait out the drain's 10 s for a dead rank's acks."""
     cdef SendMsg* m
     it = e.smap.begin()
     while it != e.smap.end():
         m = <SendMsg*>deref(it).second
-        if not (m.flags & FL_VOID) or not e.peers[m.peer].lost:
+        if not e.peers[m.peer].lost:
             return 1
         inc(it)
     return 0
