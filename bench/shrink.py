@@ -16,6 +16,10 @@ protocol itself (r2comm.control.recovery.Agreement in lockstep rounds: a pure fu
 at 16, 1,024 and 8,192 ranks. Shrink is one agreement plus local work (its plans are made on
 first use), so its rounds are the agreement's.
 
+Then growing back (tests/grow_worker.py): one rank dies, the survivors shrink, a replacement
+process this script launches once the victim is gone joins (Communicator.Grow / join through
+the job's store), and rank 0 sends it --state-mib MiB of model state.
+
 Against it, in the same run: restarting the job instead (RANKS - 1 fresh processes on this
 host: interpreter, imports, a DirStore bootstrap, each rank reading a --ckpt-mib checkpoint of
 the model from disk, the first allreduce), without what a real restart adds before that (the
@@ -121,6 +125,48 @@ def restart_run(n, env, ckpt, limit=120):
         shutil.rmtree(d, ignore_errors=True)
 
 
+GROW_WORKER = os.path.join(ROOT, "tests", "grow_worker.py")
+GROW_PHASES = ("kill -> shrunk", "replacement launched", "grown (all joined)",
+               "state received")
+
+
+def grow_run(n, env, state_mib, limit=120):
+    """One kill-and-grow-back cycle of n ranks (tests/grow_worker.py): seconds from the kill to
+    the survivors' shrunk communicator, to the replacement's launch (this script starts it
+    once the victim is gone, as a job manager would), to the grown communicator on every rank,
+    and to the model state (state_mib MiB, a Bcast from rank 0) on every rank."""
+    d = tempfile.mkdtemp(prefix="r2grow")
+    try:
+        with open(os.path.join(d, "plan.json"), "w") as f:
+            json.dump({"cycles": [1], "timeout": 20, "state": state_mib << 17}, f)
+
+        def spawn(*args):
+            return subprocess.Popen([sys.executable, GROW_WORKER, d, str(n), *map(str, args)],
+                                    env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        procs = [spawn("start", r) for r in range(n)]
+        until = time.monotonic() + limit
+        while not os.path.exists(os.path.join(d, "kill.0")) and time.monotonic() < until:
+            time.sleep(0.005)
+        t_launch = time.time()
+        procs.append(spawn("join", 0))
+        wait_bounded(procs, until)
+        with open(os.path.join(d, "kill.0")) as f:
+            t_kill = float(f.read())
+        recs = []
+        for tag in [str(r) for r in range(n) if r != 1] + ["j0"]:
+            with open(os.path.join(d, f"res.{tag}.json")) as f:
+                res = json.load(f)
+            if not res.get("done"):
+                raise RuntimeError(f"{tag} did not finish: {res}")
+            recs.append(res["cycles"][0] if res["cycles"] else res)
+        ends = [max(rec.get("t_shrunk", 0.0) for rec in recs), t_launch,
+                max(rec["t_grown"] for rec in recs), max(rec["t_state"] for rec in recs)]
+        return {name: end - t_kill for name, end in zip(GROW_PHASES, ends)}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def model(n):
     """(message delays to the last decision, most peers of a rank) of one agreement over n
     ranks without failures, the machines run in lockstep rounds."""
@@ -145,6 +191,8 @@ def main():
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--model", default="16,1024,8192")
+    ap.add_argument("--state-mib", type=int, default=64,
+                    help="the model state a replacement receives after growing back (MiB)")
     ap.add_argument("--ckpt-mib", type=int, default=256,
                     help="the model checkpoint a restarted job reads (MiB, float32)")
     ap.add_argument("--restart-rank", nargs=4, metavar=("DIR", "RANK", "SIZE", "CKPT"),
@@ -170,6 +218,9 @@ def main():
                            for k in [p for p, _ in PHASES] + ["total"]}
             cols[label]["max total"] = max(r["total"] for r in runs)
             cols[label][RESTART] = statistics.median(restarts)
+            grows = [grow_run(args.ranks, env, args.state_mib) for _ in range(args.runs)]
+            for k in GROW_PHASES:
+                cols[label][k] = statistics.median(g[k] for g in grows)
     finally:
         shutil.rmtree(ckdir, ignore_errors=True)
     print(f"SIGKILL of 1 of {args.ranks} ranks on loopback, medians over {args.runs} runs "
@@ -183,6 +234,11 @@ def main():
     print(f"{RESTART:<20}" + "".join(f"{cols[c][RESTART] * 1e3:>16.1f}" for c in cols))
     print(f"{'restart / shrink':<20}" +
           "".join(f"{cols[c][RESTART] / cols[c]['total']:>15.1f}x" for c in cols))
+    print(f"\ngrow back (tests/grow_worker.py): kill -> shrink -> a replacement launched once "
+          f"the victim is gone joins (Grow/join) -> {args.state_mib} MiB of model state from "
+          f"rank 0; times since the kill, medians")
+    for k in GROW_PHASES:
+        print(f"{k:<20}" + "".join(f"{cols[c][k] * 1e3:>16.1f}" for c in cols))
     print("\nagreement model (no failure): message delays, most peers of one rank")
     for n in (int(x) for x in args.model.split(",")):
         rounds, peers = model(n)

@@ -85,10 +85,13 @@ def main():
             comm = r2comm.Communicator.from_store(store, arg, size, timeout=timeout)
             first = 0
         else:
+            res["t_start"] = time.time()
             comm = r2comm.Communicator.join(store, prefix=f"grow-{arg}", timeout=timeout)
+            res["t_grown"] = time.time()
             first = arg + 1
             state = np.empty(plan["state"], np.float64)
             comm.Bcast(state, root=0)
+            res["t_state"] = time.time()
             want = np.arange(plan["state"], dtype=np.float64) * (arg + 1)
             res["state_ok"] = bool(np.array_equal(state, want))
             res["grown_exact"] = exact(comm, arg)
@@ -102,9 +105,11 @@ def main():
             t0 = time.monotonic()
             big = small.Grow(store, 1, prefix=f"grow-{k}", timeout=timeout)
             rec["grow_s"] = time.monotonic() - t0
+            rec["t_shrunk"], rec["t_grown"] = time.time() - rec["grow_s"], time.time()
             state = np.arange(plan["state"], dtype=np.float64) * (k + 1) if big.rank == 0 \
                 else np.empty(plan["state"], np.float64)
             big.Bcast(state, root=0)
+            rec["t_state"] = time.time()
             rec["state_ok"] = bool(np.array_equal(
                 state, np.arange(plan["state"], dtype=np.float64) * (k + 1)))
             rec["grown"] = [big.rank, big.size]
