@@ -12,8 +12,8 @@ rank (prefix "grow-<k>") while the replacement joins; rank 0 sends the model sta
 `state` float64 elements) and every rank checks an exact allreduce on the grown communicator.
 The communicators left behind are freed. Each process writes DIR/res.<tag>.json (tag: its first
 rank, or "j<cycle>") after every cycle: per cycle its rank, the members' tags, the grow time,
-the checks; and what it holds (threads, fds, shared-memory segments) after the first cycle and
-after the last."""
+the checks; and what it holds (threads, fds, shared-memory segments) before its first
+communicator, after the first cycle, after the last, and once it freed every communicator."""
 import json
 import os
 import signal
@@ -41,6 +41,34 @@ def fd_kinds():
         except OSError:
             continue
         out[what] = out.get(what, 0) + 1
+    return out
+
+
+def sockets():
+    """The sockets this process holds: TCP as (local port, remote port, state), unix ones (what
+    a failed leak check shows)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            t = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if t.startswith("socket:["):
+            inodes.add(t[8:-1])
+    out = []
+    for name in ("/proc/self/net/tcp", "/proc/self/net/tcp6", "/proc/self/net/unix"):
+        try:
+            with open(name) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            c = row.split()
+            if "unix" in name:
+                if len(c) > 6 and c[6] in inodes:
+                    out.append(("unix", c[-1] if len(c) > 7 else ""))
+            elif c[9] in inodes:
+                out.append((int(c[1].split(":")[1], 16), int(c[2].split(":")[1], 16), c[3]))
     return out
 
 
@@ -79,7 +107,7 @@ def main():
     timeout, cycles = float(plan["timeout"]), plan["cycles"]
     store = DirStore(os.path.join(d, "store"), timeout=60)
     tag = str(arg) if mode == "start" else f"j{arg}"
-    res = {"tag": tag, "cycles": []}
+    res = {"tag": tag, "cycles": [], "held_base": held()}     # before any communicator
     try:
         if mode == "start":
             comm = r2comm.Communicator.from_store(store, arg, size, timeout=timeout)
@@ -128,6 +156,10 @@ def main():
         res["held_last"] = held()
         res["fds_last"] = fd_kinds()
         comm.Barrier()
+        comm.Free()
+        res["held_end"] = held()             # every communicator freed
+        res["fds_end"] = fd_kinds()
+        res["sockets_end"] = sockets()
         res["done"] = True
         write(d, tag, res)
         until = time.monotonic() + 15        # leave once every rank is done (an exit is a death)

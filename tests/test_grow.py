@@ -78,13 +78,20 @@ def test_shrink_then_grow_back_with_a_replacement(tmp_path):
 @pytest.mark.slow
 def test_fifty_shrink_grow_cycles_hold_nothing_more(tmp_path):
     """50 kill / shrink / grow / free cycles on 3 ranks (the victim rotates): every result
-    exact, and what each original survivor holds (threads, fds, segments) after the last cycle
-    is what it held after the first."""
+    exact; rank 0 holds no more threads or segments after the last cycle than after the first
+    (its live world's sockets vary with the connections made on first use), and every process
+    that finished holds no more threads, fds or segments once it freed its last communicator
+    than before its first."""
     victims = [1 + k % 2 for k in range(50)]          # rank 0 survives every cycle
     results, codes = run_cycles(str(tmp_path), 3, victims, 1500, state=1024)
     check_cycles(results, codes, 3, victims)
+    for tag, res in results.items():
+        if res.get("done"):        # all freed: what it held before its first communicator
+            base, end = res["held_base"], res["held_end"]
+            assert end[0] <= base[0] and end[1] <= base[1] and end[2] <= base[2], \
+                (tag, base, end, res["fds_end"], res["sockets_end"])
     first, last = results["0"]["held_first"], results["0"]["held_last"]
-    assert last[0] <= first[0] and last[1] <= first[1] and last[2] <= first[2], (first, last)
+    assert last[0] <= first[0] and last[2] <= first[2], (first, last)     # (live sockets vary)
 
 
 def test_growth_records_are_checked(tmp_path):

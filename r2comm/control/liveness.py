@@ -335,6 +335,8 @@ class Detector:
         self._jobs = queue.Queue()           # worker jobs: (function, args)
         self._asks = queue.Queue(MAX_ASKS)   # others' suspicions to probe (second worker)
         self._done = collections.deque()     # worker results: callables run on the ring thread
+        self._handed = set()                 # ring fds the worker dialed, not yet adopted or
+        self._handed_lock = threading.Lock()  # closed by the ring thread (close() closes them)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -400,6 +402,10 @@ class Detector:
             c.close()
         for hs in self._pending.values():
             hs.close()
+        with self._handed_lock:              # dialed while closing, never adopted (a socket
+            for fd in self._handed:          # left in CLOSE_WAIT per lost hand-over)
+                os.close(fd)
+            self._handed.clear()
         self._sel.close()
         self.listener.close()
         self._wake_r.close()
@@ -715,6 +721,11 @@ class Detector:
     # -- results from the worker (run on the ring thread) ---------------------------------------
     def _ring_connected(self, q, fd, refused=False):
         self._connecting = None
+        if fd is not None:
+            with self._handed_lock:
+                if fd not in self._handed:       # close() closed it already
+                    return
+                self._handed.discard(fd)
         if fd is None:
             if refused:
                 self._gone.add(q)
@@ -849,6 +860,12 @@ class Detector:
             fd, refused = None, True
         except (OSError, TCP.HandshakeError):
             fd = None
+        if fd is not None:
+            with self._handed_lock:
+                if self._stop.is_set():              # closing: nobody would adopt it
+                    os.close(fd)
+                    return
+                self._handed.add(fd)
         self._call(self._ring_connected, q, fd, refused)
 
     def _check(self, q, silent):
