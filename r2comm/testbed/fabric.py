@@ -426,15 +426,17 @@ class Fabric:
         cmd, full_env = self._in_host(host, argv, env)
         return subprocess.Popen(cmd, env=full_env, **kwargs)
 
-    def mpiexec(self, nranks, argv, env=None, timeout=120, launcher=None, **kwargs):
+    def mpiexec(self, nranks, argv, env=None, timeout=120, launcher=None, mpiexec_args=(),
+                **kwargs):
         """Start ``mpiexec -n NRANKS`` whose ranks run ARGV placed in the fabric; returns the Popen.
 
         Each rank goes through ``python -m r2comm.testbed exec``, which moves
         it into its host's namespace.  MPIEXEC_TIMEOUT makes hydra kill the
         whole job after TIMEOUT seconds, so a hung rank cannot outlive a test.
+        mpiexec_args go before ``-n`` (``-disable-auto-cleanup``: survivors live on).
         """
-        cmd = [launcher or find_mpiexec(), "-n", str(nranks), sys.executable, "-m", "r2comm.testbed",
-               "exec", "--fabric", self.tag, "--", *argv]
+        cmd = [launcher or find_mpiexec(), *mpiexec_args, "-n", str(nranks), sys.executable,
+               "-m", "r2comm.testbed", "exec", "--fabric", self.tag, "--", *argv]
         path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
         full_env = {**os.environ, "PYTHONPATH": path, **(env or {}),
                     "MPIEXEC_TIMEOUT": str(max(1, int(timeout)))}
