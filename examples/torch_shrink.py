@@ -16,6 +16,7 @@ Each rank's batch is a function of (step, its rank in the current world) only; t
 from one seed. The losses printed are the mean of the ranks' losses (an all_reduce)."""
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -155,6 +156,13 @@ def rank_main(args):
     if pg.rank() == 0:
         if args.save:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, args.save)
+        # the final model and optimiser state's digest (the last part's rank 0 writes it)
+        digest = hashlib.sha256()
+        for t in list(model.state_dict().values()) + [
+                opt.state_dict()["state"][i]["momentum_buffer"]
+                for i in sorted(opt.state_dict()["state"])]:
+            digest.update(t.detach().contiguous().numpy().tobytes())
+        losses["digest"] = digest.hexdigest()[:16]
         with open(args.out, "w") as f:
             json.dump(losses, f)
     dist.destroy_process_group()
@@ -242,25 +250,32 @@ def main():
         if codes != [0] * (n - 1):
             print(f"[shrink] reference part 2: exit codes {codes}", flush=True)
             return 1
-        got = _read(out["fail"])
-        ref = {**_read(out["ref1"]), **_read(out["ref2"])}
+        got, got_digest = _read(out["fail"])
+        (ref1, _), (ref2, ref_digest) = _read(out["ref1"]), _read(out["ref2"])
+        ref = {**ref1, **ref2}
     print(f"[shrink] run 1 took {fail_s:.1f} s", flush=True)
-    print(f"[shrink] step  world  run 1 loss           reference loss", flush=True)
+    print("[shrink] step  world  run 1 loss           reference loss", flush=True)
     for s in range(args.steps):
         a, b = got.get(s), ref.get(s)
         mark = "" if a == b else "   <- DIFFERENT"
         show = lambda e: f"{e[0]}  {float.fromhex(e[1]):.10f}" if e else "-"   # noqa: E731
         print(f"[shrink] {s:4d}  {show(a):>20}  {show(b)[3:] if b else '-':>14}{mark}",
               flush=True)
-    same = got == ref and len(got) == args.steps
-    print(f"[shrink] losses after the shrink equal the reference's bit for bit: {same}",
-          flush=True)
-    return 0 if same else 1
+    same = got == ref and len(got) == args.steps and all(got[s][0] == (n if s < k else n - 1)
+                                                         for s in range(args.steps))
+    print(f"[shrink] final model and optimiser state: run 1 {got_digest}, reference "
+          f"{ref_digest}", flush=True)
+    print(f"[shrink] losses after the shrink equal the reference's bit for bit: {same}; "
+          f"same final state: {got_digest == ref_digest}", flush=True)
+    return 0 if same and got_digest == ref_digest else 1
 
 
 def _read(path):
+    """({step: (world size, loss in hex)}, the final state's digest or None)."""
     with open(path) as f:
-        return {int(s): tuple(v) for s, v in json.load(f).items()}
+        data = json.load(f)
+    digest = data.pop("digest", None)
+    return {int(s): tuple(v) for s, v in data.items()}, digest
 
 
 if __name__ == "__main__":

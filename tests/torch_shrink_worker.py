@@ -1,9 +1,11 @@
-"""r2comm.torch.shrink() in a real job (tests/test_torch_shrink.py): 3 ranks started by this
+"""r2comm.torch.shrink() in a real job (tests/test_torch_shrink.py): N ranks started by this
 script (not torchrun, whose agent kills the survivors), meeting through a TCPStore the launcher
-hosts; rank 2 SIGKILLs itself, ranks 0 and 1 get torch's error type from their all_reduce,
-shrink the default group and all_reduce exactly on the new one; a call on the old group raises.
+hosts. For each victim in turn (a rank of the current group), the victim SIGKILLs itself; the
+others get torch's error type from their next all_reduce, shrink the default group and go on
+on the new one. At the end the survivors all_reduce exactly on it, a call on the first group
+raises torch's error type, and each prints a RESULT line.
 
-    python tests/torch_shrink_worker.py [deadline s]      # the launcher: prints RESULT lines
+    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S    # e.g. 3 1 90, or 4 2,2 120
 """
 import datetime
 import os
@@ -12,70 +14,80 @@ import subprocess
 import sys
 import time
 
-N, VICTIM = 3, 2
 
-
-def rank_main(rank, port):
+def rank_main(rank, size, victims, port):
     import torch
     import torch.distributed as dist
     import r2comm
     import r2comm.torch
 
-    store = dist.TCPStore("127.0.0.1", port, N, is_master=False,
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
                           timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("r2comm", store=store, rank=rank, world_size=N,
+    dist.init_process_group("r2comm", store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=30))
-    t = torch.full((8,), float(rank + 1))
-    dist.all_reduce(t)
-    assert t.tolist() == [6.0] * 8, t
-    if rank == VICTIM:
-        store.set("killed_at", repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
-    old = dist.group.WORLD
-    try:
-        dist.all_reduce(torch.ones(8))
-        print(f"RESULT {rank} FAIL all_reduce after the death returned", flush=True)
-        return 1
-    except dist.DistError as exc:
-        first = (type(exc).__name__, isinstance(exc, dist.DistNetworkError),
-                 isinstance(exc, (r2comm.R2commNetworkError, r2comm.R2commRevokedError)))
-    t0 = time.monotonic()
-    pg = r2comm.torch.shrink()
-    shrink_s = time.monotonic() - t0
-    # values whose sum over the 2 survivors is exact in float32
+    first_group = pg = dist.group.WORLD
+    alive = list(range(size))                  # the original ranks of the current group
+    errors, shrinks, kill_to_first = [], [], []
+    for round_, victim in enumerate(victims):
+        t = torch.full((8,), float(rank + 1))
+        dist.all_reduce(t, group=pg)
+        assert t.tolist() == [float(sum(a + 1 for a in alive))] * 8, t
+        if pg.rank() == victim:
+            store.set(f"killed_at{round_}", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            dist.all_reduce(torch.ones(8), group=pg)
+            print(f"RESULT {rank} FAIL: all_reduce after the death returned", flush=True)
+            return 1
+        except dist.DistError as exc:
+            errors.append(f"{type(exc).__name__}:"
+                          f"{'DistNetworkError' if isinstance(exc, dist.DistNetworkError) else 'DistBackendError' if isinstance(exc, dist.DistBackendError) else '?'}:"
+                          f"{isinstance(exc, (r2comm.R2commNetworkError, r2comm.R2commRevokedError))}")
+        t0 = time.monotonic()
+        pg = r2comm.torch.shrink()
+        shrinks.append(time.monotonic() - t0)
+        del alive[victim]
+        one = torch.ones(1)
+        dist.all_reduce(one, group=pg)              # the first collective on the new group
+        kill_to_first.append(time.time() - float(store.get(f"killed_at{round_}").decode()))
+        assert one.item() == len(alive), one
+    # values whose sum over the survivors is exact in float32
     x = torch.arange(1000, dtype=torch.float32) * (rank + 1) + 0.25
     dist.all_reduce(x, group=pg)
-    killed_at = float(store.get("killed_at").decode())
-    kill_to_first = time.time() - killed_at
-    want = torch.arange(1000, dtype=torch.float32) * 3 + 0.5
-    exact = torch.equal(x, want)
+    want = torch.arange(1000, dtype=torch.float32) * sum(a + 1 for a in alive) + 0.25 * len(alive)
     y = torch.full((4,), float(rank + 1), dtype=torch.float64)
-    dist.all_reduce(y)                        # the default group is the new one
+    dist.all_reduce(y)                          # the default group is the new one
     try:
-        old.allreduce([torch.ones(4)]).wait()
+        first_group.allreduce([torch.ones(4)]).wait()
         old_err = "none"
     except dist.DistError as exc:
         old_err = type(exc).__name__ + ("/DistBackendError"
                                         if isinstance(exc, dist.DistBackendError) else "")
-    print(f"RESULT {rank} first_error={first[0]} network={first[1]} r2comm_type={first[2]} "
-          f"size={pg.size()} rank={pg.rank()} world={dist.get_world_size()} "
-          f"get_rank={dist.get_rank(pg)} ranks={dist.get_process_group_ranks(pg)} "
-          f"exact={exact} default={y.tolist() == [3.0] * 4} old_error={old_err} "
-          f"shrink_s={shrink_s:.3f} kill_to_first_s={kill_to_first:.3f}", flush=True)
+    print(f"RESULT {rank} errors={','.join(errors)} size={pg.size()} rank={pg.rank()} "
+          f"want_rank={alive.index(rank)} world={dist.get_world_size()} "
+          f"get_rank={dist.get_rank(pg)} "
+          f"ranks={','.join(map(str, dist.get_process_group_ranks(pg)))} "
+          f"alive={','.join(map(str, alive))} exact={torch.equal(x, want)} "
+          f"default={y.tolist() == [float(sum(a + 1 for a in alive))] * 4} old_error={old_err} "
+          f"shrink_s={','.join(f'{s:.3f}' for s in shrinks)} "
+          f"kill_to_first_s={','.join(f'{s:.3f}' for s in kill_to_first)}", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
-    # no exit handlers: the world's close drains the sends to the dead rank up to 10 s
+    # no exit handlers: the world's close drains the sends to the dead ranks up to 10 s
     # (tests/shrink_worker.py ends the same way)
     os._exit(0)
 
 
-def launch(deadline_s):
+def launch(size, victims, deadline_s):
+    """Start the ranks; print their exit codes (CODES line); 0 when the victims were killed
+    and the others exited 0."""
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", 0, N, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     env = dict(os.environ, R2COMM_TIMEOUT=os.environ.get("R2COMM_TIMEOUT", "30"))
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r),
-                               str(store.port)], env=env) for r in range(N)]
+                               str(size), ",".join(map(str, victims)), str(store.port)],
+                              env=env) for r in range(size)]
     end = time.monotonic() + deadline_s
     codes = []
     for p in procs:
@@ -85,10 +97,19 @@ def launch(deadline_s):
             p.kill()
             codes.append(p.wait(timeout=10))
     print("CODES " + " ".join(str(c) for c in codes), flush=True)
-    return 0 if codes == [0, 0, -signal.SIGKILL] else 1
+    alive = list(range(size))
+    want = [0] * size
+    for v in victims:
+        want[alive.pop(v)] = -signal.SIGKILL
+    return 0 if codes == want else 1
+
+
+def _ranks(text):
+    return [int(v) for v in text.split(",") if v]
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
-        sys.exit(rank_main(int(sys.argv[2]), int(sys.argv[3])))
-    sys.exit(launch(float(sys.argv[1]) if len(sys.argv) > 1 else 90.0))
+    if sys.argv[1] == "--rank":
+        sys.exit(rank_main(int(sys.argv[2]), int(sys.argv[3]), _ranks(sys.argv[4]),
+                           int(sys.argv[5])))
+    sys.exit(launch(int(sys.argv[1]), _ranks(sys.argv[2]), float(sys.argv[3])))

@@ -127,7 +127,7 @@ def _entry(group):
     except (RuntimeError, ValueError, AttributeError):
         backend = None
     if mod is not None and isinstance(backend, mod.R2commBackend):
-        return backend.comm, backend
+        return backend.ops.comm, backend          # (backend.comm is its Channel)
     raise ValueError(f"process group {pg.group_name!r} is not an r2comm group")
 
 
