@@ -10,8 +10,7 @@ own connections (every rail to every peer, failover included). The group is a c1
 C++ (_backend.cpp, built against the installed torch: native.py); backend.py makes it, pyops.py
 holds the collectives it hands to Python. communicator(group) is a group's Communicator;
 shrink(group) the survivors' group after a rank died (recover.py)."""
-from .backend import BACKEND_NAME, communicator, native_backend, register
-from .recover import shrink
+from .backend import BACKEND_NAME, communicator, native_backend, register, shrink
 
 __all__ = ["BACKEND_NAME", "communicator", "native_backend", "register", "shrink"]
 

@@ -143,6 +143,13 @@ def native_backend(group=None):
     return _entry(group)[1]
 
 
+def shrink(group=None):
+    """The survivors' ProcessGroup of r2comm group `group` (default: the default group, which
+    torch then replaces) after a rank of it died (recover.shrink): every survivor calls it and
+    goes on with the group it returns (ranks 0..k-1 in the old order)."""
+    return recover.shrink(communicator(group), group)
+
+
 def register():
     """Register "r2comm" with torch.distributed (idempotent) for devices()."""
     if getattr(dist.Backend, BACKEND_NAME.upper(), None) == BACKEND_NAME and \

@@ -2,18 +2,21 @@
 who failed and get a ProcessGroup over the shrunk Communicator (issue 44, ULFM's model).
 
     try:
-        loss.backward()                               # DDP's allreduce: a rank died
-    except dist.DistError:                            # R2commNetworkError / R2commRevokedError
-        pg = r2comm.torch.shrink(pg)                  # every survivor; new ranks 0..k-1
-        model = DDP(module, process_group=pg)         # redo the step on the new group
+        loss.backward()                    # DDP's allreduce: a rank died
+    except RuntimeError:                   # R2commNetworkError / R2commRevokedError (torch's
+        del ddp                            # DistError; DDP wraps it in a RuntimeError)
+        pg = r2comm.torch.shrink(pg)       # every survivor; new ranks 0..k-1
+        ddp = DDP(model, process_group=pg) # redo the step on the new group
 
-shrink(group) is `Revoke()` and `Agree()` on the group's Communicator (r2comm.torch.
-communicator(group)) and then torch's own `dist.shrink_group(agreed failed ranks, group)`: the
-backend's shrink (backend.py's remake) sees the revoked Communicator and makes the new group's
-Backend on `Communicator.Shrink()` (survivors() here), so torch registers the new group as it
-registers any shrunk one (dist.get_rank(pg), get_process_group_ranks; the default group, when
-it is the one shrunk, is replaced, and torch destroys the other groups). Nothing travels through
-the store: it may have died with its rank (but ProcessGroup clones it, see the README).
+r2comm.torch.shrink(group) (backend.py: shrink() here with the group's Communicator) is
+`Revoke()` and `Agree()` on the group's Communicator and then torch's own
+`dist.shrink_group(agreed failed ranks, group)`: the backend's shrink (backend.py's remake) sees
+the revoked Communicator and makes the new group's Backend on `Communicator.Shrink()`
+(survivors() here), so torch registers the new group as it registers any shrunk one
+(dist.get_rank(pg); the default group, when it is the one shrunk, is replaced, and torch
+destroys the other groups). r2comm sends nothing through the store, but torch clones the old
+group's store for the new group: a TCPStore hosted by the rank that died cannot be cloned
+(README, "After a rank died (torch)").
 
 Errors reach torch code as torch's types (pyops: R2commError subclasses that are
 DistBackendError, R2commNetworkError ones DistNetworkError)."""
@@ -48,15 +51,14 @@ def survivors(comm, excluded):
     return new, twin
 
 
-def shrink(group=None):
-    """The survivors' ProcessGroup of r2comm group `group` (default: the default group, which
-    torch then replaces) after a rank of it died: revokes it (every rank's pending and later
-    calls on it raise), agrees on the failed ranks and calls dist.shrink_group with them.
-    Every survivor calls it; the survivors keep their order, renumbered 0..k-1. Raises torch's
-    error types (DistBackendError) where it cannot (no rank failed, a timeout)."""
-    from .backend import communicator        # backend.py imports this module
+def shrink(comm, group=None):
+    """The survivors' ProcessGroup of r2comm group `group` (None: the default group, which
+    torch then replaces), whose Communicator is `comm`, after a rank of it died: revokes it
+    (every rank's pending and later calls on it raise), agrees on the failed ranks and calls
+    dist.shrink_group with them. Every survivor calls it; the survivors keep their order,
+    renumbered 0..k-1. Raises torch's error types (DistBackendError) where it cannot (no rank
+    failed, a timeout). (r2comm.torch.shrink(group) finds comm: backend.shrink.)"""
     try:
-        comm = communicator(group)
         comm.Revoke()
         for attempt in range(ATTEMPTS):
             comm.Agree(1)
