@@ -70,6 +70,17 @@ def test_shrink_after_a_rank_died():
     assert all(r["ranks"] == "0,2" and r["alive"] == "0,2" for r in res.values()), res
 
 
+def test_shrink_with_nobody_dead_raises_torchs_type():
+    """2 ranks, nobody dies: r2comm.torch.shrink() revokes the group, agrees on an empty set
+    of failed ranks and raises R2commError as torch's DistBackendError on both ranks."""
+    rc, out = _run([WORKER, "2", "", "40"], 60)
+    assert rc == 0 and "CODES 0 0" in out, out[-4000:]
+    res = _results(out)
+    assert sorted(res) == [0, 1], out[-4000:]
+    for r in res.values():
+        assert r == {"error": "R2commError:True:no_rank_failed", "revoked": "True"}, r
+
+
 @pytest.mark.slow
 def test_shrink_twice():
     """4 ranks: rank 2 dies, the survivors shrink to 3; then the new rank 2 (the first rank 3)

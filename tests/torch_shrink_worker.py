@@ -3,9 +3,10 @@ script (not torchrun, whose agent kills the survivors), meeting through a TCPSto
 hosts. For each victim in turn (a rank of the current group), the victim SIGKILLs itself; the
 others get torch's error type from their next all_reduce, shrink the default group and go on
 on the new one. At the end the survivors all_reduce exactly on it, a call on the first group
-raises torch's error type, and each prints a RESULT line.
+raises torch's error type, and each prints a RESULT line. With no victims, shrink() raises
+torch's error type (nobody failed).
 
-    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S    # e.g. 3 1 90, or 4 2,2 120
+    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S    # e.g. 3 1 90, 4 2,2 120, 2 "" 60
 """
 import datetime
 import os
@@ -26,6 +27,17 @@ def rank_main(rank, size, victims, port):
     dist.init_process_group("r2comm", store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=30))
     first_group = pg = dist.group.WORLD
+    if not victims:                             # nobody died: shrink raises torch's type
+        try:
+            r2comm.torch.shrink()
+            print(f"RESULT {rank} FAIL: shrink with nobody failed returned", flush=True)
+        except dist.DistError as exc:
+            print(f"RESULT {rank} error={type(exc).__name__}:"
+                  f"{isinstance(exc, dist.DistBackendError)}:"
+                  f"{'no_rank_failed' if 'no rank of the group failed' in str(exc) else '?'} "
+                  f"revoked={r2comm.torch.communicator(pg).Is_revoked()}", flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     alive = list(range(size))                  # the original ranks of the current group
     errors, shrinks, kill_to_first = [], [], []
     for round_, victim in enumerate(victims):
