@@ -124,10 +124,10 @@ def rank_main(args):
         hook.new_step(step)
         try:
             loss = train_step(ddp, opt, pg, step)
-        except Exception as exc:              # DistBackendError / DistNetworkError
-            comm = r2comm.torch.communicator(pg)
-            if not (comm.Is_revoked() or comm.Get_failed()):
-                raise                          # not a rank's death
+        except RuntimeError as exc:
+            # a collective failed: R2commNetworkError / R2commRevokedError (torch's
+            # DistNetworkError / DistBackendError), which DDP's backward wraps in a
+            # RuntimeError. shrink() below raises (DistBackendError) where no rank died.
             print(f"[shrink] rank {pg.rank()}: step {step} failed "
                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:100]})", flush=True)
             failed = True
