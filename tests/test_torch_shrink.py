@@ -33,10 +33,8 @@ def _run(args, timeout):
 def _results(out):
     """{original rank: {field: value}} of the worker's RESULT lines (fields: no spaces)."""
     found = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            _, rank, *fields = line.split(" ")
-            found[int(rank)] = dict(f.split("=", 1) for f in fields)
+    for m in re.finditer(r"^RESULT (\d+) (.*)$", out, re.M):
+        found[int(m.group(1))] = dict(re.findall(r"(\w+)=(\S*)", m.group(2)))
     return found
 
 

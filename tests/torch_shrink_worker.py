@@ -6,7 +6,7 @@ on the new one. At the end the survivors all_reduce exactly on it, a call on the
 raises torch's error type, and each prints a RESULT line. With no victims, shrink() raises
 torch's error type (nobody failed).
 
-    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S    # e.g. 3 1 90, 4 2,2 120, 2 "" 60
+    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S   # 3 1 90; 4 2,2 120; 2 "" 60
 """
 import datetime
 import os
@@ -14,6 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+
+
+def say(line):
+    """One line in one write (atomic on a pipe): the ranks share the launcher's stdout."""
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 def rank_main(rank, size, victims, port):
@@ -30,12 +36,12 @@ def rank_main(rank, size, victims, port):
     if not victims:                             # nobody died: shrink raises torch's type
         try:
             r2comm.torch.shrink()
-            print(f"RESULT {rank} FAIL: shrink with nobody failed returned", flush=True)
+            say(f"RESULT {rank} FAIL: shrink with nobody failed returned")
         except dist.DistError as exc:
-            print(f"RESULT {rank} error={type(exc).__name__}:"
+            say(f"RESULT {rank} error={type(exc).__name__}:"
                   f"{isinstance(exc, dist.DistBackendError)}:"
                   f"{'no_rank_failed' if 'no rank of the group failed' in str(exc) else '?'} "
-                  f"revoked={r2comm.torch.communicator(pg).Is_revoked()}", flush=True)
+                  f"revoked={r2comm.torch.communicator(pg).Is_revoked()}")
         sys.stdout.flush()
         os._exit(0)
     alive = list(range(size))                  # the original ranks of the current group
@@ -49,12 +55,13 @@ def rank_main(rank, size, victims, port):
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             dist.all_reduce(torch.ones(8), group=pg)
-            print(f"RESULT {rank} FAIL: all_reduce after the death returned", flush=True)
+            say(f"RESULT {rank} FAIL: all_reduce after the death returned")
             return 1
         except dist.DistError as exc:
-            errors.append(f"{type(exc).__name__}:"
-                          f"{'DistNetworkError' if isinstance(exc, dist.DistNetworkError) else 'DistBackendError' if isinstance(exc, dist.DistBackendError) else '?'}:"
-                          f"{isinstance(exc, (r2comm.R2commNetworkError, r2comm.R2commRevokedError))}")
+            kind = ("DistNetworkError" if isinstance(exc, dist.DistNetworkError) else
+                    "DistBackendError" if isinstance(exc, dist.DistBackendError) else "?")
+            ours = isinstance(exc, (r2comm.R2commNetworkError, r2comm.R2commRevokedError))
+            errors.append(f"{type(exc).__name__}:{kind}:{ours}")
         t0 = time.monotonic()
         pg = r2comm.torch.shrink()
         shrinks.append(time.monotonic() - t0)
@@ -75,14 +82,14 @@ def rank_main(rank, size, victims, port):
     except dist.DistError as exc:
         old_err = type(exc).__name__ + ("/DistBackendError"
                                         if isinstance(exc, dist.DistBackendError) else "")
-    print(f"RESULT {rank} errors={','.join(errors)} size={pg.size()} rank={pg.rank()} "
+    say(f"RESULT {rank} errors={','.join(errors)} size={pg.size()} rank={pg.rank()} "
           f"want_rank={alive.index(rank)} world={dist.get_world_size()} "
           f"get_rank={dist.get_rank(pg)} "
           f"ranks={','.join(map(str, dist.get_process_group_ranks(pg)))} "
           f"alive={','.join(map(str, alive))} exact={torch.equal(x, want)} "
           f"default={y.tolist() == [float(sum(a + 1 for a in alive))] * 4} old_error={old_err} "
           f"shrink_s={','.join(f'{s:.3f}' for s in shrinks)} "
-          f"kill_to_first_s={','.join(f'{s:.3f}' for s in kill_to_first)}", flush=True)
+          f"kill_to_first_s={','.join(f'{s:.3f}' for s in kill_to_first)}")
     dist.destroy_process_group()
     sys.stdout.flush()
     # no exit handlers: the world's close drains the sends to the dead ranks up to 10 s
