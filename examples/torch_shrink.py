@@ -28,6 +28,12 @@ import time
 DIM, HIDDEN, BATCH = 32, 64, 16
 
 
+def say(line):
+    """Print one line in one write: the ranks share the launcher's stdout."""
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
+
+
 # -- one rank ------------------------------------------------------------------------------------
 def batch(step, rank):
     import torch
@@ -65,8 +71,8 @@ class Hook:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         if self.step == self.kill_step and self.calls == min(1, self.per_step - 1):
             self.store.set("killed_at", repr(time.time()))
-            print(f"[shrink] rank {self.pg.rank()}: SIGKILL in step {self.step}'s backward "
-                  f"(gradient bucket {self.calls})", flush=True)
+            say(f"[shrink] rank {self.pg.rank()}: SIGKILL in step {self.step}'s backward "
+                f"(gradient bucket {self.calls})")
             os.kill(os.getpid(), signal.SIGKILL)
         self.calls += 1
         return default_hooks.allreduce_hook(self.pg, bucket)
@@ -128,8 +134,8 @@ def rank_main(args):
             # a collective failed: R2commNetworkError / R2commRevokedError (torch's
             # DistNetworkError / DistBackendError), which DDP's backward wraps in a
             # RuntimeError. shrink() below raises (DistBackendError) where no rank died.
-            print(f"[shrink] rank {pg.rank()}: step {step} failed "
-                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:100]})", flush=True)
+            say(f"[shrink] rank {pg.rank()}: step {step} failed "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
             failed = True
         else:
             failed = False
@@ -139,19 +145,18 @@ def rank_main(args):
             old_rank = pg.rank()
             pg = r2comm.torch.shrink(pg)
             shrink_s = time.monotonic() - t0
-            print(f"[shrink] rank {old_rank} -> {pg.rank()} of {pg.size()}: shrunk in "
-                  f"{shrink_s * 1e3:.0f} ms (world ranks left: {dist.get_process_group_ranks(pg)})",
-                  flush=True)
+            say(f"[shrink] rank {old_rank} -> {pg.rank()} of {pg.size()}: shrunk in "
+                f"{shrink_s * 1e3:.0f} ms (world ranks left: {dist.get_process_group_ranks(pg)})")
             ddp = wrap(model, pg, hook)
             first_after = step
             continue                           # redo the interrupted step
         if pg.rank() == 0:
             losses[step] = (pg.size(), loss.hex())
-            print(f"[shrink] step {step:3d}  world {pg.size()}  loss {loss:.6f}", flush=True)
+            say(f"[shrink] step {step:3d}  world {pg.size()}  loss {loss:.6f}")
             if step == first_after:
                 killed_at = float(store.get("killed_at").decode())
-                print(f"[shrink] kill -> step {step} done on the shrunk group: "
-                      f"{time.time() - killed_at:.3f} s", flush=True)
+                say(f"[shrink] kill -> step {step} done on the shrunk group: "
+                    f"{time.time() - killed_at:.3f} s")
         step += 1
     if pg.rank() == 0:
         if args.save:
@@ -227,46 +232,45 @@ def main():
     common = ["--steps", str(args.steps), "--victim", str(v)]
     with tempfile.TemporaryDirectory(prefix="r2comm-shrink-") as tmp:
         out = {name: os.path.join(tmp, name + ".json") for name in ("fail", "ref1", "ref2")}
-        print(f"[shrink] run 1: {n} ranks, rank {v} dies in step {k}; the survivors shrink "
-              f"to {n - 1} and go on", flush=True)
+        say(f"[shrink] run 1: {n} ranks, rank {v} dies in step {k}; the survivors shrink "
+            f"to {n - 1} and go on")
         t0 = time.monotonic()
         codes = launch(n, common + ["--kill-step", str(k), "--out", out["fail"]], deadline)
         fail_s = time.monotonic() - t0
         want = [0] * n
         want[v] = -signal.SIGKILL
         if codes != want:
-            print(f"[shrink] run 1: exit codes {codes}, expected {want}", flush=True)
+            say(f"[shrink] run 1: exit codes {codes}, expected {want}")
             return 1
-        print(f"[shrink] reference: {n} ranks for steps 0..{k - 1}, then a fresh {n - 1}-rank "
-              f"job from rank 0's saved state, no failure", flush=True)
+        say(f"[shrink] reference: {n} ranks for steps 0..{k - 1}, then a fresh {n - 1}-rank "
+            f"job from rank 0's saved state, no failure")
         state = os.path.join(tmp, "state.pt")
         codes = launch(n, common + ["--kill-step", "-1", "--last", str(k), "--save", state,
                                     "--out", out["ref1"]], deadline)
         if codes != [0] * n:
-            print(f"[shrink] reference part 1: exit codes {codes}", flush=True)
+            say(f"[shrink] reference part 1: exit codes {codes}")
             return 1
         codes = launch(n - 1, common + ["--kill-step", "-1", "--first", str(k), "--load",
                                         state, "--out", out["ref2"]], deadline)
         if codes != [0] * (n - 1):
-            print(f"[shrink] reference part 2: exit codes {codes}", flush=True)
+            say(f"[shrink] reference part 2: exit codes {codes}")
             return 1
         got, got_digest = _read(out["fail"])
         (ref1, _), (ref2, ref_digest) = _read(out["ref1"]), _read(out["ref2"])
         ref = {**ref1, **ref2}
-    print(f"[shrink] run 1 took {fail_s:.1f} s", flush=True)
-    print("[shrink] step  world  run 1 loss           reference loss", flush=True)
+    say(f"[shrink] run 1 took {fail_s:.1f} s")
+    say("[shrink] step  world  run 1 loss           reference loss")
     for s in range(args.steps):
         a, b = got.get(s), ref.get(s)
         mark = "" if a == b else "   <- DIFFERENT"
         show = lambda e: f"{e[0]}  {float.fromhex(e[1]):.10f}" if e else "-"   # noqa: E731
-        print(f"[shrink] {s:4d}  {show(a):>20}  {show(b)[3:] if b else '-':>14}{mark}",
-              flush=True)
+        say(f"[shrink] {s:4d}  {show(a):>20}  {show(b)[3:] if b else '-':>14}{mark}")
     same = got == ref and len(got) == args.steps and all(got[s][0] == (n if s < k else n - 1)
                                                          for s in range(args.steps))
-    print(f"[shrink] final model and optimiser state: run 1 {got_digest}, reference "
-          f"{ref_digest}", flush=True)
-    print(f"[shrink] losses after the shrink equal the reference's bit for bit: {same}; "
-          f"same final state: {got_digest == ref_digest}", flush=True)
+    say(f"[shrink] final model and optimiser state: run 1 {got_digest}, reference "
+        f"{ref_digest}")
+    say(f"[shrink] losses after the shrink equal the reference's bit for bit: {same}; "
+        f"same final state: {got_digest == ref_digest}")
     return 0 if same and got_digest == ref_digest else 1
 
 
