@@ -8,9 +8,10 @@ The ranks bootstrap through the process group's store (torchrun's TCPStore, or a
 to init_process_group): Communicator.from_store, no MPI. Everything after that runs on r2comm's
 own connections (every rail to every peer, failover included). The group is a c10d Backend in
 C++ (_backend.cpp, built against the installed torch: native.py); backend.py makes it, pyops.py
-holds the collectives it hands to Python. communicator(group) is a group's Communicator."""
-from .backend import BACKEND_NAME, communicator, native_backend, register
+holds the collectives it hands to Python. communicator(group) is a group's Communicator;
+shrink(group) the survivors' group after a rank died (recover.py)."""
+from .backend import BACKEND_NAME, communicator, native_backend, register, shrink
 
-__all__ = ["BACKEND_NAME", "communicator", "native_backend", "register"]
+__all__ = ["BACKEND_NAME", "communicator", "native_backend", "register", "shrink"]
 
 register()

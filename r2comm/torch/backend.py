@@ -15,7 +15,8 @@ same engine and connections: a child communicator whose id its members agree on 
 sub-group's store; its operations time out after the sub-group's own timeout (R2COMM_TIMEOUT,
 when set, bounds every group's). A group whose ranks are not all in the world (the default group
 is another backend) gets a world of its own. shrink_group makes a communicator over the
-remaining ranks the same way, over the shrunk group's store."""
+remaining ranks the same way, over the shrunk group's store; once the group's Communicator was
+revoked (a rank died: recover.py) it is the survivors' Communicator.Shrink() instead."""
 import datetime
 import os
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from ..control.bootstrap_store import StoreComm
 from ..communicator import Communicator
 from ..world import engine_module
-from . import native, pyops
+from . import native, pyops, recover
 
 BACKEND_NAME = "r2comm"
 
@@ -72,17 +73,22 @@ def _communicator(store, rank, size, secs, granks):
     return comm
 
 
-def _backend(comm, store, rank, size, secs, name):
-    """The native Backend of a group on Communicator `comm`."""
+def _backend(comm, store, rank, size, secs, name, xchg=None):
+    """The native Backend of a group on Communicator `comm` (`xchg`: its point-to-point
+    twin where comm.Dup() cannot make one, a communicator made by Shrink)."""
     mod = native.module()
     mod.set_errors(pyops.engine_error)
     pyops.set_gpu_reduce(comm.channel.config.gpu_reduce)
     made = []
 
     def remake(excluded):
-        """shrink_group: a Backend of this group without ranks `excluded`."""
+        """shrink_group: a Backend of this group without ranks `excluded`; after a rank died
+        (the group's Communicator revoked) the survivors' (recover.survivors)."""
         keep = [r for r in range(size) if r not in set(excluded)]
         me = keep.index(rank)
+        if comm.Is_revoked():
+            new, twin = recover.survivors(comm, excluded)
+            return _backend(new, store, new.rank, new.size, secs, None, twin)
         sc = StoreComm(store, me, len(keep), f"r2comm-shrink-{len(made)}", secs or 300.0)
         made.append(1)
         members = [comm.channel.world_rank(r) for r in keep]
@@ -94,7 +100,7 @@ def _backend(comm, store, rank, size, secs, name):
         if name is not None and _groups.get(name, (None,))[0] is comm:
             del _groups[name]
 
-    ops = pyops.Ops(comm, rank, size, remake, forget)
+    ops = pyops.Ops(comm, rank, size, remake, forget, xchg)
     backend = mod.R2commBackend(rank, size, comm.channel, ops, comm.channel.engine,
                                 engine_module().c_api())
     if name is not None:
@@ -121,7 +127,7 @@ def _entry(group):
     except (RuntimeError, ValueError, AttributeError):
         backend = None
     if mod is not None and isinstance(backend, mod.R2commBackend):
-        return backend.comm, backend
+        return backend.ops.comm, backend          # (backend.comm is its Channel)
     raise ValueError(f"process group {pg.group_name!r} is not an r2comm group")
 
 
@@ -135,6 +141,13 @@ def native_backend(group=None):
     """The c10d Backend object of r2comm group `group` (default: the default group):
     .comm, .pending_works (operations in flight)."""
     return _entry(group)[1]
+
+
+def shrink(group=None):
+    """The survivors' ProcessGroup of r2comm group `group` (default: the default group, which
+    torch then replaces) after a rank of it died (recover.shrink): every survivor calls it and
+    goes on with the group it returns (ranks 0..k-1 in the old order)."""
+    return recover.shrink(communicator(group), group)
 
 
 def register():

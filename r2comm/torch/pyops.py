@@ -215,6 +215,7 @@ def _torch_error(exc):
 
 
 _TORCH_ERRORS = {}
+torch_error = _torch_error      # for the backend's other modules (recover.py)
 
 
 class Work:
@@ -326,13 +327,17 @@ class Ops:
     Communicator `comm` (see the module doc). Each returns a Work at once; argument errors
     raise at the call."""
 
-    def __init__(self, comm, rank, size, remake=None, on_shutdown=None):
+    def __init__(self, comm, rank, size, remake=None, on_shutdown=None, xchg=None):
         if comm.rank != rank or comm.size != size:
             raise R2commError(f"r2comm backend: group rank {rank}/{size} became "
                               f"{comm.rank}/{comm.size}")
         self._comm = comm
-        self._xchg = comm.Dup() if size > 1 else comm    # point to point: uneven all-to-all,
-        self._rank, self._size = rank, size               # gather, scatter, send/recv
+        # point to point (uneven all-to-all, gather, scatter, send/recv): a communicator of
+        # the same ranks with its own sequence, `xchg` where given (a Shrink()'s twin)
+        if xchg is None:
+            xchg = comm.Dup() if size > 1 else comm
+        self._xchg = xchg
+        self._rank, self._size = rank, size
         self._remake = remake        # remake(excluded ranks) -> a backend without them (shrink)
         self._aborted = False
         self._on_shutdown = on_shutdown
@@ -829,7 +834,7 @@ def _torch_errors_at_the_call(fn):
 
 
 # every collective the native backend hands here
-for _name in ("native_cross", "native_plan", "allreduce", "broadcast", "reduce", "allgather", "all_gather_single",
+for _name in ("native_cross", "native_plan", "shrink", "allreduce", "broadcast", "reduce", "allgather", "all_gather_single",
               "reduce_scatter", "reduce_scatter_single", "alltoall", "all_to_all_single", "send",
               "recv", "recv_anysource", "barrier", "gather", "scatter", "allgather_coalesced"):
     setattr(Ops, _name, _torch_errors_at_the_call(getattr(Ops, _name)))
