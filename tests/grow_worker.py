@@ -20,14 +20,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import r2comm  # noqa: E402
 from r2comm.control.bootstrap_store import DirStore  # noqa: E402
-from shrink_worker import held, write  # noqa: E402  (what a rank holds; res.<tag>.json)
+from shrink_worker import failed, held, write  # noqa: E402  (what a rank holds; results)
 
 N = 4096
 
@@ -169,9 +168,7 @@ def main():
             open(os.path.join(d, f"done.{comm.rank}"), "w").close()
             time.sleep(0.02)
     except BaseException:
-        with open(os.path.join(d, f"err.{tag}"), "w") as f:
-            f.write(traceback.format_exc())
-        write(d, tag, res)
+        failed(d, tag, res)
         raise
     os._exit(0)
 

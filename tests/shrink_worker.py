@@ -92,6 +92,13 @@ def write(d, rank, res):
     os.replace(tmp, os.path.join(d, f"res.{rank}.json"))
 
 
+def failed(d, tag, res):
+    """Record a failure: the traceback in DIR/err.<tag>, the results so far."""
+    with open(os.path.join(d, f"err.{tag}"), "w") as f:
+        f.write(traceback.format_exc())
+    write(d, tag, res)
+
+
 def done(d, g):
     try:
         with open(os.path.join(d, f"res.{g}.json")) as f:
@@ -262,9 +269,7 @@ def main():
         while time.monotonic() < until and not all(done(d, g) for g in comm.channel.global_ranks()):
             time.sleep(0.02)
     except BaseException:
-        with open(os.path.join(d, f"err.{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-        write(d, rank, res)
+        failed(d, rank, res)
         raise
     os._exit(0)        # (no Free: the dead ranks' world cannot close collectively)
 
