@@ -191,28 +191,35 @@ def sc_failover(comm, args):
     clean = _round(comm, "fo", cnt)
     count = 0
     for mode in ("hard", "silent"):
-        check(WORLD.allreduce(1 if wait_rails_up(comm, 10.0) else 0, op=MPI.MIN) == 1,
-              "rails up before the fault")
-        before = len(comm.events)
-        if r in hosts[0]:                 # host 0's NIC 1 fails, for both of its ranks
-            comm.fail_rail(1, mode, after_bytes=int(args.get("after", 512 << 10)))
-        got = _round(comm, "fo", cnt)
-        for what, a, b in zip(("allreduce", "allgather", "reduce_scatter_block", "bcast"),
-                              clean, got):
-            check(a == b, f"{mode} failure: {what} bits differ from the fault-free run")
-            count += 1
-        failed = sum(1 for e in comm.events[before:] if e["kind"] == "rail_failed")
-        failed = WORLD.allreduce(failed)
-        # a hard failure is seen at once; a silent one only at the rail deadline (500 ms) if the
-        # rail still holds chunks then, which a short round may not last
-        check(failed > 0 or mode == "silent", f"{mode}: no rail failed")
-        during = WORLD.allreduce(_round.failed_in_allreduce)
-        moved = WORLD.allreduce(_round.moved_in_allreduce)
+        # a try whose fault landed after the allreduce (seen on a loaded machine, about 1 run
+        # in 10, on the tree before issue 43 too) still compares every collective's bits, but
+        # the fault must strike inside the allreduce once: up to TRIES tries
+        for attempt in range(TRIES):
+            check(WORLD.allreduce(1 if wait_rails_up(comm, 10.0) else 0, op=MPI.MIN) == 1,
+                  "rails up before the fault")
+            before = len(comm.events)
+            if r in hosts[0]:                 # host 0's NIC 1 fails, for both of its ranks
+                comm.fail_rail(1, mode, after_bytes=int(args.get("after", 512 << 10)))
+            got = _round(comm, "fo", cnt)
+            for what, a, b in zip(("allreduce", "allgather", "reduce_scatter_block", "bcast"),
+                                  clean, got):
+                check(a == b, f"{mode} failure: {what} bits differ from the fault-free run")
+            failed = sum(1 for e in comm.events[before:] if e["kind"] == "rail_failed")
+            failed = WORLD.allreduce(failed)
+            # a hard failure is seen at once; a silent one only at the rail deadline (500 ms)
+            # if the rail still holds chunks then, which a short round may not last
+            check(failed > 0 or mode == "silent", f"{mode}: no rail failed")
+            during = WORLD.allreduce(_round.failed_in_allreduce)
+            moved = WORLD.allreduce(_round.moved_in_allreduce)
+            if r in hosts[0]:
+                comm.restore_rail(1)
+            if (during > 0 if mode == "hard" else moved > 0):
+                break
+            WORLD.Barrier()
         check(during > 0 if mode == "hard" else moved > 0,
-              f"{mode}: the fault did not strike during the allreduce ({during} failures, "
-              f"{moved} bytes re-sent or hedged)")
-        if r in hosts[0]:
-            comm.restore_rail(1)
+              f"{mode}: the fault did not strike during the allreduce in {TRIES} tries "
+              f"({during} failures, {moved} bytes re-sent or hedged in the last)")
+        count += 4
         if r == 0:
             print(f"FAILOVER {mode}: {failed} rail failures ({during} and {moved} bytes re-sent "
                   "or hedged during the allreduce), results bit-identical", flush=True)
@@ -220,6 +227,8 @@ def sc_failover(comm, args):
     same_everywhere(np.frombuffer(clean[0], np.float32), "allreduce")
     return count
 
+
+TRIES = 3                 # sc_failover: tries for the fault to strike inside the allreduce
 
 SCENARIOS = {"topology": sc_topology, "failover": sc_failover}
 
