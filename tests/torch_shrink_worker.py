@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from proc_jobs import wait_all     # (this folder: bounded waits for a job's processes)
+
 
 def say(line):
     """One line in one write (atomic on a pipe): the ranks share the launcher's stdout."""
@@ -92,7 +94,7 @@ def rank_main(rank, size, victims, port):
           f"kill_to_first_s={','.join(f'{s:.3f}' for s in kill_to_first)}")
     dist.destroy_process_group()
     sys.stdout.flush()
-    # no exit handlers: the world's close drains the sends to the dead ranks up to 10 s
+    # no exit handlers: the world's close is collective and the dead ranks cannot take part
     # (tests/shrink_worker.py ends the same way)
     os._exit(0)
 
@@ -107,14 +109,8 @@ def launch(size, victims, deadline_s):
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r),
                                str(size), ",".join(map(str, victims)), str(store.port)],
                               env=env) for r in range(size)]
-    end = time.monotonic() + deadline_s
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, end - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append(p.wait(timeout=10))
+    wait_all(dict(enumerate(procs)), time.monotonic() + deadline_s)
+    codes = [p.returncode for p in procs]
     print("CODES " + " ".join(str(c) for c in codes), flush=True)
     alive = list(range(size))
     want = [0] * size
