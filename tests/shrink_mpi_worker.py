@@ -39,4 +39,10 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:   # the test shows why a survivor did not finish (DIR/err.<rank>)
+        import traceback
+        with open(os.path.join(sys.argv[1], f"err.{MPI.COMM_WORLD.Get_rank()}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise

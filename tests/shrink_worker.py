@@ -190,6 +190,7 @@ def main():
                 die_after(me["coll"], d, rank)
             t0 = time.time()
             it, until = 0, time.monotonic() + timeout
+            rail_seen, after_rail = False, 0     # calls done after this rank saw its rail fail
             while True:
                 if time.monotonic() > until:
                     raise RuntimeError("no rank died within the timeout")
@@ -200,7 +201,10 @@ def main():
                     rec["message"] = str(exc)[:300]
                     break
                 it += 1
-            rec["calls"] = it
+                if nic and nic[0] == rank:
+                    after_rail += rail_seen
+                    rail_seen = rail_seen or any(e["kind"] == "rail_failed" for e in comm.events)
+            rec["calls"], rec["calls_after_rail"] = it, after_rail
             if "coll" in me:                 # another victim died first: this one's timer
                 time.sleep(5)                # fires soon (while the others recover)
                 raise RuntimeError("a victim outlived its timer")

@@ -367,8 +367,10 @@ def test_nic_failure_and_rank_death_in_one_run(tmp_path):
     assert rec["agree_failed"] == [3] and rec["members"] == [0, 1, 2, 4], rec
     assert {"rail_failed", "nic_down"} <= set(results[0]["events"]), \
         " ".join(results[0]["events"])
-    # the rail failure came first and cost no call: the loop ran on through it
-    assert rec["calls"] > 0 and rec["error"] != "R2commRevokedError", rec
+    # the rail failure came first and cost no call: the loop ran on through it (rank 0 then
+    # learns of the death itself or from a survivor's revocation, whichever comes first)
+    assert rec["calls_after_rail"] > 0, rec
+    assert "rank 3" in rec["message"] or rec["error"] == "R2commRevokedError", rec
 
 
 def test_fifty_shrinks_hold_nothing_more(tmp_path):
@@ -407,11 +409,15 @@ def test_mpich_survivors_live_on_with_disable_auto_cleanup(tmp_path):
     it, mpiexec kills them (README, Failure semantics)."""
     from conftest import run_mpi
     worker = os.path.join(ROOT, "tests", "shrink_mpi_worker.py")
-    run_mpi(4, [worker, str(tmp_path)], timeout=60, expect_ok=False,
-            mpiexec_args=["-disable-auto-cleanup"])
+    rc, out = run_mpi(4, [worker, str(tmp_path)], timeout=60, expect_ok=False,
+                      mpiexec_args=["-disable-auto-cleanup"])
     got = {}
     for r in (0, 1, 3):
-        with open(tmp_path / f"ok.{r}") as f:
-            got[r] = f.read()
+        if not (tmp_path / f"ok.{r}").exists():
+            errs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("err.*")}
+            pytest.fail(f"survivor {r} wrote no ok file (mpiexec rc {rc}); files "
+                        f"{sorted(p.name for p in tmp_path.iterdir())}; errors {errs}; "
+                        f"output:\n{out[-4000:]}")
+        got[r] = (tmp_path / f"ok.{r}").read_text()
     assert got == {0: "0 3 1 [2] 4", 1: "1 3 1 [2] 4", 3: "2 3 1 [2] 4"}, got
     assert not (tmp_path / "ok.2").exists()
