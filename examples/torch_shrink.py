@@ -1,12 +1,17 @@
 """Lose a rank, not the job: DDP training on 4 CPU ranks in which one rank SIGKILLs itself in
 the middle of a step's backward (inside DDP's gradient allreduce), and the 3 survivors revoke,
 agree, shrink (r2comm.torch.shrink), rebuild DDP on the new group, redo the interrupted step and
-train on to the end. A reference then replays the same world sizes with no failure (4 ranks up
-to the step of the kill; rank 0 saves the model and optimiser state there; a fresh 3-rank job
-loads it and runs the rest) and the losses are compared bit for bit.
+train on. The launcher restarts the killed rank; the new process joins (r2comm.torch.join) as
+the survivors grow the group back to 4 (r2comm.torch.grow) at the first step where it is ready
+(waiting for it at step --regrow-by at the latest), receives the model and optimiser state from
+rank 0, and the 4 train on to the end. A reference then replays the same world sizes with no
+failure (4 ranks up to the kill's step; rank 0 saves the model and optimiser state there; a
+fresh 3-rank job loads it and runs to the growth's step and saves; a fresh 4-rank job loads
+that and runs the rest) and the losses are compared bit for bit.
 
     python examples/torch_shrink.py                    # both runs, compared (exit 1 if unequal)
-    python examples/torch_shrink.py --steps 12 --kill-step 5 --victim 1
+    python examples/torch_shrink.py --steps 12 --kill-step 5 --victim 1 --regrow-by 8
+    python examples/torch_shrink.py --regrow-by -1     # shrink only: the 3 go on to the end
 
 Not torchrun: its elastic agent stops every worker when one dies. The launcher here starts the
 ranks as subprocesses and hosts the TCPStore they meet through (so the store outlives any rank),
@@ -105,6 +110,37 @@ def train_step(ddp, opt, pg, step):
     return (mean / pg.size()).item()
 
 
+GROW_PREFIX = "grow-1"        # names the growth on the store (a fresh prefix per growth)
+
+
+def share_state(model, opt, pg):
+    """Rank 0's model and optimiser state (SGD's momentum buffers) to every rank of pg: a
+    broadcast per tensor, in place."""
+    import torch
+    import torch.distributed as dist
+    for t in model.state_dict().values():
+        dist.broadcast(t, 0, group=pg)
+    for p in model.parameters():
+        buf = opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+        dist.broadcast(buf, 0, group=pg)
+
+
+def grow_now(pg, store, step, args):
+    """Whether the survivors grow back before step `step`: the replacement is ready (rank 0
+    looks at the store; at step --regrow-by it waits for it), told to all by a broadcast."""
+    import torch
+    import torch.distributed as dist
+    if args.regrow_by < 0 or pg.size() == args.world:
+        return False
+    flag = torch.zeros(1, dtype=torch.int32)
+    if pg.rank() == 0:
+        if step >= args.regrow_by:
+            store.wait(["rejoin_ready"], datetime.timedelta(seconds=60))
+        flag[0] = int(store.check(["rejoin_ready"]))
+    dist.broadcast(flag, 0, group=pg)
+    return bool(flag.item())
+
+
 def rank_main(args):
     import torch
     import torch.distributed as dist
@@ -114,10 +150,21 @@ def rank_main(args):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False,
                           timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("r2comm", store=store, rank=args.rank, world_size=args.world,
-                            timeout=datetime.timedelta(seconds=30))
-    pg = dist.group.WORLD
     model, opt = model_and_optimiser()
+    if args.join:
+        # the restarted rank: tell the survivors, join their growth, take rank 0's state
+        store.set("rejoin_ready", repr(time.time()))
+        pg = r2comm.torch.join(store, prefix=GROW_PREFIX, timeout=30, store_timeout=120)
+        first = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(first, 0, group=pg)
+        share_state(model, opt, pg)
+        say(f"[shrink] the replacement joined as rank {pg.rank()} of {pg.size()}, state "
+            f"received; it trains from step {first.item()}")
+        args.first = int(first.item())
+    else:
+        dist.init_process_group("r2comm", store=store, rank=args.rank, world_size=args.world,
+                                timeout=datetime.timedelta(seconds=30))
+        pg = dist.group.WORLD
     if args.load:
         state = torch.load(args.load)
         model.load_state_dict(state["model"])
@@ -127,6 +174,19 @@ def rank_main(args):
     ddp = wrap(model, pg, hook)
     losses, step, first_after = {}, args.first, None
     while step < args.last:
+        if grow_now(pg, store, step, args):
+            del ddp
+            t0 = time.monotonic()
+            pg = r2comm.torch.grow(store, 1, prefix=GROW_PREFIX, store_timeout=120)
+            grown_s = time.monotonic() - t0
+            dist.broadcast(torch.tensor([step], dtype=torch.int64), 0, group=pg)
+            share_state(model, opt, pg)
+            if pg.rank() == 0:
+                ready = float(store.get("rejoin_ready").decode())
+                say(f"[shrink] grown back to {pg.size()} before step {step}: grow {grown_s:.3f} "
+                    f"s, with the state {time.monotonic() - t0:.3f} s ({time.time() - ready:.3f}"
+                    f" s after the replacement was ready)")
+            ddp = wrap(model, pg, hook)
         hook.new_step(step)
         try:
             loss = train_step(ddp, opt, pg, step)
@@ -171,17 +231,20 @@ def rank_main(args):
         with open(args.out, "w") as f:
             json.dump(losses, f)
     dist.destroy_process_group()
-    if not args.load and args.kill_step >= 0:
-        # a survivor: skip the exit handlers, whose close of the r2comm world waits up to 10 s
-        # for the sends to the dead rank to drain (README, Limits)
+    if args.kill_step >= 0 and pg.size() < args.world:
+        # a survivor that did not grow back: skip the exit handlers, whose close of the r2comm
+        # world (it holds the dead rank) waits up to 10 s for the sends to it to drain (README,
+        # Limits); grow() freed that world otherwise
         sys.stdout.flush()
         os._exit(0)
     return 0
 
 
 # -- the launcher --------------------------------------------------------------------------------
-def launch(world, extra, deadline):
-    """Start `world` ranks of this script (a TCPStore hosted here); their exit codes."""
+def launch(world, extra, deadline, restart=None):
+    """Start `world` ranks of this script (a TCPStore hosted here); their exit codes. With
+    `restart` (a rank), a replacement (--join) is started once that rank is gone; its exit
+    code comes last."""
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
@@ -191,6 +254,12 @@ def launch(world, extra, deadline):
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r),
                                "--world", str(world), "--port", str(store.port), *extra],
                               env=env) for r in range(world)]
+    if restart is not None:
+        while procs[restart].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--join",
+                                       "--world", str(world), "--port", str(store.port),
+                                       *extra], env=env))
     codes = []
     for p in procs:
         try:
@@ -207,9 +276,12 @@ def main():
     ap.add_argument("--kill-step", type=int, default=5)
     ap.add_argument("--victim", type=int, default=1)
     ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--regrow-by", type=int, default=8,
+                    help="the step by which the survivors grow back (-1: they do not)")
     ap.add_argument("--timeout", type=float, default=240.0, help="the whole example's bound (s)")
     # a rank's own arguments (the launcher passes them)
     ap.add_argument("--rank", type=int, default=None)
+    ap.add_argument("--join", action="store_true")
     ap.add_argument("--world", type=int)
     ap.add_argument("--port", type=int)
     ap.add_argument("--first", type=int, default=0)
@@ -218,46 +290,54 @@ def main():
     ap.add_argument("--save")
     ap.add_argument("--out")
     args = ap.parse_args()
-    if args.rank is not None:
+    if args.rank is not None or args.join:
         if args.last is None:
             args.last = args.steps
         return rank_main(args)
 
     deadline = time.monotonic() + args.timeout
-    n, k, v = args.ranks, args.kill_step, args.victim
+    n, k, v, g = args.ranks, args.kill_step, args.victim, args.regrow_by
     if not (0 <= k < args.steps and 0 <= v < n and n >= 2):
         ap.error("need 0 <= kill-step < steps, 0 <= victim < ranks, ranks >= 2")
     if v == 0:
         ap.error("the victim is not rank 0 here (rank 0 prints the losses)")
-    common = ["--steps", str(args.steps), "--victim", str(v)]
+    if g >= 0 and not k < g < args.steps:
+        ap.error("need kill-step < regrow-by < steps (or regrow-by -1)")
+    common = ["--steps", str(args.steps), "--victim", str(v), "--regrow-by", str(g)]
     with tempfile.TemporaryDirectory(prefix="r2comm-shrink-") as tmp:
-        out = {name: os.path.join(tmp, name + ".json") for name in ("fail", "ref1", "ref2")}
+        fail_out = os.path.join(tmp, "fail.json")
         say(f"[shrink] run 1: {n} ranks, rank {v} dies in step {k}; the survivors shrink "
-            f"to {n - 1} and go on")
+            f"to {n - 1} and go on" + ("" if g < 0 else
+                                      f"; a replacement grows them back to {n} "
+                                      f"(by step {g})"))
         t0 = time.monotonic()
-        codes = launch(n, common + ["--kill-step", str(k), "--out", out["fail"]], deadline)
+        codes = launch(n, common + ["--kill-step", str(k), "--out", fail_out], deadline,
+                       restart=None if g < 0 else v)
         fail_s = time.monotonic() - t0
-        want = [0] * n
+        want = [0] * (n if g < 0 else n + 1)
         want[v] = -signal.SIGKILL
         if codes != want:
             say(f"[shrink] run 1: exit codes {codes}, expected {want}")
             return 1
-        say(f"[shrink] reference: {n} ranks for steps 0..{k - 1}, then a fresh {n - 1}-rank "
-            f"job from rank 0's saved state, no failure")
-        state = os.path.join(tmp, "state.pt")
-        codes = launch(n, common + ["--kill-step", "-1", "--last", str(k), "--save", state,
-                                    "--out", out["ref1"]], deadline)
-        if codes != [0] * n:
-            say(f"[shrink] reference part 1: exit codes {codes}")
-            return 1
-        codes = launch(n - 1, common + ["--kill-step", "-1", "--first", str(k), "--load",
-                                        state, "--out", out["ref2"]], deadline)
-        if codes != [0] * (n - 1):
-            say(f"[shrink] reference part 2: exit codes {codes}")
-            return 1
-        got, got_digest = _read(out["fail"])
-        (ref1, _), (ref2, ref_digest) = _read(out["ref1"]), _read(out["ref2"])
-        ref = {**ref1, **ref2}
+        got, got_digest = _read(fail_out)
+        # the reference: the world sizes run 1 had, in parts, each from the last one's state
+        parts = _parts([got[s][0] for s in sorted(got)])
+        say("[shrink] reference, no failure: " + "; ".join(
+            f"{size} ranks for steps {a}..{b - 1}" for size, a, b in parts) +
+            " (each part a fresh job from the last one's saved state)")
+        ref, ref_digest, state = {}, None, None
+        for i, (size, a, b) in enumerate(parts):
+            out, nxt = os.path.join(tmp, f"ref{i}.json"), os.path.join(tmp, f"state{i}.pt")
+            codes = launch(size, common + ["--kill-step", "-1", "--regrow-by", "-1",
+                                           "--first", str(a), "--last", str(b), "--save", nxt,
+                                           "--out", out] + (["--load", state] if state else []),
+                           deadline)
+            if codes != [0] * size:
+                say(f"[shrink] reference part {i + 1}: exit codes {codes}")
+                return 1
+            part, ref_digest = _read(out)
+            ref.update(part)
+            state = nxt
     say(f"[shrink] run 1 took {fail_s:.1f} s")
     say("[shrink] step  world  run 1 loss           reference loss")
     for s in range(args.steps):
@@ -265,13 +345,29 @@ def main():
         mark = "" if a == b else "   <- DIFFERENT"
         show = lambda e: f"{e[0]}  {float.fromhex(e[1]):.10f}" if e else "-"   # noqa: E731
         say(f"[shrink] {s:4d}  {show(a):>20}  {show(b)[3:] if b else '-':>14}{mark}")
-    same = got == ref and len(got) == args.steps and all(got[s][0] == (n if s < k else n - 1)
-                                                         for s in range(args.steps))
+    sizes = [got[s][0] for s in range(args.steps)] if len(got) == args.steps else []
+    grown = [s for s in range(k + 1, args.steps) if sizes and sizes[s] == n]
+    shape = sizes[:k] == [n] * k and (sizes[k:] == [n - 1] * (args.steps - k) if g < 0 else
+                                      grown and grown[0] <= g and
+                                      sizes[k:] == [n - 1] * (grown[0] - k) +
+                                      [n] * (args.steps - grown[0]))
+    same = got == ref and bool(shape)
     say(f"[shrink] final model and optimiser state: run 1 {got_digest}, reference "
         f"{ref_digest}")
     say(f"[shrink] losses after the shrink equal the reference's bit for bit: {same}; "
         f"same final state: {got_digest == ref_digest}")
     return 0 if same and got_digest == ref_digest else 1
+
+
+def _parts(sizes):
+    """[(world size, first step, end step)] of a run whose step s had world size sizes[s]."""
+    parts = []
+    for s, size in enumerate(sizes):
+        if parts and parts[-1][0] == size:
+            parts[-1] = (size, parts[-1][1], s + 1)
+        else:
+            parts.append((size, s, s + 1))
+    return parts
 
 
 def _read(path):

@@ -31,9 +31,20 @@ from .planner.schedule import WORK, SEND
 from .front.pt2pt import PointToPoint
 from .control.startup import quiet_barrier
 from .front.vcoll import VectorCollectives
+from .request import ThreadRequest
 from .world import World, bootstrap_consts, agree_max, engine_module as _engine
 
 __all__ = ["Communicator", "IN_PLACE", "ANY_TAG", "ANY_SOURCE", "PROC_NULL"]
+
+
+class _Unformed:
+    """The channel of a Communicator that Ishrink() returned before its request completed:
+    every use raises."""
+    rank = size = None
+
+    def __getattr__(self, name):
+        raise R2commError("this communicator comes from Ishrink(): Wait() for its request "
+                          "before using it")
 
 
 class Communicator(VectorCollectives, PointToPoint):
@@ -234,8 +245,10 @@ class Communicator(VectorCollectives, PointToPoint):
                     self.Ibarrier().Wait(timeout=min(self.timeout, 10.0))
                 except Exception:        # a dead peer must not keep us from closing
                     pass
+            self._chan.free()            # (its agreement's responder stops before the engine)
             self._world.close()
-        elif self._mpi is not None:
+            return
+        if self._mpi is not None:
             try:
                 self._mpi.Free()
             except Exception:
@@ -674,6 +687,48 @@ class Communicator(VectorCollectives, PointToPoint):
         control/recovery.py); the agreed set of failed ranks is then Get_agreed_failed().
         Collective over the survivors; works on a revoked communicator."""
         return recovery.agree(self._chan, flag)[0]
+
+    def Iagree(self, flag):
+        """Agree() without blocking: `flag` is a writable buffer of one integer (a numpy array,
+        array.array("i", [f]), as mpi4py's Iagree), read now and given the agreed AND when the
+        returned Request completes (its Wait raises what Agree would). The agreement runs on a
+        helper thread; do not call Agree, Shrink or another Iagree on this communicator
+        before it completed."""
+        try:
+            arr = np.asarray(memoryview(flag))
+        except TypeError:
+            arr = None
+        if arr is None or arr.size != 1 or arr.dtype.kind not in "iu" or arr.itemsize > 8 \
+                or not arr.flags.writeable:
+            raise R2commArgumentError(f"Iagree: flag must be a writable buffer of one integer "
+                                      f"(e.g. np.array([1], np.int32)), not {flag!r}")
+        cell = arr.reshape(1).view(np.int64) if arr.dtype == np.uint64 else arr.reshape(1)
+        value = int(cell[0])
+        self._chan.check()
+
+        def run():
+            cell[0] = recovery.agree(self._chan, value)[0]
+        return ThreadRequest(run, self._background_limit(),
+                             f"r2comm-iagree-{self._chan.comm_id}")
+
+    def Ishrink(self):
+        """Shrink() without blocking, as mpi4py's: (the new Communicator, a Request). The new
+        Communicator is usable once the Request completed (before that its rank and size are
+        None and its calls raise R2commError); the Request's Wait raises what Shrink would."""
+        self._chan.check()
+        new = type(self).__new__(type(self))
+        new._attach(self._world, None, _Unformed(), owner=False)
+
+        def run():
+            new._attach(self._world, None, recovery.shrink(self._chan), owner=False)
+        return new, ThreadRequest(run, self._background_limit(),
+                                  f"r2comm-ishrink-{self._chan.comm_id}")
+
+    def _background_limit(self):
+        """How long a Wait on an Iagree/Ishrink request may take: the agreement's own bound
+        (this communicator's timeout) and the Shrink after it, with a margin, so that the
+        agreement's R2commTimeout is the one raised."""
+        return 2 * self.timeout + 5.0
 
     def Get_agreed_failed(self):
         """The failed ranks (sorted) that the last Agree()/Shrink() agreed on, the same on

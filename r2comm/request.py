@@ -4,6 +4,7 @@ several (GroupRequest: Isendrecv), a persistent one (Prequest: Send_init, Recv_i
 mpi4py, a request is true until it completes (Wait or a successful Test; a Prequest until
 Free) and then equals REQUEST_NULL (r2comm's or mpi4py's)."""
 import sys
+import threading
 import time
 import weakref
 
@@ -303,7 +304,9 @@ class Request(BaseRequest):
         self._settle(*self._comm.engine.wait(self._oid, 0.0), limit)
 
     def abort(self, code, message):
-        """End the operation with error `code` here and on its peers (the engine's cancel)."""
+        """End the operation with error `code` here and on its peers (the engine's cancel);
+        R2commClosedError once its communicator was freed."""
+        self._comm.check()
         self._comm.engine.cancel(self._oid, code, message)
 
 
@@ -376,9 +379,29 @@ class LocalRequest(BaseRequest):
             timeout, status = None, timeout
         limit = self._timeout if timeout is None else timeout
         if not self._done:                    # (only another thread can complete it)
-            poll(lambda: True if self._done else None, limit,
-                 "a message to this rank that no receive matched")
+            poll(lambda: True if self._done else None, limit, self._waits_for)
         return self.Test(status)
+
+    _waits_for = "a message to this rank that no receive matched"
+
+
+class ThreadRequest(LocalRequest):
+    """A request that a helper thread of its own completes: `fn()` runs there (Iagree,
+    Ishrink: a control-path call that blocks), and its exception is the request's error."""
+    __slots__ = ()
+    _waits_for = "a fault-tolerant agreement (Iagree / Ishrink)"
+
+    def __init__(self, fn, timeout, name):
+        super().__init__(timeout)
+        threading.Thread(target=self._run, args=(fn,), name=name, daemon=True).start()
+
+    def _run(self, fn):
+        try:
+            fn()
+        except BaseException as exc:          # (raised by Wait/Test in the caller's thread)
+            self.complete(error=exc)
+        else:
+            self.complete()
 
 
 class GroupRequest(BaseRequest):

@@ -11,7 +11,8 @@ and shrunk again, at most RETRIES times. Each rank writes DIR/res.<rank>.json af
 round (atomically) and DIR/err.<rank> with a traceback if it fails.
 
 plan.json: {"timeout": s, "rounds": [{"coll": "allreduce", "victims": [[rank, "coll"|"agree"|
-"shrink", delay], ...]}, ...], "revoke_test": bool, "nic": [rank, bytes], "cycles": K}.
+"shrink", delay], ...]}, ...], "revoke_test": bool, "nic": [rank, bytes], "cycles": K,
+"nonblocking": bool}. nonblocking: the survivors call Iagree and Ishrink (then Wait).
 nic: that rank's rail 0 fails (hard, injected) once it sent that many more bytes (a NIC failure
 in the same run as the deaths). cycles: after the rounds, K shrinks with nobody failing, each
 followed by an exact allreduce and a Free of the communicator before (what a rank holds is
@@ -221,13 +222,22 @@ def main():
             if "agree" in me:
                 die_after(me["agree"], d, rank)
             flag = ~(1 << (rank % 62))
-            rec["flag"] = comm.Agree(flag)
+            if plan.get("nonblocking"):          # Iagree into a buffer, then Wait
+                cell = np.array([flag], np.int64)
+                comm.Iagree(cell).Wait()
+                rec["flag"] = int(cell[0])
+            else:
+                rec["flag"] = comm.Agree(flag)
             rec["agree_failed"] = [comm.channel.global_ranks()[r] for r in comm.Get_agreed_failed()]
             rec["t_agree"] = time.time()
             if "shrink" in me:
                 die_after(me["shrink"], d, rank)
             shrinks = []
-            new = comm.Shrink()
+            if plan.get("nonblocking"):
+                new, req = comm.Ishrink()
+                req.Wait()
+            else:
+                new = comm.Shrink()
             rec["t_shrink"] = time.time()
             for attempt in range(RETRIES + 1):
                 shrinks.append({"id": new.channel.comm_id, "members": new.channel.global_ranks(),

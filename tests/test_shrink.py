@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -371,6 +372,38 @@ def test_nic_failure_and_rank_death_in_one_run(tmp_path):
     # learns of the death itself or from a survivor's revocation, whichever comes first)
     assert rec["calls_after_rail"] > 0, rec
     assert "rank 3" in rec["message"] or rec["error"] == "R2commRevokedError", rec
+
+
+def test_nonblocking_agree_and_shrink(tmp_path):
+    """Iagree and Ishrink (mpi4py's nonblocking forms) on the survivors of three rounds of
+    deaths (inside the collective loop; and one more inside Iagree, then inside Ishrink): the
+    same agreed sets, members and exact results as Agree and Shrink (check_job), the AND
+    written into the Iagree buffer."""
+    n = 8
+    plan = {"timeout": 20, "nonblocking": True,
+            "rounds": [{"coll": "allreduce", "victims": [[2, "coll", 0.2]]},
+                       {"coll": "bcast", "victims": [[4, "coll", 0.1], [5, "agree", 0.01]]},
+                       {"coll": "allreduce", "victims": [[6, "coll", 0.1], [7, "shrink", 0.01]]}]}
+    results, codes = run_job(str(tmp_path), n, plan, 100)
+    check_job(plan, results, codes, n)
+    assert results[0]["rounds"][0]["agree_failed"] == [2], results[0]
+    assert results[0]["rounds"][-1]["members"] == [0, 1, 3], results[0]
+
+
+def test_nonblocking_arguments_and_an_unformed_communicator():
+    """Iagree refuses a flag that is not a writable one-integer buffer, at the call; the
+    Communicator Ishrink returns raises R2commError (not AttributeError) until formed."""
+    from r2comm.communicator import _Unformed
+    import r2comm
+    unformed = _Unformed()
+    assert unformed.rank is None and unformed.size is None
+    with pytest.raises(r2comm.R2commError, match="Wait"):
+        unformed.barrier
+    comm = r2comm.Communicator.__new__(r2comm.Communicator)   # no world needed: checks first
+    for bad in (5, np.array([1, 2], np.int64), np.array([1.0]),
+                np.frombuffer(b"\0" * 8, np.int64)):
+        with pytest.raises(r2comm.R2commArgumentError, match="Iagree"):
+            comm.Iagree(bad)
 
 
 def test_fifty_shrinks_hold_nothing_more(tmp_path):

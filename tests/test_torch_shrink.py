@@ -1,8 +1,8 @@
-"""After a rank died, in torch (issue 44 item 3, the shrink half): r2comm.torch.shrink() in real
-multi-rank jobs whose ranks are SIGKILLed (tests/torch_shrink_worker.py, started by its own
-launcher: torchrun's agent would kill the survivors), and examples/torch_shrink.py (DDP on 4
-ranks, one killed in the backward's allreduce, the survivors shrink, redo the step and match a
-reference run bit for bit)."""
+"""After a rank died, in torch (issue 44 item 3): r2comm.torch.shrink(), grow() and join() in
+real multi-rank jobs whose ranks are SIGKILLed (tests/torch_shrink_worker.py, started by its
+own launcher: torchrun's agent would kill the survivors), and examples/torch_shrink.py (DDP on
+4 ranks, one killed in the backward's allreduce, the survivors shrink and redo the step, a
+replacement grows them back to 4; every loss matches a reference run bit for bit)."""
 import os
 import re
 import subprocess
@@ -79,6 +79,30 @@ def test_shrink_with_nobody_dead_raises_torchs_type():
         assert r == {"error": "R2commError:True:no_rank_failed", "revoked": "True"}, r
 
 
+def test_grow_back_with_a_replacement():
+    """3 ranks, rank 1 SIGKILLed; the survivors shrink, and the launcher starts a replacement
+    that joins (r2comm.torch.join) while they grow the default group back to 3
+    (r2comm.torch.grow): every rank of it has its rank and size, torch's world size and rank,
+    rank 0's state from a broadcast, an exact all_reduce and a working sub-group made after
+    the growth; the old group raises R2commClosedError (its world was freed)."""
+    rc, out = _run([WORKER, "3", "1", "90", "grow"], 120)
+    assert rc == 0, out[-4000:]
+    assert "CODES 0 -9 0 0" in out, out[-4000:]
+    assert not _results(out), out[-4000:]        # the survivors grew instead of ending
+    freed = dict(re.findall(r"^FREED (\d+) (.*)$", out, re.M))
+    assert freed == {"0": "old_world_closed=True old_error=R2commClosedError",
+                     "2": "old_world_closed=True old_error=R2commClosedError"}, out[-4000:]
+    grown = {m.group(1): dict(re.findall(r"(\w+)=(\S*)", m.group(2)))
+             for m in re.finditer(r"^GROWN (\w+) (.*)$", out, re.M)}
+    assert sorted(grown) == ["joiner", "survivor0", "survivor2"], out[-4000:]
+    for tag, want_rank in (("survivor0", 0), ("survivor2", 1), ("joiner", 2)):
+        g = grown[tag]
+        assert g["rank"] == g["get_rank"] == str(want_rank), g
+        assert g["size"] == g["world"] == "3", g
+        assert g["state"] == "True" and g["exact"] == "True", g
+        assert g["sub"] == ("-" if want_rank == 0 else "True"), g
+
+
 @pytest.mark.slow
 def test_shrink_twice():
     """4 ranks: rank 2 dies, the survivors shrink to 3; then the new rank 2 (the first rank 3)
@@ -94,17 +118,25 @@ def test_shrink_twice():
 @pytest.mark.slow
 def test_torch_shrink_example():
     """examples/torch_shrink.py: DDP on 4 ranks, rank 1 SIGKILLed in step 3's backward (inside
-    DDP's allreduce hook); the survivors shrink to 3, redo step 3 and finish; the losses of
-    every step and the final model and optimiser state equal the reference run's (4 ranks, then
-    a fresh 3-rank job from the state saved at the switch) bit for bit. Slow: three jobs
-    (4, 4 and 3 ranks), 25 s on a quiet 2-core machine, 95 s on a loaded one."""
-    rc, out = _run([EXAMPLE, "--steps", "7", "--kill-step", "3", "--timeout", "240"], 270)
+    DDP's allreduce hook); the survivors shrink to 3 and redo step 3; the launcher restarts rank
+    1, which joins as the survivors grow back to 4 by step 5 and receives rank 0's model and
+    optimiser state; the 4 finish. The losses of every step and the final model and optimiser
+    state equal the reference run's (4 ranks, then a fresh 3-rank job, then a fresh 4-rank
+    job, each from the state saved at the switch) bit for bit. Slow: four jobs (5, 4, 3 and 4
+    processes), about 40 s on a quiet 2-core machine, 110 s on a loaded one."""
+    rc, out = _run([EXAMPLE, "--steps", "8", "--kill-step", "3", "--regrow-by", "5",
+                    "--timeout", "240"], 270)
     assert rc == 0, out[-5000:]
     assert "rank 1: SIGKILL in step 3's backward" in out, out[-5000:]
     assert "equal the reference's bit for bit: True; same final state: True" in out, out[-5000:]
+    grown = re.search(r"grown back to 4 before step (\d+): grow ([0-9.]+) s", out)
+    assert grown and 3 < int(grown.group(1)) <= 5, out[-5000:]
+    g = int(grown.group(1))
+    assert f"the replacement joined as rank 3 of 4, state received; it trains from step {g}" \
+        in out, out[-5000:]
     steps = re.findall(r"\[shrink\] +(\d+) +(\d) +([0-9.]+) +([0-9.]+)\s*$", out, re.M)
     assert [(int(s), int(w)) for s, w, _, _ in steps] == \
-        [(s, 4 if s < 3 else 3) for s in range(7)], out[-5000:]
+        [(s, 3 if 3 <= s < g else 4) for s in range(8)], out[-5000:]
     assert all(a == b for _, _, a, b in steps)
     assert re.search(r"kill -> step 3 done on the shrunk group: [0-9.]+ s", out), out[-5000:]
     assert len(re.findall(r"shrunk in \d+ ms", out)) == 3, out[-5000:]

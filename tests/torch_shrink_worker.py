@@ -6,7 +6,13 @@ on the new one. At the end the survivors all_reduce exactly on it, a call on the
 raises torch's error type, and each prints a RESULT line. With no victims, shrink() raises
 torch's error type (nobody failed).
 
-    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S   # 3 1 90; 4 2,2 120; 2 "" 60
+With GROW (one victim), the launcher starts a replacement once the victim is gone; it joins
+(r2comm.torch.join) while the survivors, after their shrink, grow the default group back to
+RANKS (r2comm.torch.grow); then every rank checks a broadcast of rank 0's state, an exact
+all_reduce, a sub-group made after the growth, and prints a GROWN line.
+
+    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S [grow]
+    # 3 1 90; 4 2,2 120; 2 "" 60; 3 1 90 grow
 """
 import datetime
 import os
@@ -24,7 +30,44 @@ def say(line):
     os.write(1, (line + "\n").encode())
 
 
-def rank_main(rank, size, victims, port):
+def after_growth(pg, tag, grow_s):
+    """The checks every rank of the grown default group makes (its GROWN line)."""
+    import torch
+    import torch.distributed as dist
+    me, n = pg.rank(), pg.size()
+    state = torch.arange(1000, dtype=torch.float64) * 7 + 0.5 if me == 0 else \
+        torch.empty(1000, dtype=torch.float64)
+    dist.broadcast(state, 0)                       # a survivor's state reaches the joiner
+    state_ok = torch.equal(state, torch.arange(1000, dtype=torch.float64) * 7 + 0.5)
+    x = torch.arange(1000, dtype=torch.float32) * (me + 1) + 0.25
+    dist.all_reduce(x)
+    want = torch.arange(1000, dtype=torch.float32) * sum(range(1, n + 1)) + 0.25 * n
+    sub = dist.new_group([n - 2, n - 1])           # a sub-group of the grown world
+    sub_ok = "-"
+    if me >= n - 2:
+        t = torch.full((4,), float(me))
+        dist.all_reduce(t, group=sub)
+        sub_ok = str(t.tolist() == [float(2 * n - 3)] * 4)
+    say(f"GROWN {tag} rank={me} size={n} world={dist.get_world_size()} "
+        f"get_rank={dist.get_rank()} state={state_ok} exact={torch.equal(x, want)} "
+        f"sub={sub_ok} grow_s={grow_s:.3f}")
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def join_main(size, port):
+    """The replacement: joins the survivors' growth and checks the grown group."""
+    import torch.distributed as dist
+    import r2comm.torch
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
+                          timeout=datetime.timedelta(seconds=60))
+    t0 = time.monotonic()
+    pg = r2comm.torch.join(store, prefix="grow-0", timeout=30, store_timeout=60)
+    after_growth(pg, "joiner", time.monotonic() - t0)
+
+
+def rank_main(rank, size, victims, port, grow=False):
     import torch
     import torch.distributed as dist
     import r2comm
@@ -84,6 +127,18 @@ def rank_main(rank, size, victims, port):
     except dist.DistError as exc:
         old_err = type(exc).__name__ + ("/DistBackendError"
                                         if isinstance(exc, dist.DistBackendError) else "")
+    if grow:
+        old_world = r2comm.torch.communicator()
+        t0 = time.monotonic()
+        pg = r2comm.torch.grow(store, 1, prefix="grow-0", store_timeout=60)
+        grow_s = time.monotonic() - t0
+        try:
+            first_group.allreduce([torch.ones(4)]).wait()
+            old_err = "none"
+        except dist.DistError as exc:
+            old_err = type(exc).__name__
+        say(f"FREED {rank} old_world_closed={old_world.channel.closed} old_error={old_err}")
+        after_growth(pg, f"survivor{rank}", grow_s)
     say(f"RESULT {rank} errors={','.join(errors)} size={pg.size()} rank={pg.rank()} "
           f"want_rank={alive.index(rank)} world={dist.get_world_size()} "
           f"get_rank={dist.get_rank(pg)} "
@@ -99,21 +154,28 @@ def rank_main(rank, size, victims, port):
     os._exit(0)
 
 
-def launch(size, victims, deadline_s):
-    """Start the ranks; print their exit codes (CODES line); 0 when the victims were killed
-    and the others exited 0."""
+def launch(size, victims, deadline_s, grow=False):
+    """Start the ranks (and, with grow, a replacement once the victim is gone); print their
+    exit codes (CODES line, the replacement's last); 0 when the victims were killed and the
+    others exited 0."""
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     env = dict(os.environ, R2COMM_TIMEOUT=os.environ.get("R2COMM_TIMEOUT", "30"))
+    until = time.monotonic() + deadline_s
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r),
-                               str(size), ",".join(map(str, victims)), str(store.port)],
-                              env=env) for r in range(size)]
-    wait_all(dict(enumerate(procs)), time.monotonic() + deadline_s)
+                               str(size), ",".join(map(str, victims)), str(store.port)]
+                              + (["grow"] if grow else []), env=env) for r in range(size)]
+    if grow:                        # the replacement, once the victim is gone
+        while procs[victims[0]].poll() is None and time.monotonic() < until:
+            time.sleep(0.05)
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--join",
+                                       str(size), str(store.port)], env=env))
+    wait_all(dict(enumerate(procs)), until)
     codes = [p.returncode for p in procs]
     print("CODES " + " ".join(str(c) for c in codes), flush=True)
     alive = list(range(size))
-    want = [0] * size
+    want = [0] * len(procs)
     for v in victims:
         want[alive.pop(v)] = -signal.SIGKILL
     return 0 if codes == want else 1
@@ -126,5 +188,8 @@ def _ranks(text):
 if __name__ == "__main__":
     if sys.argv[1] == "--rank":
         sys.exit(rank_main(int(sys.argv[2]), int(sys.argv[3]), _ranks(sys.argv[4]),
-                           int(sys.argv[5])))
-    sys.exit(launch(int(sys.argv[1]), _ranks(sys.argv[2]), float(sys.argv[3])))
+                           int(sys.argv[5]), sys.argv[6:] == ["grow"]))
+    if sys.argv[1] == "--join":
+        sys.exit(join_main(int(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(launch(int(sys.argv[1]), _ranks(sys.argv[2]), float(sys.argv[3]),
+                    sys.argv[4:] == ["grow"]))

@@ -9,9 +9,11 @@ to init_process_group): Communicator.from_store, no MPI. Everything after that r
 own connections (every rail to every peer, failover included). The group is a c10d Backend in
 C++ (_backend.cpp, built against the installed torch: native.py); backend.py makes it, pyops.py
 holds the collectives it hands to Python. communicator(group) is a group's Communicator;
-shrink(group) the survivors' group after a rank died (recover.py)."""
-from .backend import BACKEND_NAME, communicator, native_backend, register, shrink
+shrink(group) the survivors' group after a rank died (recover.py); grow(store, joiners, prefix=)
+in the survivors and join(store, prefix=) in a replacement make the default group whole again."""
+from .backend import BACKEND_NAME, communicator, grow, join, native_backend, register, shrink
 
-__all__ = ["BACKEND_NAME", "communicator", "native_backend", "register", "shrink"]
+__all__ = ["BACKEND_NAME", "communicator", "grow", "join", "native_backend", "register",
+           "shrink"]
 
 register()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..control.bootstrap_store import StoreComm
 from ..communicator import Communicator
+from ..errors import R2commArgumentError, R2commError
 from ..world import engine_module
 from . import native, pyops, recover
 
@@ -34,6 +35,8 @@ BACKEND_NAME = "r2comm"
 # first), and {torch global rank: its rank in that Communicator}
 _root = {"comm": None, "rank_of": None}
 _groups = {}           # group name -> (its Communicator, its Backend), until its shutdown
+# a grown Communicator that the default group init_process_group is making takes (_adopt)
+_adopting = {"comm": None}
 
 
 def devices():
@@ -57,6 +60,15 @@ def _seconds(timeout):
 def _communicator(store, rank, size, secs, granks):
     """The Communicator of a new group: a child of the world's where all its ranks are in
     it, else a world of its own (the default group's becomes _root)."""
+    adopted = _adopting["comm"]
+    if adopted is not None:           # grow()/join(): the default group on a grown world
+        _adopting["comm"] = None
+        if (adopted.rank, adopted.size) != (rank, size):
+            raise R2commArgumentError(f"r2comm backend: the grown communicator is rank "
+                                      f"{adopted.rank} of {adopted.size}, torch asked for "
+                                      f"{rank} of {size}")
+        _root["comm"], _root["rank_of"] = adopted, {i: i for i in range(size)}
+        return adopted
     world, ranks = _root["comm"], _root["rank_of"]
     usable = (granks and world is not None and not world.channel.closed
               and all(g in ranks for g in granks))
@@ -148,6 +160,72 @@ def shrink(group=None):
     torch then replaces) after a rank of it died (recover.shrink): every survivor calls it and
     goes on with the group it returns (ranks 0..k-1 in the old order)."""
     return recover.shrink(communicator(group), group)
+
+
+def grow(store, joiners, *, prefix, store_timeout=300.0):
+    """The default group of the survivors (this group's ranks first, in their order) and
+    `joiners` new processes, each of which calls join(store, prefix=prefix): every survivor
+    calls it (after shrink(), typically) and goes on with the group it returns, which torch
+    now holds as the default group (dist.get_rank(), dist.all_reduce(t), DDP). The old default
+    group and its r2comm world are destroyed and freed once the new one is formed; until then
+    they keep working, and where the growth fails (a joiner never comes: store_timeout) they
+    are left as they were and torch's error type (DistBackendError) is raised. `prefix` names
+    this growth on `store` (a fresh one every time)."""
+    comm, backend = _entry(None)
+    olds = [comm, backend.ops.pt2pt_comm, _root["comm"]]
+    try:
+        new = comm.Grow(store, joiners, prefix=prefix, store_timeout=store_timeout,
+                        timeout=comm.timeout)
+    except R2commError as exc:
+        _raise_as_torchs(exc)
+    dist.destroy_process_group()
+    group = _adopt(new, store, prefix)
+    freed = []
+    for old in olds:       # the shrunk communicator, its twin, then the world (recover.py)
+        if old is not None and old is not new and all(old is not f for f in freed):
+            old.Free()
+            freed.append(old)
+    return group
+
+
+def join(store, *, prefix, timeout=None, store_timeout=300.0):
+    """In a new process (a replacement of a dead rank, or one more): join the group that the
+    survivors grow with grow(store, joiners, prefix=prefix) and return it, torch's default
+    group here too (init_process_group is not called before). This process gets the next new
+    rank; store_timeout bounds the wait for the survivors; `timeout` (seconds or a timedelta,
+    default R2COMM_TIMEOUT or r2comm's) is the group's."""
+    register()
+    if dist.is_initialized():
+        raise ValueError("r2comm.torch.join: this process already has a default group "
+                         "(join makes it)")
+    secs = None if timeout is None else _seconds(timeout)
+    try:
+        new = Communicator.join(store, prefix=prefix, store_timeout=store_timeout,
+                                **({} if secs is None else {"timeout": secs}))
+    except R2commError as exc:
+        _raise_as_torchs(exc)
+    return _adopt(new, store, prefix)
+
+
+def _raise_as_torchs(exc):
+    """Raise R2commError `exc` as torch's type too (pyops.torch_error)."""
+    new = pyops.torch_error(exc)
+    if new is exc:
+        raise exc
+    raise new from exc
+
+
+def _adopt(comm, store, prefix):
+    """torch's default group on the grown Communicator `comm` (its store: `store` under
+    prefix/torch, for the sub-groups torch makes later)."""
+    _adopting["comm"] = comm
+    try:
+        dist.init_process_group(BACKEND_NAME, store=dist.PrefixStore(f"{prefix}/torch", store),
+                                rank=comm.rank, world_size=comm.size,
+                                timeout=datetime.timedelta(seconds=comm.timeout))
+    finally:
+        _adopting["comm"] = None
+    return dist.group.WORLD
 
 
 def register():

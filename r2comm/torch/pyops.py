@@ -348,6 +348,12 @@ class Ops:
         """The r2comm Communicator of this group (rails, events, fail_rail...)."""
         return self._comm
 
+    @property
+    def pt2pt_comm(self):
+        """The Communicator of the same ranks this group's point-to-point calls run on (the
+        group's own where it has one rank)."""
+        return self._xchg
+
     def rank(self):
         return self._rank
 
