@@ -103,6 +103,21 @@ def test_grow_back_with_a_replacement():
         assert g["sub"] == ("-" if want_rank == 0 else "True"), g
 
 
+def test_grow_with_no_joiner_raises_torchs_type_and_keeps_the_group():
+    """2 ranks grow the default group by one rank that never joins: after store_timeout (2 s)
+    grow raises R2commTimeout as torch's DistBackendError on both, and the default group is
+    the one before, working (an exact all_reduce)."""
+    rc, out = _run([WORKER, "2", "", "60", "nojoiner"], 90)
+    assert rc == 0 and "CODES 0 0" in out, out[-4000:]
+    got = dict(re.findall(r"^NOJOINER (\d+) (.*)$", out, re.M))
+    assert sorted(got) == ["0", "1"], out[-4000:]
+    for line in got.values():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        assert fields["error"] == "R2commTimeout:True", line
+        assert 1.5 < float(fields["waited"]) < 15, line
+        assert fields["works"] == "True" and fields["same_group"] == "True", line
+
+
 @pytest.mark.slow
 def test_shrink_twice():
     """4 ranks: rank 2 dies, the survivors shrink to 3; then the new rank 2 (the first rank 3)

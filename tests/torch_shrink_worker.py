@@ -11,8 +11,11 @@ With GROW (one victim), the launcher starts a replacement once the victim is gon
 RANKS (r2comm.torch.grow); then every rank checks a broadcast of rank 0's state, an exact
 all_reduce, a sub-group made after the growth, and prints a GROWN line.
 
-    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S [grow]
-    # 3 1 90; 4 2,2 120; 2 "" 60; 3 1 90 grow
+With NOJOINER (no victims), every rank grows the default group by one rank that never comes:
+grow raises torch's type after its store_timeout, and the default group works on (NOJOINER line).
+
+    python tests/torch_shrink_worker.py RANKS VICTIMS DEADLINE_S [grow|nojoiner]
+    # 3 1 90; 4 2,2 120; 2 "" 60; 3 1 90 grow; 2 "" 60 nojoiner
 """
 import datetime
 import os
@@ -67,7 +70,7 @@ def join_main(size, port):
     after_growth(pg, "joiner", time.monotonic() - t0)
 
 
-def rank_main(rank, size, victims, port, grow=False):
+def rank_main(rank, size, victims, port, grow=None):
     import torch
     import torch.distributed as dist
     import r2comm
@@ -78,6 +81,22 @@ def rank_main(rank, size, victims, port, grow=False):
     dist.init_process_group("r2comm", store=store, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=30))
     first_group = pg = dist.group.WORLD
+    if grow == "nojoiner":                      # grow with no joiner coming: torch's type,
+        t0 = time.monotonic()                   # and the group works on as before
+        try:
+            r2comm.torch.grow(store, 1, prefix="grow-none", store_timeout=2)
+            err = "none"
+        except dist.DistError as exc:
+            err = f"{type(exc).__name__}:{isinstance(exc, dist.DistBackendError)}"
+        waited = time.monotonic() - t0
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t)
+        say(f"NOJOINER {rank} error={err} waited={waited:.1f} "
+            f"works={t.tolist() == [float(size * (size + 1) // 2)] * 4} "
+            f"same_group={dist.group.WORLD is first_group}")
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
     if not victims:                             # nobody died: shrink raises torch's type
         try:
             r2comm.torch.shrink()
@@ -127,7 +146,7 @@ def rank_main(rank, size, victims, port, grow=False):
     except dist.DistError as exc:
         old_err = type(exc).__name__ + ("/DistBackendError"
                                         if isinstance(exc, dist.DistBackendError) else "")
-    if grow:
+    if grow == "grow":
         old_world = r2comm.torch.communicator()
         t0 = time.monotonic()
         pg = r2comm.torch.grow(store, 1, prefix="grow-0", store_timeout=60)
@@ -154,10 +173,10 @@ def rank_main(rank, size, victims, port, grow=False):
     os._exit(0)
 
 
-def launch(size, victims, deadline_s, grow=False):
-    """Start the ranks (and, with grow, a replacement once the victim is gone); print their
-    exit codes (CODES line, the replacement's last); 0 when the victims were killed and the
-    others exited 0."""
+def launch(size, victims, deadline_s, grow=None):
+    """Start the ranks (and, with grow "grow", a replacement once the victim is gone); print
+    their exit codes (CODES line, the replacement's last); 0 when the victims were killed and
+    the others exited 0."""
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
@@ -165,8 +184,8 @@ def launch(size, victims, deadline_s, grow=False):
     until = time.monotonic() + deadline_s
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", str(r),
                                str(size), ",".join(map(str, victims)), str(store.port)]
-                              + (["grow"] if grow else []), env=env) for r in range(size)]
-    if grow:                        # the replacement, once the victim is gone
+                              + ([grow] if grow else []), env=env) for r in range(size)]
+    if grow == "grow":              # the replacement, once the victim is gone
         while procs[victims[0]].poll() is None and time.monotonic() < until:
             time.sleep(0.05)
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--join",
@@ -188,8 +207,8 @@ def _ranks(text):
 if __name__ == "__main__":
     if sys.argv[1] == "--rank":
         sys.exit(rank_main(int(sys.argv[2]), int(sys.argv[3]), _ranks(sys.argv[4]),
-                           int(sys.argv[5]), sys.argv[6:] == ["grow"]))
+                           int(sys.argv[5]), (sys.argv[6:] or [None])[0]))
     if sys.argv[1] == "--join":
         sys.exit(join_main(int(sys.argv[2]), int(sys.argv[3])))
     sys.exit(launch(int(sys.argv[1]), _ranks(sys.argv[2]), float(sys.argv[3]),
-                    sys.argv[4:] == ["grow"]))
+                    (sys.argv[4:] or [None])[0]))
