@@ -323,7 +323,7 @@ def test_plot_from_json_files(tmp_path):
 
 @needs_mpiexec
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", ["allreduce", "latency"])
+@pytest.mark.parametrize("kind", ["allreduce", pytest.param("latency", marks=pytest.mark.slow)])
 def test_gloo_peer(kind, tmp_path):
     gloo_or_skip()
     out = tmp_path / "gloo.json"
@@ -337,7 +337,10 @@ def test_gloo_peer(kind, tmp_path):
 
 @needs_mpiexec
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", SWEEPS)
+# CI runs the allreduce, latency and bandwidth sweeps; the other collectives' in the slow tier
+# (CI time: the bench's code path is one per kind, tested by the three)
+@pytest.mark.parametrize("kind", [k if k in ("allreduce", "latency", "bw") else
+                                  pytest.param(k, marks=pytest.mark.slow) for k in SWEEPS])
 def test_r2comm_sweep_against_mpi(kind, tmp_path):
     out, png = tmp_path / f"{kind}.json", tmp_path / f"{kind}.png"
     plot = ["--plot", str(png)] if kind == "allreduce" else []     # (one plot: CI time)
@@ -436,7 +439,7 @@ def test_r2comm_gloo_three_way(runs):
 
 @needs_mpiexec
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode", ["hard", "silent"])
+@pytest.mark.parametrize("mode", ["hard", pytest.param("silent", marks=pytest.mark.slow)])
 def test_failover_stream(mode, runs):
     out = failover_run(runs, mode)
     png = out.with_suffix(".png")

@@ -90,6 +90,8 @@ def _report(verdicts):
     return [v for v in verdicts if v[2] is not None]
 
 
+@pytest.mark.slow   # CI time (37 s): pauses on loopback stay in CI (test_liveness's stopped
+#   rank, test_failover's stopped process with a full receive window, test_self_pause)
 def test_paused_rank_is_not_declared_dead(fab, tmp_path):
     """24 short pauses, each rank in turn (the survivor judging a paused peer, and the resumed
     rank judging after its own pause), 16 MiB allreduces and a 200 ms rail deadline: many

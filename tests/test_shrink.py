@@ -423,9 +423,10 @@ def test_fifty_shrinks_hold_nothing_more(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(25))
+@pytest.mark.parametrize("seed", range(35))
 def test_kill_revoke_agree_shrink_sweep(tmp_path, seed):
-    """The larger sweep (-m slow): 25 jobs of 6 to 9 ranks, up to 4 rounds each."""
+    """The larger sweep (-m slow): 35 jobs of 6 to 9 ranks, up to 4 rounds each (with the
+    default tier's, over 100 kill rounds)."""
     rng = random.Random(9000 + seed)
     n = rng.choice([6, 7, 8, 9])
     plan = {"timeout": 20, "revoke_test": seed % 5 == 0,

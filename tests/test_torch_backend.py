@@ -79,12 +79,15 @@ def test_async_any_order_torchrun():
 
 
 @pytest.mark.mpi
+@pytest.mark.slow   # CI time: the same checks under torchrun stay in CI (the launch differs)
 def test_async_any_order_mpiexec(tmp_path):
     count, _ = run_mpiexec(2, "async", tmp_path)
     assert count == 13
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+# (mpiexec in the slow tier for CI time: the MPI bootstrap is in CI through
+#  test_collectives_match_gloo_mpiexec; the errors do not depend on the launcher)
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("mpiexec", marks=pytest.mark.slow)])
 def test_errors_through_work_wait(launcher, tmp_path):
     """Unsupported ops/dtypes: R2commArgumentError at the call; an unanswered receive:
     R2commTimeout from Work.wait(); ranks with different sizes: an r2comm error from wait();
@@ -96,7 +99,8 @@ def test_errors_through_work_wait(launcher, tmp_path):
     assert count == 8, out[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+# (mpiexec in the slow tier for CI time, as test_errors_through_work_wait's)
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("mpiexec", marks=pytest.mark.slow)])
 def test_ddp_matches_gloo(launcher, tmp_path):
     """DDP, a few steps of a tiny MLP in small gradient buckets: parameters equal Gloo's."""
     if launcher == "torchrun":
@@ -210,7 +214,10 @@ def clean_run():
     return out
 
 
-@pytest.mark.parametrize("how", ["R2COMM_FAULT", "fail_rail"])
+# (the R2COMM_FAULT variant in the slow tier for CI time: the injected byte-count fault is in
+#  CI through the engine's own tests, test_failover.py)
+@pytest.mark.parametrize("how", [pytest.param("R2COMM_FAULT", marks=pytest.mark.slow),
+                                 "fail_rail"])
 def test_ddp_losses_bitwise_through_nic_failure(how, clean_run):
     """Two rails; rank 1's rail 0 fails (hard) mid-training: by R2COMM_FAULT (after a byte
     count) or by fail_rail() before step 5 and restore_rail() before step 12. The losses are
