@@ -5,7 +5,8 @@ The ranks meet through a DirStore in DIR/store (no MPI: a survivor must outlive 
 DIR/plan.json (the same for every rank) lists rounds; in each round every rank of the current
 communicator loops the round's collective until it raises (a victim SIGKILLs itself, from a
 thread, `delay` s into the loop: somewhere inside a collective), then every survivor revokes,
-agrees and shrinks; victims marked "agree" or "shrink" die `delay` s after entering that call.
+agrees and shrinks; victims marked "agree" or "shrink" die `delay` s after entering that call
+(or, where the timer comes late, as the Shrink returns).
 A shrunk communicator whose first allreduce fails (a rank died after the agreement) is revoked
 and shrunk again, at most RETRIES times. Each rank writes DIR/res.<rank>.json after every
 round (atomically) and DIR/err.<rank> with a traceback if it fails.
@@ -238,6 +239,10 @@ def main():
                 req.Wait()
             else:
                 new = comm.Shrink()
+            if "agree" in me or "shrink" in me:
+                die_after(0.0, d, rank)          # its timer came late (a loaded machine): it
+                time.sleep(5)                    # dies at the end of the call, as planned, not
+                raise RuntimeError("a victim outlived its SIGKILL")   # in a later one
             rec["t_shrink"] = time.time()
             for attempt in range(RETRIES + 1):
                 shrinks.append({"id": new.channel.comm_id, "members": new.channel.global_ranks(),
