@@ -540,7 +540,8 @@ def test_flood_from_a_peers_own_address_does_not_block_start_up(hellos):
     """Issue 40 item 2: the ranks listen on 127.0.0.9, and another user binds 127.0.0.9 too and
     floods rank 1's listeners from it: 200 idle connections renewed when cut (and HELLOs built
     from the /dev/shm names, never proven). Rank 0's start-up connections to rank 1 come up,
-    and so does each of ten more connections, within 2 s (the flood keeps rank 1's thread
+    and so does each of ten more connections (retried as the links retry), within 2 s (the
+    flood keeps rank 1's thread
     accepting and closing a thousand or more connections a second on this shared 2-core
     machine). Before, a source that was a peer's address was exempt from every cap on sources,
     and those HELLOs counted as valid ones: "Connection reset by peer"."""
@@ -559,13 +560,25 @@ def test_flood_from_a_peers_own_address_does_not_block_start_up(hellos):
         outcome = lk0.establish(3.0)
         took.append(time.monotonic() - t0)
         assert all(why is None for why in outcome.values()), outcome
+        # each dialed as the links dial (start-up and first use retry a refused attempt): its
+        # HELLO takes it out of the flood's reach once read, but on a loaded machine the flood
+        # (same address) can pass it first and it is closed to make room (CI met 1 such
+        # attempt in 10); every connection must still be up within 2 s
+        tries = []
         for k in range(10):
             t0 = time.monotonic()
-            fd, _ = tcp.connect(addr, _port(lk1, 1), addr, lk0.boot.secret, 0, 1,
-                                tcp.CTRL_RAIL, 3.0, 500)
+            for attempt in range(1, 100):
+                try:
+                    fd, _ = tcp.connect(addr, _port(lk1, 1), addr, lk0.boot.secret, 0, 1,
+                                        tcp.CTRL_RAIL, 3.0, 500)
+                    break
+                except tcp.HandshakeError:
+                    if time.monotonic() - t0 > 2.0:
+                        raise
             took.append(time.monotonic() - t0)
+            tries.append(attempt)
             os.close(fd)
-        assert max(took) < 2.0, took
+        assert max(took) < 2.0, (took, tries)
     finally:
         out = flood.communicate("", timeout=20)[0]
         for lk in (lk0, lk1):
