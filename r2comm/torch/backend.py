@@ -177,14 +177,13 @@ def grow(store, joiners, *, prefix, store_timeout=300.0):
         new = comm.Grow(store, joiners, prefix=prefix, store_timeout=store_timeout,
                         timeout=comm.timeout)
     except R2commError as exc:
-        _raise_as_torchs(exc)
+        pyops.raise_as_torchs(exc)
     dist.destroy_process_group()
     group = _adopt(new, store, prefix)
-    freed = []
-    for old in olds:       # the shrunk communicator, its twin, then the world (recover.py)
-        if old is not None and old is not new and all(old is not f for f in freed):
-            old.Free()
-            freed.append(old)
+    # the shrunk communicator, its twin, then the world (each once: a group never shrunk is
+    # its world's communicator)
+    for old in {id(c): c for c in olds if c is not None and c is not new}.values():
+        old.Free()
     return group
 
 
@@ -203,16 +202,8 @@ def join(store, *, prefix, timeout=None, store_timeout=300.0):
         new = Communicator.join(store, prefix=prefix, store_timeout=store_timeout,
                                 **({} if secs is None else {"timeout": secs}))
     except R2commError as exc:
-        _raise_as_torchs(exc)
+        pyops.raise_as_torchs(exc)
     return _adopt(new, store, prefix)
-
-
-def _raise_as_torchs(exc):
-    """Raise R2commError `exc` as torch's type too (pyops.torch_error)."""
-    new = pyops.torch_error(exc)
-    if new is exc:
-        raise exc
-    raise new from exc
 
 
 def _adopt(comm, store, prefix):

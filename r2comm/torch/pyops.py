@@ -215,7 +215,15 @@ def _torch_error(exc):
 
 
 _TORCH_ERRORS = {}
-torch_error = _torch_error      # for the backend's other modules (recover.py)
+
+
+def raise_as_torchs(exc):
+    """Raise R2commError `exc` as torch's type too (_torch_error), chained to it (backend.py's
+    grow/join, recover.py's shrink)."""
+    new = _torch_error(exc)
+    if new is exc:
+        raise exc
+    raise new from exc
 
 
 class Work:

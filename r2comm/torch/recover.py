@@ -23,7 +23,7 @@ DistBackendError, R2commNetworkError ones DistNetworkError)."""
 import torch.distributed as dist
 
 from ..errors import R2commError
-from .pyops import torch_error
+from .pyops import raise_as_torchs
 
 ATTEMPTS = 3      # agreements tried when further ranks die during one
 
@@ -75,7 +75,4 @@ def shrink(comm, group=None):
                 if not isinstance(exc.__cause__, ShrinkRaceError) or attempt + 1 == ATTEMPTS:
                     raise
     except R2commError as exc:
-        new = torch_error(exc)
-        if new is exc:
-            raise
-        raise new from exc
+        raise_as_torchs(exc)
